@@ -1,0 +1,30 @@
+"""promptcache: modular attention reuse (Prompt Cache, Gim et al., MLSys 2024) for transformers LMs.
+
+``from promptcache import PMLError, parse_schema, layout_schema`` needs no torch; ``PromptCache``
+(the engine) is imported lazily on first use.
+"""
+
+from .layout import PromptLayout, SchemaLayout, Span, layout_prompt, layout_schema
+from .pml import PMLError, parse_prompt, parse_schema
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "PMLError", "PromptCache", "PromptLayout", "SchemaLayout", "Span", "layout_prompt", "layout_schema",
+    "parse_prompt", "parse_schema", "print_layout",
+]
+
+
+def print_layout(schema, tokenizer=None) -> None:
+    """Print the layout of a schema (text or path) in one call; defaults to a whitespace tokenizer."""
+    from .tokens import WordTokenizer
+
+    print(layout_schema(schema, tokenizer or WordTokenizer()).table())
+
+
+def __getattr__(name: str):
+    if name == "PromptCache":
+        from .engine import PromptCache
+
+        return PromptCache
+    raise AttributeError(f"module 'promptcache' has no attribute {name!r}")

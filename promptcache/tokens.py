@@ -1,0 +1,146 @@
+"""Tokenizer adapters for the layout: span encoding, BOS, padding and chat-role glue.
+
+Torch-free. The layout accepts anything with ``encode(text) -> list[int]``; ``as_span_tokenizer``
+wraps it. Hugging Face tokenizers get ``HFSpanTokenizer``:
+
+* every span is encoded on its own with ``add_special_tokens=False``;
+* a model that expects BOS (the tokenizer adds it, or its chat template starts with it) gets
+  exactly one BOS token, at position 0, as the first anonymous span of the schema (or of a
+  plain prompt); a chat template's own leading BOS text is removed from its first glue piece;
+* chat roles are rendered with the tokenizer's chat template: a conversation whose contents are
+  sentinels is rendered and split around them, giving the *glue* text before each message's
+  content and after the last one. Tokenizers without a chat template use ``PlainRoles``.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Protocol, Sequence, runtime_checkable
+
+from .pml.errors import PMLError
+
+_SENTINEL = "\ue000PC{}\ue001"
+_SENTINEL_RE = re.compile("\ue000PC(\\d+)\ue001")
+
+
+@runtime_checkable
+class SpanTokenizer(Protocol):
+    bos_ids: tuple[int, ...]
+    pad_id: int
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def render_roles(self, roles: Sequence[str], add_generation_prompt: bool) -> list[str]:
+        """Glue pieces for a conversation: len(roles) + 1 strings; piece i precedes message i's
+        content, the last piece follows the last content (footer + generation prompt)."""
+        ...
+
+
+class PlainRoles:
+    """Documented fallback for tokenizers without a chat template.
+
+    Renders ``System: ...\\nUser: ...\\nAssistant:`` -- each message is ``"{Role}: " + content``,
+    messages are separated by a newline, and the generation prompt is ``"\\nAssistant:"``.
+    """
+
+    @staticmethod
+    def render_roles(roles: Sequence[str], add_generation_prompt: bool) -> list[str]:
+        pieces = [("\n" if i else "") + f"{r.capitalize()}: " for i, r in enumerate(roles)]
+        pieces.append("\nAssistant:" if add_generation_prompt else "")
+        return pieces
+
+
+class GenericSpanTokenizer(PlainRoles):
+    """Anything with ``encode``: no BOS, plain roles, pad from ``pad_token_id`` when present."""
+
+    def __init__(self, tok):
+        self.tok = tok
+        self.bos_ids = tuple(getattr(tok, "bos_ids", ()) or ())
+        self.pad_id = _first_int(tok, ("pad_id", "pad_token_id", "unk_token_id", "eos_token_id"), default=0)
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tok.encode(text))
+
+
+class HFSpanTokenizer:
+    """A Hugging Face tokenizer seen as a span tokenizer (see module docstring)."""
+
+    def __init__(self, tok):
+        self.tok = tok
+        self.pad_id = _first_int(tok, ("pad_token_id", "unk_token_id", "eos_token_id"), default=0)
+        bos = tok.bos_token_id
+        adds_bos = bos is not None and tok("x").input_ids[:1] == [bos]
+        template_bos = bool(tok.bos_token) and bool(getattr(tok, "chat_template", None)) and bool(
+            tok.bos_token in (tok.chat_template or "")[:200]
+        )
+        self.bos_ids = (bos,) if (adds_bos or template_bos) and bos is not None else ()
+        self._cache: dict[tuple, list[str]] = {}
+
+    def encode(self, text: str) -> list[int]:
+        return self.tok.encode(text, add_special_tokens=False) if text else []
+
+    def render_roles(self, roles: Sequence[str], add_generation_prompt: bool) -> list[str]:
+        key = (tuple(roles), add_generation_prompt)
+        if key not in self._cache:
+            self._cache[key] = self._render(list(roles), add_generation_prompt)
+        return list(self._cache[key])
+
+    def _render(self, roles: list[str], add_generation_prompt: bool) -> list[str]:
+        if not getattr(self.tok, "chat_template", None):
+            return PlainRoles.render_roles(roles, add_generation_prompt)
+        if not roles:
+            return [""]
+        messages = [{"role": r, "content": _SENTINEL.format(i)} for i, r in enumerate(roles)]
+        continue_final = roles[-1] == "assistant" and not add_generation_prompt
+        try:
+            text = self.tok.apply_chat_template(
+                messages,
+                tokenize=False,
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final,
+            )
+        except Exception as e:  # templates raise their own errors (e.g. roles must alternate)
+            raise PMLError(f"the tokenizer's chat template cannot render roles {roles}: {e}") from None
+        parts = _SENTINEL_RE.split(text)
+        found = [int(i) for i in parts[1::2]]
+        if found != list(range(len(roles))):
+            raise PMLError(
+                f"the tokenizer's chat template drops or reorders message contents for roles {roles}"
+            )
+        pieces = parts[0::2]
+        if self.bos_ids and self.tok.bos_token and pieces[0].startswith(self.tok.bos_token):
+            pieces[0] = pieces[0][len(self.tok.bos_token) :]
+        return pieces
+
+
+def _first_int(obj, names: Sequence[str], default: int) -> int:
+    for n in names:
+        v = getattr(obj, n, None)
+        if isinstance(v, int):
+            return v
+    return default
+
+
+def as_span_tokenizer(tok) -> SpanTokenizer:
+    if isinstance(tok, (HFSpanTokenizer, GenericSpanTokenizer)):
+        return tok
+    if hasattr(tok, "apply_chat_template") and hasattr(tok, "convert_tokens_to_ids"):
+        return HFSpanTokenizer(tok)
+    if not hasattr(tok, "encode"):
+        raise TypeError(f"a tokenizer needs an encode(text) method, got {type(tok).__name__}")
+    return GenericSpanTokenizer(tok)
+
+
+class WordTokenizer(GenericSpanTokenizer):
+    """A dependency-free tokenizer for inspecting layouts: one token per word or punctuation mark,
+    with ids assigned on first sight. Not for models; it shows positions without a model."""
+
+    _WORD = re.compile(r"\s*\w+|\s*[^\w\s]|\s+")
+
+    def __init__(self):
+        self.vocab: dict[str, int] = {"<pad>": 0}
+        self.bos_ids = ()
+        self.pad_id = 0
+
+    def encode(self, text: str) -> list[int]:
+        return [self.vocab.setdefault(w, len(self.vocab)) for w in self._WORD.findall(text)]
