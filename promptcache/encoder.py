@@ -1,0 +1,156 @@
+"""Encode a schema's modules: every encoding pass of ``SchemaLayout.passes()``, run on the model.
+
+The default pass (every union represented by its scaffold member) runs once, in chunks. Every
+other pass shares a prefix with it (the schema text before the first union it changes); that
+prefix's states are reused, exactly (attention is causal), and only the rest is run:
+  * alone, in place on the default pass's cache (passes sorted by prefix, longest first, so a
+    later pass never reads slots an earlier one overwrote);
+  * or batched with passes that share the prefix and start at the same position (members of one
+    union), right-padded: padding comes after every real token, so causal attention never sees it.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from .cache import SpliceCache
+from .layout import EncodePass, SchemaLayout
+from .models.base import Adapter, KVSpec
+
+log = logging.getLogger(__name__)
+
+Progress = Callable[[int, int], None]  # (tokens done, tokens total)
+
+
+@dataclass
+class _Job:
+    pass_: EncodePass
+    prefix: int  # spans shared with the default sequence
+    prefix_tokens: int
+    ids: list[int]  # the rest of the pass
+    pos: list[int]
+
+
+class SchemaEncoder:
+    def __init__(self, adapter: Adapter, spec: KVSpec, device, forward_lock, chunk: int = 2048,
+                 batch_bytes: int = 256 << 20, pad_id: int = 0):
+        self.adapter, self.spec, self.device, self.lock = adapter, spec, device, forward_lock
+        self.chunk, self.batch_bytes, self.pad_id = chunk, batch_bytes, pad_id
+
+    def encode(self, layout: SchemaLayout, progress: Progress | None = None) -> dict[int, torch.Tensor]:
+        """Stored span index -> key/value states [L, 2, H, n, D] on the engine's device."""
+        spans = layout.spans
+        defaults = {u.index: u.scaffold for u in layout.unions.values()}
+        default_seq = [s.index for s in spans if all(defaults[u] == m for u, m in s.choices)]
+        offsets = _offsets([len(spans[i].token_ids) for i in default_seq])  # token offset per default span
+        jobs, default_targets, need = [], [], 0
+        for p in layout.passes():
+            c = _common_prefix(p.spans, default_seq)
+            need = max(need, c)
+            if c == len(p.spans):
+                default_targets += p.targets
+            else:
+                rest = p.spans[c:]
+                jobs.append(_Job(p, c, offsets[c], _cat(spans, rest, "ids"), _cat(spans, rest, "pos")))
+        ids = _cat(spans, default_seq[:need], "ids")
+        pos = _cat(spans, default_seq[:need], "pos")
+        total = len(ids) + sum(len(j.ids) for j in jobs)
+        done = 0
+
+        def tick(n):
+            nonlocal done
+            done += n
+            if progress:
+                progress(done, total)
+
+        self.adapter.check_limits(max(pos + [q for j in jobs for q in j.pos], default=0), len(ids) + max((len(j.ids) for j in jobs), default=0))
+        out: dict[int, torch.Tensor] = {}
+        cache = SpliceCache(self.spec, len(ids) + max((len(j.ids) for j in jobs), default=0), device=self.device)
+        for a in range(0, len(ids), self.chunk):
+            self._forward([ids[a : a + self.chunk]], [pos[a : a + self.chunk]], cache)
+            tick(len(ids[a : a + self.chunk]))
+        where = {i: offsets[k] for k, i in enumerate(default_seq[:need])}
+        for t in default_targets:
+            out[t] = cache.read(where[t], len(spans[t].token_ids))
+        batched, single = self._group(jobs)
+        for group in batched:
+            self._run_batch(group, cache, spans, out)
+            tick(sum(len(j.ids) for j in group))
+        for job in sorted(single, key=lambda j: -j.prefix):
+            cache.set_length(job.prefix_tokens)
+            self._forward([job.ids], [job.pos], cache)
+            self._collect(job, cache, 0, spans, out)
+            tick(len(job.ids))
+        log.info("encoded schema '%s': %d passes, %d tokens run", layout.name, len(jobs) + 1, total)
+        return out
+
+    def _group(self, jobs: list[_Job]) -> tuple[list[list[_Job]], list[_Job]]:
+        """Batch passes sharing a prefix whose positions run contiguously from one start."""
+        keyed: dict[tuple, list[_Job]] = {}
+        for j in jobs:
+            contiguous = j.pos == list(range(j.pos[0], j.pos[0] + len(j.pos)))
+            keyed.setdefault((j.prefix, j.pos[0]) if contiguous else (id(j),), []).append(j)
+        batched, single = [], []
+        for group in keyed.values():
+            width = self.spec.bytes_per_token * (group[0].prefix_tokens + max(len(j.ids) for j in group))
+            size = max(1, min(len(group), self.batch_bytes // max(width, 1)))
+            for a in range(0, len(group), size):
+                part = group[a : a + size]
+                (batched.append(part) if len(part) > 1 else single.extend(part))
+        return batched, single
+
+    def _run_batch(self, group: list[_Job], base: SpliceCache, spans, out) -> None:
+        p, t = group[0].prefix_tokens, max(len(j.ids) for j in group)
+        cache = SpliceCache(self.spec, p + t, batch=len(group), device=self.device)
+        for row in range(len(group)):
+            cache.buf[:, :, row, :, :p] = base.buf[:, :, 0, :, :p]
+            cache.positions[row, :p] = base.positions[0, :p]
+        cache.set_length(p)
+        start = group[0].pos[0]
+        ids = [j.ids + [self.pad_id] * (t - len(j.ids)) for j in group]
+        pos = [list(range(start, start + t))] * len(group)
+        self._forward(ids, pos, cache)
+        for row, job in enumerate(group):
+            self._collect(job, cache, row, spans, out)
+
+    def _collect(self, job: _Job, cache: SpliceCache, row: int, spans, out) -> None:
+        off = job.prefix_tokens
+        for i in job.pass_.spans[job.prefix :]:
+            n = len(spans[i].token_ids)
+            if i in job.pass_.targets:
+                out[i] = cache.read(off, n, row)
+            off += n
+
+    def _forward(self, ids: list[list[int]], pos: list[list[int]], cache: SpliceCache) -> None:
+        ids_t = torch.tensor(ids, dtype=torch.long, device=self.device)
+        pos_t = torch.tensor(pos, dtype=torch.long, device=self.device)
+        with self.lock:
+            self.adapter.forward(ids_t, pos_t, cache)
+
+
+def _common_prefix(a, b) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def _offsets(lengths: list[int]) -> list[int]:
+    out, acc = [], 0
+    for n in lengths:
+        out.append(acc)
+        acc += n
+    out.append(acc)
+    return out
+
+
+def _cat(spans, indices, what: str) -> list[int]:
+    if what == "ids":
+        return [t for i in indices for t in spans[i].token_ids]
+    return [p for i in indices for p in range(spans[i].start, spans[i].end)]

@@ -1,0 +1,97 @@
+"""Tiny random-weight models of every supported family, and a tokenizer built offline.
+
+Nothing is downloaded: configs come from ``transformers`` classes, the tokenizer is a byte-level
+BPE trained here on a few sentences.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+CORPUS = [
+    "You are a travel planner. Plan a trip of three days to Paris, Tokyo or Rome.",
+    "Paris is the capital of France, famous for museums, cafes and the Eiffel Tower.",
+    "Tokyo is a huge city in Japan with temples, food markets and fast trains.",
+    "Keep it cheap. Highlight the food. Answer in one short paragraph.",
+    "def add(a, b):\n    return a + b\n\nclass Greeter:\n    pass\n",
+    "The quick brown fox jumps over the lazy dog 0 1 2 3 4 5 6 7 8 9.",
+]
+
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}<|end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+
+
+@functools.lru_cache(maxsize=None)
+def make_tokenizer(chat: bool = True, bos: bool = True):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<unk>", "<pad>", "<s>", "</s>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
+    tk = Tokenizer(models.BPE(unk_token="<unk>"))
+    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tk.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=specials,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tk.train_from_iterator(CORPUS * 4, trainer)
+    if bos:
+        from tokenizers import processors
+
+        tk.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", tk.token_to_id("<s>"))])
+    tok = PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="<unk>", pad_token="<pad>", bos_token="<s>",
+                                  eos_token="</s>")
+    if chat:
+        tok.chat_template = CHAT_TEMPLATE
+    return tok
+
+
+VOCAB = 400
+
+
+def _configs():
+    from transformers import (BloomConfig, FalconConfig, GPT2Config, GPTNeoXConfig, LlamaConfig, MistralConfig,
+                              MptConfig, OPTConfig, Phi3Config, Qwen2Config, Qwen3Config)
+
+    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, max_position_embeddings=1024)
+    return {
+        "llama": lambda: LlamaConfig(**common, num_key_value_heads=2),
+        "mistral": lambda: MistralConfig(**common, num_key_value_heads=2, sliding_window=None),
+        "qwen2": lambda: Qwen2Config(**common, num_key_value_heads=2, use_sliding_window=False),
+        "qwen3": lambda: Qwen3Config(**common, num_key_value_heads=2, head_dim=16, use_sliding_window=False),
+        "phi3": lambda: Phi3Config(**common, num_key_value_heads=2, pad_token_id=1),
+        "gpt_neox": lambda: GPTNeoXConfig(**common, rotary_pct=0.25),
+        "falcon_rotary": lambda: FalconConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2,
+                                              num_attention_heads=4, alibi=False, new_decoder_architecture=True,
+                                              num_kv_heads=2, max_position_embeddings=1024),
+        "falcon_alibi": lambda: FalconConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2,
+                                             num_attention_heads=4, alibi=True, multi_query=False,
+                                             new_decoder_architecture=False, parallel_attn=False, bias=True),
+        "bloom": lambda: BloomConfig(vocab_size=VOCAB, hidden_size=64, n_layer=2, n_head=4),
+        "mpt": lambda: MptConfig(vocab_size=VOCAB, d_model=64, n_heads=4, n_layers=2, max_seq_len=1024,
+                                 expansion_ratio=2),
+        "gpt2": lambda: GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=1024),
+        "opt": lambda: OPTConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                 ffn_dim=128, max_position_embeddings=1024, word_embed_proj_dim=64),
+    }
+
+
+FAMILIES = sorted(_configs())
+
+
+@functools.lru_cache(maxsize=None)
+def make_model(family: str, seed: int = 0):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    config = _configs()[family]()
+    config.bos_token_id, config.eos_token_id, config.pad_token_id = 2, 3, 1
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():  # random init is tiny; widen it so logits differ visibly between tokens
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0, 0.2)
+    return model.eval()
