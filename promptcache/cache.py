@@ -103,6 +103,32 @@ class SpliceCache(Cache):
         self.buf[:, :, row, :, off : off + n].copy_(kv, non_blocking=True)
         self.positions[row, off : off + n].copy_(positions, non_blocking=True)
 
+    resident: dict[int, tuple[object, int]] | None = None  # slot offset -> (span key, n), see CachePool
+
+    def resident_match(self, plan: list[tuple[object, int]]) -> int:
+        """How many slots of ``plan`` (spans placed from slot 0 on) are already in place."""
+        res, off, hit = self.resident or {}, 0, 0
+        for key, n in plan:
+            if res.get(off) == (key, n):
+                hit += n
+            off += n
+        return hit
+
+    def place(self, spans: list[tuple[object, torch.Tensor, torch.Tensor]]) -> int:
+        """Put stored spans (key, kv [L, 2, H, n, D], positions [n]) at slots 0.. in order, copying
+        only those not already resident at their slot; set the length. Returns bytes copied."""
+        old, new, off, copied = self.resident or {}, {}, 0, 0
+        for key, kv, pos in spans:
+            n = kv.shape[3]
+            if old.get(off) != (key, n):
+                self.write(off, kv, pos)
+                copied += kv.numel() * kv.element_size()
+            new[off] = (key, n)
+            off += n
+        self.resident = new
+        self.set_length(off)
+        return copied
+
     def read(self, off: int, n: int, row: int = 0) -> torch.Tensor:
         """A copy of slots [off, off + n) of row ``row`` as [L, 2, H, n, D] (contiguous)."""
         return self.buf[:, :, row, :, off : off + n].contiguous()
@@ -116,3 +142,47 @@ class SpliceCache(Cache):
     def key_positions(self, query_length: int) -> torch.Tensor:
         """Positions of every key a forward of ``query_length`` new tokens attends to: [B, kv]."""
         return self.positions[:, : self.length + query_length]
+
+
+class CachePool:
+    """Reusable SpliceCaches for one engine, so assembling a prompt copies only what is not in place.
+
+    Each cache remembers which stored spans sit at which slots (``resident``: offset -> (key, n)).
+    ``acquire`` hands out the free cache whose residents best match the spans about to be
+    assembled; ``SpliceCache.place`` then skips spans already at their slot. Slots past the cached
+    part are overwritten by new and generated tokens, so residents are only kept below it.
+    Thread-safe: a cache is owned by one prompt between acquire and release.
+    """
+
+    def __init__(self, spec: KVSpec, device, max_free: int = 2, pin: bool = False):
+        import threading
+
+        self.spec, self.device, self.max_free, self.pin = spec, device, max_free, pin
+        self._free: list[SpliceCache] = []
+        self._lock = threading.Lock()
+
+    def acquire(self, capacity: int, plan: list[tuple[object, int]]) -> SpliceCache:
+        """A cache with room for ``capacity`` slots; ``plan``: (key, n) of the spans to place."""
+        with self._lock:
+            best, score = None, -1
+            for c in self._free:
+                if c.capacity >= capacity:
+                    s = c.resident_match(plan)
+                    if s > score:
+                        best, score = c, s
+            if best is not None:
+                self._free.remove(best)
+                return best
+        cache = SpliceCache(self.spec, capacity, device=self.device, pin=self.pin)
+        cache.resident = {}
+        return cache
+
+    def release(self, cache: SpliceCache) -> None:
+        with self._lock:
+            self._free.append(cache)
+            while len(self._free) > self.max_free:
+                self._free.pop(0)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._free.clear()

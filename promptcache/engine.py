@@ -28,7 +28,9 @@ from typing import Iterator
 
 import torch
 
-from .cache import SpliceCache
+import itertools
+
+from .cache import CachePool, SpliceCache
 from .encoder import Progress, SchemaEncoder
 from .layout import PromptLayout, SchemaLayout, layout_prompt, layout_schema
 from .models import get_adapter
@@ -60,6 +62,7 @@ class EncodedSchema:
     positions: dict[int, torch.Tensor]
     contexts: dict[int, tuple[int, ...]]  # span -> the spans before it in its encoding pass
     encode_seconds: float = 0.0
+    serial: int = field(default_factory=itertools.count().__next__)  # tells re-added schemas apart
 
     @property
     def name(self) -> str:
@@ -81,8 +84,9 @@ class PrefillResult:
     cached_tokens: int
     new_tokens: int
     exact: bool  # the state equals a plain prefill of the same tokens
+    bytes_copied: int = 0  # stored KV bytes copied to assemble this prompt (0: all already in place)
     layout: PromptLayout | None = None
-    cache: object = field(default=None, repr=False)
+    cache: object = field(default=None, repr=False)  # kept only with prefill(keep_cache=True)
     next_position: int = 0
 
 
@@ -109,6 +113,7 @@ class PromptCache:
         self.device = torch.device(self.config.device) if self.config.device else next(model.parameters()).device
         self._lock = threading.RLock()  # one forward at a time per engine
         self._schemas: dict[str, EncodedSchema] = {}
+        self._pool = CachePool(self.spec, self.device, pin=False)
         self._encoder = SchemaEncoder(self.adapter, self.spec, self.device, self._lock,
                                       self.config.encode_chunk, self.config.encode_batch_bytes, self.tok.pad_id)
         self._eos = eos_ids(model, tokenizer)
@@ -153,12 +158,16 @@ class PromptCache:
         schema = self.schema(tree.schema).layout if tree.schema is not None else None
         return layout_prompt(tree, schema, self.tok)
 
-    def prefill(self, prompt: str | Path | Prompt, reserve: int = 0) -> PrefillResult:
-        """Assemble the prompt's cache and run its new tokens: next-token logits and statistics."""
+    def prefill(self, prompt: str | Path | Prompt, reserve: int = 0, keep_cache: bool = False) -> PrefillResult:
+        """Assemble the prompt's cache and run its new tokens: next-token logits and statistics.
+
+        ``keep_cache=True`` hands the assembled cache to the caller (``result.cache``, with room
+        for ``reserve`` more tokens); call ``release(result)`` when done so it can be reused."""
         t0 = time.perf_counter()
         layout = self.layout(prompt)
         entry = self._schemas[layout.schema.name] if layout.schema is not None else None
         cached = [(entry.kv[s.schema_index], entry.positions[s.schema_index], s.schema_index) for s in layout.cached]
+        serial = entry.serial if entry is not None else -1
         new_ids = [t for s in layout.new for t in s.token_ids]
         new_pos = [p for s in layout.new for p in s.position_ids]
         if not new_ids:  # recompute the last cached token so there are logits to return
@@ -168,20 +177,31 @@ class PromptCache:
             cached[-1] = (kv[:, :, :, :-1], pos[:-1], idx)
         n_cached = sum(kv.shape[3] for kv, _, _ in cached)
         self.adapter.check_limits(max(layout.position_ids), n_cached + len(new_ids) + reserve)
-        cache = SpliceCache(self.spec, n_cached + len(new_ids) + reserve, device=self.device)
-        off = 0
-        for kv, pos, _ in cached:
-            cache.write(off, kv, pos)
-            off += kv.shape[3]
-        cache.set_length(off)
+        place = [((serial, idx), kv, pos) for kv, pos, idx in cached]
+        cache = self._pool.acquire(n_cached + len(new_ids) + reserve, [(k, kv.shape[3]) for k, kv, _ in place])
+        copied = cache.place(place)
         ids = torch.tensor([new_ids], dtype=torch.long, device=self.device)
         pos_t = torch.tensor([new_pos], dtype=torch.long, device=self.device)
-        with self._lock:
-            logits = self.adapter.forward(ids, pos_t, cache)[0]
-        _sync(self.device)
+        try:
+            with self._lock:
+                logits = self.adapter.forward(ids, pos_t, cache)[0]
+            _sync(self.device)
+        except BaseException:
+            self._pool.release(cache)
+            raise
         ttft = time.perf_counter() - t0
         exact = _is_exact(layout, entry, cached)
-        return PrefillResult(logits, ttft, off, len(new_ids), exact, layout, cache, max(layout.position_ids) + 1)
+        if not keep_cache:
+            self._pool.release(cache)
+            cache = None
+        return PrefillResult(logits, ttft, n_cached, len(new_ids), exact, copied, layout, cache,
+                             max(layout.position_ids) + 1)
+
+    def release(self, result: PrefillResult) -> None:
+        """Return a kept cache (``prefill(keep_cache=True)``) for reuse by later prompts."""
+        if isinstance(result.cache, SpliceCache):
+            self._pool.release(result.cache)
+        result.cache = None
 
     def generate(self, prompt, max_new_tokens: int = 64, temperature: float = 0.0, top_p: float = 1.0,
                  top_k: int = 0, stop: list[str] | None = None, seed: int | None = None,
@@ -197,7 +217,7 @@ class PromptCache:
             if stream.stopped:
                 break
         if state is None:
-            state = self._start(prompt, 0, use_cache)
+            state = self.prefill(prompt) if use_cache else self.prefill_baseline(prompt)
         return Generation(stream.text, ids, state.ttft, state.cached_tokens, state.new_tokens, state.exact)
 
     def stream(self, prompt, max_new_tokens: int = 64, temperature: float = 0.0, top_p: float = 1.0,
@@ -221,12 +241,15 @@ class PromptCache:
             return
         sampler = make_sampler(temperature, top_p, top_k, seed)
         state = self._start(prompt, max_new_tokens, use_cache)
-        step = self._stepper(state, use_cache)
-        for tok in decode_loop(state.logits, step, sampler, max_new_tokens, self._eos):
-            yield tok, state
+        try:
+            step = self._stepper(state, use_cache)
+            for tok in decode_loop(state.logits, step, sampler, max_new_tokens, self._eos):
+                yield tok, state
+        finally:
+            self.release(state)
 
     def _start(self, prompt, reserve: int, use_cache: bool) -> PrefillResult:
-        return self.prefill(prompt, reserve) if use_cache else self.prefill_baseline(prompt)
+        return self.prefill(prompt, reserve, keep_cache=True) if use_cache else self.prefill_baseline(prompt)
 
     def _stepper(self, state: PrefillResult, use_cache: bool):
         pos = state.next_position
@@ -255,7 +278,8 @@ class PromptCache:
         logits = out.logits[0, -1]
         _sync(self.device)
         n = ids.shape[1]
-        return PrefillResult(logits, time.perf_counter() - t0, 0, n, True, layout, out.past_key_values, n)
+        return PrefillResult(logits, time.perf_counter() - t0, 0, n, True, layout=layout,
+                             cache=out.past_key_values, next_position=n)
 
 
 def _is_exact(layout: PromptLayout, entry: EncodedSchema | None, cached) -> bool:

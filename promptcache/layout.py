@@ -328,16 +328,23 @@ class _PromptResolver:
             self.resolve(ref.children, path)
 
 
-def layout_prompt(prompt: Prompt | str | Path, schema: SchemaLayout | None, tokenizer) -> PromptLayout:
-    """Lay out a prompt against its schema's layout (None for a plain prompt)."""
+def layout_prompt(
+    prompt: Prompt | str | Path, schema: SchemaLayout | Schema | str | Path | None, tokenizer
+) -> PromptLayout:
+    """Lay out a prompt against its schema's layout (None for a plain prompt). ``schema`` may
+    also be a schema tree, PML text or path; it is then laid out with ``tokenizer``."""
     if not isinstance(prompt, Prompt):
         prompt = parse_prompt(prompt)
     tok = as_span_tokenizer(tokenizer)
+    if schema is not None and not isinstance(schema, SchemaLayout):
+        schema = layout_schema(schema, tok)
     if prompt.schema is not None:
         if schema is None:
-            raise PMLError(f"unknown schema '{prompt.schema}'", prompt.source, 1)
+            raise PMLError(f"unknown schema '{prompt.schema}'", prompt.source, prompt.line)
         if schema.name != prompt.schema:
-            raise PMLError(f"prompt is for schema '{prompt.schema}', not '{schema.name}'", prompt.source, 1)
+            raise PMLError(
+                f"prompt is for schema '{prompt.schema}', not '{schema.name}'", prompt.source, prompt.line
+            )
     elif schema is not None:
         schema = None  # a plain prompt ignores any schema
     resolver = None
@@ -387,7 +394,7 @@ def _prompt_items(prompt: Prompt, schema: SchemaLayout | None, tok: SpanTokenize
         raise PMLError(
             "the chat template renders the schema's roles differently once the prompt's roles are added",
             prompt.source,
-            1,
+            prompt.line,
         )
     for at, msg in glue_at:
         items[at].text = pieces[msg]

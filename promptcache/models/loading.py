@@ -24,11 +24,16 @@ def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
 def load_model(name_or_path: str | Path, device: str = "cpu", dtype: str | torch.dtype = "float32", **kwargs):
     """``AutoModelForCausalLM`` + ``AutoTokenizer`` from a hub id or a local directory.
 
-    Without network, a hub id fails; the error says so and points at local directories.
+    ``embedded`` / ``embedded:bench`` build a random-weight model from a shipped config (no
+    download). Without network, a hub id fails; the error says so and points at local directories.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from .embedded import embedded_model, is_embedded
+
     torch_dtype = resolve_dtype(dtype)
+    if is_embedded(name_or_path):
+        return embedded_model(str(name_or_path), dtype=torch_dtype, device=device)
     local = Path(name_or_path).is_dir()
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(name_or_path), **kwargs)

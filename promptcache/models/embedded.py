@@ -1,0 +1,59 @@
+"""Embedded models: random-weight Llama-shaped models built from shipped configs, no download.
+
+They are for demos, tests and benchmarks: their output is noise, but their shapes and speed are
+those of real models. Name them as ``embedded`` (= ``embedded:demo``) or ``embedded:bench``
+wherever a model id is taken.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+ASSETS = Path(__file__).resolve().parent.parent / "assets" / "embedded"
+
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}<|end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+
+CONFIGS = {
+    # small enough for a demo on two CPU cores
+    "demo": dict(hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=8,
+                 num_key_value_heads=4, vocab_size=4096),
+    # the engine benchmark's model: realistic width (8 layers, hidden 1024, vocab 32000)
+    "bench": dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=8, num_attention_heads=16,
+                  num_key_value_heads=16, vocab_size=32000),
+}
+
+
+def is_embedded(name) -> bool:
+    return isinstance(name, str) and (name == "embedded" or name.startswith("embedded:"))
+
+
+def embedded_tokenizer():
+    from transformers import PreTrainedTokenizerFast
+
+    tok = PreTrainedTokenizerFast(tokenizer_file=str(ASSETS / "tokenizer.json"), unk_token="<unk>",
+                                  pad_token="<pad>", bos_token="<s>", eos_token="</s>")
+    tok.chat_template = CHAT_TEMPLATE
+    return tok
+
+
+def embedded_model(name: str = "demo", seed: int = 0, dtype: torch.dtype = torch.float32, device="cpu"):
+    """(model, tokenizer) for ``embedded[:demo|bench]``, weights drawn from ``seed``."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    key = name.split(":", 1)[1] if ":" in name else "demo"
+    if key not in CONFIGS:
+        raise ValueError(f"unknown embedded model '{name}' (known: {', '.join('embedded:' + k for k in CONFIGS)})")
+    config = LlamaConfig(**CONFIGS[key], max_position_embeddings=16384, bos_token_id=2, eos_token_id=3,
+                         pad_token_id=1, tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config).to(dtype=dtype, device=device).eval()
+    log.info("built embedded model '%s' with RANDOM weights (seed %d): its text is noise", name, seed)
+    return model, embedded_tokenizer()
