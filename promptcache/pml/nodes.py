@@ -104,3 +104,4 @@ class Prompt:
     schema: str | None  # None: a plain-text prompt
     children: list = field(default_factory=list)  # ModuleRef | Text | PromptRole
     source: str = "<string>"
+    line: int = 1  # line of the <prompt> tag

@@ -20,12 +20,13 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from lxml import etree
-
 from .errors import PMLError
 from .nodes import ROLES, Module, ModuleRef, Parameter, Prompt, PromptRole, Role, Schema, Text, Union
+from .source import Lines, content, is_file, parse_xml, read_source, read_text
 
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_.-]*$")
+_DIGITS = re.compile(r"^[0-9]+$")
+MAX_PARAMETER_LENGTH = 1 << 20  # positions; a larger slot is a typo, not a prompt
 RESERVED = frozenset({"schema", "prompt", "module", "union", "parameter", *ROLES})
 
 _SCHEMA_ATTRS = {
@@ -37,37 +38,16 @@ _SCHEMA_ATTRS = {
 }
 
 
-def read_source(text_or_path: str | Path, kind: str) -> tuple[str, str, Path | None]:
-    """Return (text, source name, base directory). Strings starting with '<' are PML text."""
-    if isinstance(text_or_path, str) and text_or_path.lstrip().startswith("<"):
-        return text_or_path, "<string>", None
-    path = Path(text_or_path)
-    if not path.is_file():
-        raise PMLError(f"{kind} file not found: {path}", str(path))
-    return path.read_text(encoding="utf-8"), str(path), path.parent
-
-
-def _parse_xml(text: str, source: str) -> etree._Element:
-    parser = etree.XMLParser(
-        remove_comments=True, remove_pis=True, resolve_entities=False, no_network=True, recover=False
-    )
-    try:
-        return etree.fromstring(text.encode("utf-8"), parser)
-    except etree.XMLSyntaxError as e:
-        msg = (e.msg or str(e)).strip()
-        raise PMLError(f"malformed XML: {msg}", source, e.lineno or None) from None
-
-
-def _check_attrs(el, source: str) -> None:
+def _check_attrs(el, source: str, line: int) -> None:
     required, optional = _SCHEMA_ATTRS[el.tag]
     for name in required:
         if name not in el.attrib:
-            raise PMLError(f"<{el.tag}> needs attribute '{name}'", source, el.sourceline)
+            raise PMLError(f"<{el.tag}> needs attribute '{name}'", source, line)
     for name in el.attrib:
         if name not in required | optional:
             allowed = ", ".join(sorted(required | optional)) or "none"
             raise PMLError(
-                f"<{el.tag}> has unknown attribute '{name}' (allowed: {allowed})", source, el.sourceline
+                f"<{el.tag}> has unknown attribute '{name}' (allowed: {allowed})", source, line
             )
 
 
@@ -76,14 +56,6 @@ def _check_name(name: str, what: str, source: str, line: int) -> None:
         raise PMLError(f"{what} name '{name}' is not a valid XML name", source, line)
     if what == "module" and name in RESERVED:
         raise PMLError(f"module name '{name}' is reserved (it is a PML tag)", source, line)
-
-
-def _tail_line(el) -> int:
-    """Best line estimate for an element's tail text: the line its closing tag ends on."""
-    last = el
-    while len(last):
-        last = last[-1]
-    return (last.sourceline or 1) + (last.text or "").count("\n")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -95,19 +67,21 @@ class _SchemaCtx:
     source: str
     base: Path | None
     digest: "hashlib._Hash"
+    lines: Lines
     unions: int = 0
 
 
 def parse_schema(text_or_path: str | Path) -> Schema:
     """Parse a schema from PML text or a file path."""
     text, source, base = read_source(text_or_path, "schema")
-    root = _parse_xml(text, source)
+    root, lines = parse_xml(text, source)
+    line = lines.start(root)
     if root.tag != "schema":
-        raise PMLError(f"expected <schema> as the root element, found <{root.tag}>", source, root.sourceline)
-    _check_attrs(root, source)
+        raise PMLError(f"expected <schema> as the root element, found <{root.tag}>", source, line)
+    _check_attrs(root, source, line)
     name = root.get("name")
-    _check_name(name, "schema", source, root.sourceline)
-    ctx = _SchemaCtx(source, base, hashlib.sha256(text.encode("utf-8")))
+    _check_name(name, "schema", source, line)
+    ctx = _SchemaCtx(source, base, hashlib.sha256(text.encode("utf-8")), lines)
     children = _schema_children(root, ctx, scope="root")
     roles = [c for c in children if isinstance(c, Role)]
     if roles:
@@ -116,35 +90,36 @@ def parse_schema(text_or_path: str | Path) -> Schema:
                 raise PMLError(
                     "content outside a role in a schema that uses roles (<system>/<user>/<assistant>)",
                     source,
-                    getattr(c, "line", root.sourceline),
+                    c.line,
                 )
     _check_scope_names(children, source)
     normalize_whitespace(children, at_start=True)
-    return Schema(name=name, children=children, source=source, digest=ctx.digest.hexdigest(), line=root.sourceline)
+    return Schema(name=name, children=children, source=source, digest=ctx.digest.hexdigest(), line=line)
 
 
 def _schema_children(el, ctx: _SchemaCtx, scope: str) -> list:
     """Children of `el` in document order. scope: 'root' | 'role' | 'module' | 'union'."""
     out: list = []
-    if el.text:
-        out.append(Text(el.text, el.sourceline))
-    for child in el:
-        out.append(_schema_element(child, ctx, scope))
-        if child.tail:
-            out.append(Text(child.tail, _tail_line(child)))
-    if scope == "union":
-        for c in out:
-            if isinstance(c, Text) and c.text.strip():
-                raise PMLError("text inside <union> (a union holds only modules)", ctx.source, c.line)
+    for kind, item, line in content(el, ctx.lines, ctx.source):
+        if kind == "el":
+            out.append(_schema_element(item, ctx, scope))
+        elif scope == "union" and item.strip():
+            raise PMLError("text inside <union> (a union holds only modules)", ctx.source, line)
+        else:
+            out.append(Text(item, line))
     return out
 
 
+def _is_empty(el, ctx: _SchemaCtx) -> bool:
+    return all(kind == "text" and not item.strip() for kind, item, _ in content(el, ctx.lines, ctx.source))
+
+
 def _schema_element(el, ctx: _SchemaCtx, scope: str):
-    src, line = ctx.source, el.sourceline
+    src, line = ctx.source, ctx.lines.start(el)
     if el.tag not in _SCHEMA_ATTRS or el.tag == "schema":
         known = ", ".join(f"<{t}>" for t in _SCHEMA_ATTRS if t != "schema")
         raise PMLError(f"unknown tag <{el.tag}> in a schema (known: {known})", src, line)
-    _check_attrs(el, src)
+    _check_attrs(el, src, line)
     if scope == "union" and el.tag != "module":
         raise PMLError(f"<{el.tag}> inside <union> (a union holds only modules)", src, line)
     if el.tag in ROLES:
@@ -156,26 +131,29 @@ def _schema_element(el, ctx: _SchemaCtx, scope: str):
             raise PMLError(
                 f"parameter '{el.get('name')}' outside a module (parameters belong to modules)", src, line
             )
-        if len(el) or (el.text or "").strip():
+        if not _is_empty(el, ctx):
             raise PMLError(f"<parameter name='{el.get('name')}'> must be empty", src, line)
         name = el.get("name")
         _check_name(name, "parameter", src, line)
         raw = el.get("length").strip()
-        if not raw.isdigit() or int(raw) < 1:
+        if not _DIGITS.match(raw) or not 1 <= int(raw) <= MAX_PARAMETER_LENGTH:
             raise PMLError(
-                f"parameter '{name}' has length '{el.get('length')}': expected a positive integer", src, line
+                f"parameter '{name}' has length '{el.get('length')}': expected a positive integer"
+                f" (at most {MAX_PARAMETER_LENGTH})",
+                src,
+                line,
             )
         return Parameter(name, int(raw), el.get("scaffold", ""), line)
     if el.tag == "union":
-        members = [c for c in _schema_children(el, ctx, "union") if isinstance(c, Module)]
+        index, ctx.unions = ctx.unions, ctx.unions + 1  # numbered in document order: before nested unions
+        members = _union_members(_schema_children(el, ctx, "union"))
         if not members:
             raise PMLError("<union> has no <module> members", src, line)
         scaffold = el.get("scaffold")
         if scaffold is not None and scaffold not in {m.name for m in members}:
             names = ", ".join(m.name for m in members)
             raise PMLError(f"union scaffold '{scaffold}' is not one of its members ({names})", src, line)
-        ctx.unions += 1
-        return Union(members, line, scaffold, index=ctx.unions - 1)
+        return Union(members, line, scaffold, index=index)
     # <module>
     name = el.get("name")
     _check_name(name, "module", src, line)
@@ -184,7 +162,7 @@ def _schema_element(el, ctx: _SchemaCtx, scope: str):
         raise PMLError(f"module '{name}' has cache='{el.get('cache')}': expected true or false", src, line)
     module = Module(name, [], line, cache=cache == "true", src=el.get("src"))
     if module.src is not None:
-        if len(el) or (el.text or "").strip():
+        if not _is_empty(el, ctx):
             raise PMLError(f"module '{name}' has both src= and content", src, line)
         module.children = [Text(_read_src(module.src, ctx, line), line)]
     else:
@@ -192,12 +170,23 @@ def _schema_element(el, ctx: _SchemaCtx, scope: str):
     return module
 
 
+def _union_members(children: list) -> list[Module]:
+    """The modules of a union. Whitespace between the union's tags and a member counts as a
+    separator on that side of the member (the whitespace rule, across tags): it is kept as a
+    whitespace-only text at the member's start or end."""
+    members = []
+    for i, c in enumerate(children):
+        if isinstance(c, Module):
+            if i > 0 and isinstance(children[i - 1], Text):
+                c.children.insert(0, Text(" ", c.line))
+            if i + 1 < len(children) and isinstance(children[i + 1], Text):
+                c.children.append(Text(" ", c.line))
+            members.append(c)
+    return members
+
+
 def _read_src(rel: str, ctx: _SchemaCtx, line: int) -> str:
-    path = (ctx.base or Path.cwd()) / rel
-    try:
-        data = path.read_text(encoding="utf-8")
-    except OSError as e:
-        raise PMLError(f"src file '{rel}' cannot be read ({e.strerror or e})", ctx.source, line) from None
+    data = read_text((ctx.base or Path.cwd()) / rel, "src file", ctx.source, line)
     ctx.digest.update(b"\0src\0" + rel.encode() + b"\0" + data.encode("utf-8"))
     return data
 
@@ -292,52 +281,62 @@ def _norm(children: list, st: _WS) -> None:
 
 
 def parse_prompt(text_or_path: str | Path) -> Prompt:
-    """Parse a prompt. Text not starting with '<' is a plain-text prompt (no schema)."""
+    """Parse a prompt. Text not starting with '<' is a plain-text prompt (no schema), unless it
+    names an existing file."""
     if isinstance(text_or_path, str) and not text_or_path.lstrip().startswith("<"):
-        if "\n" in text_or_path or not Path(text_or_path).is_file():
+        if "\n" in text_or_path or not is_file(text_or_path):
             children = [Text(text_or_path, 1)]
             normalize_whitespace(children, at_start=True)
             return Prompt(schema=None, children=children)
     text, source, _ = read_source(text_or_path, "prompt")
-    root = _parse_xml(text, source)
+    root, lines = parse_xml(text, source)
+    line = lines.start(root)
     if root.tag != "prompt":
-        raise PMLError(f"expected <prompt> as the root element, found <{root.tag}>", source, root.sourceline)
+        raise PMLError(f"expected <prompt> as the root element, found <{root.tag}>", source, line)
     for name in root.attrib:
         if name != "schema":
-            raise PMLError(f"<prompt> has unknown attribute '{name}' (allowed: schema)", source, root.sourceline)
+            raise PMLError(f"<prompt> has unknown attribute '{name}' (allowed: schema)", source, line)
     schema = root.get("schema")
-    children = _prompt_children(root, source, scope="root", has_schema=schema is not None)
+    ctx = _PromptCtx(source, lines, has_schema=schema is not None)
+    children = _prompt_children(root, ctx, scope="root")
     normalize_whitespace(children, at_start=schema is None)
-    return Prompt(schema=schema, children=children, source=source)
+    return Prompt(schema=schema, children=children, source=source, line=line)
 
 
-def _prompt_children(el, source: str, scope: str, has_schema: bool) -> list:
+@dataclass
+class _PromptCtx:
+    source: str
+    lines: Lines
+    has_schema: bool
+
+
+def _prompt_children(el, ctx: _PromptCtx, scope: str) -> list:
+    """scope: 'root' | 'role' | 'ref'. A module reference holds only nested references."""
     out: list = []
-    if el.text and el.text.strip() and scope == "ref":
-        raise PMLError(f"text inside the module reference <{el.tag}>", source, el.sourceline)
-    if el.text:
-        out.append(Text(el.text, el.sourceline))
-    for child in el:
-        out.append(_prompt_element(child, source, scope, has_schema))
-        if child.tail:
-            if child.tail.strip() and scope == "ref":
-                raise PMLError(f"text inside the module reference <{el.tag}>", source, _tail_line(child))
-            out.append(Text(child.tail, _tail_line(child)))
-    if scope == "ref":
-        out = [c for c in out if not isinstance(c, Text)]
+    for kind, item, line in content(el, ctx.lines, ctx.source):
+        if kind == "el":
+            out.append(_prompt_element(item, ctx, scope))
+        elif scope != "ref":
+            out.append(Text(item, line))
+        elif item.strip():
+            raise PMLError(
+                f"text inside the module reference <{el.tag}> (free text goes between references)",
+                ctx.source,
+                line,
+            )
     return out
 
 
-def _prompt_element(el, source: str, scope: str, has_schema: bool):
-    line = el.sourceline
+def _prompt_element(el, ctx: _PromptCtx, scope: str):
+    source, line = ctx.source, ctx.lines.start(el)
     if el.tag in ROLES:
         if scope != "root":
             raise PMLError(f"<{el.tag}> must be at the top level of the prompt", source, line)
         if el.attrib:
             raise PMLError(f"<{el.tag}> takes no attributes", source, line)
-        return PromptRole(el.tag, _prompt_children(el, source, "role", has_schema), line)
+        return PromptRole(el.tag, _prompt_children(el, ctx, "role"), line)
     if el.tag in RESERVED:
         raise PMLError(f"<{el.tag}> is a schema tag and cannot appear in a prompt", source, line)
-    if not has_schema:
+    if not ctx.has_schema:
         raise PMLError(f"module reference <{el.tag}> in a prompt without schema=", source, line)
-    return ModuleRef(el.tag, dict(el.attrib), _prompt_children(el, source, "ref", has_schema), line)
+    return ModuleRef(el.tag, dict(el.attrib), _prompt_children(el, ctx, "ref"), line)

@@ -1,0 +1,163 @@
+"""Reading PML sources: files or text, strict XML parsing, element content with exact lines.
+
+lxml reports one line per element: where its start tag *ends*. Errors must name the line a user
+sees the problem on (where a tag starts, where a stray text is), so ``Lines`` re-reads the
+already well-formed source with a small lexer and records, for every element, comment and
+processing instruction, the line its start tag begins on, the line its own text begins on and
+the line its tail begins on.
+"""
+
+from __future__ import annotations
+
+import bisect
+import re
+from pathlib import Path
+
+from lxml import etree
+
+from .errors import PMLError
+
+
+def is_file(path: str | Path) -> bool:
+    """``Path.is_file`` that says False for strings no file can have (too long, NUL bytes)."""
+    try:
+        return Path(path).is_file()
+    except (OSError, ValueError):
+        return False
+
+
+def read_text(path: Path, what: str, source: str, line: int | None = None) -> str:
+    """A UTF-8 file's text; any failure is a PMLError naming ``source`` and ``line``."""
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise PMLError(f"{what} '{path}' is not UTF-8 text ({e.reason} at byte {e.start})", source, line) from None
+    except OSError as e:
+        raise PMLError(f"{what} '{path}' cannot be read ({e.strerror or e})", source, line) from None
+
+
+def read_source(text_or_path: str | Path, kind: str) -> tuple[str, str, Path | None]:
+    """Return (text, source name, base directory). Strings starting with '<' are PML text."""
+    if isinstance(text_or_path, str) and text_or_path.lstrip().startswith("<"):
+        return text_or_path, "<string>", None
+    if isinstance(text_or_path, str) and not text_or_path.strip():
+        raise PMLError(f"empty {kind}: expected PML text or a file path", "<string>", 1)
+    path = Path(text_or_path)
+    if not is_file(path):
+        raise PMLError(f"{kind} file not found: {path}", str(path))
+    return read_text(path, f"{kind} file", str(path)), str(path), path.parent
+
+
+def parse_xml(text: str, source: str) -> tuple[etree._Element, "Lines"]:
+    """Parse strictly (no recovery, no entity expansion, no network) into (root, line tracker)."""
+    parser = etree.XMLParser(resolve_entities=False, no_network=True, recover=False, encoding="utf-8")
+    try:
+        root = etree.fromstring(text.encode("utf-8"), parser)
+    except etree.XMLSyntaxError as e:
+        msg = (e.msg or str(e)).strip()
+        raise PMLError(f"malformed XML: {msg}", source, e.lineno or None) from None
+    except UnicodeEncodeError as e:
+        line = text.count("\n", 0, e.start) + 1
+        raise PMLError(f"malformed XML: character {text[e.start]!r} cannot be encoded", source, line) from None
+    return root, Lines(root, text)
+
+
+# Markup in a well-formed document: '<' never occurs inside attribute values or text.
+_MARKUP = re.compile(
+    r"<!--.*?-->|<!\[CDATA\[.*?\]\]>|<\?.*?\?>|<!DOCTYPE(?:[^\[>]|\[.*?\])*>|</[^>]*>"
+    r"|<(?:[^>\"']|\"[^\"]*\"|'[^']*')*>",
+    re.S,
+)
+
+
+class Lines:
+    """Source lines of elements, comments and processing instructions inside the root.
+
+    start(n): line of n's '<'; text(el): line where el's own text begins (end of its start tag);
+    tail(n): line where n's tail begins (end of its end tag). Falls back to lxml's sourceline if
+    the lexer and lxml ever disagree.
+    """
+
+    def __init__(self, root, text: str):
+        self._newlines = [m.start() for m in re.finditer("\n", text)]
+        self._start: dict = {}
+        self._open: dict = {}
+        self._after: dict = {}
+        try:
+            self._scan(root, text)
+        except (StopIteration, ValueError):
+            self._start, self._open, self._after = {}, {}, {}
+
+    def _line(self, offset: int) -> int:
+        return bisect.bisect_left(self._newlines, offset) + 1
+
+    def _scan(self, root, text: str) -> None:
+        nodes = iter([n for n in root.iter() if n.tag is not etree.Entity])
+        stack: list = []
+        started = False
+        for m in _MARKUP.finditer(text):
+            tok = m.group()
+            if tok.startswith(("<!DOCTYPE", "<![CDATA[")):
+                continue
+            if tok.startswith("</"):
+                if stack:
+                    self._after[stack.pop()] = self._line(m.end() - 1)
+                continue
+            if started and not stack:
+                break  # after the root element
+            is_tag = not tok.startswith(("<!--", "<?"))
+            if not (started or is_tag):
+                continue  # before the root element (XML declaration, comments)
+            node, started = next(nodes), True
+            if is_tag != isinstance(node.tag, str):
+                raise ValueError("lexer and parser disagree")
+            self._start[node] = self._line(m.start())
+            self._after[node] = self._open[node] = self._line(m.end() - 1)
+            if is_tag and not tok.endswith("/>"):
+                stack.append(node)
+
+    def start(self, node) -> int:
+        return self._start.get(node, node.sourceline)
+
+    def text(self, el) -> int:
+        return self._open.get(el, el.sourceline)
+
+    def tail(self, node) -> int:
+        return self._after.get(node, node.sourceline)
+
+
+def _first_line(text: str, start: int) -> int:
+    """Line of the first non-whitespace character of `text` (or of its start, if all blank)."""
+    return start + text[: len(text) - len(text.lstrip())].count("\n")
+
+
+def content(el, lines: Lines, source: str) -> list[tuple[str, object, int]]:
+    """el's content in document order: ``("text", str, line)`` and ``("el", element, line)``.
+
+    Comments and processing instructions are dropped and the text around them joined into one
+    run; a text's line is that of its first non-whitespace character. Entity references (from a
+    DTD; never expanded) are an error.
+    """
+    out: list[tuple[str, object, int]] = []
+
+    def add_text(text: str | None, start) -> None:
+        if not text:
+            return
+        if out and out[-1][0] == "text":
+            _, prev, line = out[-1]
+            if not prev.strip():
+                line = _first_line(text, start())
+            out[-1] = ("text", prev + text, line)
+        else:
+            out.append(("text", text, _first_line(text, start())))
+
+    add_text(el.text, lambda: lines.text(el))
+    for child in el:
+        if child.tag is etree.Entity:
+            raise PMLError(
+                f"entity reference {child.text} is not supported (write the text itself)", source, child.sourceline
+            )
+        if isinstance(child.tag, str):
+            out.append(("el", child, lines.start(child)))
+        add_text(child.tail, lambda c=child: lines.tail(c))
+    return out
