@@ -102,8 +102,8 @@ class FalconAlibi(_FalconShapes, AlibiAdapter):
         old_mask, dtype = kwargs["attention_mask"], kwargs["alibi"].dtype
         # the model multiplies bfloat16 slopes by positions; do the same so contiguous runs match it
         slopes = self.slopes.to(key_positions.device).bfloat16()
-        alibi = (slopes[None, :, None] * key_positions[:, None, :]).reshape(b * h, 1, kv).to(dtype)
-        mask = scaled_mask(alibi.reshape(b, h, 1, kv), old_mask, self.config.hidden_size // h)
+        alibi = (slopes[None, :, None] * key_positions[:, None, :]).reshape(b, h, 1, kv).to(dtype)
+        mask = scaled_mask(alibi, old_mask, self.config.hidden_size // h)
         return {"alibi": alibi, "attention_mask": mask}
 
 
