@@ -158,6 +158,13 @@ def test_character_references_and_cdata_are_text():
     assert texts(s.children) == ["a <b> & <raw>"]
 
 
+def test_byte_order_mark_is_allowed(tmp_path):
+    assert parse_schema('\ufeff<schema name="s">x</schema>').name == "s"
+    assert parse_prompt('\ufeff<prompt schema="s"/>').schema == "s"
+    (tmp_path / "s.xml").write_bytes('\ufeff<schema name="s">\n<module name="a">x</module></schema>'.encode())
+    assert parse_schema(tmp_path / "s.xml").children[0].line == 2
+
+
 def test_xml_declaration_does_not_change_the_text():
     s = parse_schema('<?xml version="1.0" encoding="latin-1"?>\n<schema name="s">café</schema>')
     assert texts(s.children) == ["café"]

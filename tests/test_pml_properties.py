@@ -189,6 +189,7 @@ def test_schema_layout(body):
     check_walk_matches_the_tree(lay, body)
     check_spans_overlap_only_across_members_of_one_union(lay)
     check_spans_are_contiguous_along_the_walk(lay)
+    check_encoding_passes(lay)
 
 
 def check_walk_matches_the_tree(lay, body):
@@ -218,6 +219,26 @@ def check_spans_are_contiguous_along_the_walk(lay):
         members = [lay.modules[u.parent + (m,)] for m in u.members]
         assert all(m.start == u.start for m in members)
         assert u.length == max(m.end - m.start for m in members)
+
+
+def check_encoding_passes(lay):
+    """Each stored span is the target of exactly one pass, whose sequence up to it is its encoding
+    context: the spans before it whose unions are set to its own members, or else to the union's
+    scaffold (a union without scaffold is absent)."""
+    passes = lay.passes()
+    targets = [t for p in passes for t in p.targets]
+    assert sorted(targets) == [s.index for s in lay.spans if s.stored]
+    scaffold = {u.index: u.scaffold for u in lay.unions.values()}
+    for p in passes:
+        assert list(p.spans) == sorted(p.spans) and p.spans[-1] == p.targets[-1]
+        for t in p.targets:
+            mine = dict(lay.spans[t].choices)
+            context = [
+                s.index
+                for s in lay.spans[: t + 1]
+                if all(m == mine.get(u, scaffold[u]) for u, m in s.choices)
+            ]
+            assert [i for i in p.spans if i <= t] == context, (p, t)
 
 
 @st.composite

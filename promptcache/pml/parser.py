@@ -22,7 +22,7 @@ from pathlib import Path
 
 from .errors import PMLError
 from .nodes import ROLES, Module, ModuleRef, Parameter, Prompt, PromptRole, Role, Schema, Text, Union
-from .source import Lines, content, is_file, parse_xml, read_source, read_text
+from .source import Lines, content, is_file, is_markup, parse_xml, read_source, read_text
 
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_.-]*$")
 _DIGITS = re.compile(r"^[0-9]+$")
@@ -283,7 +283,7 @@ def _norm(children: list, st: _WS) -> None:
 def parse_prompt(text_or_path: str | Path) -> Prompt:
     """Parse a prompt. Text not starting with '<' is a plain-text prompt (no schema), unless it
     names an existing file."""
-    if isinstance(text_or_path, str) and not text_or_path.lstrip().startswith("<"):
+    if isinstance(text_or_path, str) and not is_markup(text_or_path):
         if "\n" in text_or_path or not is_file(text_or_path):
             children = [Text(text_or_path, 1)]
             normalize_whitespace(children, at_start=True)

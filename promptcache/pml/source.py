@@ -36,9 +36,14 @@ def read_text(path: Path, what: str, source: str, line: int | None = None) -> st
         raise PMLError(f"{what} '{path}' cannot be read ({e.strerror or e})", source, line) from None
 
 
+def is_markup(text_or_path) -> bool:
+    """A string whose first character, after whitespace and a byte-order mark, is '<'."""
+    return isinstance(text_or_path, str) and text_or_path.lstrip().lstrip("\ufeff").lstrip().startswith("<")
+
+
 def read_source(text_or_path: str | Path, kind: str) -> tuple[str, str, Path | None]:
     """Return (text, source name, base directory). Strings starting with '<' are PML text."""
-    if isinstance(text_or_path, str) and text_or_path.lstrip().startswith("<"):
+    if is_markup(text_or_path):
         return text_or_path, "<string>", None
     if isinstance(text_or_path, str) and not text_or_path.strip():
         raise PMLError(f"empty {kind}: expected PML text or a file path", "<string>", 1)
