@@ -28,14 +28,20 @@ from typing import Iterator
 
 import torch
 
-import itertools
+import functools
+import json
+from collections import Counter
 
 from .cache import CachePool, SpliceCache
 from .encoder import Progress, SchemaEncoder
 from .layout import PromptLayout, SchemaLayout, layout_prompt, layout_schema
 from .models import get_adapter
-from .pml import PMLError, parse_prompt
+from .pml import PMLError, parse_prompt, parse_schema
 from .pml.nodes import Prompt
+from .store import StoreConfig, TieredStore
+from .store.artifact import (ArtifactError, layout_record, materialize_schema, mismatches, read_manifest,
+                             schema_sources, write_artifact)
+from .store.keys import content_keys, model_fingerprint, tokenizer_fingerprint
 from .sampling import TextStream, decode_loop, eos_ids, make_sampler
 from .tokens import as_span_tokenizer
 
@@ -44,25 +50,37 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class EngineConfig:
+    """Engine settings. Budgets are bytes of stored module states per tier (None: unbounded);
+    on a CPU-only engine device memory is host memory and ``host_budget`` applies."""
+
     device: str | None = None  # default: the model's device
     encode_chunk: int = 2048  # tokens per forward while encoding the default pass
     encode_batch_bytes: int = 256 << 20  # KV bytes a batched encoding forward may allocate
+    device_budget: int | None = None
+    host_budget: int | None = None
+    spill_dir: str | None = None  # evicted states with no artifact go here (default: a temp dir)
+    pin_memory: bool = True
+    namespace: str = "default"  # cache namespace (salt): states are never shared across namespaces
 
     def __post_init__(self):
         if self.encode_chunk < 1 or self.encode_batch_bytes < 0:
             raise ValueError(f"bad EngineConfig: {self}")
 
+    def store_config(self) -> StoreConfig:
+        return StoreConfig(self.device_budget, self.host_budget, self.spill_dir, self.pin_memory)
+
 
 @dataclass
 class EncodedSchema:
-    """A schema whose modules are encoded. ``kv[i]``: states of stored span i, [L, 2, H, n, D]."""
+    """A schema whose modules are encoded; ``keys[i]`` is stored span i's content key."""
 
     layout: SchemaLayout
-    kv: dict[int, torch.Tensor]
+    keys: dict[int, str]
     positions: dict[int, torch.Tensor]
     contexts: dict[int, tuple[int, ...]]  # span -> the spans before it in its encoding pass
+    namespace: str
+    bytes_per_token: int
     encode_seconds: float = 0.0
-    serial: int = field(default_factory=itertools.count().__next__)  # tells re-added schemas apart
 
     @property
     def name(self) -> str:
@@ -70,11 +88,11 @@ class EncodedSchema:
 
     @property
     def stored_tokens(self) -> int:
-        return sum(t.shape[3] for t in self.kv.values())
+        return sum(len(self.layout.spans[i].token_ids) for i in self.keys)
 
     @property
     def stored_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.kv.values())
+        return self.stored_tokens * self.bytes_per_token
 
 
 @dataclass
@@ -85,6 +103,7 @@ class PrefillResult:
     new_tokens: int
     exact: bool  # the state equals a plain prefill of the same tokens
     bytes_copied: int = 0  # stored KV bytes copied to assemble this prompt (0: all already in place)
+    hit_tiers: dict[str, int] = field(default_factory=dict)  # cached spans served per tier
     layout: PromptLayout | None = None
     cache: object = field(default=None, repr=False)  # kept only with prefill(keep_cache=True)
     next_position: int = 0
@@ -98,6 +117,8 @@ class Generation:
     cached_tokens: int
     new_tokens: int
     exact: bool = False
+    bytes_copied: int = 0
+    hit_tiers: dict[str, int] = field(default_factory=dict)
 
 
 class PromptCache:
@@ -111,9 +132,10 @@ class PromptCache:
         self.adapter = get_adapter(model)
         self.spec = self.adapter.kv_spec()
         self.device = torch.device(self.config.device) if self.config.device else next(model.parameters()).device
+        self.store = TieredStore(self.device, self.config.store_config())
         self._lock = threading.RLock()  # one forward at a time per engine
-        self._schemas: dict[str, EncodedSchema] = {}
-        self._pool = CachePool(self.spec, self.device, pin=False)
+        self._schemas: dict[tuple[str, str], EncodedSchema] = {}
+        self._pool = CachePool(self.spec, self.device)
         self._encoder = SchemaEncoder(self.adapter, self.spec, self.device, self._lock,
                                       self.config.encode_chunk, self.config.encode_batch_bytes, self.tok.pad_id)
         self._eos = eos_ids(model, tokenizer)
@@ -127,57 +149,138 @@ class PromptCache:
         model, tokenizer = load_model(name_or_path, device=device, dtype=dtype, **load_kwargs)
         return cls(model, tokenizer, config)
 
+    @functools.cached_property
+    def model_fingerprint(self) -> dict[str, str]:
+        return model_fingerprint(self.model)
+
+    @functools.cached_property
+    def tokenizer_fingerprint(self) -> str:
+        return tokenizer_fingerprint(self.tokenizer)
+
+    @functools.cached_property
+    def _model_key(self) -> str:
+        return json.dumps(self.model_fingerprint, sort_keys=True) + self.tokenizer_fingerprint
+
     # -- schemas ---------------------------------------------------------------------------------
-    def add_schema(self, schema: str | Path, progress: Progress | None = None) -> EncodedSchema:
-        """Parse, lay out and encode a schema; on any error the engine is left unchanged."""
+    def add_schema(self, schema: str | Path, progress: Progress | None = None,
+                   namespace: str | None = None) -> EncodedSchema:
+        """Parse, lay out and encode a schema (only modules not stored yet are encoded).
+        On any error the engine is left unchanged."""
         t0 = time.perf_counter()
         layout = layout_schema(schema, self.tok)
-        kv = self._encoder.encode(layout, progress)
-        positions = {i: torch.arange(layout.spans[i].start, layout.spans[i].end, device=self.device) for i in kv}
+        ns = namespace or self.config.namespace
+        keys = content_keys(layout, self._model_key, ns)
+        missing = [i for i, k in keys.items() if k not in self.store]
+        states = self._encoder.encode(layout, progress) if missing else {}
+        for i in missing:
+            self.store.put(keys[i], states[i])
+        return self._register(layout, keys, ns, time.perf_counter() - t0)
+
+    def _register(self, layout: SchemaLayout, keys: dict[int, str], ns: str, seconds: float) -> EncodedSchema:
+        positions = {i: torch.arange(layout.spans[i].start, layout.spans[i].end, device=self.device) for i in keys}
         contexts = {t: p.spans[: p.spans.index(t)] for p in layout.passes() for t in p.targets}
-        entry = EncodedSchema(layout, kv, positions, contexts, time.perf_counter() - t0)
-        self._schemas[layout.name] = entry
-        log.info("schema '%s': %d tokens stored (%.1f MiB) in %.2fs", entry.name, entry.stored_tokens,
-                 entry.stored_bytes / 2**20, entry.encode_seconds)
+        entry = EncodedSchema(layout, keys, positions, contexts, ns, self.spec.bytes_per_token, seconds)
+        with self._lock:
+            self._schemas[(ns, layout.name)] = entry
+        log.info("schema '%s' (namespace '%s'): %d tokens stored (%.1f MiB) in %.2fs", entry.name, ns,
+                 entry.stored_tokens, entry.stored_bytes / 2**20, seconds)
         return entry
 
-    def schema(self, name: str) -> EncodedSchema:
-        if name not in self._schemas:
-            known = ", ".join(sorted(self._schemas)) or "none"
-            raise PMLError(f"unknown schema '{name}' (added: {known})")
-        return self._schemas[name]
+    def compile(self, schema: str | Path, out_dir: str | Path, progress: Progress | None = None,
+                namespace: str | None = None) -> Path:
+        """Encode a schema and write it as a compiled artifact (safetensors + manifest.json)."""
+        sources = schema_sources(schema)
+        entry = self.add_schema(schema, progress, namespace)
+        states = {i: self.store.get(k)[0] for i, k in entry.keys.items()}
+        spec = {"layers": self.spec.layers, "kv_heads": self.spec.kv_heads, "head_dim": self.spec.head_dim,
+                "dtype": str(self.spec.dtype).removeprefix("torch.")}
+        return write_artifact(out_dir, sources=sources, schema=entry.layout.schema, layout=entry.layout,
+                              states=states, model_fp=self.model_fingerprint,
+                              tokenizer_fp=self.tokenizer_fingerprint, kv_spec=spec)
+
+    def load_compiled(self, path: str | Path, schema: str | Path | None = None, recompile: bool = False,
+                      namespace: str | None = None, verify: bool = False) -> EncodedSchema:
+        """Register a compiled schema; its states stay on disk (memory-mapped, checksummed) until
+        used. ``schema``: the schema source, to check the artifact was compiled from it.
+        A mismatch (model, tokenizer, schema text) is refused unless ``recompile``; ``verify``
+        reads and checks every state now instead of on first use."""
+        t0 = time.perf_counter()
+        try:
+            manifest = read_manifest(path)
+            digest = parse_schema(schema).digest if schema is not None else None
+            problems = mismatches(manifest, self.model_fingerprint, self.tokenizer_fingerprint, digest)
+        except ArtifactError:
+            if recompile and schema is not None:
+                self.compile(schema, path, namespace=namespace)
+                return self.load_compiled(path, schema, namespace=namespace, verify=verify)
+            raise
+        if problems:
+            if not recompile:
+                raise ArtifactError(f"compiled schema {path} does not match: {'; '.join(problems)}. "
+                                    "Recompile it (`promptcache compile`, or recompile=True / --recompile).")
+            source = schema if schema is not None else materialize_schema(manifest)
+            log.warning("recompiling %s: %s", path, "; ".join(problems))
+            self.compile(source, path, namespace=namespace)
+            return self.load_compiled(path, schema, namespace=namespace, verify=verify)
+        layout = layout_schema(materialize_schema(manifest), self.tok)
+        if layout_record(layout) != manifest["layout"]["spans"]:
+            raise ArtifactError(f"compiled schema {path}: the tokenizer lays the schema out differently now")
+        ns = namespace or self.config.namespace
+        keys = content_keys(layout, self._model_key, ns)
+        states = manifest["states"]
+        entries = {k: (f"span_{i}", states["sha256"][f"span_{i}"], states["nbytes"][f"span_{i}"])
+                   for i, k in keys.items()}
+        self.store.register_file(Path(path) / states["file"], entries)
+        if verify:
+            for k in keys.values():
+                self.store.get(k)
+        return self._register(layout, keys, ns, time.perf_counter() - t0)
+
+    def schema(self, name: str, namespace: str | None = None) -> EncodedSchema:
+        ns = namespace or self.config.namespace
+        entry = self._schemas.get((ns, name))
+        if entry is None:
+            known = ", ".join(sorted(n for s, n in self._schemas if s == ns)) or "none"
+            raise PMLError(f"unknown schema '{name}' (added in namespace '{ns}': {known})")
+        return entry
 
     @property
     def schemas(self) -> list[str]:
-        return sorted(self._schemas)
+        return sorted(n for s, n in self._schemas if s == self.config.namespace)
 
     # -- prompts ---------------------------------------------------------------------------------
-    def layout(self, prompt: str | Path | Prompt) -> PromptLayout:
+    def layout(self, prompt: str | Path | Prompt, namespace: str | None = None) -> PromptLayout:
         """The prompt's ordered spans (``.kind``, ``.name``, ``.token_ids``, ``.position_ids``)."""
         tree = prompt if isinstance(prompt, Prompt) else parse_prompt(prompt)
-        schema = self.schema(tree.schema).layout if tree.schema is not None else None
+        schema = self.schema(tree.schema, namespace).layout if tree.schema is not None else None
         return layout_prompt(tree, schema, self.tok)
 
-    def prefill(self, prompt: str | Path | Prompt, reserve: int = 0, keep_cache: bool = False) -> PrefillResult:
+    def prefill(self, prompt: str | Path | Prompt, reserve: int = 0, keep_cache: bool = False,
+                namespace: str | None = None) -> PrefillResult:
         """Assemble the prompt's cache and run its new tokens: next-token logits and statistics.
 
         ``keep_cache=True`` hands the assembled cache to the caller (``result.cache``, with room
         for ``reserve`` more tokens); call ``release(result)`` when done so it can be reused."""
         t0 = time.perf_counter()
-        layout = self.layout(prompt)
-        entry = self._schemas[layout.schema.name] if layout.schema is not None else None
-        cached = [(entry.kv[s.schema_index], entry.positions[s.schema_index], s.schema_index) for s in layout.cached]
-        serial = entry.serial if entry is not None else -1
+        layout = self.layout(prompt, namespace)
+        entry = self.schema(layout.schema.name, namespace) if layout.schema is not None else None
+        hits: Counter[str] = Counter()
+        cached = []  # (content key, kv [L, 2, H, n, D], positions [n], span index)
+        for s in layout.cached:
+            key = entry.keys[s.schema_index]
+            kv, tier = self.store.get(key)
+            hits[tier] += 1
+            cached.append((key, kv, entry.positions[s.schema_index], s.schema_index))
         new_ids = [t for s in layout.new for t in s.token_ids]
         new_pos = [p for s in layout.new for p in s.position_ids]
         if not new_ids:  # recompute the last cached token so there are logits to return
             last = layout.cached[-1]
             new_ids, new_pos = [last.token_ids[-1]], [last.position_ids[-1]]
-            kv, pos, idx = cached[-1]
-            cached[-1] = (kv[:, :, :, :-1], pos[:-1], idx)
-        n_cached = sum(kv.shape[3] for kv, _, _ in cached)
+            key, kv, pos, idx = cached[-1]
+            cached[-1] = (key + "[:-1]", kv[:, :, :, :-1], pos[:-1], idx)
+        n_cached = sum(kv.shape[3] for _, kv, _, _ in cached)
         self.adapter.check_limits(max(layout.position_ids), n_cached + len(new_ids) + reserve)
-        place = [((serial, idx), kv, pos) for kv, pos, idx in cached]
+        place = [(key, kv, pos) for key, kv, pos, _ in cached]
         cache = self._pool.acquire(n_cached + len(new_ids) + reserve, [(k, kv.shape[3]) for k, kv, _ in place])
         copied = cache.place(place)
         ids = torch.tensor([new_ids], dtype=torch.long, device=self.device)
@@ -194,7 +297,7 @@ class PromptCache:
         if not keep_cache:
             self._pool.release(cache)
             cache = None
-        return PrefillResult(logits, ttft, n_cached, len(new_ids), exact, copied, layout, cache,
+        return PrefillResult(logits, ttft, n_cached, len(new_ids), exact, copied, dict(hits), layout, cache,
                              max(layout.position_ids) + 1)
 
     def release(self, result: PrefillResult) -> None:
@@ -205,27 +308,29 @@ class PromptCache:
 
     def generate(self, prompt, max_new_tokens: int = 64, temperature: float = 0.0, top_p: float = 1.0,
                  top_k: int = 0, stop: list[str] | None = None, seed: int | None = None,
-                 use_cache: bool = True) -> Generation:
+                 use_cache: bool = True, namespace: str | None = None) -> Generation:
         """Generate text after the prompt. ``use_cache=False`` is the baseline: the same tokens in
         prompt order at contiguous positions, one plain prefill with the ordinary KV cache."""
         stream = TextStream(self.tokenizer, stop)
         ids: list[int] = []
         state = None
-        for tok, state in self._tokens(prompt, max_new_tokens, temperature, top_p, top_k, seed, use_cache):
+        for tok, state in self._tokens(prompt, max_new_tokens, temperature, top_p, top_k, seed, use_cache, namespace):
             ids.append(tok)
             stream.push(tok)
             if stream.stopped:
                 break
         if state is None:
-            state = self.prefill(prompt) if use_cache else self.prefill_baseline(prompt)
-        return Generation(stream.text, ids, state.ttft, state.cached_tokens, state.new_tokens, state.exact)
+            state = self._start(prompt, 0, use_cache, namespace)
+            self.release(state)
+        return Generation(stream.text, ids, state.ttft, state.cached_tokens, state.new_tokens, state.exact,
+                          state.bytes_copied, state.hit_tiers)
 
     def stream(self, prompt, max_new_tokens: int = 64, temperature: float = 0.0, top_p: float = 1.0,
                top_k: int = 0, stop: list[str] | None = None, seed: int | None = None,
-               use_cache: bool = True) -> Iterator[str]:
+               use_cache: bool = True, namespace: str | None = None) -> Iterator[str]:
         """Yield text pieces as they are decoded (same arguments as ``generate``)."""
         stream = TextStream(self.tokenizer, stop)
-        for tok, _ in self._tokens(prompt, max_new_tokens, temperature, top_p, top_k, seed, use_cache):
+        for tok, _ in self._tokens(prompt, max_new_tokens, temperature, top_p, top_k, seed, use_cache, namespace):
             piece = stream.push(tok)
             if piece:
                 yield piece
@@ -236,11 +341,11 @@ class PromptCache:
             yield tail
 
     # -- internals -------------------------------------------------------------------------------
-    def _tokens(self, prompt, max_new_tokens, temperature, top_p, top_k, seed, use_cache):
+    def _tokens(self, prompt, max_new_tokens, temperature, top_p, top_k, seed, use_cache, namespace):
         if max_new_tokens < 1:
             return
         sampler = make_sampler(temperature, top_p, top_k, seed)
-        state = self._start(prompt, max_new_tokens, use_cache)
+        state = self._start(prompt, max_new_tokens, use_cache, namespace)
         try:
             step = self._stepper(state, use_cache)
             for tok in decode_loop(state.logits, step, sampler, max_new_tokens, self._eos):
@@ -248,8 +353,10 @@ class PromptCache:
         finally:
             self.release(state)
 
-    def _start(self, prompt, reserve: int, use_cache: bool) -> PrefillResult:
-        return self.prefill(prompt, reserve, keep_cache=True) if use_cache else self.prefill_baseline(prompt)
+    def _start(self, prompt, reserve: int, use_cache: bool, namespace: str | None = None) -> PrefillResult:
+        if use_cache:
+            return self.prefill(prompt, reserve, keep_cache=True, namespace=namespace)
+        return self.prefill_baseline(prompt, namespace)
 
     def _stepper(self, state: PrefillResult, use_cache: bool):
         pos = state.next_position
@@ -268,10 +375,10 @@ class PromptCache:
 
         return step
 
-    def prefill_baseline(self, prompt) -> PrefillResult:
+    def prefill_baseline(self, prompt, namespace: str | None = None) -> PrefillResult:
         """Full prefill of the prompt's tokens (prompt order, positions 0..n-1), stock model path."""
         t0 = time.perf_counter()
-        layout = self.layout(prompt)
+        layout = self.layout(prompt, namespace)
         ids = torch.tensor([layout.token_ids], dtype=torch.long, device=self.device)
         with self._lock, torch.inference_mode():
             out = self.model(input_ids=ids, use_cache=True, logits_to_keep=1)
@@ -289,7 +396,7 @@ def _is_exact(layout: PromptLayout, entry: EncodedSchema | None, cached) -> bool
     if positions != list(range(len(positions))):
         return False
     seen: list[int] = []
-    for _, _, idx in cached:
+    for *_, idx in cached:
         if entry.contexts.get(idx) != tuple(seen):
             return False
         seen.append(idx)

@@ -162,6 +162,15 @@ class PromptLayout:
     schema: SchemaLayout | None
     imports: tuple[Path_, ...] = field(default_factory=tuple)
 
+    def __iter__(self):
+        return iter(self.spans)
+
+    def __len__(self) -> int:
+        return len(self.spans)
+
+    def __getitem__(self, i):
+        return self.spans[i]
+
     @property
     def cached(self) -> list[Span]:
         return [s for s in self.spans if s.kind == "cached"]
@@ -412,7 +421,7 @@ class _PromptBuilder:
         if schema is None:
             tail = len(tok.bos_ids)
             if tok.bos_ids:
-                out.append(((-1,), Span("cached", "(bos)", tuple(tok.bos_ids), tuple(range(tail)), "bos")))
+                out.append(((-1,), Span("new", "(bos)", tuple(tok.bos_ids), tuple(range(tail)), "bos")))
             imported: dict = {}
         else:
             tail = schema.end

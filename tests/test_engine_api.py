@@ -34,7 +34,7 @@ def pc():
 
 
 def test_unknown_schema_is_a_clear_error(pc):
-    with pytest.raises(PMLError, match="unknown schema 'nope'.*added: s"):
+    with pytest.raises(PMLError, match=r"unknown schema 'nope' \(added in namespace 'default': s\)"):
         pc.prefill('<prompt schema="nope"><a/></prompt>')
 
 

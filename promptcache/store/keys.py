@@ -1,0 +1,81 @@
+"""Fingerprints and content keys.
+
+A stored state is determined by the model, the token IDs and positions of its encoding context
+and its own tokens. Its key hashes exactly those, plus a namespace (a salt chosen by the caller):
+identical modules of two schemas share one stored state; two namespaces never do. Shared states
+would let one tenant learn from time to first token whether another used the same text.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from array import array
+
+import torch
+
+from ..layout import SchemaLayout
+
+_VOLATILE = {"_name_or_path", "transformers_version", "torch_dtype", "dtype", "_attn_implementation_autoset",
+             "_commit_hash", "_attn_implementation_internal", "use_cache"}
+
+
+def _sha(data: bytes | str) -> str:
+    return hashlib.sha256(data.encode() if isinstance(data, str) else data).hexdigest()
+
+
+@torch.no_grad()
+def weights_hash(model, samples: int = 4096) -> str:
+    """sha256 over every tensor's name, shape, dtype and up to ``samples`` evenly spaced values.
+
+    Sampled, not full: a full hash of a 7B model reads 14 GB. Any retrained or differently
+    initialized model differs in the samples; bit-for-bit identity is not claimed.
+    """
+    h = hashlib.sha256()
+    for name, t in sorted(model.state_dict().items()):
+        h.update(f"{name}:{tuple(t.shape)}:{t.dtype}".encode())
+        flat = t.detach().reshape(-1)
+        if flat.numel():
+            idx = torch.linspace(0, flat.numel() - 1, min(samples, flat.numel()), device=flat.device).long()
+            h.update(flat[idx].float().cpu().numpy().tobytes())
+    return h.hexdigest()
+
+
+def model_fingerprint(model) -> dict[str, str]:
+    cfg = {k: v for k, v in model.config.to_dict().items() if k not in _VOLATILE}
+    return {
+        "architecture": type(model).__name__,
+        "model_type": str(getattr(model.config, "model_type", "")),
+        "config_sha256": _sha(json.dumps(cfg, sort_keys=True, default=str)),
+        "weights_sha256": weights_hash(model),
+        "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
+    }
+
+
+def tokenizer_fingerprint(tokenizer) -> str:
+    parts = [type(tokenizer).__name__]
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:
+        parts.append(backend.to_str())
+    else:
+        parts.append(json.dumps(getattr(tokenizer, "get_vocab", dict)(), sort_keys=True))
+    for attr in ("bos_token", "eos_token", "pad_token", "unk_token", "chat_template"):
+        parts.append(f"{attr}={getattr(tokenizer, attr, None)!r}")
+    parts.append(repr(tokenizer.encode("Prompt Cache probe: <s> 123 héllo\n  x")))
+    return _sha("\0".join(parts))
+
+
+def content_keys(layout: SchemaLayout, model_key: str, namespace: str) -> dict[int, str]:
+    """Stored span index -> content key, hashing its pass's tokens and positions up to it."""
+    spans, keys = layout.spans, {}
+    for p in layout.passes():
+        h = hashlib.sha256(f"promptcache-v1\0{namespace}\0{model_key}\0".encode())
+        targets = set(p.targets)
+        for i in p.spans:
+            s = spans[i]
+            h.update(array("q", s.token_ids).tobytes() + array("q", range(s.start, s.end)).tobytes() + b"|")
+            if i in targets:
+                end = h.copy()
+                end.update(f"n={len(s.token_ids)}".encode())
+                keys[i] = end.hexdigest()
+    return keys
