@@ -122,7 +122,10 @@ class Adapter:
 
     # -- relocation (position-independent modules) ---------------------------------------------
     def can_relocate(self) -> bool:
-        return False
+        """Whether stored states can be moved to new positions exactly (``relocate.py``)."""
+        from .relocate import can_relocate  # relocate.py builds on this module
+
+        return can_relocate(self)
 
 
 class RotaryAdapter(Adapter):
