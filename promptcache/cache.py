@@ -8,6 +8,8 @@ one ``copy_``. New tokens are written after the last filled slot; nothing is con
 
 from __future__ import annotations
 
+import threading
+
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
@@ -89,7 +91,7 @@ class SpliceCache(Cache):
     def ensure_capacity(self, n: int) -> None:
         if n <= self.capacity:
             return
-        grown = max(n, 2 * self.capacity)
+        grown = max(n, self.capacity + self.capacity // 2)
         buf = self.buf.new_empty(self.buf.shape[:4] + (grown,) + self.buf.shape[5:])
         buf[..., : self.capacity, :] = self.buf
         pos = self.positions.new_zeros((self.batch, grown))
@@ -154,24 +156,25 @@ class CachePool:
     Thread-safe: a cache is owned by one prompt between acquire and release.
     """
 
-    def __init__(self, spec: KVSpec, device, max_free: int = 2, pin: bool = False):
-        import threading
+    granule = 256  # slots; capacities are rounded up to a multiple
 
+    def __init__(self, spec: KVSpec, device, max_free: int = 2, pin: bool = False):
         self.spec, self.device, self.max_free, self.pin = spec, device, max_free, pin
         self._free: list[SpliceCache] = []
         self._lock = threading.Lock()
 
     def acquire(self, capacity: int, plan: list[tuple[object, int]]) -> SpliceCache:
         """A cache with room for ``capacity`` slots; ``plan``: (key, n) of the spans to place."""
+        capacity = -(-capacity // self.granule) * self.granule  # headroom: prompts vary in length
         with self._lock:
             best, score = None, -1
             for c in self._free:
-                if c.capacity >= capacity:
-                    s = c.resident_match(plan)
-                    if s > score:
-                        best, score = c, s
-            if best is not None:
+                s = (c.resident_match(plan), c.capacity >= capacity)
+                if best is None or s > score:
+                    best, score = c, s
+            if best is not None and (score[0] > 0 or best.capacity >= capacity):
                 self._free.remove(best)
+                best.ensure_capacity(capacity)  # growing keeps residents at their slots
                 return best
         cache = SpliceCache(self.spec, capacity, device=self.device, pin=self.pin)
         cache.resident = {}

@@ -36,7 +36,8 @@ def weights_hash(model, samples: int = 4096) -> str:
         h.update(f"{name}:{tuple(t.shape)}:{t.dtype}".encode())
         flat = t.detach().reshape(-1)
         if flat.numel():
-            idx = torch.linspace(0, flat.numel() - 1, min(samples, flat.numel()), device=flat.device).long()
+            k = min(samples, flat.numel())
+            idx = torch.arange(k, device=flat.device) * (flat.numel() - 1) // max(k - 1, 1)  # exact integers
             h.update(flat[idx].float().cpu().numpy().tobytes())
     return h.hexdigest()
 

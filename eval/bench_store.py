@@ -1,0 +1,107 @@
+"""Storage benchmark: loading a compiled schema vs encoding it again; bytes copied per prompt
+with and without in-place reuse; TTFT with modules in host vs device memory (GPU only).
+
+    python eval/bench_store.py [--model embedded:bench] [--schema-tokens 4000]
+
+Prints ratios measured in this one run and writes eval/results/store.csv.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_engine import build_schema  # noqa: E402
+from common import median_time, sentences, write_csv  # noqa: E402
+
+from promptcache import PromptCache  # noqa: E402
+from promptcache.engine import EngineConfig  # noqa: E402
+from promptcache.models.loading import load_model  # noqa: E402
+
+
+def timed(fn, repeats=3):
+    out = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - t0)
+    return statistics.median(out)
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="embedded:bench")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--schema-tokens", type=int, default=4000)
+    ap.add_argument("--prompts", type=int, default=8)
+    ap.add_argument("--repeats", type=int, default=3)
+    args = ap.parse_args(argv)
+    model, tok = load_model(args.model, device=args.device, dtype=args.dtype)
+    schema = build_schema(tok, args.schema_tokens)
+    with tempfile.TemporaryDirectory() as tmp:
+        art = Path(tmp) / "bench"
+        t0 = time.perf_counter()
+        PromptCache(model, tok).compile(schema, art)
+        compile_s = time.perf_counter() - t0
+        encode = timed(lambda: PromptCache(model, tok).add_schema(schema), args.repeats)
+        load_lazy = timed(lambda: PromptCache(model, tok).load_compiled(art), args.repeats)
+        load_full = timed(lambda: PromptCache(model, tok).load_compiled(art, verify=True), args.repeats)
+        disk_bytes = sum(p.stat().st_size for p in art.iterdir())
+
+    pc = PromptCache(model, tok)
+    entry = pc.add_schema(schema)
+    prompts = [f'<prompt schema="bench">{"".join(f"<doc{i}/>" for i in range(8))} {sentences(20, seed=k)}</prompt>'
+               for k in range(args.prompts)]
+    prompts += [p.replace("<doc7/>", "") for p in prompts[:2]]  # a prompt that drops one module
+    reuse = [pc.prefill(p).bytes_copied for p in prompts]
+    no_reuse = []
+    for p in prompts:
+        pc._pool.clear()
+        no_reuse.append(pc.prefill(p).bytes_copied)
+
+    rows = {"model": args.model, "device": args.device, "schema_tokens": entry.stored_tokens,
+            "compile_s": round(compile_s, 3), "encode_s": round(encode, 3), "load_lazy_s": round(load_lazy, 4),
+            "load_verified_s": round(load_full, 4), "load_speedup_lazy": round(encode / load_lazy, 1),
+            "load_speedup_verified": round(encode / load_full, 1), "artifact_bytes": disk_bytes,
+            "bytes_copied_with_reuse": sum(reuse), "bytes_copied_without_reuse": sum(no_reuse)}
+    print(f"model {args.model} on {args.device}; schema of {entry.stored_tokens} stored tokens "
+          f"({entry.stored_bytes / 2**20:.0f} MiB of states, artifact {disk_bytes / 2**20:.0f} MiB on disk)")
+    print(f"compile (encode + write):           {compile_s:8.2f} s")
+    print(f"encode again:                       {encode:8.2f} s")
+    print(f"load compiled, states read lazily:  {load_lazy:8.3f} s   ({encode / load_lazy:.0f}x faster than encoding)")
+    print(f"load compiled, all states verified: {load_full:8.3f} s   ({encode / load_full:.1f}x faster than encoding)")
+    print(f"bytes copied over {len(prompts)} prompts sharing modules: {sum(reuse) / 2**20:.0f} MiB with reuse, "
+          f"{sum(no_reuse) / 2**20:.0f} MiB without (per prompt with reuse: "
+          f"{', '.join(f'{b / 2**20:.0f}' for b in reuse)} MiB)")
+    if args.device.startswith("cuda"):
+        prompt = prompts[0]
+        dev = PromptCache(model, tok)
+        dev.add_schema(schema)
+        host = PromptCache(model, tok, EngineConfig(device_budget=0))
+        host.add_schema(schema)
+
+        def cold(engine):
+            engine._pool.clear()
+            return engine.prefill(prompt)
+
+        t_dev = median_time(lambda: cold(dev), repeats=10)
+        t_host = median_time(lambda: cold(host), repeats=10)
+        full = median_time(lambda: dev.prefill_baseline(prompt), repeats=5)
+        rows.update(ttft_device_s=round(t_dev, 5), ttft_host_s=round(t_host, 5), ttft_full_s=round(full, 5))
+        print(f"TTFT modules in device memory: {t_dev * 1e3:.1f} ms ({full / t_dev:.1f}x faster than full prefill)")
+        print(f"TTFT modules in host memory:   {t_host * 1e3:.1f} ms ({full / t_host:.1f}x faster than full prefill)")
+    else:
+        print("TTFT host vs device tier: needs a GPU (on CPU the device tier is host memory)")
+    print(f"wrote {write_csv('store.csv', [rows])}")
+
+
+if __name__ == "__main__":
+    main()
