@@ -278,11 +278,22 @@ class PromptCache:
             new_ids, new_pos = [last.token_ids[-1]], [last.position_ids[-1]]
             key, kv, pos, idx = cached[-1]
             cached[-1] = (key + "[:-1]", kv[:, :, :, :-1], pos[:-1], idx)
-        n_cached = sum(kv.shape[3] for _, kv, _, _ in cached)
-        self.adapter.check_limits(max(layout.position_ids), n_cached + len(new_ids) + reserve)
-        place = [(key, kv, pos) for key, kv, pos, _ in cached]
-        cache = self._pool.acquire(n_cached + len(new_ids) + reserve, [(k, kv.shape[3]) for k, kv, _ in place])
-        copied = cache.place(place)
+        res = self.run_spliced([(k, kv, pos) for k, kv, pos, _ in cached], new_ids, new_pos,
+                               max(layout.position_ids), t0, reserve, keep_cache)
+        res.exact, res.hit_tiers, res.layout = _is_exact(layout, entry, cached), dict(hits), layout
+        return res
+
+    def run_spliced(self, cached: list[tuple[str, torch.Tensor, torch.Tensor]], new_ids: list[int],
+                    new_pos: list[int], max_position: int, t0: float | None = None, reserve: int = 0,
+                    keep_cache: bool = False) -> PrefillResult:
+        """The splice itself: stored states (content key, kv [L, 2, H, n, D], positions [n]) placed
+        in order, then ``new_ids`` run at ``new_pos`` on top; ``max_position`` is the largest
+        position of the prompt (generation continues after it). Used by ``prefill`` and the RAG store."""
+        t0 = time.perf_counter() if t0 is None else t0
+        n_cached = sum(kv.shape[3] for _, kv, _ in cached)
+        self.adapter.check_limits(max_position, n_cached + len(new_ids) + reserve)
+        cache = self._pool.acquire(n_cached + len(new_ids) + reserve, [(k, kv.shape[3]) for k, kv, _ in cached])
+        copied = cache.place(cached)
         ids = torch.tensor([new_ids], dtype=torch.long, device=self.device)
         pos_t = torch.tensor([new_pos], dtype=torch.long, device=self.device)
         try:
@@ -293,12 +304,10 @@ class PromptCache:
             self._pool.release(cache)
             raise
         ttft = time.perf_counter() - t0
-        exact = _is_exact(layout, entry, cached)
         if not keep_cache:
             self._pool.release(cache)
             cache = None
-        return PrefillResult(logits, ttft, n_cached, len(new_ids), exact, copied, dict(hits), layout, cache,
-                             max(layout.position_ids) + 1)
+        return PrefillResult(logits, ttft, n_cached, len(new_ids), False, copied, {}, None, cache, max_position + 1)
 
     def release(self, result: PrefillResult) -> None:
         """Return a kept cache (``prefill(keep_cache=True)``) for reuse by later prompts."""
