@@ -24,7 +24,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 
@@ -320,26 +320,40 @@ class PromptCache:
                  use_cache: bool = True, namespace: str | None = None) -> Generation:
         """Generate text after the prompt. ``use_cache=False`` is the baseline: the same tokens in
         prompt order at contiguous positions, one plain prefill with the ordinary KV cache."""
-        stream = TextStream(self.tokenizer, stop)
-        ids: list[int] = []
-        state = None
-        for tok, state in self._tokens(prompt, max_new_tokens, temperature, top_p, top_k, seed, use_cache, namespace):
-            ids.append(tok)
-            stream.push(tok)
-            if stream.stopped:
-                break
-        if state is None:
-            state = self._start(prompt, 0, use_cache, namespace)
-            self.release(state)
-        return Generation(stream.text, ids, state.ttft, state.cached_tokens, state.new_tokens, state.exact,
-                          state.bytes_copied, state.hit_tiers)
+        start = functools.partial(self._start, prompt, use_cache=use_cache, namespace=namespace)
+        return self.generate_from(start, max_new_tokens, temperature, top_p, top_k, stop, seed)
 
     def stream(self, prompt, max_new_tokens: int = 64, temperature: float = 0.0, top_p: float = 1.0,
                top_k: int = 0, stop: list[str] | None = None, seed: int | None = None,
                use_cache: bool = True, namespace: str | None = None) -> Iterator[str]:
         """Yield text pieces as they are decoded (same arguments as ``generate``)."""
+        start = functools.partial(self._start, prompt, use_cache=use_cache, namespace=namespace)
+        return self.stream_from(start, max_new_tokens, temperature, top_p, top_k, stop, seed)
+
+    def generate_from(self, start: Callable[[int], PrefillResult], max_new_tokens: int = 64,
+                      temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
+                      stop: list[str] | None = None, seed: int | None = None) -> Generation:
+        """Generate from a prefill: ``start(reserve)`` returns a PrefillResult holding its cache
+        (room for ``reserve`` more tokens). ``generate`` and the RAG store use this."""
         stream = TextStream(self.tokenizer, stop)
-        for tok, _ in self._tokens(prompt, max_new_tokens, temperature, top_p, top_k, seed, use_cache, namespace):
+        ids: list[int] = []
+        state = None
+        for tok, state in self._tokens(start, max_new_tokens, temperature, top_p, top_k, seed):
+            ids.append(tok)
+            stream.push(tok)
+            if stream.stopped:
+                break
+        if state is None:  # max_new_tokens < 1: statistics of the prefill alone
+            state = start(0)
+            self.release(state)
+        return Generation(stream.text, ids, state.ttft, state.cached_tokens, state.new_tokens, state.exact,
+                          state.bytes_copied, state.hit_tiers)
+
+    def stream_from(self, start: Callable[[int], PrefillResult], max_new_tokens: int = 64,
+                    temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
+                    stop: list[str] | None = None, seed: int | None = None) -> Iterator[str]:
+        stream = TextStream(self.tokenizer, stop)
+        for tok, _ in self._tokens(start, max_new_tokens, temperature, top_p, top_k, seed):
             piece = stream.push(tok)
             if piece:
                 yield piece
@@ -350,13 +364,13 @@ class PromptCache:
             yield tail
 
     # -- internals -------------------------------------------------------------------------------
-    def _tokens(self, prompt, max_new_tokens, temperature, top_p, top_k, seed, use_cache, namespace):
+    def _tokens(self, start, max_new_tokens, temperature, top_p, top_k, seed):
+        sampler = make_sampler(temperature, top_p, top_k, seed)  # validates before any work
         if max_new_tokens < 1:
             return
-        sampler = make_sampler(temperature, top_p, top_k, seed)
-        state = self._start(prompt, max_new_tokens, use_cache, namespace)
+        state = start(max_new_tokens)
         try:
-            step = self._stepper(state, use_cache)
+            step = self._stepper(state)
             for tok in decode_loop(state.logits, step, sampler, max_new_tokens, self._eos):
                 yield tok, state
         finally:
@@ -367,14 +381,15 @@ class PromptCache:
             return self.prefill(prompt, reserve, keep_cache=True, namespace=namespace)
         return self.prefill_baseline(prompt, namespace)
 
-    def _stepper(self, state: PrefillResult, use_cache: bool):
+    def _stepper(self, state: PrefillResult):
         pos = state.next_position
+        spliced = isinstance(state.cache, SpliceCache)
 
         def step(tok: int) -> torch.Tensor:
             nonlocal pos
             ids = torch.tensor([[tok]], dtype=torch.long, device=self.device)
             with self._lock:
-                if use_cache:
+                if spliced:
                     p = torch.tensor([[pos]], dtype=torch.long, device=self.device)
                     pos += 1
                     return self.adapter.forward(ids, p, state.cache)[0]
