@@ -116,13 +116,15 @@ class SpliceCache(Cache):
             off += n
         return hit
 
-    def place(self, spans: list[tuple[object, torch.Tensor, torch.Tensor]]) -> int:
+    def place(self, spans: list[tuple[object, object, torch.Tensor]]) -> int:
         """Put stored spans (key, kv [L, 2, H, n, D], positions [n]) at slots 0.. in order, copying
-        only those not already resident at their slot; set the length. Returns bytes copied."""
+        only those not already resident at their slot; set the length. Returns bytes copied.
+        ``kv`` may be a zero-argument callable, called only when the span must be copied."""
         old, new, off, copied = self.resident or {}, {}, 0, 0
         for key, kv, pos in spans:
-            n = kv.shape[3]
+            n = len(pos)
             if old.get(off) != (key, n):
+                kv = kv() if callable(kv) else kv
                 self.write(off, kv, pos)
                 copied += kv.numel() * kv.element_size()
             new[off] = (key, n)

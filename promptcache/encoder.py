@@ -88,6 +88,15 @@ class SchemaEncoder:
         log.info("encoded schema '%s': %d passes, %d tokens run", layout.name, len(jobs) + 1, total)
         return out
 
+    def encode_alone(self, ids: list[int], start: int = 0) -> torch.Tensor:
+        """Tokens with no context at positions start..start+n-1: states [L, 2, H, n, D]."""
+        pos = list(range(start, start + len(ids)))
+        self.adapter.check_limits(pos[-1] if pos else 0, len(ids))
+        cache = SpliceCache(self.spec, len(ids), device=self.device)
+        for a in range(0, len(ids), self.chunk):
+            self._forward([ids[a : a + self.chunk]], [pos[a : a + self.chunk]], cache)
+        return cache.read(0, len(ids))
+
     def _group(self, jobs: list[_Job]) -> tuple[list[list[_Job]], list[_Job]]:
         """Batch passes sharing a prefix whose positions run contiguously from one start."""
         keyed: dict[tuple, list[_Job]] = {}

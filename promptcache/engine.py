@@ -236,6 +236,10 @@ class PromptCache:
                 self.store.get(k)
         return self._register(layout, keys, ns, time.perf_counter() - t0)
 
+    def encode_span(self, token_ids: list[int], start: int = 0) -> torch.Tensor:
+        """States of tokens encoded alone (no context) at positions start..: [L, 2, H, n, D]."""
+        return self._encoder.encode_alone(token_ids, start)
+
     def schema(self, name: str, namespace: str | None = None) -> EncodedSchema:
         ns = namespace or self.config.namespace
         entry = self._schemas.get((ns, name))
@@ -290,9 +294,9 @@ class PromptCache:
         in order, then ``new_ids`` run at ``new_pos`` on top; ``max_position`` is the largest
         position of the prompt (generation continues after it). Used by ``prefill`` and the RAG store."""
         t0 = time.perf_counter() if t0 is None else t0
-        n_cached = sum(kv.shape[3] for _, kv, _ in cached)
+        n_cached = sum(len(pos) for _, _, pos in cached)
         self.adapter.check_limits(max_position, n_cached + len(new_ids) + reserve)
-        cache = self._pool.acquire(n_cached + len(new_ids) + reserve, [(k, kv.shape[3]) for k, kv, _ in cached])
+        cache = self._pool.acquire(n_cached + len(new_ids) + reserve, [(k, len(pos)) for k, _, pos in cached])
         copied = cache.place(cached)
         ids = torch.tensor([new_ids], dtype=torch.long, device=self.device)
         pos_t = torch.tensor([new_pos], dtype=torch.long, device=self.device)

@@ -89,14 +89,14 @@ def write_artifact(out_dir: str | Path, *, sources: tuple[str, dict[str, str], s
         "states": {"file": states_file, "sha256": sums,
                    "nbytes": {n: t.numel() * t.element_size() for n, t in tensors.items()}},
     }
-    _atomic_write_text(out / MANIFEST, json.dumps(manifest, indent=1))
+    atomic_write_text(out / MANIFEST, json.dumps(manifest, indent=1))
     for old in out.glob("modules-*.safetensors"):
         if old.name != states_file:
             old.unlink(missing_ok=True)
     return out
 
 
-def _atomic_write_text(path: Path, text: str) -> None:
+def atomic_write_text(path: Path, text: str) -> None:
     fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:

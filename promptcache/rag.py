@@ -1,0 +1,248 @@
+"""Retrieval-augmented generation on position-independent document modules.
+
+    store = DocumentStore(pc, "docs.pcache")           # persisted; reopened with its states
+    store.add("paris", "Paris is the capital of France ...", {"source": "wiki"})
+    out = store.generate("What is Paris famous for?", doc_ids=["paris"], system="Answer briefly.")
+
+Each document is encoded once, alone (no context, positions from 0), and stored. At prompt time
+the chosen documents are placed contiguously in the given order after a cached prefix (BOS, the
+chat template's header, the system text, the user header); their keys are moved to their
+positions exactly (``models.relocate``), and only the question and the template's tail run
+through the model. The result equals the definition "each document encoded alone at its final
+positions, the question run on top"; it is *not* a plain prefill of the same text, because a
+document does not attend to the documents before it (the paper's independent modules).
+Works with any retriever: the caller passes document ids. Rotary and ALiBi models only
+(learned absolute positions cannot be moved; see ``models.relocate``).
+
+Persistence (``path``): ``index.json`` (documents, model and tokenizer fingerprints) and one
+``docs/<digest>.safetensors`` per document, all written atomically. Reopening with another
+model or tokenizer is refused naming the part, unless ``reencode=True``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import threading
+from array import array
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from .engine import Generation, PrefillResult, PromptCache
+from .layout import PromptLayout, Span
+from .models.relocate import check_relocatable, relocate
+from .store.artifact import atomic_write_text
+from .store.disk import atomic_save, tensor_sha256
+
+log = logging.getLogger(__name__)
+
+FORMAT_VERSION = 1
+INDEX = "index.json"
+
+
+class UnknownDocumentError(KeyError):
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+
+class DocumentStoreError(RuntimeError):
+    """A persisted document store cannot be used as it is (model, tokenizer or files)."""
+
+
+@dataclass(frozen=True)
+class Document:
+    id: str
+    text: str
+    metadata: dict = field(default_factory=dict)
+    n_tokens: int = 0
+    digest: str = ""  # sha256 of the token ids: names the states file
+
+
+class DocumentStore:
+    def __init__(self, pc: PromptCache, path: str | Path | None = None, namespace: str | None = None,
+                 reencode: bool = False):
+        check_relocatable(pc.adapter)
+        self.pc, self.namespace = pc, namespace or pc.config.namespace
+        self.path = Path(path) if path is not None else None
+        self._docs: dict[str, Document] = {}
+        self._sums: dict[str, str] = {}  # document digest -> sha256 of its stored states
+        self._lock = threading.RLock()
+        if self.path is not None and (self.path / INDEX).is_file():
+            self._open(reencode)
+
+    # -- documents -------------------------------------------------------------------------------
+    def add(self, doc_id: str, text: str, metadata: dict | None = None) -> Document:
+        """Encode a document once (alone, from position 0), store and persist it. Re-adding an
+        id replaces it; identical text is encoded once."""
+        if not isinstance(doc_id, str) or not doc_id:
+            raise ValueError(f"a document id must be a non-empty string, got {doc_id!r}")
+        ids = self.pc.tok.encode(text)
+        if not ids:
+            raise ValueError(f"document '{doc_id}' is empty")
+        digest = hashlib.sha256(array("q", ids).tobytes()).hexdigest()
+        doc = Document(doc_id, text, dict(metadata or {}), len(ids), digest)
+        key = self._key(digest)
+        if key not in self.pc.store:
+            kv = self.pc.encode_span(ids)
+            self.pc.store.put(key, kv)
+            if self.path is not None:
+                self._write_states(doc, kv)
+        with self._lock:
+            self._docs[doc_id] = doc
+            self._save_index()
+        return doc
+
+    def remove(self, doc_id: str) -> None:
+        with self._lock:
+            self._get(doc_id)
+            del self._docs[doc_id]
+            self._save_index()
+
+    def get(self, doc_id: str) -> Document:
+        return self._get(doc_id)
+
+    def ids(self) -> list[str]:
+        return list(self._docs)
+
+    def __contains__(self, doc_id: str) -> bool:
+        return doc_id in self._docs
+
+    def __len__(self) -> int:
+        return len(self._docs)
+
+    # -- prompts ---------------------------------------------------------------------------------
+    def layout(self, question: str, doc_ids: list[str], system: str | None = None) -> PromptLayout:
+        """Spans of the prompt: cached prefix, documents at their positions, new question."""
+        return self._plan(question, doc_ids, system)[0]
+
+    def prefill(self, question: str, doc_ids: list[str], system: str | None = None, reserve: int = 0,
+                keep_cache: bool = False) -> PrefillResult:
+        import time
+
+        t0 = time.perf_counter()
+        layout, cached, hits = self._plan(question, doc_ids, system, with_states=True)
+        new = [s for s in layout.spans if s.kind == "new"]
+        res = self.pc.run_spliced(cached, [t for s in new for t in s.token_ids],
+                                  [p for s in new for p in s.position_ids], max(layout.position_ids), t0,
+                                  reserve, keep_cache)
+        res.layout, res.hit_tiers = layout, hits
+        return res
+
+    def generate(self, question: str, doc_ids: list[str], system: str | None = None,
+                 max_new_tokens: int = 64, **sampling) -> Generation:
+        """Answer ``question`` with the documents ``doc_ids`` in that order (any retriever's ids)."""
+        return self.pc.generate_from(
+            lambda reserve: self.prefill(question, doc_ids, system, reserve, keep_cache=True),
+            max_new_tokens, **sampling)
+
+    def stream(self, question: str, doc_ids: list[str], system: str | None = None, max_new_tokens: int = 64,
+               **sampling):
+        return self.pc.stream_from(
+            lambda reserve: self.prefill(question, doc_ids, system, reserve, keep_cache=True),
+            max_new_tokens, **sampling)
+
+    # -- internals -------------------------------------------------------------------------------
+    def _get(self, doc_id: str) -> Document:
+        doc = self._docs.get(doc_id)
+        if doc is None:
+            known = ", ".join(list(self._docs)[:10]) + (" ..." if len(self._docs) > 10 else "")
+            raise UnknownDocumentError(
+                f"unknown document id '{doc_id}' (the store has {len(self._docs)} documents: {known or 'none'})")
+        return doc
+
+    def _key(self, digest: str, what: str = "doc") -> str:
+        return hashlib.sha256(f"promptcache-{what}-v1\0{self.namespace}\0{self.pc._model_key}\0{digest}".encode()).hexdigest()
+
+    def _plan(self, question: str, doc_ids: list[str], system: str | None, with_states: bool = False):
+        """(layout, cached states for run_spliced, tier hits)."""
+        docs = [self._get(d) for d in doc_ids]
+        tok = self.pc.tok
+        roles = ["system", "user"] if system else ["user"]
+        glue = tok.render_roles(roles, add_generation_prompt=True)
+        prefix = list(tok.bos_ids) + tok.encode(glue[0])
+        if system:
+            prefix += tok.encode(system) + tok.encode(glue[1])
+        spans = [Span("cached", "(prefix)", tuple(prefix), tuple(range(len(prefix))), "glue")] if prefix else []
+        pos = len(prefix)
+        for d in docs:
+            spans.append(Span("cached", f"doc:{d.id}", (), tuple(range(pos, pos + d.n_tokens)), "module"))
+            pos += d.n_tokens
+        q = tok.encode(("\n" if docs else "") + question) + tok.encode(glue[-1])
+        spans.append(Span("new", "(question)", tuple(q), tuple(range(pos, pos + len(q))), "text"))
+        layout = PromptLayout(spans, None)
+        if not with_states:
+            return layout, None, None
+        cached, hits = [], {}
+        device = self.pc.device
+        if prefix:
+            key = self._key(hashlib.sha256(array("q", prefix).tobytes()).hexdigest(), "prefix")
+            if key not in self.pc.store:
+                self.pc.store.put(key, self.pc.encode_span(prefix))
+            kv, tier = self.pc.store.get(key)
+            hits[tier] = hits.get(tier, 0) + 1
+            cached.append((key, kv, torch.arange(len(prefix), device=device)))
+        for d, span in zip(docs, spans[1 if prefix else 0 :]):
+            key = self._key(d.digest)
+            kv, tier = self.pc.store.get(key)
+            hits[tier] = hits.get(tier, 0) + 1
+            start = span.position_ids[0]
+            moved = (lambda kv=kv, start=start: relocate(self.pc.adapter, kv, start)) if start else kv
+            cached.append((f"{key}@{start}", moved, torch.arange(start, start + d.n_tokens, device=device)))
+        return layout, cached, hits
+
+    def _write_states(self, doc: Document, kv: torch.Tensor) -> None:
+        f = self._file(doc)
+        self._sums[doc.digest] = tensor_sha256(kv)
+        if not f.exists():
+            atomic_save({"kv": kv}, f)
+
+    def _file(self, doc: Document) -> Path:
+        return self.path / "docs" / f"{doc.digest[:32]}.safetensors"
+
+    def _save_index(self) -> None:
+        if self.path is None:
+            return
+        docs = []
+        for d in self._docs.values():
+            if d.digest not in self._sums:  # stored in memory before (same text): persist it now
+                self._write_states(d, self.pc.store.get(self._key(d.digest))[0])
+            docs.append({**asdict(d), "file": self._file(d).name, "sha256": self._sums[d.digest]})
+        index = {"format_version": FORMAT_VERSION, "model": self.pc.model_fingerprint,
+                 "tokenizer": self.pc.tokenizer_fingerprint, "documents": docs}
+        self.path.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(self.path / INDEX, json.dumps(index, indent=1))
+
+    def _open(self, reencode: bool) -> None:
+        try:
+            index = json.loads((self.path / INDEX).read_text(encoding="utf-8"))
+        except (OSError, ValueError) as e:
+            raise DocumentStoreError(f"{self.path / INDEX} is unreadable or corrupted: {e}") from None
+        if index.get("format_version") != FORMAT_VERSION:
+            raise DocumentStoreError(f"{self.path / INDEX}: format version {index.get('format_version')} "
+                                     f"is not {FORMAT_VERSION}")
+        problems = [f"model {k.removesuffix('_sha256')} differs"
+                    for k in ("architecture", "config_sha256", "weights_sha256", "dtype")
+                    if index["model"].get(k) != self.pc.model_fingerprint.get(k)]
+        if index.get("tokenizer") != self.pc.tokenizer_fingerprint:
+            problems.append("tokenizer differs")
+        docs = index.get("documents", [])
+        if problems:
+            if not reencode:
+                raise DocumentStoreError(f"document store {self.path} was built with another model or tokenizer: "
+                                         f"{'; '.join(problems)}. Open it with reencode=True to encode again.")
+            log.warning("re-encoding %d documents in %s: %s", len(docs), self.path, "; ".join(problems))
+            for d in docs:
+                self.add(d["id"], d["text"], d.get("metadata"))
+            return
+        for d in docs:
+            doc = Document(d["id"], d["text"], d.get("metadata") or {}, d["n_tokens"], d["digest"])
+            f = self._file(doc)
+            if not f.is_file():
+                raise DocumentStoreError(f"document '{doc.id}': states file {f} is missing")
+            # read lazily on first use; the disk tier checks the sha256 and never uses a bad file
+            self.pc.store.register_file(f, {self._key(doc.digest): ("kv", d["sha256"], 0)})
+            self._sums[doc.digest] = d["sha256"]
+            self._docs[doc.id] = doc

@@ -1,0 +1,129 @@
+"""The RAG document store: add, persist, reload, generate; exact against its definition."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from promptcache import PromptCache
+from promptcache.models import UnsupportedModelError
+from promptcache.rag import DocumentStore, DocumentStoreError, UnknownDocumentError
+from promptcache.store import StoreError
+from tiny import make_model, make_tokenizer
+
+DOCS = {
+    "paris": "Paris is the capital of France, famous for museums and cafes.",
+    "tokyo": "Tokyo is a huge city in Japan with temples, food markets and fast trains.",
+    "rome": "Rome is an old city with a famous tower and quiet gardens.",
+}
+
+
+def make_store(family="llama", path=None, seed=0, **kw):
+    pc = PromptCache(make_model(family, seed), make_tokenizer())
+    return DocumentStore(pc, path, **kw)
+
+
+def definition_logits(store, question, doc_ids, system):
+    """Prefix encoded as usual, each document encoded alone at its final positions, question on top."""
+    pc, layout = store.pc, store.layout(question, doc_ids, system)
+    ids, pos = [], []
+    for span in layout:
+        if span.kind == "cached" and span.name == "(prefix)":
+            ids, pos = list(span.token_ids), list(span.position_ids)
+    kv_parts, positions = [], []
+    if ids:
+        kv_parts.append(pc.encode_span(ids, 0))
+        positions += pos
+    for d in doc_ids:
+        span = next(s for s in layout if s.name == f"doc:{d}")
+        kv_parts.append(pc.encode_span(pc.tok.encode(DOCS[d]), span.position_ids[0]))
+        positions += list(span.position_ids)
+    kv = torch.cat(kv_parts, dim=3)
+    from promptcache.cache import SpliceCache
+
+    cache = SpliceCache(pc.spec, kv.shape[3] + 64)
+    cache.write(0, kv, torch.tensor(positions))
+    cache.set_length(kv.shape[3])
+    q = next(s for s in layout if s.kind == "new")
+    return pc.adapter.forward(torch.tensor([q.token_ids]), torch.tensor([q.position_ids]), cache)[0]
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt_neox", "bloom"])
+def test_generate_equals_definition(family):
+    store = make_store(family)
+    for k, v in DOCS.items():
+        store.add(k, v, {"lang": "en"})
+    for doc_ids, system in ((["tokyo", "paris"], "Answer briefly."), (["rome"], None), ([], "Be kind.")):
+        res = store.prefill("What is famous there?", doc_ids, system)
+        ref = definition_logits(store, "What is famous there?", doc_ids, system)
+        assert torch.max(torch.abs(res.logits - ref)).item() <= 1e-4, (family, doc_ids)
+        assert res.new_tokens < 20 and res.cached_tokens > 10 * len(doc_ids)
+    out = store.generate("What is famous there?", ["tokyo", "paris"], system="Answer briefly.", max_new_tokens=8)
+    assert len(out.token_ids) >= 1 and out.cached_tokens > 30
+    assert "".join(store.stream("What is famous there?", ["tokyo", "paris"], system="Answer briefly.",
+                                max_new_tokens=8)) == out.text
+
+
+def test_documents_are_placed_contiguously_in_the_given_order():
+    store = make_store()
+    for k, v in DOCS.items():
+        store.add(k, v)
+    layout = store.layout("Q?", ["rome", "paris"], "S.")
+    spans = list(layout)
+    assert [s.name for s in spans] == ["(prefix)", "doc:rome", "doc:paris", "(question)"]
+    for a, b in zip(spans, spans[1:]):
+        assert b.position_ids[0] == a.position_ids[-1] + 1
+
+
+def test_unknown_document_id_is_a_clear_error():
+    store = make_store()
+    store.add("paris", DOCS["paris"])
+    with pytest.raises(UnknownDocumentError, match="unknown document id 'lyon' .*1 documents: paris"):
+        store.generate("Q?", ["lyon"])
+    with pytest.raises(ValueError, match="empty"):
+        store.add("blank", "")
+
+
+def test_persist_and_reload(tmp_path):
+    store = make_store(path=tmp_path / "docs")
+    for k, v in DOCS.items():
+        store.add(k, v, {"n": len(v)})
+    ref = store.prefill("Where?", ["paris", "rome"], "S.").logits
+    index = json.loads((tmp_path / "docs" / "index.json").read_text())
+    assert [d["id"] for d in index["documents"]] == list(DOCS)
+    reopened = make_store(path=tmp_path / "docs")  # a fresh engine: states come from disk
+    assert reopened.ids() == list(DOCS) and reopened.get("paris").metadata == {"n": len(DOCS["paris"])}
+    res = reopened.prefill("Where?", ["paris", "rome"], "S.")
+    assert "disk" in res.hit_tiers
+    assert torch.allclose(res.logits, ref, atol=1e-6)
+    reopened.remove("rome")
+    assert make_store(path=tmp_path / "docs").ids() == ["paris", "tokyo"]
+
+
+def test_reload_with_another_model_is_refused_or_reencoded(tmp_path):
+    store = make_store(path=tmp_path / "d")
+    store.add("paris", DOCS["paris"])
+    with pytest.raises(DocumentStoreError, match="model weights differs"):
+        make_store(path=tmp_path / "d", seed=1)
+    again = make_store(path=tmp_path / "d", seed=1, reencode=True)
+    assert again.ids() == ["paris"]
+    assert make_store(path=tmp_path / "d", seed=1).ids() == ["paris"]  # now built for the new model
+
+
+def test_corrupted_document_states_are_never_used(tmp_path):
+    store = make_store(path=tmp_path / "c")
+    store.add("paris", DOCS["paris"])
+    f = next((tmp_path / "c" / "docs").glob("*.safetensors"))
+    data = bytearray(f.read_bytes())
+    data[-8] ^= 0xFF
+    f.write_bytes(bytes(data))
+    with pytest.raises(StoreError, match="checksum mismatch"):
+        make_store(path=tmp_path / "c").prefill("Q?", ["paris"])
+
+
+def test_learned_position_models_are_refused():
+    for family in ("gpt2", "opt"):
+        with pytest.raises(UnsupportedModelError, match="learned"):
+            make_store(family)
