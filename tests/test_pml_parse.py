@@ -233,7 +233,9 @@ def test_prompt_from_file(tmp_path):
     "body, expected",
     [
         # inside a run text is verbatim; the edges of runs are stripped; no separator at the start
-        ("\n  Hello   world\n    again  \n", ["Hello   world\n    again"]),
+        ("\n  Hello   world\n    again  \n", ["Hello   world\n  again"]),  # common indentation goes
+        ("\n    def f():\n        return 1\n  ", ["def f():\n    return 1"]),
+        ("A\n      def f():\n          return 1\n\n      x", ["A\ndef f():\n    return 1\n\nx"]),  # relative stays
         # whitespace at the end of the first span or the start of the second: exactly one space
         ('A   <module name="m">B</module>', ["A", " B"]),
         ('A<module name="m">   B</module>', ["A", " B"]),
@@ -317,3 +319,10 @@ def test_whitespace_rule_in_prompts():
     assert texts(parse_prompt("<prompt>  Hi  </prompt>").children) == ["Hi"]
     (user,) = parse_prompt('<prompt schema="s"><user>\n  Hi\n</user></prompt>').children
     assert texts(user.children) == ["Hi"]
+
+
+def test_src_files_are_verbatim(tmp_path):
+    (tmp_path / "code.py").write_text("def f():\n    return 1\n")
+    (tmp_path / "s.xml").write_text('<schema name="s"><module name="m" src="code.py"/></schema>')
+    schema = parse_schema(tmp_path / "s.xml")
+    assert texts(_leaves(schema.children)) == ["def f():\n    return 1"]

@@ -17,6 +17,7 @@ ROLES = ("system", "user", "assistant")
 class Text:
     text: str
     line: int
+    verbatim: bool = field(default=False, compare=False)  # src file or plain-text prompt: not dedented
 
 
 @dataclass

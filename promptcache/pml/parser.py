@@ -3,7 +3,10 @@
 Never recovers from malformed XML. Every error is a ``PMLError`` naming source and line.
 
 Whitespace rule (one rule for schemas, prompts and ``src`` files):
-  * Inside a text run, text is kept verbatim (newlines and indentation included).
+  * Inside a text run, text is kept as written (newlines included), except that the indentation
+    common to its lines is removed (a first line that starts right after the tag does not count):
+    pretty-printed XML does not send its indentation to the model, relative indentation
+    survives. ``src`` files and plain-text prompts are verbatim.
   * At the edges of runs, whitespace is a separator: a run's leading and trailing whitespace is
     removed, and when any whitespace stood between two spans (at the end of the first, at the
     start of the second, or as a whitespace-only run between them, across tags) the second span
@@ -164,7 +167,7 @@ def _schema_element(el, ctx: _SchemaCtx, scope: str):
     if module.src is not None:
         if not _is_empty(el, ctx):
             raise PMLError(f"module '{name}' has both src= and content", src, line)
-        module.children = [Text(_read_src(module.src, ctx, line), line)]
+        module.children = [Text(_read_src(module.src, ctx, line), line, verbatim=True)]
     else:
         module.children = _schema_children(el, ctx, "module")
     return module
@@ -227,6 +230,19 @@ def _flatten_scope(children: list):
 # Whitespace
 
 
+def dedent_text(text: str) -> str:
+    """Remove the indentation common to a text run's lines (XML pretty-printing); a first line
+    that starts right after the tag does not count. Relative indentation stays."""
+    lines = text.split("\n")
+    inline = bool(lines[0].strip())
+    body = lines[1:] if inline else lines
+    indents = [len(ln) - len(ln.lstrip(" \t")) for ln in body if ln.strip()]
+    if not indents:
+        return text
+    k = min(indents)
+    return "\n".join(([lines[0]] if inline else []) + [ln[k:] if ln.strip() else "" for ln in body])
+
+
 class _WS:
     def __init__(self, at_start: bool):
         self.pending = False  # whitespace seen since the last span
@@ -247,7 +263,8 @@ def _norm(children: list, st: _WS) -> None:
     kept = []
     for c in children:
         if isinstance(c, Text):
-            raw, core = c.text, c.text.strip()
+            raw = c.text
+            core = (raw if c.verbatim else dedent_text(raw)).strip()
             if not core:
                 st.pending = st.pending or bool(raw)
                 continue
@@ -285,7 +302,7 @@ def parse_prompt(text_or_path: str | Path) -> Prompt:
     names an existing file."""
     if isinstance(text_or_path, str) and not is_markup(text_or_path):
         if "\n" in text_or_path or not is_file(text_or_path):
-            children = [Text(text_or_path, 1)]
+            children = [Text(text_or_path, 1, verbatim=True)]
             normalize_whitespace(children, at_start=True)
             return Prompt(schema=None, children=children)
     text, source, _ = read_source(text_or_path, "prompt")
