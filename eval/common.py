@@ -40,9 +40,59 @@ def median_time(fn, repeats: int, warmup: int = 1) -> float:
     return statistics.median(times)
 
 
-def write_csv(name: str, rows: list[dict]) -> Path:
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    path = RESULTS / name
+def interleaved_medians(fns: dict, repeats: int, warmup: set | None = None, budget_s: float | None = None,
+                        expected: dict | None = None) -> dict:
+    """Median wall time of each function in ``fns`` (name -> fn), timed round-robin: one call of
+    each per round, so load from other processes on a shared machine falls on all of them alike.
+    Names in ``warmup`` get one untimed call first. With ``budget_s``, fewer rounds (at least one)
+    are run when a round would take longer than ``budget_s / repeats``, judged by the warm-up
+    times and ``expected`` (name -> seconds) for the others."""
+    one = dict(expected or {})
+    for name in warmup if warmup is not None else fns:
+        t0 = time.perf_counter()
+        fns[name]()
+        one[name] = time.perf_counter() - t0
+    round_s = sum(one.get(name, 0.0) for name in fns)
+    if budget_s is not None and round_s > 0:
+        repeats = max(1, min(repeats, int(budget_s / round_s)))
+    times = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def text_of_tokens(tok, n: int, seed: int) -> str:
+    """Deterministic prose of at most ``n`` tokens (as close to ``n`` as whole words allow)."""
+    if n <= 0:
+        return ""
+    words = sentences(2 * n + 8, seed).split()
+    count = lambda k: len(tok.encode(" ".join(words[:k]), add_special_tokens=False))  # noqa: E731
+    lo, hi = 1, len(words)
+    while count(hi) < n:  # a tokenizer with fewer than one token per word
+        words += sentences(2 * n + 8, seed + hi).split()
+        hi = len(words)
+    while lo < hi:  # the largest k with count(k) <= n
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if count(mid) <= n else (lo, mid - 1)
+    return " ".join(words[:lo])
+
+
+def forget_placement(pc) -> None:
+    """Make the next ``pc.prefill`` copy every stored module into its buffer, as for a prompt whose
+    reused buffer last held other modules (reaches into the engine's cache pool when it has one)."""
+    for cache in getattr(getattr(pc, "_pool", None), "_free", ()):
+        if getattr(cache, "resident", None) is not None:
+            cache.resident = {}
+
+
+def write_csv(name: str, rows: list[dict], out: Path | str | None = None) -> Path:
+    """Write ``rows`` to ``out/name`` (default eval/results/) atomically."""
+    folder = Path(out) if out is not None else RESULTS
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / name
     tmp = path.with_suffix(path.suffix + ".tmp")
     with tmp.open("w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=list(rows[0]))
