@@ -18,10 +18,10 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_engine import build_schema  # noqa: E402
-from common import median_time, sentences, write_csv  # noqa: E402
+from common import write_csv  # noqa: E402
 
 from promptcache import PromptCache  # noqa: E402
+from promptcache.bench import build_schema, median_time, sentences  # noqa: E402
 from promptcache.engine import EngineConfig  # noqa: E402
 from promptcache.models.loading import load_model  # noqa: E402
 

@@ -189,5 +189,12 @@ class CachePool:
                 self._free.pop(0)
 
     def clear(self) -> None:
+        """Drop every free buffer (the next prompt allocates and copies everything)."""
         with self._lock:
             self._free.clear()
+
+    def forget_residents(self) -> None:
+        """Keep the buffers but forget what they hold (the next prompt copies everything)."""
+        with self._lock:
+            for c in self._free:
+                c.resident = {}

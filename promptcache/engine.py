@@ -39,8 +39,8 @@ from .models import get_adapter
 from .pml import PMLError, parse_prompt, parse_schema
 from .pml.nodes import Prompt
 from .store import StoreConfig, TieredStore
-from .store.artifact import (ArtifactError, layout_record, materialize_schema, mismatches, read_manifest,
-                             schema_sources, write_artifact)
+from .store.artifact import (ArtifactError, layout_record, materialize_schema, materialized, mismatches,
+                             read_manifest, schema_sources, write_artifact)
 from .store.keys import content_keys, model_fingerprint, tokenizer_fingerprint
 from .sampling import TextStream, decode_loop, eos_ids, make_sampler
 from .tokens import as_span_tokenizer
@@ -187,9 +187,10 @@ class PromptCache:
         return entry
 
     def compile(self, schema: str | Path, out_dir: str | Path, progress: Progress | None = None,
-                namespace: str | None = None) -> Path:
+                namespace: str | None = None, source_name: str | None = None) -> Path:
         """Encode a schema and write it as a compiled artifact (safetensors + manifest.json)."""
-        sources = schema_sources(schema)
+        text, files, source = schema_sources(schema)
+        sources = (text, files, source_name or source)
         entry = self.add_schema(schema, progress, namespace)
         states = {i: self.store.get(k)[0] for i, k in entry.keys.items()}
         spec = {"layers": self.spec.layers, "kv_heads": self.spec.kv_heads, "head_dim": self.spec.head_dim,
@@ -218,9 +219,12 @@ class PromptCache:
             if not recompile:
                 raise ArtifactError(f"compiled schema {path} does not match: {'; '.join(problems)}. "
                                     "Recompile it (`promptcache compile`, or recompile=True / --recompile).")
-            source = schema if schema is not None else materialize_schema(manifest)
             log.warning("recompiling %s: %s", path, "; ".join(problems))
-            self.compile(source, path, namespace=namespace)
+            if schema is not None:
+                self.compile(schema, path, namespace=namespace)
+            else:
+                with materialized(manifest) as source:
+                    self.compile(source, path, namespace=namespace, source_name=manifest["schema"]["source"])
             return self.load_compiled(path, schema, namespace=namespace, verify=verify)
         layout = layout_schema(materialize_schema(manifest), self.tok)
         if layout_record(layout) != manifest["layout"]["spans"]:
@@ -329,8 +333,9 @@ class PromptCache:
 
     def stream(self, prompt, max_new_tokens: int = 64, temperature: float = 0.0, top_p: float = 1.0,
                top_k: int = 0, stop: list[str] | None = None, seed: int | None = None,
-               use_cache: bool = True, namespace: str | None = None) -> Iterator[str]:
-        """Yield text pieces as they are decoded (same arguments as ``generate``)."""
+               use_cache: bool = True, namespace: str | None = None) -> "GenerationStream":
+        """Text pieces as they are decoded (same arguments as ``generate``); after the loop,
+        ``.result`` holds the Generation with its statistics."""
         start = functools.partial(self._start, prompt, use_cache=use_cache, namespace=namespace)
         return self.stream_from(start, max_new_tokens, temperature, top_p, top_k, stop, seed)
 
@@ -355,17 +360,8 @@ class PromptCache:
 
     def stream_from(self, start: Callable[[int], PrefillResult], max_new_tokens: int = 64,
                     temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
-                    stop: list[str] | None = None, seed: int | None = None) -> Iterator[str]:
-        stream = TextStream(self.tokenizer, stop)
-        for tok, _ in self._tokens(start, max_new_tokens, temperature, top_p, top_k, seed):
-            piece = stream.push(tok)
-            if piece:
-                yield piece
-            if stream.stopped:
-                return
-        tail = stream.flush()
-        if tail:
-            yield tail
+                    stop: list[str] | None = None, seed: int | None = None) -> "GenerationStream":
+        return GenerationStream(self, start, max_new_tokens, temperature, top_p, top_k, stop, seed)
 
     # -- internals -------------------------------------------------------------------------------
     def _tokens(self, start, max_new_tokens, temperature, top_p, top_k, seed):
@@ -415,6 +411,33 @@ class PromptCache:
         n = ids.shape[1]
         return PrefillResult(logits, time.perf_counter() - t0, 0, n, True, layout=layout,
                              cache=out.past_key_values, next_position=n)
+
+
+class GenerationStream:
+    """Iterate to get text pieces; ``result`` is the finished Generation (None until the end)."""
+
+    def __init__(self, pc: PromptCache, start, max_new_tokens, temperature, top_p, top_k, stop, seed):
+        self._pc, self._start = pc, start
+        self._args = (max_new_tokens, temperature, top_p, top_k, seed)
+        self._stop = stop
+        self.result: Generation | None = None
+
+    def __iter__(self) -> Iterator[str]:
+        stream, ids, state = TextStream(self._pc.tokenizer, self._stop), [], None
+        for tok, state in self._pc._tokens(self._start, *self._args):
+            ids.append(tok)
+            piece = stream.push(tok)
+            if piece:
+                yield piece
+            if stream.stopped:
+                break
+        else:
+            tail = stream.flush()
+            if tail:
+                yield tail
+        if state is not None:
+            self.result = Generation(stream.text, ids, state.ttft, state.cached_tokens, state.new_tokens,
+                                     state.exact, state.bytes_copied, state.hit_tiers)
 
 
 def _is_exact(layout: PromptLayout, entry: EncodedSchema | None, cached) -> bool:

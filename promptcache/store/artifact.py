@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -155,8 +156,9 @@ def _short(v) -> str:
     return str(v)[:12] if v is not None else "none"
 
 
-def materialize_schema(manifest: dict) -> Schema:
-    """Rebuild the schema tree from the PML text and src files embedded in the manifest."""
+@contextmanager
+def materialized(manifest: dict):
+    """The schema embedded in a manifest, written to a temporary folder: yields its path."""
     sch = manifest["schema"]
     with tempfile.TemporaryDirectory(prefix="promptcache-schema-") as tmp:
         root = Path(tmp)
@@ -167,6 +169,12 @@ def materialize_schema(manifest: dict) -> Schema:
             target.parent.mkdir(parents=True, exist_ok=True)
             target.write_text(text, encoding="utf-8")
         (root / "schema.pml").write_text(sch["text"], encoding="utf-8")
-        schema = parse_schema(root / "schema.pml")
-    schema.source = sch["source"]
+        yield root / "schema.pml"
+
+
+def materialize_schema(manifest: dict) -> Schema:
+    """Rebuild the schema tree from the PML text and src files embedded in the manifest."""
+    with materialized(manifest) as path:
+        schema = parse_schema(path)
+    schema.source = manifest["schema"]["source"]
     return schema
