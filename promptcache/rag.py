@@ -59,6 +59,7 @@ class Document:
     metadata: dict = field(default_factory=dict)
     n_tokens: int = 0
     digest: str = ""  # sha256 of the token ids: names the states file
+    token_ids: tuple[int, ...] = field(default=(), repr=False, compare=False)
 
 
 class DocumentStore:
@@ -83,7 +84,7 @@ class DocumentStore:
         if not ids:
             raise ValueError(f"document '{doc_id}' is empty")
         digest = hashlib.sha256(array("q", ids).tobytes()).hexdigest()
-        doc = Document(doc_id, text, dict(metadata or {}), len(ids), digest)
+        doc = Document(doc_id, text, dict(metadata or {}), len(ids), digest, tuple(ids))
         key = self._key(digest)
         if key not in self.pc.store:
             kv = self.pc.encode_span(ids)
@@ -168,7 +169,7 @@ class DocumentStore:
         spans = [Span("cached", "(prefix)", tuple(prefix), tuple(range(len(prefix))), "glue")] if prefix else []
         pos = len(prefix)
         for d in docs:
-            spans.append(Span("cached", f"doc:{d.id}", (), tuple(range(pos, pos + d.n_tokens)), "module"))
+            spans.append(Span("cached", f"doc:{d.id}", d.token_ids, tuple(range(pos, pos + d.n_tokens)), "module"))
             pos += d.n_tokens
         q = tok.encode(("\n" if docs else "") + question) + tok.encode(glue[-1])
         spans.append(Span("new", "(question)", tuple(q), tuple(range(pos, pos + len(q))), "text"))
@@ -209,7 +210,8 @@ class DocumentStore:
         for d in self._docs.values():
             if d.digest not in self._sums:  # stored in memory before (same text): persist it now
                 self._write_states(d, self.pc.store.get(self._key(d.digest))[0])
-            docs.append({**asdict(d), "file": self._file(d).name, "sha256": self._sums[d.digest]})
+            record = {k: v for k, v in asdict(d).items() if k != "token_ids"}
+            docs.append({**record, "file": self._file(d).name, "sha256": self._sums[d.digest]})
         index = {"format_version": FORMAT_VERSION, "model": self.pc.model_fingerprint,
                  "tokenizer": self.pc.tokenizer_fingerprint, "documents": docs}
         self.path.mkdir(parents=True, exist_ok=True)
@@ -238,7 +240,10 @@ class DocumentStore:
                 self.add(d["id"], d["text"], d.get("metadata"))
             return
         for d in docs:
-            doc = Document(d["id"], d["text"], d.get("metadata") or {}, d["n_tokens"], d["digest"])
+            ids = tuple(self.pc.tok.encode(d["text"]))
+            doc = Document(d["id"], d["text"], d.get("metadata") or {}, len(ids), d["digest"], ids)
+            if hashlib.sha256(array("q", ids).tobytes()).hexdigest() != doc.digest:
+                raise DocumentStoreError(f"document '{doc.id}' tokenizes differently than when it was stored")
             f = self._file(doc)
             if not f.is_file():
                 raise DocumentStoreError(f"document '{doc.id}': states file {f} is missing")
