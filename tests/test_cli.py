@@ -110,6 +110,7 @@ def test_validate_reports_file_line_and_exit_code(runner, tmp_path):
 
 def test_offline_model_failure_says_so(runner, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", True)  # read at import: set it too
     res = invoke(runner, "run", PROMPT, "--schema", SCHEMA, "--model", "no-such-org/no-such-model")
     assert res.exit_code == 2 and "local directory" in res.output
 

@@ -209,6 +209,7 @@ def test_from_pretrained_loads_a_local_directory(tmp_path):
 
 def test_from_pretrained_offline_failure_says_so(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", True)  # read at import: set it too
     with pytest.raises(OSError, match="local directory"):
         PromptCache.from_pretrained("no-such-org/no-such-model")
 
