@@ -9,7 +9,6 @@ Prints ratios measured in this one run and writes eval/results/store.csv.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import tempfile
 import time
@@ -24,15 +23,6 @@ from promptcache import PromptCache  # noqa: E402
 from promptcache.bench import build_schema, median_time, sentences  # noqa: E402
 from promptcache.engine import EngineConfig  # noqa: E402
 from promptcache.models.loading import load_model  # noqa: E402
-
-
-def timed(fn, repeats=3):
-    out = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        out.append(time.perf_counter() - t0)
-    return statistics.median(out)
 
 
 def main(argv=None) -> None:
@@ -51,9 +41,10 @@ def main(argv=None) -> None:
         t0 = time.perf_counter()
         PromptCache(model, tok).compile(schema, art)
         compile_s = time.perf_counter() - t0
-        encode = timed(lambda: PromptCache(model, tok).add_schema(schema), args.repeats)
-        load_lazy = timed(lambda: PromptCache(model, tok).load_compiled(art), args.repeats)
-        load_full = timed(lambda: PromptCache(model, tok).load_compiled(art, verify=True), args.repeats)
+        encode = median_time(lambda: PromptCache(model, tok).add_schema(schema), args.repeats, warmup=0)
+        load_lazy = median_time(lambda: PromptCache(model, tok).load_compiled(art), args.repeats, warmup=0)
+        load_full = median_time(lambda: PromptCache(model, tok).load_compiled(art, verify=True), args.repeats,
+                                warmup=0)
         disk_bytes = sum(p.stat().st_size for p in art.iterdir())
 
     pc = PromptCache(model, tok)
