@@ -121,6 +121,7 @@ class SpliceCache(Cache):
         only those not already resident at their slot; set the length. Returns bytes copied.
         ``kv`` may be a zero-argument callable, called only when the span must be copied."""
         old, new, off, copied = self.resident or {}, {}, 0, 0
+        self.resident = {}  # until placement completes, nothing in this buffer is trusted
         for key, kv, pos in spans:
             n = len(pos)
             if old.get(off) != (key, n):

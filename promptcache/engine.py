@@ -301,10 +301,10 @@ class PromptCache:
         n_cached = sum(len(pos) for _, _, pos in cached)
         self.adapter.check_limits(max_position, n_cached + len(new_ids) + reserve)
         cache = self._pool.acquire(n_cached + len(new_ids) + reserve, [(k, len(pos)) for k, _, pos in cached])
-        copied = cache.place(cached)
-        ids = torch.tensor([new_ids], dtype=torch.long, device=self.device)
-        pos_t = torch.tensor([new_pos], dtype=torch.long, device=self.device)
         try:
+            copied = cache.place(cached)
+            ids = torch.tensor([new_ids], dtype=torch.long, device=self.device)
+            pos_t = torch.tensor([new_pos], dtype=torch.long, device=self.device)
             with self._lock:
                 logits = self.adapter.forward(ids, pos_t, cache)[0]
             _sync(self.device)
