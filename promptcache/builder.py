@@ -24,10 +24,9 @@ boundary is one separating space and none is none, so write the spaces you mean,
 ``sep=" "`` (any whitespace will do, ``sep="\\n"`` reads better) to put a string between
 consecutive children. A union holds only modules: put separators in the member texts or
 around the union. Text reaches the model as the same text typed into a PML file would:
-adjacent strings (and ``sep``) form one text run, and the parser removes the indentation
-common to a run's lines (a first line right after a tag does not count), so
-``"def f():\n    return 1"`` arrives as ``"def f():\nreturn 1"``; keep a line at column 0
-or use ``src=`` (files are verbatim) for text whose indentation matters.
+adjacent strings (and ``sep``) form one text run; a run that starts right after its tag
+(the usual case here) is kept as written, so ``"def f():\n    return 1"`` arrives as is, while
+a run that starts with a newline loses the indentation common to its lines.
 
 **Output.** ``to_pml()`` (also ``str()``) pretty-prints by default, adding or reshaping
 whitespace only where the whitespace rule makes it meaningless: whitespace the caller wrote at

@@ -298,7 +298,7 @@ def test_pretty_printing_leaves_the_meaning_alone(doc):
     assert shape(parse(doc.to_pml(pretty=True)).children) == expected
 
 
-def test_text_runs_lose_common_indentation_like_hand_written_pml(tmp_path):
+def test_text_runs_follow_the_indentation_rule_like_hand_written_pml(tmp_path):
     code = "def f():\n    return 1"
     s = Schema("s", module("inline", code), module("flush", "\n" + code), module("file", src="f.py"))
     (tmp_path / "f.py").write_text(code)
@@ -309,9 +309,10 @@ def test_text_runs_lose_common_indentation_like_hand_written_pml(tmp_path):
     (tmp_path / "hand.xml").write_text(hand)
     texts = [m.children[0].text for m in parse_schema(s.save(tmp_path / "s.xml")).children]
     assert texts == [m.children[0].text for m in parse_schema(tmp_path / "hand.xml").children]
-    # the parser's rule: an inline first line does not count, a first line at column 0 keeps the
-    # rest (the newline before it is a separator); src files are verbatim
-    assert texts == ["def f():\nreturn 1", " " + code, code]
+    # the parser's rule: a run starting right after its tag is kept as written; one starting on a
+    # new line loses its common indentation (here none: column 0), the newline being a separator;
+    # src files are verbatim
+    assert texts == [code, " " + code, code]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -235,7 +235,7 @@ def test_prompt_from_file(tmp_path):
         # inside a run text is verbatim; the edges of runs are stripped; no separator at the start
         ("\n  Hello   world\n    again  \n", ["Hello   world\n  again"]),  # common indentation goes
         ("\n    def f():\n        return 1\n  ", ["def f():\n    return 1"]),
-        ("A\n      def f():\n          return 1\n\n      x", ["A\ndef f():\n    return 1\n\nx"]),  # relative stays
+        ("A\n  def f():\n      return 1", ["A\n  def f():\n      return 1"]),  # starts inline: as written
         # whitespace at the end of the first span or the start of the second: exactly one space
         ('A   <module name="m">B</module>', ["A", " B"]),
         ('A<module name="m">   B</module>', ["A", " B"]),

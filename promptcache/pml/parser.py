@@ -3,10 +3,10 @@
 Never recovers from malformed XML. Every error is a ``PMLError`` naming source and line.
 
 Whitespace rule (one rule for schemas, prompts and ``src`` files):
-  * Inside a text run, text is kept as written (newlines included), except that the indentation
-    common to its lines is removed (a first line that starts right after the tag does not count):
-    pretty-printed XML does not send its indentation to the model, relative indentation
-    survives. ``src`` files and plain-text prompts are verbatim.
+  * Inside a text run, text is kept as written (newlines included), except that a run that
+    starts on a new line (pretty-printed XML) loses the indentation common to its lines, so the
+    layout's indentation does not reach the model; relative indentation survives. A run that
+    starts right after its tag, ``src`` files and plain-text prompts are kept verbatim.
   * At the edges of runs, whitespace is a separator: a run's leading and trailing whitespace is
     removed, and when any whitespace stood between two spans (at the end of the first, at the
     start of the second, or as a whitespace-only run between them, across tags) the second span
@@ -231,16 +231,16 @@ def _flatten_scope(children: list):
 
 
 def dedent_text(text: str) -> str:
-    """Remove the indentation common to a text run's lines (XML pretty-printing); a first line
-    that starts right after the tag does not count. Relative indentation stays."""
+    """Remove the indentation common to a text run's lines when the run starts on a new line
+    (pretty-printed XML); a run that starts right after its tag is kept as written."""
     lines = text.split("\n")
-    inline = bool(lines[0].strip())
-    body = lines[1:] if inline else lines
-    indents = [len(ln) - len(ln.lstrip(" \t")) for ln in body if ln.strip()]
+    if lines[0].strip() or len(lines) == 1:
+        return text
+    indents = [len(ln) - len(ln.lstrip(" \t")) for ln in lines if ln.strip()]
     if not indents:
         return text
     k = min(indents)
-    return "\n".join(([lines[0]] if inline else []) + [ln[k:] if ln.strip() else "" for ln in body])
+    return "\n".join(ln[k:] if ln.strip() else "" for ln in lines)
 
 
 class _WS:
