@@ -17,7 +17,7 @@ greedy output token agreement (common prefix / longer output) and exact match of
 first-token KL(full || Prompt Cache), and the task metric of each output against the answers
 (F1 for QA, ROUGE-L for summarization, exact match for classification; see metrics.py).
 Without ``--data`` a synthetic dataset is generated (eval/data/make_synthetic.py).
-Writes accuracy_MODE.csv (per sample) and accuracy_MODE_summary.csv (per task) to ``--out``.
+Writes accuracy_MODE_mTOKENS.csv (per sample) and accuracy_MODE_mTOKENS_summary.csv (per task) to ``--out``.
 """
 
 from __future__ import annotations
@@ -183,8 +183,10 @@ def main(argv=None) -> tuple[list[dict], list[dict]]:
               f"{s['max_first_token_kl']:.2e}  first token same {s['first_token_same']:.2f}  "
               f"agreement {s['token_agreement']:.2f}  outputs equal {s['output_exact']:.2f}  "
               f"score full {s['score_full']:.3f} pc {s['score_pc']:.3f}")
-    a = write_csv(f"accuracy_{args.mode}.csv", rows, args.out)
-    b = write_csv(f"accuracy_{args.mode}_summary.csv", summary, args.out)
+    stem = f"accuracy_{args.mode}_m{args.module_tokens}"
+    a = write_csv(f"{stem}.csv", rows, args.out)
+    b = write_csv(f"{stem}_summary.csv", [{"model": args.model, "mode": args.mode,
+                                            "module_tokens": args.module_tokens, **s} for s in summary], args.out)
     print(f"wrote {a} and {b}")
     return rows, summary
 

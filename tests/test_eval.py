@@ -194,7 +194,8 @@ def test_accuracy_study_end_to_end(tmp_path, mode):
     assert [r["metric"] for r in rows] == ["f1", "rouge_l"]
     assert all(r["modules"] >= 2 for r in rows)
     assert summary[-1]["task"] == "all" and summary[-1]["samples"] == 2
-    assert read_csv(tmp_path / f"accuracy_{mode}.csv") and read_csv(tmp_path / f"accuracy_{mode}_summary.csv")
+    assert read_csv(tmp_path / f"accuracy_{mode}_m12.csv")
+    assert read_csv(tmp_path / f"accuracy_{mode}_m12_summary.csv")[-1]["model"] == "embedded:demo"
     for r in rows:
         assert 0 <= r["token_agreement"] <= 1 and 0 <= r["score_pc"] <= 1 and r["first_token_kl"] >= 0
         if mode == "chained":  # every module imported in order: exactly a full prefill
