@@ -1,7 +1,7 @@
 """TTFT study: full prefill vs prefix reuse vs Prompt Cache vs the limit, over prompt length and cached fraction.
 
     python eval/ttft.py [--model embedded:bench] [--lengths 512 1024 2048 4096 8192]
-                        [--fractions 0.5 0.9 0.99] [--quick] [--out eval/results]
+                        [--fractions 0.5 0.9 0.99] [--threads 1] [--quick] [--out eval/results]
 
 Scenario (one schema per length L): anonymous preamble text (``--change-at`` of L), a union of
 two variants (``v0`` scaffold, ``v1``), then document modules. The previous request imported
