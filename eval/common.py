@@ -3,41 +3,14 @@
 from __future__ import annotations
 
 import csv
-import random
 import statistics
 import time
 from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
-WORDS = (
-    "the city river museum market train temple garden bridge harbour castle street night food music "
-    "ancient modern quiet busy famous small large old new north south east west travel visit walk see "
-    "history art coffee bread tea fish rice noodle wine cheese park square tower church palace island "
-    "mountain valley lake beach forest village road station ticket hotel room morning evening summer"
-).split()
-
-
-def sentences(n_words: int, seed: int) -> str:
-    rng = random.Random(seed)
-    out, words = [], 0
-    while words < n_words:
-        k = rng.randint(6, 14)
-        s = " ".join(rng.choice(WORDS) for _ in range(k))
-        out.append(s[0].upper() + s[1:] + ".")
-        words += k
-    return " ".join(out)
-
-
-def median_time(fn, repeats: int, warmup: int = 1) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+# one deterministic text generator and timer for the whole project (promptcache/bench.py)
+from promptcache.bench import WORDS, median_time, sentences  # noqa: E402,F401
 
 
 def interleaved_medians(fns: dict, repeats: int, warmup: set | None = None, budget_s: float | None = None,
@@ -81,11 +54,9 @@ def text_of_tokens(tok, n: int, seed: int) -> str:
 
 
 def forget_placement(pc) -> None:
-    """Make the next ``pc.prefill`` copy every stored module into its buffer, as for a prompt whose
-    reused buffer last held other modules (reaches into the engine's cache pool when it has one)."""
-    for cache in getattr(getattr(pc, "_pool", None), "_free", ()):
-        if getattr(cache, "resident", None) is not None:
-            cache.resident = {}
+    """Make the next ``pc.prefill`` copy every stored module into its (reused) buffer, as for a
+    prompt whose buffer last held other modules."""
+    pc._pool.forget_residents()
 
 
 def write_csv(name: str, rows: list[dict], out: Path | str | None = None) -> Path:
