@@ -19,31 +19,32 @@ Decisions:
 
 from __future__ import annotations
 
+import functools
+import json
 import logging
 import threading
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable
 
 import torch
 
-import functools
-import json
-from collections import Counter
-
+from . import compiled
 from .cache import CachePool, SpliceCache
 from .encoder import Progress, SchemaEncoder
+from .generation import Generation, GenerationStream
 from .layout import PromptLayout, SchemaLayout, layout_prompt, layout_schema
 from .models import get_adapter
-from .pml import PMLError, parse_prompt, parse_schema
+from .pml import PMLError, parse_prompt
 from .pml.nodes import Prompt
+from .sampling import eos_ids
 from .store import StoreConfig, TieredStore
-from .store.artifact import (ArtifactError, layout_record, materialize_schema, materialized, mismatches,
-                             read_manifest, schema_sources, write_artifact)
 from .store.keys import content_keys, model_fingerprint, tokenizer_fingerprint
-from .sampling import TextStream, decode_loop, eos_ids, make_sampler
 from .tokens import as_span_tokenizer
+
+__all__ = ["EncodedSchema", "EngineConfig", "Generation", "GenerationStream", "PrefillResult", "PromptCache"]
 
 log = logging.getLogger(__name__)
 
@@ -107,18 +108,6 @@ class PrefillResult:
     layout: PromptLayout | None = None
     cache: object = field(default=None, repr=False)  # kept only with prefill(keep_cache=True)
     next_position: int = 0
-
-
-@dataclass
-class Generation:
-    text: str
-    token_ids: list[int]
-    ttft: float
-    cached_tokens: int
-    new_tokens: int
-    exact: bool = False
-    bytes_copied: int = 0
-    hit_tiers: dict[str, int] = field(default_factory=dict)
 
 
 class PromptCache:
@@ -189,15 +178,7 @@ class PromptCache:
     def compile(self, schema: str | Path, out_dir: str | Path, progress: Progress | None = None,
                 namespace: str | None = None, source_name: str | None = None) -> Path:
         """Encode a schema and write it as a compiled artifact (safetensors + manifest.json)."""
-        text, files, source = schema_sources(schema)
-        sources = (text, files, source_name or source)
-        entry = self.add_schema(schema, progress, namespace)
-        states = {i: self.store.get(k)[0] for i, k in entry.keys.items()}
-        spec = {"layers": self.spec.layers, "kv_heads": self.spec.kv_heads, "head_dim": self.spec.head_dim,
-                "dtype": str(self.spec.dtype).removeprefix("torch.")}
-        return write_artifact(out_dir, sources=sources, schema=entry.layout.schema, layout=entry.layout,
-                              states=states, model_fp=self.model_fingerprint,
-                              tokenizer_fp=self.tokenizer_fingerprint, kv_spec=spec)
+        return compiled.compile_schema(self, schema, out_dir, progress, namespace, source_name)
 
     def load_compiled(self, path: str | Path, schema: str | Path | None = None, recompile: bool = False,
                       namespace: str | None = None, verify: bool = False) -> EncodedSchema:
@@ -205,40 +186,7 @@ class PromptCache:
         used. ``schema``: the schema source, to check the artifact was compiled from it.
         A mismatch (model, tokenizer, schema text) is refused unless ``recompile``; ``verify``
         reads and checks every state now instead of on first use."""
-        t0 = time.perf_counter()
-        try:
-            manifest = read_manifest(path)
-            digest = parse_schema(schema).digest if schema is not None else None
-            problems = mismatches(manifest, self.model_fingerprint, self.tokenizer_fingerprint, digest)
-        except ArtifactError:
-            if recompile and schema is not None:
-                self.compile(schema, path, namespace=namespace)
-                return self.load_compiled(path, schema, namespace=namespace, verify=verify)
-            raise
-        if problems:
-            if not recompile:
-                raise ArtifactError(f"compiled schema {path} does not match: {'; '.join(problems)}. "
-                                    "Recompile it (`promptcache compile`, or recompile=True / --recompile).")
-            log.warning("recompiling %s: %s", path, "; ".join(problems))
-            if schema is not None:
-                self.compile(schema, path, namespace=namespace)
-            else:
-                with materialized(manifest) as source:
-                    self.compile(source, path, namespace=namespace, source_name=manifest["schema"]["source"])
-            return self.load_compiled(path, schema, namespace=namespace, verify=verify)
-        layout = layout_schema(materialize_schema(manifest), self.tok)
-        if layout_record(layout) != manifest["layout"]["spans"]:
-            raise ArtifactError(f"compiled schema {path}: the tokenizer lays the schema out differently now")
-        ns = namespace or self.config.namespace
-        keys = content_keys(layout, self._model_key, ns)
-        states = manifest["states"]
-        entries = {k: (f"span_{i}", states["sha256"][f"span_{i}"], states["nbytes"][f"span_{i}"])
-                   for i, k in keys.items()}
-        self.store.register_file(Path(path) / states["file"], entries)
-        if verify:
-            for k in keys.values():
-                self.store.get(k)
-        return self._register(layout, keys, ns, time.perf_counter() - t0)
+        return compiled.load_compiled(self, path, schema, recompile, namespace, verify)
 
     def encode_span(self, token_ids: list[int], start: int = 0) -> torch.Tensor:
         """States of tokens encoded alone (no context) at positions start..: [L, 2, H, n, D]."""
@@ -333,7 +281,7 @@ class PromptCache:
 
     def stream(self, prompt, max_new_tokens: int = 64, temperature: float = 0.0, top_p: float = 1.0,
                top_k: int = 0, stop: list[str] | None = None, seed: int | None = None,
-               use_cache: bool = True, namespace: str | None = None) -> "GenerationStream":
+               use_cache: bool = True, namespace: str | None = None) -> GenerationStream:
         """Text pieces as they are decoded (same arguments as ``generate``); after the loop,
         ``.result`` holds the Generation with its statistics."""
         start = functools.partial(self._start, prompt, use_cache=use_cache, namespace=namespace)
@@ -344,60 +292,17 @@ class PromptCache:
                       stop: list[str] | None = None, seed: int | None = None) -> Generation:
         """Generate from a prefill: ``start(reserve)`` returns a PrefillResult holding its cache
         (room for ``reserve`` more tokens). ``generate`` and the RAG store use this."""
-        stream = TextStream(self.tokenizer, stop)
-        ids: list[int] = []
-        state = None
-        for tok, state in self._tokens(start, max_new_tokens, temperature, top_p, top_k, seed):
-            ids.append(tok)
-            stream.push(tok)
-            if stream.stopped:
-                break
-        if state is None:  # max_new_tokens < 1: statistics of the prefill alone
-            state = start(0)
-            self.release(state)
-        return Generation(stream.text, ids, state.ttft, state.cached_tokens, state.new_tokens, state.exact,
-                          state.bytes_copied, state.hit_tiers)
+        return GenerationStream(self, start, max_new_tokens, temperature, top_p, top_k, stop, seed).run()
 
     def stream_from(self, start: Callable[[int], PrefillResult], max_new_tokens: int = 64,
                     temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
-                    stop: list[str] | None = None, seed: int | None = None) -> "GenerationStream":
+                    stop: list[str] | None = None, seed: int | None = None) -> GenerationStream:
         return GenerationStream(self, start, max_new_tokens, temperature, top_p, top_k, stop, seed)
-
-    # -- internals -------------------------------------------------------------------------------
-    def _tokens(self, start, max_new_tokens, temperature, top_p, top_k, seed):
-        sampler = make_sampler(temperature, top_p, top_k, seed)  # validates before any work
-        if max_new_tokens < 1:
-            return
-        state = start(max_new_tokens)
-        try:
-            step = self._stepper(state)
-            for tok in decode_loop(state.logits, step, sampler, max_new_tokens, self._eos):
-                yield tok, state
-        finally:
-            self.release(state)
 
     def _start(self, prompt, reserve: int, use_cache: bool, namespace: str | None = None) -> PrefillResult:
         if use_cache:
             return self.prefill(prompt, reserve, keep_cache=True, namespace=namespace)
         return self.prefill_baseline(prompt, namespace)
-
-    def _stepper(self, state: PrefillResult):
-        pos = state.next_position
-        spliced = isinstance(state.cache, SpliceCache)
-
-        def step(tok: int) -> torch.Tensor:
-            nonlocal pos
-            ids = torch.tensor([[tok]], dtype=torch.long, device=self.device)
-            with self._lock:
-                if spliced:
-                    p = torch.tensor([[pos]], dtype=torch.long, device=self.device)
-                    pos += 1
-                    return self.adapter.forward(ids, p, state.cache)[0]
-                with torch.inference_mode():
-                    out = self.model(input_ids=ids, past_key_values=state.cache, use_cache=True, logits_to_keep=1)
-                return out.logits[0, -1]
-
-        return step
 
     def prefill_baseline(self, prompt, namespace: str | None = None) -> PrefillResult:
         """Full prefill of the prompt's tokens (prompt order, positions 0..n-1), stock model path."""
@@ -411,33 +316,6 @@ class PromptCache:
         n = ids.shape[1]
         return PrefillResult(logits, time.perf_counter() - t0, 0, n, True, layout=layout,
                              cache=out.past_key_values, next_position=n)
-
-
-class GenerationStream:
-    """Iterate to get text pieces; ``result`` is the finished Generation (None until the end)."""
-
-    def __init__(self, pc: PromptCache, start, max_new_tokens, temperature, top_p, top_k, stop, seed):
-        self._pc, self._start = pc, start
-        self._args = (max_new_tokens, temperature, top_p, top_k, seed)
-        self._stop = stop
-        self.result: Generation | None = None
-
-    def __iter__(self) -> Iterator[str]:
-        stream, ids, state = TextStream(self._pc.tokenizer, self._stop), [], None
-        for tok, state in self._pc._tokens(self._start, *self._args):
-            ids.append(tok)
-            piece = stream.push(tok)
-            if piece:
-                yield piece
-            if stream.stopped:
-                break
-        else:
-            tail = stream.flush()
-            if tail:
-                yield tail
-        if state is not None:
-            self.result = Generation(stream.text, ids, state.ttft, state.cached_tokens, state.new_tokens,
-                                     state.exact, state.bytes_copied, state.hit_tiers)
 
 
 def _is_exact(layout: PromptLayout, entry: EncodedSchema | None, cached) -> bool:
