@@ -232,3 +232,15 @@ def test_cuda_matches_cpu():
     gpu.add_schema(SCHEMA)
     assert torch.allclose(gpu.prefill(PROMPT).logits.cpu(), cpu.prefill(PROMPT).logits, atol=1e-4)
     assert gpu.generate(PROMPT, max_new_tokens=8).token_ids == cpu.generate(PROMPT, max_new_tokens=8).token_ids
+
+
+def test_encoding_reports_progress_and_skips_stored_modules():
+    calls = []
+    pc = PromptCache(make_model("llama"), make_tokenizer())
+    pc.add_schema(SCHEMA, progress=lambda done, total: calls.append((done, total)))
+    assert calls and calls[-1][0] == calls[-1][1] > 0
+    assert all(a[0] <= b[0] for a, b in zip(calls, calls[1:]))
+    calls.clear()
+    pc.add_schema(SCHEMA)  # every module already stored: nothing is encoded again
+    pc.add_schema(SCHEMA, progress=lambda done, total: calls.append((done, total)))
+    assert calls == []
