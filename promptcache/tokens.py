@@ -70,11 +70,17 @@ class HFSpanTokenizer:
         self.pad_id = _first_int(tok, ("pad_token_id", "unk_token_id", "eos_token_id"), default=0)
         bos = tok.bos_token_id
         adds_bos = bos is not None and tok("x").input_ids[:1] == [bos]
-        template_bos = bool(tok.bos_token) and bool(getattr(tok, "chat_template", None)) and bool(
-            tok.bos_token in (tok.chat_template or "")[:200]
-        )
-        self.bos_ids = (bos,) if (adds_bos or template_bos) and bos is not None else ()
+        self.bos_ids = (bos,) if bos is not None and (adds_bos or self._template_starts_with_bos()) else ()
         self._cache: dict[tuple, list[str]] = {}
+
+    def _template_starts_with_bos(self) -> bool:
+        if not (self.tok.bos_token and getattr(self.tok, "chat_template", None)):
+            return False
+        try:
+            text = self.tok.apply_chat_template([{"role": "user", "content": "x"}], tokenize=False)
+        except Exception:  # a template that cannot render one user message says nothing about BOS
+            return False
+        return isinstance(text, str) and text.startswith(self.tok.bos_token)
 
     def encode(self, text: str) -> list[int]:
         return self.tok.encode(text, add_special_tokens=False) if text else []

@@ -244,3 +244,11 @@ def test_encoding_reports_progress_and_skips_stored_modules():
     pc.add_schema(SCHEMA)  # every module already stored: nothing is encoded again
     pc.add_schema(SCHEMA, progress=lambda done, total: calls.append((done, total)))
     assert calls == []
+
+
+def test_bos_exactly_once_when_only_the_chat_template_adds_it():
+    tok = make_tokenizer(chat=True, bos=False)  # encode adds no BOS; the template starts with {{ bos_token }}
+    pc = PromptCache(make_model("llama"), tok)
+    pc.add_schema(SCHEMA)
+    ids = pc.layout(PROMPT).token_ids
+    assert ids[0] == tok.bos_token_id and ids.count(tok.bos_token_id) == 1
