@@ -33,7 +33,7 @@ from xml.sax.saxutils import escape
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS, write_csv  # noqa: E402
+from common import RESULTS, add_model_args, write_csv  # noqa: E402
 from metrics import kl_divergence, metric_for, task_score, token_agreement  # noqa: E402
 
 from promptcache import PromptCache  # noqa: E402
@@ -140,9 +140,7 @@ def summarize(rows: list[dict]) -> list[dict]:
 
 def parse_args(argv):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="embedded:demo", help="local model directory, hub id or embedded[:bench]")
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--dtype", default="float32")
+    add_model_args(ap, "embedded:demo")
     ap.add_argument("--data", type=Path, default=None, help="LongBench-style JSONL (default: synthetic)")
     ap.add_argument("--mode", choices=("independent", "chained"), default="independent")
     ap.add_argument("--module-tokens", type=int, default=128)

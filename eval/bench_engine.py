@@ -13,10 +13,9 @@ import dataclasses
 import sys
 from pathlib import Path
 
-import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import write_csv  # noqa: E402
+from common import add_model_args, write_csv  # noqa: E402
 
 from promptcache import PromptCache, bench  # noqa: E402
 from promptcache.models.loading import load_model  # noqa: E402
@@ -26,9 +25,7 @@ build_schema = bench.build_schema  # used by bench_store.py
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="embedded:bench")
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--dtype", default="float32")
+    add_model_args(ap, "embedded:bench")
     ap.add_argument("--schema-tokens", type=int, default=2000)
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=10)

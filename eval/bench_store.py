@@ -14,10 +14,9 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import write_csv  # noqa: E402
+from common import add_model_args, write_csv  # noqa: E402
 
 from promptcache import PromptCache  # noqa: E402
 from promptcache.bench import build_schema, median_time, sentences  # noqa: E402
@@ -27,9 +26,7 @@ from promptcache.models.loading import load_model  # noqa: E402
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="embedded:bench")
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--dtype", default="float32")
+    add_model_args(ap, "embedded:bench")
     ap.add_argument("--schema-tokens", type=int, default=4000)
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--repeats", type=int, default=3)

@@ -71,3 +71,12 @@ def write_csv(name: str, rows: list[dict], out: Path | str | None = None) -> Pat
         w.writerows(rows)
     tmp.replace(path)
     return path
+
+
+def add_model_args(ap, model: str = "embedded:bench") -> None:
+    """--model / --device / --dtype, the same in every study and benchmark."""
+    import torch
+
+    ap.add_argument("--model", default=model, help="Hugging Face id, local directory, or embedded[:bench]")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--dtype", default="float32", help="float32, bfloat16 or float16")

@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS, text_of_tokens, write_csv  # noqa: E402
+from common import RESULTS, add_model_args, text_of_tokens, write_csv  # noqa: E402
 
 from promptcache import PromptCache  # noqa: E402
 from promptcache.models.embedded import embedded_tokenizer  # noqa: E402
@@ -240,9 +240,7 @@ def peak_rows(args) -> list[dict]:
 
 def parse_args(argv):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="embedded:bench")
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--dtype", default="float32")
+    add_model_args(ap, "embedded:bench")
     ap.add_argument("--tokens", type=int, default=2048, help="schema tokens for the peak study")
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--config-tokens", type=int, default=64, help="schema tokens for the per-config study")

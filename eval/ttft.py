@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS, forget_placement, interleaved_medians, text_of_tokens, write_csv  # noqa: E402
+from common import RESULTS, add_model_args, forget_placement, interleaved_medians, text_of_tokens, write_csv  # noqa: E402
 from metrics import loglog_slope  # noqa: E402
 
 from promptcache import PromptCache  # noqa: E402
@@ -259,9 +259,7 @@ def plot(rows: list[dict], path: Path) -> bool:
 
 def parse_args(argv):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="embedded:bench", help="model id, local directory or embedded[:bench]")
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--dtype", default="float32")
+    add_model_args(ap, "embedded:bench")
     ap.add_argument("--lengths", type=int, nargs="+", default=[512, 1024, 2048, 4096, 8192])
     ap.add_argument("--fractions", type=float, nargs="+", default=[0.5, 0.9, 0.99])
     ap.add_argument("--change-at", type=float, default=0.05,
