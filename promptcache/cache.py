@@ -183,6 +183,18 @@ class CachePool:
         cache.resident = {}
         return cache
 
+    def prewarm(self, capacity: int) -> None:
+        """Have a free buffer of at least ``capacity`` slots with its pages already touched, so the
+        first prompt does not pay for faulting in fresh memory (tens of ms per 100 MiB on CPU)."""
+        capacity = -(-capacity // self.granule) * self.granule
+        with self._lock:
+            if any(c.capacity >= capacity for c in self._free):
+                return
+        cache = SpliceCache(self.spec, capacity, device=self.device, pin=self.pin)
+        cache.buf.zero_()
+        cache.resident = {}
+        self.release(cache)
+
     def release(self, cache: SpliceCache) -> None:
         with self._lock:
             self._free.append(cache)

@@ -171,6 +171,8 @@ class PromptCache:
         entry = EncodedSchema(layout, keys, positions, contexts, ns, self.spec.bytes_per_token, seconds)
         with self._lock:
             self._schemas[(ns, layout.name)] = entry
+        if self.device.type == "cpu":  # fresh CPU memory faults page by page on first touch
+            self._pool.prewarm(layout.end + 64)
         log.info("schema '%s' (namespace '%s'): %d tokens stored (%.1f MiB) in %.2fs", entry.name, ns,
                  entry.stored_tokens, entry.stored_bytes / 2**20, seconds)
         return entry
