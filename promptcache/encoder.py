@@ -70,9 +70,7 @@ class SchemaEncoder:
         self.adapter.check_limits(max(pos + [q for j in jobs for q in j.pos], default=0), len(ids) + max((len(j.ids) for j in jobs), default=0))
         out: dict[int, torch.Tensor] = {}
         cache = SpliceCache(self.spec, len(ids) + max((len(j.ids) for j in jobs), default=0), device=self.device)
-        for a in range(0, len(ids), self.chunk):
-            self._forward([ids[a : a + self.chunk]], [pos[a : a + self.chunk]], cache)
-            tick(len(ids[a : a + self.chunk]))
+        self._run_chunked(ids, pos, cache, tick)
         where = {i: offsets[k] for k, i in enumerate(default_seq[:need])}
         for t in default_targets:
             out[t] = cache.read(where[t], len(spans[t].token_ids))
@@ -93,9 +91,15 @@ class SchemaEncoder:
         pos = list(range(start, start + len(ids)))
         self.adapter.check_limits(pos[-1] if pos else 0, len(ids))
         cache = SpliceCache(self.spec, len(ids), device=self.device)
+        self._run_chunked(ids, pos, cache)
+        return cache.read(0, len(ids))
+
+    def _run_chunked(self, ids: list[int], pos: list[int], cache: SpliceCache, tick=None) -> None:
+        """One sequence through the model in chunks of ``self.chunk`` tokens (exact: causal)."""
         for a in range(0, len(ids), self.chunk):
             self._forward([ids[a : a + self.chunk]], [pos[a : a + self.chunk]], cache)
-        return cache.read(0, len(ids))
+            if tick:
+                tick(len(ids[a : a + self.chunk]))
 
     def _group(self, jobs: list[_Job]) -> tuple[list[list[_Job]], list[_Job]]:
         """Batch passes sharing a prefix whose positions run contiguously from one start."""
