@@ -35,7 +35,7 @@ from . import compiled
 from .cache import CachePool, SpliceCache
 from .encoder import Progress, SchemaEncoder
 from .generation import Generation, GenerationStream
-from .layout import PromptLayout, SchemaLayout, layout_prompt, layout_schema
+from .layout import PromptLayout, SchemaLayout, Span, layout_prompt, layout_schema
 from .models import get_adapter
 from .pml import PMLError, parse_prompt
 from .pml.nodes import Prompt
@@ -224,21 +224,23 @@ class PromptCache:
         entry = self.schema(layout.schema.name, namespace) if layout.schema is not None else None
         hits: Counter[str] = Counter()
         cached = []  # (content key, kv [L, 2, H, n, D], positions [n], span index)
-        for s in layout.cached:
+        cached_spans, new_spans = layout.cached, layout.new  # each is a filter over the spans: once
+        for s in cached_spans:
             key = entry.keys[s.schema_index]
             kv, tier = self.store.get(key)
             hits[tier] += 1
             cached.append((key, kv, entry.positions[s.schema_index], s.schema_index))
-        new_ids = [t for s in layout.new for t in s.token_ids]
-        new_pos = [p for s in layout.new for p in s.position_ids]
+        new_ids = [t for s in new_spans for t in s.token_ids]
+        new_pos = [p for s in new_spans for p in s.position_ids]
         if not new_ids:  # recompute the last cached token so there are logits to return
-            last = layout.cached[-1]
+            last = cached_spans[-1]
             new_ids, new_pos = [last.token_ids[-1]], [last.position_ids[-1]]
             key, kv, pos, idx = cached[-1]
             cached[-1] = (key + "[:-1]", kv[:, :, :, :-1], pos[:-1], idx)
         res = self.run_spliced([(k, kv, pos) for k, kv, pos, _ in cached], new_ids, new_pos,
                                max(layout.position_ids), t0, reserve, keep_cache)
-        res.exact, res.hit_tiers, res.layout = _is_exact(layout, entry, cached), dict(hits), layout
+        res.exact = _is_exact(cached_spans, new_spans, entry, cached)
+        res.hit_tiers, res.layout = dict(hits), layout
         return res
 
     def run_spliced(self, cached: list[tuple[str, torch.Tensor, torch.Tensor]], new_ids: list[int],
@@ -320,10 +322,10 @@ class PromptCache:
                              cache=out.past_key_values, next_position=n)
 
 
-def _is_exact(layout: PromptLayout, entry: EncodedSchema | None, cached) -> bool:
+def _is_exact(cached_spans: list[Span], new_spans: list[Span], entry: EncodedSchema | None, cached) -> bool:
     """True when the assembled state equals a plain prefill of the same tokens: positions run
     0..n-1 in cache order and every cached span was encoded after exactly the spans before it."""
-    positions = [p for s in layout.cached for p in s.position_ids] + [p for s in layout.new for p in s.position_ids]
+    positions = [p for s in cached_spans + new_spans for p in s.position_ids]
     if positions != list(range(len(positions))):
         return False
     seen: list[int] = []
