@@ -8,7 +8,7 @@ import promptcache
 from promptcache import layout_prompt, layout_schema, parse_prompt, parse_schema
 from promptcache.tokens import WordTokenizer
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SCHEMAS = sorted((ROOT / "schemas").glob("*.xml"))
 PROMPTS = sorted((ROOT / "examples").glob("*.xml"))
 

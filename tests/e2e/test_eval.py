@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-EVAL = Path(__file__).resolve().parent.parent / "eval"
+EVAL = Path(__file__).resolve().parents[2] / "eval"
 sys.path.insert(0, str(EVAL))
 
 import accuracy  # noqa: E402

@@ -10,7 +10,7 @@ from click.testing import CliRunner
 
 from promptcache.cli import main
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 SCHEMA = str(ROOT / "schemas" / "travel.xml")
 PROMPT = str(ROOT / "examples" / "travel_tokyo.xml")
 

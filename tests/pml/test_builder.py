@@ -40,7 +40,7 @@ from promptcache.builder import (
 from promptcache.pml.parser import MAX_PARAMETER_LENGTH
 from promptcache.tokens import WordTokenizer
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def shape(node):

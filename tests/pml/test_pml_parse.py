@@ -24,7 +24,7 @@ from promptcache.pml import (
     parse_schema,
 )
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def texts(children) -> list[str]:

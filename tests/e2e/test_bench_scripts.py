@@ -6,7 +6,7 @@ import importlib.util
 import sys
 from pathlib import Path
 
-EVAL = Path(__file__).resolve().parent.parent / "eval"
+EVAL = Path(__file__).resolve().parents[2] / "eval"
 
 
 def load(name):
