@@ -80,7 +80,7 @@ def _guard(fn):
         from .models import UnsupportedModelError
         from .rag import DocumentStoreError, UnknownDocumentError
         from .store import StoreError
-        from .store.artifact import ArtifactError
+        from .artifact import ArtifactError
 
         try:
             return fn(*args, **kwargs)

@@ -1,4 +1,4 @@
-"""Compile a schema to an artifact and load it back into an engine (see ``store/artifact.py``)."""
+"""Compile a schema to an artifact and load it back into an engine (see ``artifact.py``)."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ from typing import TYPE_CHECKING
 
 from .layout import layout_schema
 from .pml import parse_schema
-from .store.artifact import (ArtifactError, layout_record, materialize_schema, materialized, mismatches,
+from .artifact import (ArtifactError, layout_record, materialize_schema, materialized, mismatches,
                              read_manifest, schema_sources, write_artifact)
-from .store.keys import content_keys
+from .keys import content_keys
 
 if TYPE_CHECKING:
     from .engine import EncodedSchema, PromptCache
@@ -56,7 +56,7 @@ def load_compiled(pc: "PromptCache", path, schema=None, recompile=False, namespa
     if layout_record(layout) != manifest["layout"]["spans"]:
         raise ArtifactError(f"compiled schema {path}: the tokenizer lays the schema out differently now")
     ns = namespace or pc.config.namespace
-    keys = content_keys(layout, pc._model_key, ns)
+    keys = content_keys(layout, pc.model_key, ns)
     states = manifest["states"]
     entries = {k: (f"span_{i}", states["sha256"][f"span_{i}"], states["nbytes"][f"span_{i}"]) for i, k in keys.items()}
     pc.store.register_file(Path(path) / states["file"], entries)

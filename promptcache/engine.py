@@ -41,7 +41,7 @@ from .pml import PMLError, parse_prompt
 from .pml.nodes import Prompt
 from .sampling import eos_ids
 from .store import StoreConfig, TieredStore
-from .store.keys import content_keys, model_fingerprint, tokenizer_fingerprint
+from .keys import content_keys, model_fingerprint, tokenizer_fingerprint
 from .tokens import as_span_tokenizer
 
 __all__ = ["EncodedSchema", "EngineConfig", "Generation", "GenerationStream", "PrefillResult", "PromptCache"]
@@ -147,7 +147,8 @@ class PromptCache:
         return tokenizer_fingerprint(self.tokenizer)
 
     @functools.cached_property
-    def _model_key(self) -> str:
+    def model_key(self) -> str:
+        """Model and tokenizer fingerprints in one string: the part of every content key that names the model."""
         return json.dumps(self.model_fingerprint, sort_keys=True) + self.tokenizer_fingerprint
 
     # -- schemas ---------------------------------------------------------------------------------
@@ -158,7 +159,7 @@ class PromptCache:
         t0 = time.perf_counter()
         layout = layout_schema(schema, self.tok)
         ns = namespace or self.config.namespace
-        keys = content_keys(layout, self._model_key, ns)
+        keys = content_keys(layout, self.model_key, ns)
         missing = [i for i, k in keys.items() if k not in self.store]
         states = self._encoder.encode(layout, progress) if missing else {}
         for i in missing:

@@ -34,7 +34,7 @@ import torch
 from .engine import Generation, PrefillResult, PromptCache
 from .layout import PromptLayout, Span
 from .models.relocate import check_relocatable, relocate
-from .store.artifact import atomic_write_text
+from .artifact import atomic_write_text
 from .store.disk import atomic_save, tensor_sha256
 
 log = logging.getLogger(__name__)
@@ -155,7 +155,7 @@ class DocumentStore:
         return doc
 
     def _key(self, digest: str, what: str = "doc") -> str:
-        return hashlib.sha256(f"promptcache-{what}-v1\0{self.namespace}\0{self.pc._model_key}\0{digest}".encode()).hexdigest()
+        return hashlib.sha256(f"promptcache-{what}-v1\0{self.namespace}\0{self.pc.model_key}\0{digest}".encode()).hexdigest()
 
     def _plan(self, question: str, doc_ids: list[str], system: str | None, with_states: bool = False):
         """(layout, cached states for run_spliced, tier hits)."""

@@ -1,4 +1,4 @@
-"""Module KV storage: tiers (device, host, disk) with budgets, content keys, compiled artifacts."""
+"""Module KV storage tiers (device, host, disk) with budgets; see base.py for the tier contract."""
 
 from .base import StoreError, Tier
 from .disk import DiskTier

@@ -12,8 +12,8 @@ import torch
 from promptcache import PMLError, PromptCache
 from promptcache.engine import EngineConfig
 from promptcache.store import StoreError
-from promptcache.store import artifact as artifact_mod
-from promptcache.store.artifact import ArtifactError
+from promptcache import artifact as artifact_mod
+from promptcache.artifact import ArtifactError
 from tiny import make_model, make_tokenizer
 
 SCHEMA = """<schema name="trip">

@@ -14,7 +14,7 @@ from array import array
 
 import torch
 
-from ..layout import SchemaLayout
+from .layout import SchemaLayout
 
 _VOLATILE = {"_name_or_path", "transformers_version", "torch_dtype", "dtype", "_attn_implementation_autoset",
              "_commit_hash", "_attn_implementation_internal", "use_cache"}

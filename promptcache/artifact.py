@@ -23,11 +23,11 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from ..layout import SchemaLayout
-from ..pml.nodes import Module, Schema
-from ..pml.parser import parse_schema
-from ..pml.source import read_source
-from .disk import atomic_save, tensor_sha256
+from .layout import SchemaLayout
+from .pml.nodes import Module, Schema
+from .pml.parser import parse_schema
+from .pml.source import read_source
+from .store.disk import atomic_save, tensor_sha256
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
