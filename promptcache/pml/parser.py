@@ -25,7 +25,7 @@ from pathlib import Path
 
 from .errors import PMLError
 from .nodes import ROLES, Module, ModuleRef, Parameter, Prompt, PromptRole, Role, Schema, Text, Union
-from .source import Lines, content, is_file, is_markup, parse_xml, read_source, read_text
+from .source import Lines, check_text, confined_path, content, is_file, is_markup, parse_xml, read_source, read_text
 
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_.-]*$")
 _DIGITS = re.compile(r"^[0-9]+$")
@@ -71,11 +71,18 @@ class _SchemaCtx:
     base: Path | None
     digest: "hashlib._Hash"
     lines: Lines
+    src_root: Path
     unions: int = 0
 
 
-def parse_schema(text_or_path: str | Path) -> Schema:
-    """Parse a schema from PML text or a file path."""
+def parse_schema(text_or_path: str | Path, *, allow_src_root: str | Path | None = None) -> Schema:
+    """Parse a schema from PML text or a file path.
+
+    ``src=`` files are read relative to the schema file's folder (the current working directory
+    for a schema given as a string) and must lie inside ``allow_src_root``: by default that same
+    folder (and below). Only regular UTF-8 files of at most ``source.MAX_FILE_BYTES`` are read.
+    An empty schema (no text, no module) is a PMLError.
+    """
     text, source, base = read_source(text_or_path, "schema")
     root, lines = parse_xml(text, source)
     line = lines.start(root)
@@ -84,8 +91,11 @@ def parse_schema(text_or_path: str | Path) -> Schema:
     _check_attrs(root, source, line)
     name = root.get("name")
     _check_name(name, "schema", source, line)
-    ctx = _SchemaCtx(source, base, hashlib.sha256(text.encode("utf-8")), lines)
+    src_root = Path(allow_src_root) if allow_src_root is not None else (base or Path.cwd())
+    ctx = _SchemaCtx(source, base, hashlib.sha256(text.encode("utf-8")), lines, src_root)
     children = _schema_children(root, ctx, scope="root")
+    if not any(not isinstance(c, Text) or c.text.strip() for c in children):
+        raise PMLError(f"schema '{name}' is empty: it holds no text and no module", source, line)
     roles = [c for c in children if isinstance(c, Role)]
     if roles:
         for c in children:
@@ -189,7 +199,8 @@ def _union_members(children: list) -> list[Module]:
 
 
 def _read_src(rel: str, ctx: _SchemaCtx, line: int) -> str:
-    data = read_text((ctx.base or Path.cwd()) / rel, "src file", ctx.source, line)
+    path = confined_path(rel, ctx.base or Path.cwd(), ctx.src_root, "src file", ctx.source, line)
+    data = read_text(path, f"src file '{rel}' ->", ctx.source, line)
     ctx.digest.update(b"\0src\0" + rel.encode() + b"\0" + data.encode("utf-8"))
     return data
 
@@ -299,9 +310,13 @@ def _norm(children: list, st: _WS) -> None:
 
 def parse_prompt(text_or_path: str | Path) -> Prompt:
     """Parse a prompt. Text not starting with '<' is a plain-text prompt (no schema), unless it
-    names an existing file."""
+    names an existing file (kept as it is for now). An empty or whitespace-only prompt is a
+    PMLError; a prompt that yields no tokens is refused by the layout."""
     if isinstance(text_or_path, str) and not is_markup(text_or_path):
         if "\n" in text_or_path or not is_file(text_or_path):
+            check_text(text_or_path, "prompt text", "<string>", 1)
+            if not text_or_path.strip():
+                raise PMLError("empty prompt: no text and no <prompt> element", "<string>", 1)
             children = [Text(text_or_path, 1, verbatim=True)]
             normalize_whitespace(children, at_start=True)
             return Prompt(schema=None, children=children)

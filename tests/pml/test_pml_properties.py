@@ -97,7 +97,7 @@ def children(draw, depth: int, in_module: bool):
 
 @st.composite
 def schemas(draw):
-    body = draw(children(2, in_module=False))
+    body = [M([T(["intro"])])] + draw(children(2, in_module=False))  # never empty (refused)
     if draw(st.booleans()):
         roles = draw(st.lists(st.sampled_from(["system", "user", "assistant"]), min_size=1, max_size=3))
         parts = draw(st.lists(children(2, in_module=False), min_size=len(roles), max_size=len(roles)))
