@@ -62,7 +62,9 @@ from lxml import etree
 
 from .pml.errors import PMLError
 from .pml.nodes import ROLES
-from .pml.parser import _NAME, MAX_PARAMETER_LENGTH, RESERVED, dedent_text
+from .pml.parser import dedent_text
+from .pml.rules import MAX_PARAMETER_LENGTH, RESERVED
+from .pml.rules import NAME as _NAME
 
 __all__ = [
     "Module", "Param", "Prompt", "Ref", "Role", "Schema", "Union",

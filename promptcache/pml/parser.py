@@ -25,12 +25,11 @@ from pathlib import Path
 
 from .errors import PMLError
 from .nodes import ROLES, Module, ModuleRef, Parameter, Prompt, PromptRole, Role, Schema, Text, Union
+from .rules import MAX_PARAMETER_LENGTH, RESERVED, check_name, check_not_empty, check_roles_only
+from .rules import check_scope_names, check_union
 from .source import Lines, check_text, confined_path, content, is_file, is_markup, parse_xml, read_source, read_text
 
-_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_.-]*$")
 _DIGITS = re.compile(r"^[0-9]+$")
-MAX_PARAMETER_LENGTH = 1 << 20  # positions; a larger slot is a typo, not a prompt
-RESERVED = frozenset({"schema", "prompt", "module", "union", "parameter", *ROLES})
 
 _SCHEMA_ATTRS = {
     "schema": ({"name"}, set()),
@@ -52,13 +51,6 @@ def _check_attrs(el, source: str, line: int) -> None:
             raise PMLError(
                 f"<{el.tag}> has unknown attribute '{name}' (allowed: {allowed})", source, line
             )
-
-
-def _check_name(name: str, what: str, source: str, line: int) -> None:
-    if not _NAME.match(name):
-        raise PMLError(f"{what} name '{name}' is not a valid XML name", source, line)
-    if what == "module" and name in RESERVED:
-        raise PMLError(f"module name '{name}' is reserved (it is a PML tag)", source, line)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -90,22 +82,13 @@ def parse_schema(text_or_path: str | Path, *, allow_src_root: str | Path | None 
         raise PMLError(f"expected <schema> as the root element, found <{root.tag}>", source, line)
     _check_attrs(root, source, line)
     name = root.get("name")
-    _check_name(name, "schema", source, line)
+    check_name(name, "schema", source, line)
     src_root = Path(allow_src_root) if allow_src_root is not None else (base or Path.cwd())
     ctx = _SchemaCtx(source, base, hashlib.sha256(text.encode("utf-8")), lines, src_root)
     children = _schema_children(root, ctx, scope="root")
-    if not any(not isinstance(c, Text) or c.text.strip() for c in children):
-        raise PMLError(f"schema '{name}' is empty: it holds no text and no module", source, line)
-    roles = [c for c in children if isinstance(c, Role)]
-    if roles:
-        for c in children:
-            if not isinstance(c, Role) and not (isinstance(c, Text) and not c.text.strip()):
-                raise PMLError(
-                    "content outside a role in a schema that uses roles (<system>/<user>/<assistant>)",
-                    source,
-                    c.line,
-                )
-    _check_scope_names(children, source)
+    check_not_empty(name, children, source, line)
+    check_roles_only(children, source)
+    check_scope_names(children, source)
     normalize_whitespace(children, at_start=True)
     return Schema(name=name, children=children, source=source, digest=ctx.digest.hexdigest(), line=line)
 
@@ -147,7 +130,7 @@ def _schema_element(el, ctx: _SchemaCtx, scope: str):
         if not _is_empty(el, ctx):
             raise PMLError(f"<parameter name='{el.get('name')}'> must be empty", src, line)
         name = el.get("name")
-        _check_name(name, "parameter", src, line)
+        check_name(name, "parameter", src, line)
         raw = el.get("length").strip()
         if not _DIGITS.match(raw) or not 1 <= int(raw) <= MAX_PARAMETER_LENGTH:
             raise PMLError(
@@ -159,17 +142,12 @@ def _schema_element(el, ctx: _SchemaCtx, scope: str):
         return Parameter(name, int(raw), el.get("scaffold", ""), line)
     if el.tag == "union":
         index, ctx.unions = ctx.unions, ctx.unions + 1  # numbered in document order: before nested unions
-        members = _union_members(_schema_children(el, ctx, "union"))
-        if not members:
-            raise PMLError("<union> has no <module> members", src, line)
-        scaffold = el.get("scaffold")
-        if scaffold is not None and scaffold not in {m.name for m in members}:
-            names = ", ".join(m.name for m in members)
-            raise PMLError(f"union scaffold '{scaffold}' is not one of its members ({names})", src, line)
-        return Union(members, line, scaffold, index=index)
+        u = Union(_union_members(_schema_children(el, ctx, "union")), line, el.get("scaffold"), index=index)
+        check_union(u, src)
+        return u
     # <module>
     name = el.get("name")
-    _check_name(name, "module", src, line)
+    check_name(name, "module", src, line)
     cache = el.get("cache", "true").strip().lower()
     if cache not in ("true", "false"):
         raise PMLError(f"module '{name}' has cache='{el.get('cache')}': expected true or false", src, line)
@@ -203,38 +181,6 @@ def _read_src(rel: str, ctx: _SchemaCtx, line: int) -> str:
     data = read_text(path, f"src file '{rel}' ->", ctx.source, line)
     ctx.digest.update(b"\0src\0" + rel.encode() + b"\0" + data.encode("utf-8"))
     return data
-
-
-def _check_scope_names(children: list, source: str) -> None:
-    """Module names are unique per scope (union members included); parameters unique per module."""
-    seen: dict[str, int] = {}
-    params: dict[str, int] = {}
-    for c in _flatten_scope(children):
-        if isinstance(c, Module):
-            if c.name in seen:
-                raise PMLError(
-                    f"duplicate module name '{c.name}' in one scope (first at line {seen[c.name]})", source, c.line
-                )
-            seen[c.name] = c.line
-            _check_scope_names(c.children, source)
-        elif isinstance(c, Parameter):
-            if c.name in params:
-                raise PMLError(
-                    f"duplicate parameter name '{c.name}' in one module (first at line {params[c.name]})",
-                    source,
-                    c.line,
-                )
-            params[c.name] = c.line
-
-
-def _flatten_scope(children: list):
-    for c in children:
-        if isinstance(c, Union):
-            yield from c.members
-        elif isinstance(c, Role):
-            yield from _flatten_scope(c.children)
-        else:
-            yield c
 
 
 # ---------------------------------------------------------------------------------------------

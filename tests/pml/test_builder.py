@@ -37,7 +37,7 @@ from promptcache.builder import (
     union,
     user,
 )
-from promptcache.pml.parser import MAX_PARAMETER_LENGTH
+from promptcache.pml.rules import MAX_PARAMETER_LENGTH
 from promptcache.tokens import WordTokenizer
 
 REPO = Path(__file__).resolve().parents[2]
