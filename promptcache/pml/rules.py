@@ -93,6 +93,15 @@ def check_not_empty(name: str, children: list, source: str, line: int | None) ->
         raise PMLError(f"schema '{name}' is empty: it holds no text and no module", source, line)
 
 
+def check_imported_once(refs: list[ModuleRef], source: str, path: Path_ = ()) -> None:
+    """No module is referenced twice in one scope of a prompt."""
+    seen: set[str] = set()
+    for ref in refs:
+        if ref.name in seen:
+            raise PMLError(f"module '{'/'.join(path + (ref.name,))}' imported twice", source, ref.line)
+        seen.add(ref.name)
+
+
 def resolve_imports(refs: list[ModuleRef], schema_name: str, children: list, source: str) -> dict[Path_, ModuleRef]:
     """Check a prompt's module references against a schema tree: every module exists in the scope
     it is named in, is imported once, at most one member per union, every parameter gets an
@@ -102,6 +111,7 @@ def resolve_imports(refs: list[ModuleRef], schema_name: str, children: list, sou
 
     def walk(refs: list[ModuleRef], scope_children: list, path: Path_) -> None:
         members = {m.name: (m, u) for m, u in scope(scope_children)}
+        check_imported_once(refs, source, path)
         for ref in refs:
             if ref.name not in members:
                 where = f"inside '{'/'.join(path)}'" if path else "at the top level"
@@ -111,8 +121,6 @@ def resolve_imports(refs: list[ModuleRef], schema_name: str, children: list, sou
                 )
             m, u = members[ref.name]
             p = path + (ref.name,)
-            if p in imported:
-                raise PMLError(f"module '{'/'.join(p)}' imported twice", source, ref.line)
             if u is not None:
                 other = chosen.setdefault(id(u), ref.name)
                 if other != ref.name:
