@@ -13,7 +13,7 @@ from pathlib import Path
 from lxml import etree
 
 from ..pml import nodes as N
-from ..pml.parser import normalize_whitespace
+from ..pml.whitespace import normalize_whitespace
 from ..pml.rules import check_imported_once, check_not_empty, check_roles_only, check_scope_names
 from ..pml.rules import resolve_imports
 from .check import SOURCE, check_children, check_type_name, describe, error, join, module_in_prompt, texts

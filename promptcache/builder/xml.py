@@ -12,7 +12,7 @@ from __future__ import annotations
 from lxml import etree
 
 from ..pml.nodes import ROLES, Module, ModuleRef, Parameter, PromptRole, Role, Text, Union
-from ..pml.parser import dedent_text
+from ..pml.whitespace import dedent_text
 
 
 def keep_indent(run: str) -> str:
