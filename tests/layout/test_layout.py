@@ -1,4 +1,4 @@
-"""Layout arithmetic, with expected positions computed by hand (DESIGN.md section 3).
+"""Layout arithmetic, with expected positions computed by hand (README "Positions").
 
 ToyTokenizer: one token per whitespace-separated word (leading whitespace attached), so
 "Plan a trip of" is 4 tokens and " days." is 1. PlainRoles glue: "System: " and "User: " are

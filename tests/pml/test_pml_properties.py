@@ -144,7 +144,7 @@ def schema_pml(body) -> str:
 
 
 class Expected:
-    """The walk of DESIGN.md section 3, computed from a generated tree."""
+    """The schema walk (README "Positions"), computed from a generated tree."""
 
     def __init__(self, body):
         self.spans: list[tuple] = []  # (module path, kind, start, length)
