@@ -15,7 +15,7 @@ from pathlib import Path
 from .errors import PMLError
 from .nodes import ROLES, Module, ModuleRef, Parameter, Prompt, PromptRole, Role, Schema, Text, Union
 from .rules import MAX_PARAMETER_LENGTH, RESERVED, check_name, check_not_empty, check_roles_only
-from .rules import check_scope_names, check_union
+from .rules import check_scope_names, check_union, length_ok
 from .source import Lines, check_text, confined_path, content, is_file, is_markup, parse_xml, read_source, read_text
 from .whitespace import normalize_whitespace
 
@@ -122,7 +122,7 @@ def _schema_element(el, ctx: _SchemaCtx, scope: str):
         name = el.get("name")
         check_name(name, "parameter", src, line)
         raw = el.get("length").strip()
-        if not _DIGITS.match(raw) or not 1 <= int(raw) <= MAX_PARAMETER_LENGTH:
+        if not _DIGITS.match(raw) or not length_ok(int(raw)):
             raise PMLError(
                 f"parameter '{name}' has length '{el.get('length')}': expected a positive integer"
                 f" (at most {MAX_PARAMETER_LENGTH})",
