@@ -38,8 +38,8 @@ their own lines only when whitespace already stands on both sides of the union. 
 touched inside a run, and a run's first line is moved onto a line of its own only when the
 parser's indentation removal then gives the same text. ``to_pml(pretty=False)`` writes
 exactly the caller's text (indentation rule aside); both parse to the same tree
-(tests/pml/test_builder.py checks this on random trees). Escaping is lxml's: ``&``, ``<``, quotes and newlines, tabs and carriage returns
-in attribute values all survive a round trip.
+(tests/pml/test_builder.py checks this on random trees). Escaping is lxml's: ``&``, ``<``,
+quotes and newlines, tabs and carriage returns in attribute values all survive a round trip.
 
 **Nodes.** The lowercase functions return ``pml.nodes`` objects (``Parameter``, ``Module``,
 ``Union``, ``Role``, ``ModuleRef``; text as ``Text``), the parser's own node classes, with
@@ -119,7 +119,8 @@ def module(name: str, /, *children, cache: bool = True, src: str | os.PathLike |
 def union(*members: Module, scaffold: str | None = None) -> Union:
     """Alternatives sharing positions; ``scaffold`` names the member standing in while encoding."""
     check_children(
-        members, "union()", (Module,), "module()", "a union holds only modules (put text in a member, or around the union)"
+        members, "union()", (Module,), "module()",
+        "a union holds only modules (put text in a member, or around the union)",
     )
     u = Union(list(members), None, scaffold)
     check_union(u, SOURCE)

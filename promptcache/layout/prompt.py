@@ -182,7 +182,8 @@ class _PromptBuilder:
     def _first_span(self, path: Path_) -> int:
         """Index of the first schema span inside module ``path`` (one past its last if empty)."""
         k = len(path)
-        return next((s.index for s in self.schema.spans if s.module[:k] == path), self.schema.modules[path].last_span + 1)
+        inside = (s.index for s in self.schema.spans if s.module[:k] == path)
+        return next(inside, self.schema.modules[path].last_span + 1)
 
     def _included(self, s: SchemaSpan) -> bool:
         return all(s.module[: i + 1] in self.imported for i in range(len(s.module)))
@@ -194,7 +195,8 @@ class _PromptBuilder:
             return [Span(kind, s.name, s.token_ids, tuple(range(s.start, s.end)), source, s.index)]
         ref = self.imported[s.module]
         arg = ref.args[s.param]
-        ids = tuple(encode_checked(self.tok, (" " if s.lead_space else "") + arg, self.prompt.source, ref.line)) if arg else ()
+        text = (" " if s.lead_space else "") + arg
+        ids = tuple(encode_checked(self.tok, text, self.prompt.source, ref.line)) if arg else ()
         if len(ids) > len(s.token_ids):
             raise PMLError(
                 f"argument '{s.param}' of module '{'/'.join(s.module)}' is {len(ids)} tokens, "

@@ -123,5 +123,6 @@ def layout_schema(
         else:
             w.walk([c], (), (), True)
     if not any(s.kind != "bos" for s in w.spans):
-        raise PMLError(f"schema '{schema.name}' yields no tokens (its text and modules are empty)", schema.source, schema.line)
+        reason = f"schema '{schema.name}' yields no tokens (its text and modules are empty)"
+        raise PMLError(reason, schema.source, schema.line)
     return SchemaLayout(schema, w.spans, w.modules, w.unions, w.pos, glue)

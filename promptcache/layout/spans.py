@@ -45,7 +45,8 @@ class SchemaSpan:
         return self.cache and self.kind != "param"
 
     def __repr__(self) -> str:
-        return f"SchemaSpan({self.index}, {self.kind}, {self.name!r}, {len(self.token_ids)} tokens at [{self.start}, {self.end}))"
+        n = len(self.token_ids)
+        return f"SchemaSpan({self.index}, {self.kind}, {self.name!r}, {n} tokens at [{self.start}, {self.end}))"
 
 
 @dataclass(frozen=True)
@@ -125,7 +126,8 @@ class SchemaLayout:
         for s in self.spans:
             union = ",".join(f"u{u}:{m}" for u, m in s.choices) or "-"
             kind = "param" if s.kind == "param" else ("module" if s.module else s.kind)
-            rows.append((s.name, kind, f"[{s.start}, {s.end})", str(len(s.token_ids)), union, "yes" if s.stored else "no"))
+            stored = "yes" if s.stored else "no"
+            rows.append((s.name, kind, f"[{s.start}, {s.end})", str(len(s.token_ids)), union, stored))
         title = (
             f"schema '{self.name}': positions [0, {self.end}), {_count(len(self.modules), 'module')}, "
             f"{_count(len(self.unions), 'union')}"
