@@ -3,10 +3,14 @@
 Torch-free. The layout accepts anything with ``encode(text) -> list[int]``; ``as_span_tokenizer``
 wraps it. Hugging Face tokenizers get ``HFSpanTokenizer``:
 
-* every span is encoded on its own with ``add_special_tokens=False``;
+* every span is encoded on its own with ``add_special_tokens=False`` (``encode_checked`` refuses
+  text that is not valid Unicode with a PMLError before the tokenizer sees it);
 * a model that expects BOS (the tokenizer adds it, or its chat template starts with it) gets
-  exactly one BOS token, at position 0, as the first anonymous span of the schema (or of a
-  plain prompt); a chat template's own leading BOS text is removed from its first glue piece;
+  exactly one BOS token, at position 0, as the first anonymous span of the schema; a chat
+  template's own leading BOS text is removed from its first glue piece;
+* a plain prompt (no schema) without roles gets BOS only when the tokenizer itself adds one to
+  text (``plain_bos_ids``): SmolLM2 declares ``<|im_start|>`` as its BOS token but never
+  prepends it, so its plain prompts start with their text, as ``tokenizer(text)`` does;
 * chat roles are rendered with the tokenizer's chat template: a conversation whose contents are
   sentinels is rendered and split around them, giving the *glue* text before each message's
   content and after the last one. Tokenizers without a chat template use ``PlainRoles``.
@@ -18,6 +22,7 @@ import re
 from typing import Protocol, Sequence, runtime_checkable
 
 from .pml.errors import PMLError
+from .pml.source import check_text
 
 _SENTINEL = "\ue000PC{}\ue001"
 _SENTINEL_RE = re.compile("\ue000PC(\\d+)\ue001")
@@ -25,7 +30,8 @@ _SENTINEL_RE = re.compile("\ue000PC(\\d+)\ue001")
 
 @runtime_checkable
 class SpanTokenizer(Protocol):
-    bos_ids: tuple[int, ...]
+    bos_ids: tuple[int, ...]  # BOS of a schema (and of a prompt with roles): tokenizer or template
+    plain_bos_ids: tuple[int, ...]  # BOS of a plain prompt without roles: only what the tokenizer adds
     pad_id: int
 
     def encode(self, text: str) -> list[int]: ...
@@ -56,6 +62,7 @@ class GenericSpanTokenizer(PlainRoles):
     def __init__(self, tok):
         self.tok = tok
         self.bos_ids = tuple(getattr(tok, "bos_ids", ()) or ())
+        self.plain_bos_ids = self.bos_ids
         self.pad_id = _first_int(tok, ("pad_id", "pad_token_id", "unk_token_id", "eos_token_id"), default=0)
 
     def encode(self, text: str) -> list[int]:
@@ -71,6 +78,7 @@ class HFSpanTokenizer:
         bos = tok.bos_token_id
         adds_bos = bos is not None and tok("x").input_ids[:1] == [bos]
         self.bos_ids = (bos,) if bos is not None and (adds_bos or self._template_starts_with_bos()) else ()
+        self.plain_bos_ids = (bos,) if adds_bos else ()
         self._cache: dict[tuple, list[str]] = {}
 
     def _template_starts_with_bos(self) -> bool:
@@ -127,6 +135,13 @@ def _first_int(obj, names: Sequence[str], default: int) -> int:
     return default
 
 
+def encode_checked(tok: SpanTokenizer, text: str, source: str, line: int | None) -> list[int]:
+    """``tok.encode(text)``, after refusing text that is not valid Unicode (a lone surrogate)
+    with a PMLError naming ``source`` and ``line`` (a tokenizer would raise a TypeError)."""
+    check_text(text, "text", source, line)
+    return tok.encode(text)
+
+
 def as_span_tokenizer(tok) -> SpanTokenizer:
     if isinstance(tok, (HFSpanTokenizer, GenericSpanTokenizer)):
         return tok
@@ -145,7 +160,7 @@ class WordTokenizer(GenericSpanTokenizer):
 
     def __init__(self):
         self.vocab: dict[str, int] = {"<pad>": 0}
-        self.bos_ids = ()
+        self.bos_ids = self.plain_bos_ids = ()
         self.pad_id = 0
 
     def encode(self, text: str) -> list[int]:

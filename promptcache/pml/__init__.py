@@ -1,4 +1,10 @@
-"""The Prompt Markup Language: schema and prompt trees, parsing and errors. No torch."""
+"""The Prompt Markup Language: schema and prompt trees, parsing and errors. No torch.
+
+``nodes`` (the trees), ``source`` (reading files and strict XML: DOCTYPEs refused, ``src``
+confined), ``parser`` (text -> trees), ``whitespace`` (the whitespace rule), ``rules`` (names,
+scopes, unions, roles, emptiness and imports: the one rule set the parser, the layout and the
+builder share), ``errors`` (``PMLError``).
+"""
 
 from .errors import PMLError
 from .nodes import ROLES, Module, ModuleRef, Parameter, Prompt, PromptRole, Role, Schema, Text, Union

@@ -1,6 +1,7 @@
 """Schema and prompt trees. Plain data: no tokenizer, no torch.
 
-Text in these trees is already whitespace-normalized (see ``parser.normalize_whitespace``):
+Every node has a ``line`` (the source line of its tag or text; ``None`` for nodes made by the
+builder). Text in parsed trees is already whitespace-normalized (``whitespace.normalize_whitespace``):
 a leading ``" "`` on a text or the ``lead_space`` flag of a parameter is the separator that
 stood in the source between this span and the previous one.
 """

@@ -2,18 +2,7 @@
 
 Never recovers from malformed XML. Every error is a ``PMLError`` naming source and line.
 
-Whitespace rule (one rule for schemas, prompts and ``src`` files):
-  * Inside a text run, text is kept as written (newlines included), except that a run that
-    starts on a new line (pretty-printed XML) loses the indentation common to its lines, so the
-    layout's indentation does not reach the model; relative indentation survives. A run that
-    starts right after its tag, ``src`` files and plain-text prompts are kept verbatim.
-  * At the edges of runs, whitespace is a separator: a run's leading and trailing whitespace is
-    removed, and when any whitespace stood between two spans (at the end of the first, at the
-    start of the second, or as a whitespace-only run between them, across tags) the second span
-    starts with exactly one space. A parameter slot preceded by whitespace gives its argument
-    (and placeholder) that leading space.
-  * No separator is added at the start of a schema, at the start of a role's content (the chat
-    template places its own), or at the start of a prompt without a schema.
+The whitespace rule is in ``whitespace.py`` (one rule for schemas, prompts and ``src`` files).
 """
 
 from __future__ import annotations
@@ -25,12 +14,12 @@ from pathlib import Path
 
 from .errors import PMLError
 from .nodes import ROLES, Module, ModuleRef, Parameter, Prompt, PromptRole, Role, Schema, Text, Union
-from .source import Lines, content, is_file, is_markup, parse_xml, read_source, read_text
+from .rules import MAX_PARAMETER_LENGTH, RESERVED, check_name, check_not_empty, check_roles_only
+from .rules import check_scope_names, check_union, length_ok
+from .source import Lines, check_text, confined_path, content, is_file, is_markup, parse_xml, read_source, read_text
+from .whitespace import normalize_whitespace
 
-_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_.-]*$")
 _DIGITS = re.compile(r"^[0-9]+$")
-MAX_PARAMETER_LENGTH = 1 << 20  # positions; a larger slot is a typo, not a prompt
-RESERVED = frozenset({"schema", "prompt", "module", "union", "parameter", *ROLES})
 
 _SCHEMA_ATTRS = {
     "schema": ({"name"}, set()),
@@ -54,13 +43,6 @@ def _check_attrs(el, source: str, line: int) -> None:
             )
 
 
-def _check_name(name: str, what: str, source: str, line: int) -> None:
-    if not _NAME.match(name):
-        raise PMLError(f"{what} name '{name}' is not a valid XML name", source, line)
-    if what == "module" and name in RESERVED:
-        raise PMLError(f"module name '{name}' is reserved (it is a PML tag)", source, line)
-
-
 # ---------------------------------------------------------------------------------------------
 # Schemas
 
@@ -71,11 +53,18 @@ class _SchemaCtx:
     base: Path | None
     digest: "hashlib._Hash"
     lines: Lines
+    src_root: Path
     unions: int = 0
 
 
-def parse_schema(text_or_path: str | Path) -> Schema:
-    """Parse a schema from PML text or a file path."""
+def parse_schema(text_or_path: str | Path, *, allow_src_root: str | Path | None = None) -> Schema:
+    """Parse a schema from PML text or a file path.
+
+    ``src=`` files are read relative to the schema file's folder (the current working directory
+    for a schema given as a string) and must lie inside ``allow_src_root``: by default that same
+    folder (and below). Only regular UTF-8 files of at most ``source.MAX_FILE_BYTES`` are read.
+    An empty schema (no text, no module) is a PMLError.
+    """
     text, source, base = read_source(text_or_path, "schema")
     root, lines = parse_xml(text, source)
     line = lines.start(root)
@@ -83,19 +72,13 @@ def parse_schema(text_or_path: str | Path) -> Schema:
         raise PMLError(f"expected <schema> as the root element, found <{root.tag}>", source, line)
     _check_attrs(root, source, line)
     name = root.get("name")
-    _check_name(name, "schema", source, line)
-    ctx = _SchemaCtx(source, base, hashlib.sha256(text.encode("utf-8")), lines)
+    check_name(name, "schema", source, line)
+    src_root = Path(allow_src_root) if allow_src_root is not None else (base or Path.cwd())
+    ctx = _SchemaCtx(source, base, hashlib.sha256(text.encode("utf-8")), lines, src_root)
     children = _schema_children(root, ctx, scope="root")
-    roles = [c for c in children if isinstance(c, Role)]
-    if roles:
-        for c in children:
-            if not isinstance(c, Role) and not (isinstance(c, Text) and not c.text.strip()):
-                raise PMLError(
-                    "content outside a role in a schema that uses roles (<system>/<user>/<assistant>)",
-                    source,
-                    c.line,
-                )
-    _check_scope_names(children, source)
+    check_not_empty(name, children, source, line)
+    check_roles_only(children, source)
+    check_scope_names(children, source)
     normalize_whitespace(children, at_start=True)
     return Schema(name=name, children=children, source=source, digest=ctx.digest.hexdigest(), line=line)
 
@@ -137,9 +120,9 @@ def _schema_element(el, ctx: _SchemaCtx, scope: str):
         if not _is_empty(el, ctx):
             raise PMLError(f"<parameter name='{el.get('name')}'> must be empty", src, line)
         name = el.get("name")
-        _check_name(name, "parameter", src, line)
+        check_name(name, "parameter", src, line)
         raw = el.get("length").strip()
-        if not _DIGITS.match(raw) or not 1 <= int(raw) <= MAX_PARAMETER_LENGTH:
+        if not _DIGITS.match(raw) or not length_ok(int(raw)):
             raise PMLError(
                 f"parameter '{name}' has length '{el.get('length')}': expected a positive integer"
                 f" (at most {MAX_PARAMETER_LENGTH})",
@@ -149,17 +132,12 @@ def _schema_element(el, ctx: _SchemaCtx, scope: str):
         return Parameter(name, int(raw), el.get("scaffold", ""), line)
     if el.tag == "union":
         index, ctx.unions = ctx.unions, ctx.unions + 1  # numbered in document order: before nested unions
-        members = _union_members(_schema_children(el, ctx, "union"))
-        if not members:
-            raise PMLError("<union> has no <module> members", src, line)
-        scaffold = el.get("scaffold")
-        if scaffold is not None and scaffold not in {m.name for m in members}:
-            names = ", ".join(m.name for m in members)
-            raise PMLError(f"union scaffold '{scaffold}' is not one of its members ({names})", src, line)
-        return Union(members, line, scaffold, index=index)
+        u = Union(_union_members(_schema_children(el, ctx, "union")), line, el.get("scaffold"), index=index)
+        check_union(u, src)
+        return u
     # <module>
     name = el.get("name")
-    _check_name(name, "module", src, line)
+    check_name(name, "module", src, line)
     cache = el.get("cache", "true").strip().lower()
     if cache not in ("true", "false"):
         raise PMLError(f"module '{name}' has cache='{el.get('cache')}': expected true or false", src, line)
@@ -189,108 +167,10 @@ def _union_members(children: list) -> list[Module]:
 
 
 def _read_src(rel: str, ctx: _SchemaCtx, line: int) -> str:
-    data = read_text((ctx.base or Path.cwd()) / rel, "src file", ctx.source, line)
+    path = confined_path(rel, ctx.base or Path.cwd(), ctx.src_root, "src file", ctx.source, line)
+    data = read_text(path, f"src file '{rel}' ->", ctx.source, line)
     ctx.digest.update(b"\0src\0" + rel.encode() + b"\0" + data.encode("utf-8"))
     return data
-
-
-def _check_scope_names(children: list, source: str) -> None:
-    """Module names are unique per scope (union members included); parameters unique per module."""
-    seen: dict[str, int] = {}
-    params: dict[str, int] = {}
-    for c in _flatten_scope(children):
-        if isinstance(c, Module):
-            if c.name in seen:
-                raise PMLError(
-                    f"duplicate module name '{c.name}' in one scope (first at line {seen[c.name]})", source, c.line
-                )
-            seen[c.name] = c.line
-            _check_scope_names(c.children, source)
-        elif isinstance(c, Parameter):
-            if c.name in params:
-                raise PMLError(
-                    f"duplicate parameter name '{c.name}' in one module (first at line {params[c.name]})",
-                    source,
-                    c.line,
-                )
-            params[c.name] = c.line
-
-
-def _flatten_scope(children: list):
-    for c in children:
-        if isinstance(c, Union):
-            yield from c.members
-        elif isinstance(c, Role):
-            yield from _flatten_scope(c.children)
-        else:
-            yield c
-
-
-# ---------------------------------------------------------------------------------------------
-# Whitespace
-
-
-def dedent_text(text: str) -> str:
-    """Remove the indentation common to a text run's lines when the run starts on a new line
-    (pretty-printed XML); a run that starts right after its tag is kept as written."""
-    lines = text.split("\n")
-    if lines[0].strip() or len(lines) == 1:
-        return text
-    indents = [len(ln) - len(ln.lstrip(" \t")) for ln in lines if ln.strip()]
-    if not indents:
-        return text
-    k = min(indents)
-    return "\n".join(ln[k:] if ln.strip() else "" for ln in lines)
-
-
-class _WS:
-    def __init__(self, at_start: bool):
-        self.pending = False  # whitespace seen since the last span
-        self.at_start = at_start  # no separator before the next span
-
-    def copy(self) -> "_WS":
-        c = _WS(self.at_start)
-        c.pending = self.pending
-        return c
-
-
-def normalize_whitespace(children: list, at_start: bool) -> None:
-    """Apply the whitespace rule in place (module docstring); drops whitespace-only texts."""
-    _norm(children, _WS(at_start))
-
-
-def _norm(children: list, st: _WS) -> None:
-    kept = []
-    for c in children:
-        if isinstance(c, Text):
-            raw = c.text
-            core = (raw if c.verbatim else dedent_text(raw)).strip()
-            if not core:
-                st.pending = st.pending or bool(raw)
-                continue
-            lead = (st.pending or raw[0].isspace()) and not st.at_start
-            c.text = (" " if lead else "") + core
-            st.pending, st.at_start = raw[-1].isspace(), False
-        elif isinstance(c, Parameter):
-            c.lead_space = st.pending and not st.at_start
-            st.pending = st.at_start = False
-        elif isinstance(c, (Module, ModuleRef)):
-            _norm(c.children, st)
-        elif isinstance(c, Union):
-            entry, after = st, []
-            for m in c.members:
-                s = entry.copy()
-                _norm(m.children, s)
-                after.append(s)
-            # after the union: separated if any member ended in whitespace
-            st.pending = entry.pending and all(s.at_start for s in after) or any(s.pending for s in after)
-            st.at_start = all(s.at_start for s in after)
-        elif isinstance(c, (Role, PromptRole)):
-            inner = _WS(at_start=True)
-            _norm(c.children, inner)
-            st.pending, st.at_start = False, False
-        kept.append(c)
-    children[:] = kept
 
 
 # ---------------------------------------------------------------------------------------------
@@ -299,9 +179,13 @@ def _norm(children: list, st: _WS) -> None:
 
 def parse_prompt(text_or_path: str | Path) -> Prompt:
     """Parse a prompt. Text not starting with '<' is a plain-text prompt (no schema), unless it
-    names an existing file."""
+    names an existing file (kept as it is for now). An empty or whitespace-only prompt is a
+    PMLError; a prompt that yields no tokens is refused by the layout."""
     if isinstance(text_or_path, str) and not is_markup(text_or_path):
         if "\n" in text_or_path or not is_file(text_or_path):
+            check_text(text_or_path, "prompt text", "<string>", 1)
+            if not text_or_path.strip():
+                raise PMLError("empty prompt: no text and no <prompt> element", "<string>", 1)
             children = [Text(text_or_path, 1, verbatim=True)]
             normalize_whitespace(children, at_start=True)
             return Prompt(schema=None, children=children)

@@ -1,5 +1,10 @@
 """Reading PML sources: files or text, strict XML parsing, element content with exact lines.
 
+Trust (README, "Security model"): a PML source may name ``src`` files, but only regular files
+of at most ``MAX_FILE_BYTES`` inside an allowed root (``confined_path``); a DOCTYPE (internal
+DTD, entities, attribute defaults) is refused; text must be encodable UTF-8 (no lone
+surrogates). Every refusal is a ``PMLError`` naming the source and line.
+
 lxml reports one line per element: where its start tag *ends*. Errors must name the line a user
 sees the problem on (where a tag starts, where a stray text is), so ``Lines`` re-reads the
 already well-formed source with a small lexer and records, for every element, comment and
@@ -10,7 +15,9 @@ the line its tail begins on.
 from __future__ import annotations
 
 import bisect
+import os
 import re
+import stat
 from pathlib import Path
 
 from lxml import etree
@@ -26,14 +33,67 @@ def is_file(path: str | Path) -> bool:
         return False
 
 
+MAX_FILE_BYTES = 16 << 20  # a schema, prompt or src file larger than 16 MiB is refused
+HINT = "use &lt;, &amp; or CDATA, or src="  # for the usual cause of malformed XML: '<' or '&' in text
+_HINTED = ("entity", "starttag", "start tag", "invalid element name", "tag mismatch", "attvalue")
+
+
 def read_text(path: Path, what: str, source: str, line: int | None = None) -> str:
-    """A UTF-8 file's text; any failure is a PMLError naming ``source`` and ``line``."""
+    """A regular UTF-8 file's text (at most ``MAX_FILE_BYTES``); any failure is a PMLError naming
+    ``source`` and ``line``. Opened non-blocking and checked with fstat, so a FIFO or a device
+    (``/dev/zero``) is refused instead of hanging or filling memory."""
     try:
-        return path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as e:
-        raise PMLError(f"{what} '{path}' is not UTF-8 text ({e.reason} at byte {e.start})", source, line) from None
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
     except OSError as e:
         raise PMLError(f"{what} '{path}' cannot be read ({e.strerror or e})", source, line) from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise PMLError(f"{what} '{path}' is not a regular file", source, line)
+        if st.st_size > MAX_FILE_BYTES:
+            raise PMLError(
+                f"{what} '{path}' is {st.st_size} bytes, more than the limit of {MAX_FILE_BYTES}", source, line
+            )
+        with os.fdopen(fd, "rb", closefd=False) as f:
+            data = f.read(MAX_FILE_BYTES + 1)
+    except OSError as e:
+        raise PMLError(f"{what} '{path}' cannot be read ({e.strerror or e})", source, line) from None
+    finally:
+        os.close(fd)
+    if len(data) > MAX_FILE_BYTES:
+        raise PMLError(f"{what} '{path}' is more than the limit of {MAX_FILE_BYTES} bytes", source, line)
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise PMLError(f"{what} '{path}' is not UTF-8 text ({e.reason} at byte {e.start})", source, line) from None
+
+
+def confined_path(rel: str, base: Path, root: Path, what: str, source: str, line: int | None) -> Path:
+    """``base / rel`` with symlinks and ``..`` resolved; a PMLError unless it lies in ``root``
+    (or below). Absolute ``rel`` values are judged the same way."""
+    try:
+        real_root = Path(os.path.realpath(root))
+        path = Path(os.path.realpath(base / rel))
+    except (OSError, ValueError) as e:
+        raise PMLError(f"{what} '{rel}' is not a usable path ({e})", source, line) from None
+    if path != real_root and real_root not in path.parents:
+        raise PMLError(
+            f"{what} '{rel}' is outside the allowed folder '{real_root}' (pass allow_src_root= to widen it)",
+            source,
+            line,
+        )
+    return path
+
+
+def check_text(text: str, what: str, source: str, line: int | None = None) -> None:
+    """A PMLError if ``text`` cannot be encoded as UTF-8 (a lone surrogate)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        line = (line or 1) + text.count("\n", 0, e.start)
+        raise PMLError(
+            f"{what} holds U+{ord(text[e.start]):04X}, a lone surrogate (not a character)", source, line
+        ) from None
 
 
 def is_markup(text_or_path) -> bool:
@@ -55,15 +115,27 @@ def read_source(text_or_path: str | Path, kind: str) -> tuple[str, str, Path | N
 
 def parse_xml(text: str, source: str) -> tuple[etree._Element, "Lines"]:
     """Parse strictly (no recovery, no entity expansion, no network) into (root, line tracker)."""
-    parser = etree.XMLParser(resolve_entities=False, no_network=True, recover=False, encoding="utf-8")
+    parser = etree.XMLParser(
+        resolve_entities=False, no_network=True, recover=False, encoding="utf-8",
+        load_dtd=False, dtd_validation=False, attribute_defaults=False, huge_tree=False,
+    )
     try:
         root = etree.fromstring(text.encode("utf-8"), parser)
     except etree.XMLSyntaxError as e:
         msg = (e.msg or str(e)).strip()
+        if any(h in msg.lower() for h in _HINTED):
+            msg += f" (a '<' or '&' in text? {HINT})"
         raise PMLError(f"malformed XML: {msg}", source, e.lineno or None) from None
     except UnicodeEncodeError as e:
         line = text.count("\n", 0, e.start) + 1
         raise PMLError(f"malformed XML: character {text[e.start]!r} cannot be encoded", source, line) from None
+    except (ValueError, TypeError) as e:  # lxml refuses some inputs before parsing (NUL bytes, ...)
+        raise PMLError(f"malformed XML: {e}", source, 1) from None
+    docinfo = root.getroottree().docinfo
+    if docinfo.doctype or docinfo.internalDTD is not None or docinfo.externalDTD is not None:
+        at = text.find("<!DOCTYPE")
+        line = text.count("\n", 0, at) + 1 if at >= 0 else 1
+        raise PMLError("a DOCTYPE is not allowed in PML (no DTDs, entities or attribute defaults)", source, line)
     return root, Lines(root, text)
 
 

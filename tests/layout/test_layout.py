@@ -1,4 +1,4 @@
-"""Layout arithmetic, with expected positions computed by hand (DESIGN.md section 3).
+"""Layout arithmetic, with expected positions computed by hand (README "Positions").
 
 ToyTokenizer: one token per whitespace-separated word (leading whitespace attached), so
 "Plan a trip of" is 4 tokens and " days." is 1. PlainRoles glue: "System: " and "User: " are
@@ -168,25 +168,53 @@ def test_free_text_placement():
     lay = layout_schema(FREE, tok)
     pl = layout_prompt('<prompt schema="s">pre text <a/> mid one two <c/> after</prompt>', lay, tok)
     assert pspans(pl) == [
+        ("(text)", "new", "text", 0, 2),  # before the first import: after what precedes a (nothing)
         ("a", "cached", "module", 0, 2),
         ("(text)", "new", "text", 2, 5),  # between a and c: starts at a's end
         ("c", "cached", "module", 5, 6),
-        ("(text)", "new", "text", 6, 8),  # before the first import: tail region, from the schema end
-        ("(text)", "new", "text", 8, 9),  # after the last import: continues the tail
+        ("(text)", "new", "text", 6, 7),  # after the last import: right after c, not the schema end
     ]
-    assert tok.decode(pl.new[0].token_ids) == " mid one two"
+    assert tok.decode(pl.new[0].token_ids) == "pre text"
+    assert tok.decode(pl.new[1].token_ids) == " mid one two"
 
 
-def test_trailing_text_after_the_schema_end_and_a_prompt_without_imports():
+def test_trailing_text_follows_the_last_included_span_and_a_prompt_without_imports():
     tok = ToyTokenizer()
     lay = layout_schema(SEQ, tok)  # end 7
     pl = layout_prompt('<prompt schema="s"><b/> and more</prompt>', lay, tok)
     assert pspans(pl)[-1] == ("(text)", "new", "text", 7, 9)
+    pl = layout_prompt('<prompt schema="s"><a/> and more</prompt>', lay, tok)
+    assert pspans(pl)[-1] == ("(text)", "new", "text", 6, 8)  # after " six", not after the schema end (7)
     pl = layout_prompt('<prompt schema="s">only text here</prompt>', lay, tok)
     assert pspans(pl) == [
         ("(schema)", "cached", "schema", 0, 2),
         ("(schema)", "cached", "schema", 5, 6),  # anonymous text is in every prompt
-        ("(text)", "new", "text", 7, 10),
+        ("(text)", "new", "text", 6, 9),  # right after the last cached span before it
+    ]
+
+
+EIGHT = '<schema name="s">Notes:' + "".join(f' <module name="n{i}">note {i} code {i}{i}</module>' for i in range(8)) + "</schema>"
+
+
+@pytest.mark.parametrize("k", [1, 4, 8])
+def test_a_prefix_of_imports_and_a_question_has_contiguous_positions(k):
+    tok = ToyTokenizer(bos=True)
+    lay = layout_schema(EIGHT, tok)
+    refs = "".join(f"<n{i}/>" for i in range(k))
+    pl = layout_prompt(f'<prompt schema="s">{refs} What is the code for note 2?</prompt>', lay, tok)
+    assert pl.position_ids == list(range(len(pl.position_ids)))  # a plain prefill's positions
+    assert [s.kind for s in pl.spans][-1] == "new" and all(s.kind == "cached" for s in pl.spans[:-1])
+
+
+def test_gaps_between_imports_stay():
+    tok = ToyTokenizer()
+    lay = layout_schema(EIGHT, tok)  # "Notes:" [0,1), n_i [1 + 4i, 5 + 4i)
+    pl = layout_prompt('<prompt schema="s"><n1/><n5/> Which?</prompt>', lay, tok)
+    assert pspans(pl) == [
+        ("(schema)", "cached", "schema", 0, 1),
+        ("n1", "cached", "module", 5, 9),
+        ("n5", "cached", "module", 21, 25),
+        ("(text)", "new", "text", 25, 26),
     ]
 
 
@@ -335,7 +363,7 @@ def test_tables_print_positions():
     tok = ToyTokenizer()
     lay = layout_schema(UNION, tok)
     table = lay.table()
-    assert "schema 's': positions [0, 7), 3 modules, 1 unions" in table
+    assert "schema 's': positions [0, 7), 3 modules, 1 union\n" in table
     assert "[1, 5)" in table and "u0:y" in table
     pl = layout_prompt('<prompt schema="s"><y/> tell me</prompt>', lay, tok)
     assert "prompt: 7 cached tokens, 2 new tokens" in pl.table()
@@ -353,3 +381,90 @@ def test_argument_too_long_is_an_error_not_a_cut():
     tok = ToyTokenizer()
     with pytest.raises(PMLError, match="argument 'city' of module 'm' is 3 tokens, the parameter allows 2"):
         layout_prompt('<prompt schema="s"><m days="1" city="New York City"/></prompt>', layout_schema(PARAM, tok), tok)
+
+
+# ---------------------------------------------------------------------------------------------
+# Limits, empty prompts, bad text, reprs
+
+
+def test_max_positions_refuses_a_schema_naming_both_numbers():
+    tok = ToyTokenizer()
+    assert layout_schema(SEQ, tok, max_positions=7).end == 7
+    with pytest.raises(PMLError, match="needs at least 8 positions, more than the model's limit of 7"):
+        layout_schema(SEQ.replace("seven", "seven eight"), tok, max_positions=7)
+
+
+def test_max_positions_refuses_a_huge_parameter_before_building_it():
+    big = '<schema name="s"><module name="m">x <parameter name="p" length="1000000"/></module></schema>'
+    with pytest.raises(PMLError) as e:
+        layout_schema(big, ToyTokenizer(), max_positions=2048)
+    assert "1000001 positions" in str(e.value) and "2048" in str(e.value) and e.value.line == 1
+
+
+def test_max_positions_refuses_a_long_prompt():
+    tok = ToyTokenizer()
+    lay = layout_schema(SEQ, tok)
+    text = " ".join(["w"] * 100)
+    pl = layout_prompt(f'<prompt schema="s"><a/> {text}</prompt>', lay, tok, max_positions=106)
+    assert max(pl.position_ids) == 105
+    with pytest.raises(PMLError, match=r"prompt needs 107 positions \(0..106\), more than the model's limit of 106"):
+        layout_prompt(f'<prompt schema="s"><a/> {text} x</prompt>', lay, tok, max_positions=106)
+    with pytest.raises(PMLError, match="limit of 50"):
+        layout_prompt(text, None, tok, max_positions=50)
+
+
+@pytest.mark.parametrize("prompt", ["", "   ", "\n\t"])
+def test_empty_plain_prompts_are_refused(prompt):
+    with pytest.raises(PMLError, match="empty prompt"):
+        layout_prompt(prompt, None, ToyTokenizer())
+
+
+def test_a_prompt_with_no_tokens_is_refused():
+    lay = layout_schema('<schema name="e"><module name="m">x</module></schema>', ToyTokenizer())
+    with pytest.raises(PMLError, match="empty prompt: it yields no tokens"):
+        layout_prompt('<prompt schema="e"/>', lay, ToyTokenizer())
+
+
+@pytest.mark.parametrize(
+    "schema",
+    ["", "   ", '<schema name="e"/>', '<schema name="e">\n \n</schema>', '<schema name="e"><module name="m"/></schema>'],
+)
+def test_empty_schemas_are_refused(schema):
+    with pytest.raises(PMLError, match="empty"):
+        layout_schema(schema, ToyTokenizer())
+
+
+def test_lone_surrogates_are_pml_errors():
+    tok = ToyTokenizer()
+    with pytest.raises(PMLError, match="surrogate"):
+        layout_prompt("hello \ud800 world", None, tok)
+    with pytest.raises(PMLError):
+        layout_schema('<schema name="s">a \udfff b</schema>', tok)
+    from promptcache.pml.nodes import Prompt, Text
+
+    with pytest.raises(PMLError, match="U\\+D800"):  # a tree built in Python: caught before the tokenizer
+        layout_prompt(Prompt(None, [Text("a \ud800", 1)]), None, tok)
+
+
+def test_plain_prompts_get_bos_only_when_the_tokenizer_adds_it():
+    from promptcache.tokens import GenericSpanTokenizer
+
+    class NoBosText(GenericSpanTokenizer):  # like SmolLM2: declares a BOS it never prepends
+        def __init__(self):
+            super().__init__(ToyTokenizer())
+            self.bos_ids, self.plain_bos_ids = (1,), ()
+
+    pl = layout_prompt("hello there", None, NoBosText())
+    assert [s.source for s in pl.spans] == ["text"] and pl.position_ids == [0, 1]
+    pl = layout_prompt("hello there", None, ToyTokenizer(bos=True))
+    assert pl.token_ids[0] == 1 and pl.position_ids == [0, 1, 2]
+
+
+def test_reprs_are_short():
+    tok = ToyTokenizer()
+    big = '<schema name="s">' + "".join(f'<module name="m{i}">{"w " * 200}</module>' for i in range(50)) + "</schema>"
+    lay = layout_schema(big, tok)
+    pl = layout_prompt('<prompt schema="s"><m0/><m1/> q</prompt>', lay, tok)
+    assert len(repr(lay)) < 300 and "50 modules" in repr(lay) and "45 more" in repr(lay)
+    assert len(repr(pl)) < 300 and "400 cached + 1 new tokens" in repr(pl)
+    assert len(repr(lay.spans[0])) < 120 and len(repr(pl.spans[0])) < 120

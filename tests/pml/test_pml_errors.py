@@ -36,7 +36,7 @@ SCHEMA_ERRORS = {
     "malformed: bare ampersand": (
         '<schema name="s">\nA & B\n</schema>',
         2,
-        ["malformed XML", "xmlParseEntityRef"],
+        ["malformed XML", "xmlParseEntityRef", "use &lt;, &amp; or CDATA, or src="],
     ),
     "malformed: content after the root": (
         '<schema name="s">x</schema>\n<schema name="t"/>',
@@ -166,10 +166,22 @@ SCHEMA_ERRORS = {
     ),
     "invalid module name": ('<schema name="s">\n<module name="2fast">x</module></schema>', 2, ["module name '2fast'"]),
     "reserved module name": ('<schema name="s">\n<module name="user">x</module></schema>', 2, ["reserved"]),
-    "entity reference": (
-        '<!DOCTYPE schema [<!ENTITY co "ACME">]>\n<schema name="s">\nWelcome to &co;</schema>',
-        3,
-        ["entity reference &co; is not supported"],
+    "doctype with an entity": (
+        '\n<!DOCTYPE schema [<!ENTITY co "ACME">]>\n<schema name="s">\nWelcome to &co;</schema>',
+        2,
+        ["a DOCTYPE is not allowed"],
+    ),
+    "doctype with an attribute default": (
+        '<!DOCTYPE schema [<!ATTLIST module src CDATA "/etc/hostname">]>\n<schema name="s">\n'
+        '<module name="m">x</module></schema>',
+        1,
+        ["a DOCTYPE is not allowed"],
+    ),
+    "empty schema": ('<schema name="e">\n  \n</schema>', 1, ["schema 'e' is empty"]),
+    "bare less-than in text": (
+        '<schema name="s">\n<module name="m">if a < b</module></schema>',
+        2,
+        ["malformed XML", "use &lt;, &amp; or CDATA, or src="],
     ),
     "scaffold longer than the slot": (
         '<schema name="s"><module name="m">\n<parameter name="p" length="2" scaffold="one two three"/></module>'
@@ -341,10 +353,10 @@ PROMPT_ERRORS = {
     "role inside a role": ('<prompt schema="travel">\n<user>\n<system>x</system></user></prompt>', 3, ["<system> must be at the top level"]),
     "role with attributes": ('<prompt schema="travel">\n<user name="x">hi</user></prompt>', 2, ["<user> takes no attributes"]),
     "prompt for another schema": ('\n\n<prompt schema="food"><x/></prompt>', 3, ["prompt is for schema 'food', not 'travel'"]),
-    "entity reference": (
+    "doctype": (
         '<!DOCTYPE prompt [<!ENTITY x "y">]>\n<prompt schema="travel">\n&x;</prompt>',
-        3,
-        ["entity reference &x; is not supported"],
+        1,
+        ["a DOCTYPE is not allowed"],
     ),
 }
 
