@@ -43,11 +43,9 @@ class SamplingParams:
     seed: int | None = None  # None: a fresh random seed per request
 
     def __post_init__(self):
-        stop = self.stop
-        if stop is None:
-            stop = ()
-        elif isinstance(stop, str):
-            stop = (stop,)
+        stop = () if self.stop is None else (self.stop,) if isinstance(self.stop, str) else self.stop
+        _check(self, "stop", isinstance(stop, (list, tuple)) and all(isinstance(s, str) for s in stop),
+               "a string or a list of strings")
         object.__setattr__(self, "stop", tuple(stop))
         _check(self, "max_new_tokens", _is_int(self.max_new_tokens) and self.max_new_tokens >= 0, "an integer >= 0")
         _check(self, "temperature", _is_real(self.temperature) and self.temperature >= 0, "a finite number >= 0")
@@ -55,7 +53,6 @@ class SamplingParams:
         _check(self, "top_k", _is_int(self.top_k) and self.top_k >= 0, "an integer >= 0")
         _check(self, "repetition_penalty", _is_real(self.repetition_penalty) and self.repetition_penalty > 0,
                "a finite number > 0")
-        _check(self, "stop", all(isinstance(s, str) for s in self.stop), "a string or a list of strings")
         _check(self, "seed", self.seed is None or _is_int(self.seed), "None or an integer")
 
     @property
