@@ -264,3 +264,20 @@ def test_bos_exactly_once_when_only_the_chat_template_adds_it():
     pc.add_schema(SCHEMA)
     ids = pc.layout(PROMPT).token_ids
     assert ids[0] == tok.bos_token_id and ids.count(tok.bos_token_id) == 1
+
+
+def test_public_names_and_results_built_by_keyword():
+    import promptcache
+    from promptcache.engine import EngineConfig, Generation, PrefillResult, SamplingParams
+
+    assert promptcache.EngineConfig is EngineConfig and promptcache.SamplingParams is SamplingParams
+    with pytest.raises(TypeError):
+        PrefillResult(torch.zeros(4), 0.1, 3, 2, False)  # keyword only: no positional soup
+    res = PrefillResult(logits=torch.zeros(4), ttft=0.1, cached_tokens=3, new_tokens=2, exact=False)
+    gen = Generation.from_prefill(res, "hi", [5, 6], "stop")
+    assert (gen.usage.prompt_tokens, gen.usage.completion_tokens, gen.usage.cached_tokens, gen.usage.total_tokens) == (
+        5, 2, 3, 7)
+    with pytest.raises(ValueError, match="finish_reason must be one of"):
+        Generation.from_prefill(res, "hi", [5], "done")
+    with pytest.raises(ValueError, match="EngineConfig.encode_chunk must be >= 1, got 0"):
+        EngineConfig(encode_chunk=0)
