@@ -112,7 +112,7 @@ def private_uses(root: str = "promptcache") -> list[str]:
                 if not (isinstance(owner, ast.Name) and owner.id in ("self", "cls")):
                     found.append(f"{rel}:{node.lineno}: {ast.unparse(node)}")
             elif isinstance(node, ast.ImportFrom):
-                found += [f"{rel}:{node.lineno}: from {node.module or '.'} import {a.name}"
+                found += [f"{rel}:{node.lineno}: from {'.' * node.level}{node.module or ''} import {a.name}"
                           for a in node.names if _private(a.name)]
     return found
 
