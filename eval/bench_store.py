@@ -52,7 +52,7 @@ def main(argv=None) -> None:
     reuse = [pc.prefill(p).bytes_copied for p in prompts]
     no_reuse = []
     for p in prompts:
-        pc._pool.clear()
+        pc.clear_buffers()
         no_reuse.append(pc.prefill(p).bytes_copied)
 
     rows = {"model": args.model, "device": args.device, "schema_tokens": entry.stored_tokens,
@@ -77,7 +77,7 @@ def main(argv=None) -> None:
         host.add_schema(schema)
 
         def cold(engine):
-            engine._pool.clear()
+            engine.clear_buffers()
             return engine.prefill(prompt)
 
         t_dev = median_time(lambda: cold(dev), repeats=10)

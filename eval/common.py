@@ -56,7 +56,7 @@ def text_of_tokens(tok, n: int, seed: int) -> str:
 def forget_placement(pc) -> None:
     """Make the next ``pc.prefill`` copy every stored module into its (reused) buffer, as for a
     prompt whose buffer last held other modules."""
-    pc._pool.forget_residents()
+    pc.forget_placement()
 
 
 def write_csv(name: str, rows: list[dict], out: Path | str | None = None) -> Path:

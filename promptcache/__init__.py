@@ -1,7 +1,8 @@
 """promptcache: modular attention reuse (Prompt Cache, Gim et al., MLSys 2024) for transformers LMs.
 
-``from promptcache import PMLError, parse_schema, layout_schema`` needs no torch; ``PromptCache``
-(the engine) is imported lazily on first use.
+``from promptcache import PMLError, parse_schema, layout_schema`` needs no torch; ``PromptCache``,
+``EngineConfig`` and ``SamplingParams`` (the engine, ``promptcache.engine``) are imported lazily
+on first use.
 """
 
 from .layout import PromptLayout, SchemaLayout, Span, layout_prompt, layout_schema
@@ -10,7 +11,7 @@ from .pml import PMLError, parse_prompt, parse_schema
 __version__ = "0.1.0"
 
 __all__ = [
-    "PMLError", "PromptCache", "PromptLayout", "SchemaLayout", "Span", "layout_prompt", "layout_schema",
+    "EngineConfig", "PMLError", "PromptCache", "SamplingParams", "PromptLayout", "SchemaLayout", "Span", "layout_prompt", "layout_schema",
     "parse_prompt", "parse_schema", "print_layout",
 ]
 
@@ -22,9 +23,12 @@ def print_layout(schema, tokenizer=None) -> None:
     print(layout_schema(schema, tokenizer or WordTokenizer()).table())
 
 
-def __getattr__(name: str):
-    if name == "PromptCache":
-        from .engine import PromptCache
+_ENGINE_NAMES = ("EngineConfig", "PromptCache", "SamplingParams")
 
-        return PromptCache
+
+def __getattr__(name: str):
+    if name in _ENGINE_NAMES:
+        from . import engine
+
+        return getattr(engine, name)
     raise AttributeError(f"module 'promptcache' has no attribute {name!r}")

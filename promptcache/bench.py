@@ -113,11 +113,11 @@ def run(pc, schema_tokens: int = 2000, new_tokens: int = 32, repeats: int = 10) 
     sync = torch.cuda.synchronize if pc.device.type == "cuda" else (lambda: None)
 
     def cold():
-        pc._pool.clear()
+        pc.clear_buffers()
         return pc.prefill(prompt)
 
     def copy_all():
-        pc._pool.forget_residents()
+        pc.forget_placement()
         return pc.prefill(prompt)
 
     full = median_time(lambda: pc.prefill_baseline(prompt), repeats=max(3, repeats // 3))

@@ -63,4 +63,4 @@ def load_compiled(pc: "PromptCache", path, schema=None, recompile=False, namespa
     if verify:
         for k in keys.values():
             pc.store.get(k)
-    return pc._register(layout, keys, ns, time.perf_counter() - t0)
+    return pc.register_schema(layout, keys, ns, time.perf_counter() - t0)

@@ -126,11 +126,9 @@ class DocumentStore:
         t0 = time.perf_counter()
         layout, cached, hits = self._plan(question, doc_ids, system, with_states=True)
         new = [s for s in layout.spans if s.kind == "new"]
-        res = self.pc.run_spliced(cached, [t for s in new for t in s.token_ids],
-                                  [p for s in new for p in s.position_ids], max(layout.position_ids), t0,
-                                  reserve, keep_cache)
-        res.layout, res.hit_tiers = layout, hits
-        return res
+        return self.pc.run_spliced(cached, [t for s in new for t in s.token_ids],
+                                   [p for s in new for p in s.position_ids], max(layout.position_ids), t0,
+                                   reserve, keep_cache, layout=layout, hit_tiers=hits)
 
     def generate(self, question: str, doc_ids: list[str], system: str | None = None,
                  max_new_tokens: int = 64, **sampling) -> Generation:

@@ -44,9 +44,19 @@ def test_run_json_and_baseline(runner):
     res = invoke(runner, "run", PROMPT, "--schema", SCHEMA, "--max-new-tokens", "3", "--json")
     data = json.loads(res.stdout.strip().splitlines()[-1])
     assert data["cached_tokens"] > 100 and data["new_tokens"] > 0 and len(data["token_ids"]) <= 3
+    assert data["finish_reason"] == ("length" if len(data["token_ids"]) == 3 else "stop")
+    assert data["usage"] == {"prompt_tokens": data["cached_tokens"] + data["new_tokens"],
+                             "completion_tokens": len(data["token_ids"]), "cached_tokens": data["cached_tokens"],
+                             "total_tokens": data["cached_tokens"] + data["new_tokens"] + len(data["token_ids"])}
     base = json.loads(invoke(runner, "run", PROMPT, "-s", SCHEMA, "--max-new-tokens", "3", "--json",
                              "--no-cache").stdout.strip().splitlines()[-1])
     assert base["cached_tokens"] == 0 and base["new_tokens"] == data["cached_tokens"] + data["new_tokens"]
+
+
+def test_bad_sampling_setting_is_a_usage_error_before_loading(runner):
+    res = runner.invoke(main, ["run", PROMPT, "--schema", SCHEMA, "--temperature", "-1"])
+    assert res.exit_code == 2 and "SamplingParams.temperature must be a finite number >= 0, got -1" in res.output
+    assert "Loading model" not in res.output
 
 
 def test_compile_then_run_compiled(runner, tmp_path):

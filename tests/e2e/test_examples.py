@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import re
 from pathlib import Path
 
 import pytest
@@ -17,12 +18,25 @@ def load(name):
     return mod
 
 
+# each example's statistics line: (ttft ms, cached tokens, new tokens)
+STATS = {
+    "quickstart": r"TTFT with Prompt Cache (?P<ms>[\d.]+) ms \((?P<cached>\d+) tokens cached, (?P<new>\d+) new\)",
+    "rag": r"TTFT (?P<ms>[\d.]+) ms: (?P<cached>\d+) of (?P<total>\d+) prompt tokens from the cache, (?P<new>\d+) computed",
+    "chat": r"\[TTFT (?P<ms>[\d.]+) ms, (?P<cached>\d+) cached / (?P<new>\d+) new tokens\]",
+}
+
+
 @pytest.mark.parametrize("name", ["quickstart", "rag", "chat"])
 def test_example_runs_offline(name, capsys):
     args = ["--max-new-tokens", "2"] + (["--script"] if name == "chat" else [])
     load(name).main(args)
     out = capsys.readouterr().out
-    assert "TTFT" in out and ("cached" in out or "from the cache" in out)
+    stats = [m.groupdict() for m in re.finditer(STATS[name], out)]
+    assert stats, f"no statistics line in the output of {name}:\n{out}"
+    for s in stats:  # every prompt was served partly from stored states and ran some tokens
+        assert float(s["ms"]) > 0 and int(s["cached"]) > 0 and int(s["new"]) > 0, s
+        if "total" in s:
+            assert int(s["cached"]) + int(s["new"]) == int(s["total"]), s
 
 
 def test_bm25_retrieves_the_matching_document():

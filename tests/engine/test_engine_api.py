@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import concurrent.futures as cf
+import time
 
 import pytest
 import torch
 
 from oracle import definition_state
-from promptcache import PMLError, PromptCache
+from promptcache import PMLError, PromptCache, layout_schema
 from promptcache.cache import SpliceCache
 from promptcache.models import UnsupportedModelError, get_adapter, supported_model_types
 from tiny import FAMILIES, make_model, make_tokenizer
@@ -56,13 +57,21 @@ def test_unsupported_architecture_lists_supported():
 
 
 def test_failed_add_schema_leaves_engine_unchanged(pc):
-    before = pc.prefill(PROMPT).logits
-    bad = SCHEMA.replace('name="s"', 'name="s"').replace('length="3"', 'length="x"')
-    with pytest.raises(PMLError):
-        pc.add_schema(bad)
+    before, entry = pc.prefill(PROMPT).logits, pc.schema("s")
+    with pytest.raises(PMLError, match="length"):
+        pc.add_schema(SCHEMA.replace('length="3"', 'length="x"'))  # same name, fails while parsing
     with pytest.raises(PMLError):
         pc.add_schema("<schema name='s'><module name='a'>unclosed</schema>")
-    assert pc.schemas == ["s"]
+
+    def fail(done, total):
+        raise RuntimeError("interrupted")
+
+    edited = SCHEMA.replace("huge city", "big city")  # same name, new text: fails while encoding
+    with pytest.raises(RuntimeError, match="interrupted"):
+        pc.add_schema(edited, progress=fail)
+    assert pc.schemas == ["s"] and pc.schema("s") is entry
+    new_keys = set(pc.registry.content_keys(layout_schema(edited, pc.tok), "default").values()) - set(entry.keys.values())
+    assert new_keys and not any(k in pc.store for k in new_keys)  # nothing of the failed schema was stored
     assert torch.equal(pc.prefill(PROMPT).logits, before)
 
 
@@ -165,7 +174,10 @@ def test_generation_statistics(pc):
     layout = pc.layout(PROMPT)
     assert out.cached_tokens == sum(len(s) for s in layout if s.kind == "cached")
     assert out.new_tokens == sum(len(s) for s in layout if s.kind == "new")
-    assert out.ttft > 0
+    assert out.usage.prompt_tokens == len(layout.token_ids) and out.usage.completion_tokens == len(out.token_ids)
+    t0 = time.perf_counter()
+    timed = pc.generate(PROMPT, max_new_tokens=4)
+    assert 0 < timed.ttft <= time.perf_counter() - t0  # seconds, measured inside the call
     base = pc.generate(PROMPT, max_new_tokens=4, use_cache=False)
     assert base.cached_tokens == 0 and base.new_tokens == len(layout.token_ids)
 
@@ -252,3 +264,20 @@ def test_bos_exactly_once_when_only_the_chat_template_adds_it():
     pc.add_schema(SCHEMA)
     ids = pc.layout(PROMPT).token_ids
     assert ids[0] == tok.bos_token_id and ids.count(tok.bos_token_id) == 1
+
+
+def test_public_names_and_results_built_by_keyword():
+    import promptcache
+    from promptcache.engine import EngineConfig, Generation, PrefillResult, SamplingParams
+
+    assert promptcache.EngineConfig is EngineConfig and promptcache.SamplingParams is SamplingParams
+    with pytest.raises(TypeError):
+        PrefillResult(torch.zeros(4), 0.1, 3, 2, False)  # keyword only: no positional soup
+    res = PrefillResult(logits=torch.zeros(4), ttft=0.1, cached_tokens=3, new_tokens=2, exact=False)
+    gen = Generation.from_prefill(res, "hi", [5, 6], "stop")
+    assert (gen.usage.prompt_tokens, gen.usage.completion_tokens, gen.usage.cached_tokens, gen.usage.total_tokens) == (
+        5, 2, 3, 7)
+    with pytest.raises(ValueError, match="finish_reason must be one of"):
+        Generation.from_prefill(res, "hi", [5], "done")
+    with pytest.raises(ValueError, match="EngineConfig.encode_chunk must be >= 1, got 0"):
+        EngineConfig(encode_chunk=0)

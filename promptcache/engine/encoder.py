@@ -17,9 +17,9 @@ from typing import Callable
 
 import torch
 
-from .cache import SpliceCache
-from .layout import EncodePass, SchemaLayout
-from .models.base import Adapter, KVSpec
+from ..cache import SpliceCache
+from ..layout import EncodePass, SchemaLayout
+from .runner import ModelRunner
 
 log = logging.getLogger(__name__)
 
@@ -36,9 +36,10 @@ class _Job:
 
 
 class SchemaEncoder:
-    def __init__(self, adapter: Adapter, spec: KVSpec, device, forward_lock, chunk: int = 2048,
-                 batch_bytes: int = 256 << 20, pad_id: int = 0):
-        self.adapter, self.spec, self.device, self.lock = adapter, spec, device, forward_lock
+    """Runs encoding passes on a ``ModelRunner`` (its forwards take the runner's lock)."""
+
+    def __init__(self, runner: ModelRunner, chunk: int = 2048, batch_bytes: int = 256 << 20, pad_id: int = 0):
+        self.runner, self.adapter, self.spec, self.device = runner, runner.adapter, runner.spec, runner.device
         self.chunk, self.batch_bytes, self.pad_id = chunk, batch_bytes, pad_id
 
     def encode(self, layout: SchemaLayout, progress: Progress | None = None) -> dict[int, torch.Tensor]:
@@ -141,8 +142,7 @@ class SchemaEncoder:
     def _forward(self, ids: list[list[int]], pos: list[list[int]], cache: SpliceCache) -> None:
         ids_t = torch.tensor(ids, dtype=torch.long, device=self.device)
         pos_t = torch.tensor(pos, dtype=torch.long, device=self.device)
-        with self.lock:
-            self.adapter.forward(ids_t, pos_t, cache)
+        self.runner.forward(ids_t, pos_t, cache)
 
 
 def _common_prefix(a, b) -> int:

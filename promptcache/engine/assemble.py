@@ -1,0 +1,65 @@
+"""Plan a prompt's prefill: which stored states go where (store lookups), which tokens run.
+
+Decisions:
+  * KV order is the cached spans in prompt order, then the new tokens (arguments, free text,
+    ``cache="false"`` modules, chat glue) at their position IDs.
+  * A prompt with no new tokens recomputes its last cached token as a new token (its stored entry
+    is left out), so next-token logits reflect exactly what the prompt imports.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+
+from ..layout import PromptLayout, Span
+from .registry import EncodedSchema
+
+__all__ = ["Assembly", "assemble"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Assembly:
+    cached: list[tuple]  # (content key, kv [L, 2, H, n, D], positions [n]) in KV order
+    new_ids: list[int]  # [T], T >= 1
+    new_pos: list[int]  # [T]
+    max_position: int  # the prompt's largest position ID
+    hit_tiers: dict[str, int]  # cached spans served per store tier
+    exact: bool  # the assembled state equals a plain prefill of the same tokens
+
+
+def assemble(layout: PromptLayout, entry: EncodedSchema | None, store) -> Assembly:
+    """``store.get(key) -> (kv, tier)`` for every cached span of ``layout`` (from ``entry``)."""
+    hits: Counter[str] = Counter()
+    cached = []  # (content key, kv, positions, span index)
+    cached_spans, new_spans = layout.cached, layout.new  # each is a filter over the spans: once
+    for s in cached_spans:
+        key = entry.keys[s.schema_index]
+        kv, tier = store.get(key)
+        hits[tier] += 1
+        cached.append((key, kv, entry.positions[s.schema_index], s.schema_index))
+    new_ids = [t for s in new_spans for t in s.token_ids]
+    new_pos = [p for s in new_spans for p in s.position_ids]
+    if not new_ids:  # recompute the last cached token so there are logits to return
+        last = cached_spans[-1]
+        new_ids, new_pos = [last.token_ids[-1]], [last.position_ids[-1]]
+        key, kv, pos, idx = cached[-1]
+        cached[-1] = (key + "[:-1]", kv[:, :, :, :-1], pos[:-1], idx)
+    exact = _is_exact(cached_spans, new_spans, entry, [idx for *_, idx in cached])
+    return Assembly(cached=[(k, kv, pos) for k, kv, pos, _ in cached], new_ids=new_ids, new_pos=new_pos,
+                    max_position=max(layout.position_ids), hit_tiers=dict(hits), exact=exact)
+
+
+def _is_exact(cached_spans: list[Span], new_spans: list[Span], entry: EncodedSchema | None,
+              order: list[int]) -> bool:
+    """True when the assembled state equals a plain prefill of the same tokens: positions run
+    0..n-1 in cache order and every cached span was encoded after exactly the spans before it."""
+    positions = [p for s in cached_spans + new_spans for p in s.position_ids]
+    if positions != list(range(len(positions))):
+        return False
+    seen: list[int] = []
+    for idx in order:
+        if entry.contexts.get(idx) != tuple(seen):
+            return False
+        seen.append(idx)
+    return True

@@ -1,0 +1,211 @@
+"""``PromptCache``: the public face of the engine. It delegates; the work is in the rooms beside it.
+
+    pc = PromptCache(model, tokenizer)
+    pc.add_schema("schemas/travel.xml")
+    out = pc.generate("examples/travel_tokyo.xml", max_new_tokens=64)
+
+Prompt time (the hot path): layout -> ``assemble`` (store lookups: which stored states go where,
+which tokens run) -> ``ModelRunner.prefill_spliced`` (copy what is not in place into one
+preallocated cache, one forward of the new tokens at their position IDs) -> logits. New tokens
+attend to every cached entry and to the new tokens before them: the paper's definition.
+Decoding runs through a ``Scheduler`` (``stream.py``). Generated tokens take positions after the
+largest position in the prompt. Several threads may call ``generate`` on one PromptCache.
+
+Rooms: ``runner.py`` (model, forwards, buffers), ``registry.py`` (encoded schemas, fingerprints,
+keys), ``encoder.py`` (schema encoding), ``assemble.py`` (prompt plans), ``sampling.py``,
+``request.py``, ``scheduler.py``, ``stream.py`` (decoding), ``results.py``, ``config.py``.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from .. import compiled
+from ..layout import PromptLayout, SchemaLayout, layout_prompt, layout_schema
+from ..pml import parse_prompt
+from ..pml.nodes import Prompt
+from ..store import TieredStore
+from ..tokens import as_span_tokenizer
+from .assemble import assemble
+from .config import EngineConfig
+from .encoder import Progress, SchemaEncoder
+from .registry import EncodedSchema, SchemaRegistry
+from .results import Generation, PrefillResult
+from .runner import ModelRunner
+from .sampling import SamplingParams, sampling_params
+from .stream import GenerationStream
+
+__all__ = ["PromptCache"]
+
+Start = Callable[[int], PrefillResult]  # reserve -> a prefill holding its cache
+
+
+class PromptCache:
+    """Prompt Cache over a loaded ``transformers`` causal LM and its tokenizer."""
+
+    def __init__(self, model, tokenizer, config: EngineConfig | None = None):
+        self.config = config or EngineConfig()
+        self.tokenizer = tokenizer
+        self.tok = as_span_tokenizer(tokenizer)
+        device = torch.device(self.config.device) if self.config.device else None
+        self.runner = ModelRunner(model, tokenizer, device)
+        self.model, self.adapter, self.spec, self.device = model, self.runner.adapter, self.runner.spec, self.runner.device
+        self.store = TieredStore(self.device, self.config.store_config())
+        self.registry = SchemaRegistry(model, tokenizer, self.spec.bytes_per_token, self.device)
+        self.encoder = SchemaEncoder(self.runner, self.config.encode_chunk, self.config.encode_batch_bytes,
+                                     self.tok.pad_id)
+
+    @classmethod
+    def from_pretrained(cls, name_or_path: str | Path, device: str = "cpu", dtype: str = "float32",
+                        config: EngineConfig | None = None, **load_kwargs) -> "PromptCache":
+        """Load a Hugging Face model id or a local directory (see ``models.loading``)."""
+        from ..models.loading import load_model  # transformers' Auto classes: loaded only when used
+
+        model, tokenizer = load_model(name_or_path, device=device, dtype=dtype, **load_kwargs)
+        return cls(model, tokenizer, config)
+
+    @property
+    def model_fingerprint(self) -> dict[str, str]:
+        return self.registry.model_fingerprint
+
+    @property
+    def tokenizer_fingerprint(self) -> str:
+        return self.registry.tokenizer_fingerprint
+
+    @property
+    def model_key(self) -> str:
+        """Model and tokenizer fingerprints in one string: the part of every content key that names the model."""
+        return self.registry.model_key
+
+    # -- schemas ---------------------------------------------------------------------------------
+    def add_schema(self, schema: str | Path, progress: Progress | None = None,
+                   namespace: str | None = None) -> EncodedSchema:
+        """Parse, lay out and encode a schema (only modules not stored yet are encoded).
+        On any error the engine is left unchanged."""
+        t0 = time.perf_counter()
+        layout = layout_schema(schema, self.tok)
+        ns = namespace or self.config.namespace
+        keys = self.registry.content_keys(layout, ns)
+        missing = [i for i, k in keys.items() if k not in self.store]
+        states = self.encoder.encode(layout, progress) if missing else {}
+        for i in missing:
+            self.store.put(keys[i], states[i])
+        return self.register_schema(layout, keys, ns, time.perf_counter() - t0)
+
+    def register_schema(self, layout: SchemaLayout, keys: dict[int, str], namespace: str,
+                        seconds: float) -> EncodedSchema:
+        """Make a schema whose states are in ``store`` under ``keys`` usable by prompts (``add_schema``
+        and ``load_compiled`` end here)."""
+        entry = self.registry.register(layout, keys, namespace, seconds)
+        self.runner.prewarm(layout.end + 64)
+        return entry
+
+    def compile(self, schema: str | Path, out_dir: str | Path, progress: Progress | None = None,
+                namespace: str | None = None, source_name: str | None = None) -> Path:
+        """Encode a schema and write it as a compiled artifact (safetensors + manifest.json)."""
+        return compiled.compile_schema(self, schema, out_dir, progress, namespace, source_name)
+
+    def load_compiled(self, path: str | Path, schema: str | Path | None = None, recompile: bool = False,
+                      namespace: str | None = None, verify: bool = False) -> EncodedSchema:
+        """Register a compiled schema; its states stay on disk (memory-mapped, checksummed) until
+        used. ``schema``: the schema source, to check the artifact was compiled from it.
+        A mismatch (model, tokenizer, schema text) is refused unless ``recompile``; ``verify``
+        reads and checks every state now instead of on first use."""
+        return compiled.load_compiled(self, path, schema, recompile, namespace, verify)
+
+    def encode_span(self, token_ids: list[int], start: int = 0) -> torch.Tensor:
+        """States of tokens encoded alone (no context) at positions start..: [L, 2, H, n, D]."""
+        return self.encoder.encode_alone(token_ids, start)
+
+    def schema(self, name: str, namespace: str | None = None) -> EncodedSchema:
+        return self.registry.get(name, namespace or self.config.namespace)
+
+    @property
+    def schemas(self) -> list[str]:
+        return self.registry.names(self.config.namespace)
+
+    # -- prompts ---------------------------------------------------------------------------------
+    def layout(self, prompt: str | Path | Prompt, namespace: str | None = None) -> PromptLayout:
+        """The prompt's ordered spans (``.kind``, ``.name``, ``.token_ids``, ``.position_ids``)."""
+        tree = prompt if isinstance(prompt, Prompt) else parse_prompt(prompt)
+        schema = self.schema(tree.schema, namespace).layout if tree.schema is not None else None
+        return layout_prompt(tree, schema, self.tok)
+
+    def prefill(self, prompt: str | Path | Prompt, reserve: int = 0, keep_cache: bool = False,
+                namespace: str | None = None) -> PrefillResult:
+        """Assemble the prompt's cache and run its new tokens: next-token logits and statistics.
+
+        ``keep_cache=True`` hands the assembled cache to the caller (``result.cache``, with room
+        for ``reserve`` more tokens); call ``release(result)`` when done so it can be reused."""
+        t0 = time.perf_counter()
+        layout = self.layout(prompt, namespace)
+        entry = self.schema(layout.schema.name, namespace) if layout.schema is not None else None
+        plan = assemble(layout, entry, self.store)
+        return self.runner.prefill_spliced(plan.cached, plan.new_ids, plan.new_pos, plan.max_position, t0, reserve,
+                                           keep_cache, exact=plan.exact, layout=layout, hit_tiers=plan.hit_tiers)
+
+    def run_spliced(self, cached: list[tuple[str, torch.Tensor, torch.Tensor]], new_ids: list[int],
+                    new_pos: list[int], max_position: int, t0: float | None = None, reserve: int = 0,
+                    keep_cache: bool = False, *, layout: PromptLayout | None = None,
+                    hit_tiers: dict[str, int] | None = None) -> PrefillResult:
+        """The splice itself: stored states (content key, kv [L, 2, H, n, D], positions [n]) placed
+        in order, then ``new_ids`` run at ``new_pos`` on top; ``max_position`` is the largest
+        position of the prompt (generation continues after it). Used by the RAG store, which
+        passes its ``layout`` and ``hit_tiers`` for the result. ``exact`` is False: the caller
+        knows nothing of encoding contexts here."""
+        return self.runner.prefill_spliced(cached, new_ids, new_pos, max_position, t0, reserve, keep_cache,
+                                           layout=layout, hit_tiers=hit_tiers)
+
+    def prefill_baseline(self, prompt, namespace: str | None = None) -> PrefillResult:
+        """Full prefill of the prompt's tokens (prompt order, positions 0..n-1), stock model path."""
+        t0 = time.perf_counter()
+        layout = self.layout(prompt, namespace)
+        return self.runner.prefill_plain(layout.token_ids, t0, layout)
+
+    def release(self, result: PrefillResult) -> None:
+        """Return a kept cache (``prefill(keep_cache=True)``) for reuse by later prompts."""
+        self.runner.release(result.cache)
+        result.cache = None
+
+    def clear_buffers(self) -> None:
+        """Drop the free assembly buffers: the next prompt allocates and copies everything (benchmarks)."""
+        self.runner.clear_buffers()
+
+    def forget_placement(self) -> None:
+        """Keep the buffers, forget what they hold: the next prompt copies every module (benchmarks)."""
+        self.runner.forget_placement()
+
+    # -- generation ------------------------------------------------------------------------------
+    def generate(self, prompt, params: SamplingParams | None = None, *, use_cache: bool = True,
+                 namespace: str | None = None, **sampling_kwargs) -> Generation:
+        """Generate text after the prompt. ``params`` and/or keywords (``max_new_tokens``,
+        ``temperature``, ``top_p``, ``top_k``, ``repetition_penalty``, ``stop``, ``seed``) set the
+        sampling. ``use_cache=False`` is the baseline: the same tokens in prompt order at
+        contiguous positions, one plain prefill with the ordinary KV cache."""
+        return self.stream(prompt, params, use_cache=use_cache, namespace=namespace, **sampling_kwargs).run()
+
+    def stream(self, prompt, params: SamplingParams | None = None, *, use_cache: bool = True,
+               namespace: str | None = None, **sampling_kwargs) -> GenerationStream:
+        """Text pieces as they are decoded (same arguments as ``generate``); after the loop,
+        ``.result`` holds the Generation with its statistics."""
+        start = functools.partial(self._start, prompt, use_cache=use_cache, namespace=namespace)
+        return self.stream_from(start, params, **sampling_kwargs)
+
+    def generate_from(self, start: Start, params: SamplingParams | None = None, **sampling_kwargs) -> Generation:
+        """Generate from a prefill: ``start(reserve)`` returns a PrefillResult holding its cache
+        (room for ``reserve`` more tokens). ``generate`` and the RAG store use this."""
+        return self.stream_from(start, params, **sampling_kwargs).run()
+
+    def stream_from(self, start: Start, params: SamplingParams | None = None, **sampling_kwargs) -> GenerationStream:
+        params = sampling_params(params, **sampling_kwargs)  # validates before any work
+        return GenerationStream(self.runner, self.tokenizer, start, params)
+
+    def _start(self, prompt, reserve: int, use_cache: bool, namespace: str | None = None) -> PrefillResult:
+        if use_cache:
+            return self.prefill(prompt, reserve, keep_cache=True, namespace=namespace)
+        return self.prefill_baseline(prompt, namespace)

@@ -1,0 +1,79 @@
+"""``Request``: one generation's state as the scheduler steps it (waiting -> running -> finished).
+
+``start(reserve)`` is any callable returning a ``PrefillResult`` that holds its cache with room
+for ``reserve`` more tokens: ``PromptCache.prefill(keep_cache=True)``, the baseline prefill, or
+the RAG store's. The cache belongs to the request from its prefill until it finishes; the
+scheduler gives it back then, however it finishes (stop, length, cancel, error).
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+from typing import Callable
+
+from .results import Generation, PrefillResult
+from .sampling import Sampler, SamplingParams
+from .text import TextStream
+
+__all__ = ["Request", "Status"]
+
+_ids = itertools.count()
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"  # not prefilled yet
+    RUNNING = "running"  # prefilled; ``pending`` is the last sampled token, not yet run
+    FINISHED = "finished"
+
+
+class Request:
+    def __init__(self, start: Callable[[int], PrefillResult], params: SamplingParams, tokenizer):
+        self.id = next(_ids)
+        self.start, self.params = start, params
+        self.sampler = Sampler(params)
+        self.text = TextStream(tokenizer, params.stop)
+        self.status = Status.WAITING
+        self.prefill: PrefillResult | None = None
+        self.token_ids: list[int] = []  # generated so far
+        self.context: list[int] = []  # prompt ids in prompt order, then generated (read by the penalty)
+        self.pending: int | None = None  # sampled, not yet run through the model
+        self.position = 0  # position ID of ``pending``
+        self.finish_reason: str | None = None
+        self.cancel_requested = False
+
+    @property
+    def finished(self) -> bool:
+        return self.status is Status.FINISHED
+
+    def cancel(self) -> None:
+        """Ask the scheduler to stop this request at its next step (its cache is released then)."""
+        self.cancel_requested = True
+
+    def begin(self, prefill: PrefillResult) -> None:
+        """Record the prefill: the request is running, generation continues at its next position."""
+        self.prefill, self.status = prefill, Status.RUNNING
+        self.position = prefill.next_position
+        if self.sampler.needs_context and prefill.layout is not None:
+            self.context = list(prefill.layout.token_ids)
+
+    def accept(self, token: int, eos: frozenset[int]) -> str:
+        """Take a sampled token: returns the new text; finishes the request on EOS, a stop string
+        or ``max_new_tokens``."""
+        self.token_ids.append(token)
+        if self.sampler.needs_context:
+            self.context.append(token)
+        piece = self.text.push(token)
+        if self.text.stopped or token in eos:
+            self.finish_reason = "stop"
+        elif len(self.token_ids) >= self.params.max_new_tokens:
+            self.finish_reason = "length"
+        if self.finish_reason is not None and not self.text.stopped:
+            piece += self.text.flush()
+        self.pending = token if self.finish_reason is None else None
+        return piece
+
+    def generation(self) -> Generation:
+        """The finished request as a Generation (text, ids, statistics of its prefill)."""
+        assert self.finished and self.prefill is not None, (self.status, self.prefill)
+        return Generation.from_prefill(self.prefill, self.text.text, self.token_ids, self.finish_reason)

@@ -1,0 +1,128 @@
+"""``ModelRunner``: the model and everything needed to run it (adapter, KV spec, device, forward
+lock, buffer pool, EOS ids): ``forward``, the spliced and the plain prefill, and the decode step.
+
+Decisions:
+  * Every forward of an engine goes through ``forward`` / ``decode`` / ``prefill_plain`` under
+    ``lock`` (one at a time per engine; ALiBi position context is thread-local), so several
+    threads may share one engine.
+  * A prefill that keeps its cache hands the buffer to the caller until ``release``; on any error
+    the buffer goes back to the pool before the error propagates.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import torch
+
+from ..cache import CachePool, SpliceCache
+from ..layout import PromptLayout
+from ..models import get_adapter
+from .results import PrefillResult
+
+__all__ = ["ModelRunner", "eos_ids"]
+
+CachedSpan = tuple  # (content key, kv [L, 2, H, n, D] or a zero-argument callable giving it, positions [n])
+
+
+def eos_ids(model, tokenizer) -> frozenset[int]:
+    """Token ids that end generation: the model's generation config, else the tokenizer's EOS."""
+    ids = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    if ids is None:
+        ids = tokenizer.eos_token_id
+    if ids is None:
+        return frozenset()
+    return frozenset([ids] if isinstance(ids, int) else ids)
+
+
+class ModelRunner:
+    def __init__(self, model, tokenizer, device: torch.device | None = None):
+        self.model = model.eval()
+        self.adapter = get_adapter(model)
+        self.spec = self.adapter.kv_spec()
+        self.device = device or next(model.parameters()).device
+        self.lock = threading.RLock()  # one forward at a time per engine
+        self.pool = CachePool(self.spec, self.device)
+        self.eos_ids = eos_ids(model, tokenizer)
+
+    # -- forwards ---------------------------------------------------------------------------------
+    def forward(self, ids: torch.Tensor, pos: torch.Tensor, cache: SpliceCache) -> torch.Tensor:
+        """New tokens ids/pos [B, T] on top of ``cache``; last-token logits [B, V]."""
+        with self.lock:
+            return self.adapter.forward(ids, pos, cache)
+
+    def prefill_spliced(self, cached: list[CachedSpan], new_ids: list[int], new_pos: list[int], max_position: int,
+                        t0: float | None = None, reserve: int = 0, keep_cache: bool = False, *, exact: bool = False,
+                        layout: PromptLayout | None = None, hit_tiers: dict[str, int] | None = None) -> PrefillResult:
+        """Place stored spans at slots 0.. in order (copying only those not already in place), run
+        ``new_ids`` at ``new_pos`` on top. ``max_position``: the prompt's largest position
+        (generation continues after it); ``reserve``: slots kept free for generated tokens."""
+        t0 = time.perf_counter() if t0 is None else t0
+        n_cached = sum(len(pos) for _, _, pos in cached)
+        capacity = n_cached + len(new_ids) + reserve
+        self.adapter.check_limits(max_position, capacity)
+        cache = self.pool.acquire(capacity, [(k, len(pos)) for k, _, pos in cached])
+        try:
+            copied = cache.place(cached)
+            ids = torch.tensor([new_ids], dtype=torch.long, device=self.device)  # [1, T]
+            pos = torch.tensor([new_pos], dtype=torch.long, device=self.device)  # [1, T]
+            logits = self.forward(ids, pos, cache)[0]  # [V]
+            self.sync()
+        except BaseException:
+            self.pool.release(cache)
+            raise
+        ttft = time.perf_counter() - t0
+        if not keep_cache:
+            self.pool.release(cache)
+            cache = None
+        return PrefillResult(logits=logits, ttft=ttft, cached_tokens=n_cached, new_tokens=len(new_ids), exact=exact,
+                             bytes_copied=copied, hit_tiers=dict(hit_tiers or {}), layout=layout, cache=cache,
+                             next_position=max_position + 1)
+
+    def prefill_plain(self, token_ids: list[int], t0: float | None = None,
+                      layout: PromptLayout | None = None) -> PrefillResult:
+        """The reference: the stock model over ``token_ids`` at positions 0..n-1 with its ordinary
+        cache (kept in the result for decoding)."""
+        t0 = time.perf_counter() if t0 is None else t0
+        ids = torch.tensor([token_ids], dtype=torch.long, device=self.device)  # [1, n]
+        with self.lock, torch.inference_mode():
+            out = self.model(input_ids=ids, use_cache=True, logits_to_keep=1)
+        logits = out.logits[0, -1]  # [V]
+        self.sync()
+        n = len(token_ids)
+        return PrefillResult(logits=logits, ttft=time.perf_counter() - t0, cached_tokens=0, new_tokens=n, exact=True,
+                             layout=layout, cache=out.past_key_values, next_position=n)
+
+    def decode(self, token: int, position: int, cache) -> torch.Tensor:
+        """One generated token at ``position`` on top of ``cache``; its logits [V]. A SpliceCache
+        goes through the adapter (our positions); any other cache is the stock baseline path."""
+        ids = torch.tensor([[token]], dtype=torch.long, device=self.device)  # [1, 1]
+        if isinstance(cache, SpliceCache):
+            return self.forward(ids, torch.tensor([[position]], dtype=torch.long, device=self.device), cache)[0]
+        with self.lock, torch.inference_mode():
+            out = self.model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        return out.logits[0, -1]
+
+    # -- buffers ----------------------------------------------------------------------------------
+    def release(self, cache) -> None:
+        """Give a kept SpliceCache back to the pool (a stock cache is simply dropped)."""
+        if isinstance(cache, SpliceCache):
+            self.pool.release(cache)
+
+    def clear_buffers(self) -> None:
+        """Drop every free assembly buffer: the next prompt allocates and copies everything."""
+        self.pool.clear()
+
+    def forget_placement(self) -> None:
+        """Keep the buffers, forget what they hold: the next prompt copies every stored span."""
+        self.pool.forget_residents()
+
+    def prewarm(self, capacity: int) -> None:
+        """On CPU, have a touched buffer of ``capacity`` slots (fresh memory faults page by page)."""
+        if self.device.type == "cpu":
+            self.pool.prewarm(capacity)
+
+    def sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)

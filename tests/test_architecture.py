@@ -1,0 +1,141 @@
+"""The package's shape: no import cycles, no private member used across modules (ast only, no imports).
+
+Import graph: every ``import`` / ``from ... import`` in ``promptcache/``, wherever it stands
+(a lazy import inside a function still ties two modules), except under ``if TYPE_CHECKING:``.
+``from pkg import name`` points at ``pkg.name`` when that is a module, else at ``pkg``.
+Private members: an attribute ``x._name`` (not dunder) where ``x`` is not ``self`` or ``cls``,
+and ``from m import _name`` of a module in the package. Nothing is allow-listed.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PKG = Path(__file__).resolve().parents[1] / "promptcache"
+ROOTS = {"promptcache": PKG, "eval": PKG.parent / "eval"}
+
+
+def modules(root: str = "promptcache") -> dict[str, Path]:
+    base = ROOTS[root]
+    out = {}
+    for f in sorted(base.rglob("*.py")):
+        parts = list(f.relative_to(base.parent).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        out[".".join(parts)] = f
+    return out
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
+def _imports(tree: ast.AST):
+    """Import nodes outside ``if TYPE_CHECKING:`` blocks (their ``else`` branches count)."""
+    stack = [tree]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, ast.If) and _is_type_checking(node.test):
+            stack.extend(node.orelse)
+            continue
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            yield node
+        stack.extend(ast.iter_child_nodes(node))
+
+
+def _resolve(mod: str, is_pkg: bool, node: ast.ImportFrom) -> str:
+    if not node.level:
+        return node.module or ""
+    base = mod.split(".") if is_pkg else mod.split(".")[:-1]
+    base = base[: len(base) - (node.level - 1)]
+    return ".".join(base + ([node.module] if node.module else []))
+
+
+def import_graph() -> dict[str, set[str]]:
+    mods = modules()
+    graph: dict[str, set[str]] = {m: set() for m in mods}
+    for mod, path in mods.items():
+        is_pkg = path.name == "__init__.py"
+        for node in _imports(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            else:
+                target = _resolve(mod, is_pkg, node)
+                targets = [f"{target}.{a.name}" if f"{target}.{a.name}" in mods else target for a in node.names]
+            graph[mod] |= {t for t in targets if t in mods and t != mod}
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan)."""
+    index, low, on, stack, out, counter = {}, {}, set(), [], [], [0]
+
+    def visit(v):
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def private_uses(root: str = "promptcache") -> list[str]:
+    """``file:line: what`` for every use of another object's or module's private member."""
+    found = []
+    for mod, path in modules(root).items():
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        rel = path.relative_to(PKG.parent)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and _private(node.attr):
+                owner = node.value
+                if not (isinstance(owner, ast.Name) and owner.id in ("self", "cls")):
+                    found.append(f"{rel}:{node.lineno}: {ast.unparse(node)}")
+            elif isinstance(node, ast.ImportFrom):
+                found += [f"{rel}:{node.lineno}: from {'.' * node.level}{node.module or ''} import {a.name}"
+                          for a in node.names if _private(a.name)]
+    return found
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def test_the_walker_sees_imports_and_cycles():
+    g = import_graph()
+    assert "promptcache.engine.facade" in g["promptcache.engine"]  # from .facade import PromptCache
+    assert "promptcache.compiled" in g["promptcache.engine.facade"]  # from .. import compiled
+    assert "promptcache.engine" not in g["promptcache.compiled"]  # TYPE_CHECKING only
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    src = ast.parse("if TYPE_CHECKING:\n    import x\nelse:\n    import y\ndef f():\n    import z\n")
+    assert sorted(a.names[0].name for a in _imports(src)) == ["y", "z"]
+
+
+def test_no_import_cycles():
+    found = cycles(import_graph())
+    assert not found, "import cycles: " + "; ".join(" <-> ".join(c) for c in found)
+
+
+def test_no_private_member_used_across_modules():
+    found = private_uses("promptcache") + private_uses("eval")
+    assert not found, "private members used from outside their object:\n" + "\n".join(found)
