@@ -40,7 +40,7 @@ from .models import get_adapter
 from .pml import PMLError, parse_prompt
 from .pml.nodes import Prompt
 from .sampling import eos_ids
-from .store import StoreConfig, TieredStore
+from .store import StoreConfig, build_store
 from .keys import content_keys, model_fingerprint, tokenizer_fingerprint
 from .tokens import as_span_tokenizer
 
@@ -121,7 +121,7 @@ class PromptCache:
         self.adapter = get_adapter(model)
         self.spec = self.adapter.kv_spec()
         self.device = torch.device(self.config.device) if self.config.device else next(model.parameters()).device
-        self.store = TieredStore(self.device, self.config.store_config())
+        self.store = build_store(self.device, self.config.store_config())
         self._lock = threading.RLock()  # one forward at a time per engine
         self._schemas: dict[tuple[str, str], EncodedSchema] = {}
         self._pool = CachePool(self.spec, self.device)
@@ -177,6 +177,8 @@ class PromptCache:
         log.info("schema '%s' (namespace '%s'): %d tokens stored (%.1f MiB) in %.2fs", entry.name, ns,
                  entry.stored_tokens, entry.stored_bytes / 2**20, seconds)
         return entry
+
+    register_schema = _register  # merge: the engine package provides register_schema
 
     def compile(self, schema: str | Path, out_dir: str | Path, progress: Progress | None = None,
                 namespace: str | None = None, source_name: str | None = None) -> Path:
