@@ -1,5 +1,8 @@
 """Retrieval-augmented generation on position-independent document modules.
 
+(About 300 lines: the document API, prompt planning, and persistence with the index checks the
+hardening issue asks for; persistence is the part to move out if it grows.)
+
     store = DocumentStore(pc, "docs.pcache")           # persisted; reopened with its states
     store.add("paris", "Paris is the capital of France ...", {"source": "wiki"})
     out = store.generate("What is Paris famous for?", doc_ids=["paris"], system="Answer briefly.")
