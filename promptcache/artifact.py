@@ -116,6 +116,11 @@ def write_artifact(out_dir: str | Path, *, sources: tuple[str, dict[str, str], s
     return out
 
 
+def intact(manifest: dict) -> bool:
+    """Whether the manifest's content matches its ``manifest_sha256``."""
+    return manifest.get("manifest_sha256") == manifest_hash(manifest)
+
+
 def manifest_hash(manifest: dict) -> str:
     """sha256 of the manifest's canonical JSON without its own ``manifest_sha256``."""
     body = {k: v for k, v in manifest.items() if k != "manifest_sha256"}
@@ -123,8 +128,10 @@ def manifest_hash(manifest: dict) -> str:
 
 
 def read_manifest(path: str | Path) -> tuple[dict, StatesFile]:
-    """The manifest of an artifact folder (hash verified) and its states file, opened (header
-    checked: every listed state is present with the listed checksum). Under the folder lock."""
+    """The manifest of an artifact folder and its states file, opened (header checked: every
+    listed state is present with the listed checksum). Under the folder lock. The manifest's own
+    hash is reported by ``mismatches`` (with the model and tokenizer, so an edited manifest gets
+    the same advice: recompile); callers must check ``mismatches`` before using the manifest."""
     folder = Path(path)
     mf = folder / MANIFEST
     if not mf.is_file():
@@ -157,11 +164,11 @@ def _parse_manifest(mf: Path) -> dict:
     if version != FORMAT_VERSION:
         raise ArtifactError(f"{mf} has format version {version}; this promptcache reads version {FORMAT_VERSION} "
                             "(recompile it)")
-    if manifest.get("manifest_sha256") != manifest_hash(manifest):
-        raise ArtifactError(f"{mf} is corrupted: its content does not match manifest_sha256")
-    for field in ("schema", "layout", "model", "model_digest", "tokenizer", "states"):
-        if field not in manifest:
-            raise ArtifactError(f"{mf} lacks '{field}': the manifest is incomplete")
+    for field, typ in (("schema", dict), ("layout", dict), ("model", dict), ("model_digest", str),
+                       ("tokenizer", dict), ("states", dict)):
+        if not isinstance(manifest.get(field), typ):
+            raise ArtifactError(f"{mf}: '{field}' is missing or not a {typ.__name__}: the manifest is incomplete "
+                                "or corrupted")
     st = manifest["states"]
     if not (isinstance(st, dict) and isinstance(st.get("file"), str) and "/" not in st["file"]
             and isinstance(st.get("sha256"), dict) and isinstance(st.get("nbytes"), dict)):
@@ -179,8 +186,10 @@ def mismatches(manifest: dict, model_fp: dict, tokenizer_fp: str, schema_digest:
             out.append(f"{what} differs (compiled: {_short(built.get(key))}, now: {_short(model_fp.get(key))})")
     if manifest["tokenizer"].get("sha256") != tokenizer_fp:
         out.append("tokenizer differs")
-    if schema_digest is not None and manifest["schema"]["digest"] != schema_digest:
+    if schema_digest is not None and manifest["schema"].get("digest") != schema_digest:
         out.append("schema text differs (the schema file or a src file changed since compiling)")
+    if not intact(manifest):
+        out.append("manifest.json was edited or corrupted (its content does not match manifest_sha256)")
     return out
 
 

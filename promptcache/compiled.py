@@ -15,11 +15,11 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .artifact import (ArtifactError, layout_record, materialize_schema, materialized, mismatches,
+from .artifact import (ArtifactError, intact, layout_record, materialize_schema, materialized, mismatches,
                        read_manifest, schema_sources, write_artifact)
 from .keys import PORTABLE, content_keys, model_digest
 from .layout import SchemaLayout, layout_schema
-from .pml import parse_schema
+from .pml import PMLError, parse_schema
 from .store.codec import CodecError, StateInfo, StatesFile
 
 if TYPE_CHECKING:
@@ -62,6 +62,10 @@ def load_compiled(pc: "PromptCache", path, schema=None, recompile=False, namespa
         if not recompile:
             raise ArtifactError(f"compiled schema {path} does not match: {'; '.join(problems)}. "
                                 "Recompile it (`promptcache compile`, or recompile=True / --recompile).")
+        if schema is None and not _embedded_schema_intact(manifest):
+            raise ArtifactError(f"compiled schema {path} cannot be recompiled from its own manifest: "
+                                f"{'; '.join(problems)}; its embedded schema text does not match its digest. "
+                                "Pass the schema source to recompile it.")
         log.warning("recompiling %s: %s", path, "; ".join(problems))
         if schema is not None:
             compile_schema(pc, schema, path, namespace=namespace)
@@ -79,6 +83,17 @@ def load_compiled(pc: "PromptCache", path, schema=None, recompile=False, namespa
         for k in keys.values():
             pc.store.get(k)
     return pc.register_schema(layout, keys, ns, time.perf_counter() - t0)
+
+
+def _embedded_schema_intact(manifest: dict) -> bool:
+    """Whether the manifest's PML text and src files still give the digest it records (an edited
+    or corrupted manifest may be recompiled from its own text only when they do)."""
+    if intact(manifest):
+        return True
+    try:
+        return materialize_schema(manifest).digest == manifest["schema"].get("digest")
+    except (PMLError, ArtifactError, KeyError, TypeError, AttributeError, OSError):  # a damaged text
+        return False
 
 
 def _entries(pc: "PromptCache", layout: SchemaLayout, keys: dict[int, str], manifest: dict,

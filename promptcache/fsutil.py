@@ -10,7 +10,8 @@ behind, which is never read and which writers may delete (``remove_stale_temps``
 
 ``folder_lock(folder)`` is an exclusive advisory lock (``fcntl.flock`` on ``<folder>/.lock``)
 held for a ``with`` block: writers of one artifact folder take it so that concurrent compiles
-run one after the other. Where ``fcntl`` does not exist (Windows) it is a no-op, logged once.
+run one after the other. Where ``fcntl`` does not exist (Windows) it is a no-op (logged); in a
+folder where the lock file cannot be created (read-only media) readers go on without it.
 """
 
 from __future__ import annotations
@@ -84,7 +85,13 @@ def folder_lock(folder: str | os.PathLike):
         log.warning("no fcntl: concurrent writers of %s are not serialized", folder)
         yield
         return
-    with open(folder / LOCK_NAME, "a+b") as f:
+    try:
+        f = open(folder / LOCK_NAME, "a+b")
+    except OSError as e:  # a read-only folder (a shipped artifact): nobody can write it anyway
+        log.debug("no lock on %s (%s): reading without it", folder, e)
+        yield
+        return
+    with f:
         fcntl.flock(f.fileno(), fcntl.LOCK_EX)
         try:
             yield

@@ -204,3 +204,22 @@ def test_concurrent_generate_under_eviction_is_exact(tmp_path):
         results = list(ex.map(lambda p: (p, pc.generate(p, max_new_tokens=5).token_ids), PROMPTS * 5))
     for p, ids in results:
         assert ids == expected[p]
+
+
+def test_edited_manifest_is_refused_and_recompiled_only_from_trusted_text(tmp_path, reference):
+    engine().compile(SCHEMA, tmp_path / "e")
+    mf = tmp_path / "e" / "manifest.json"
+    data = json.loads(mf.read_text())
+    data["kv_spec"]["head_dim"] += 1  # an edit no other check would notice: the manifest hash does
+    mf.write_text(json.dumps(data))
+    with pytest.raises(ArtifactError, match="edited or corrupted"):
+        engine().load_compiled(tmp_path / "e")
+    data["schema"]["text"] = data["schema"]["text"].replace("cafes", "bars")  # embedded text damaged too
+    mf.write_text(json.dumps(data))
+    with pytest.raises(ArtifactError, match="embedded schema text does not match"):
+        engine().load_compiled(tmp_path / "e", recompile=True)
+    src = tmp_path / "trip.xml"
+    src.write_text(SCHEMA)
+    pc = engine()
+    pc.load_compiled(tmp_path / "e", schema=src, recompile=True)  # with the source: recompiled
+    assert torch.equal(pc.prefill(PROMPTS[0]).logits, reference[PROMPTS[0]])

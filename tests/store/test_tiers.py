@@ -215,3 +215,35 @@ def test_atomic_write_fsyncs_file_and_folder(tmp_path, monkeypatch):
     fsutil.atomic_write(tmp_path / "sub" / "f.txt", "hé")
     assert (tmp_path / "sub" / "f.txt").read_text(encoding="utf-8") == "hé" and len(synced) == 2
     assert [p.name for p in (tmp_path / "sub").iterdir()] == ["f.txt"]
+
+
+def test_read_only_artifact_folder_still_loads(tmp_path):
+    import os
+
+    from promptcache import PromptCache
+    from tiny import make_model, make_tokenizer
+
+    out = tmp_path / "ro"
+    schema = '<schema name="ro"><system>Be brief.</system><user><module name="m">Some text.</module></user></schema>'
+    PromptCache(make_model("llama", 0), make_tokenizer()).compile(schema, out)
+    (out / fsutil.LOCK_NAME).unlink()
+    os.chmod(out, 0o555)
+    try:
+        if os.access(out, os.W_OK):  # running as root: a read-only folder cannot be simulated by mode bits
+            real_open = open
+
+            def no_write(path, mode="r", *a, **k):
+                if str(path).endswith(fsutil.LOCK_NAME):
+                    raise PermissionError(13, "Read-only file system", str(path))
+                return real_open(path, mode, *a, **k)
+
+            import builtins
+            from unittest import mock
+
+            with mock.patch.object(builtins, "open", no_write):
+                entry = PromptCache(make_model("llama", 0), make_tokenizer()).load_compiled(out, verify=True)
+        else:
+            entry = PromptCache(make_model("llama", 0), make_tokenizer()).load_compiled(out, verify=True)
+        assert entry.name == "ro"
+    finally:
+        os.chmod(out, 0o755)
