@@ -1,4 +1,12 @@
-"""Compile a schema to an artifact and load it back into an engine (see ``artifact.py``)."""
+"""Compile a schema to an artifact and load it back into an engine (format: ``artifact.py``).
+
+Loading registers the artifact's states with the store's disk tier; each registration names
+exactly what the engine needs (``StateInfo``: the portable content key, dtype, shape
+[L, 2, H, n, D] from the engine's KV spec, the model digest and the manifest's checksum), so a
+states file that is not that (another model's, another schema's, a flipped header byte) is
+refused at load. Registering replaces any stale entry for the same keys: after a corrupted
+artifact was refused (and its states dropped from every tier), loading a good one works.
+"""
 
 from __future__ import annotations
 
@@ -7,11 +15,12 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .layout import layout_schema
-from .pml import parse_schema
-from .artifact import (ArtifactError, layout_record, materialize_schema, materialized, mismatches,
-                             read_manifest, schema_sources, write_artifact)
-from .keys import content_keys
+from .artifact import (ArtifactError, intact, layout_record, materialize_schema, materialized, mismatches,
+                       read_manifest, schema_sources, write_artifact)
+from .keys import PORTABLE, content_keys, model_digest
+from .layout import SchemaLayout, layout_schema
+from .pml import PMLError, parse_schema
+from .store.codec import CodecError, StateInfo, StatesFile
 
 if TYPE_CHECKING:
     from .engine import EncodedSchema, PromptCache
@@ -19,24 +28,32 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
+def kv_spec_record(pc: "PromptCache") -> dict:
+    return {"layers": pc.spec.layers, "kv_heads": pc.spec.kv_heads, "head_dim": pc.spec.head_dim,
+            "dtype": str(pc.spec.dtype).removeprefix("torch.")}
+
+
 def compile_schema(pc: "PromptCache", schema, out_dir, progress=None, namespace=None, source_name=None) -> Path:
     text, files, source = schema_sources(schema)
     entry = pc.add_schema(schema, progress, namespace)
-    states = {i: pc.store.get(k)[0] for i, k in entry.keys.items()}
-    spec = {"layers": pc.spec.layers, "kv_heads": pc.spec.kv_heads, "head_dim": pc.spec.head_dim,
-            "dtype": str(pc.spec.dtype).removeprefix("torch.")}
+    portable = content_keys(entry.layout, pc.model_key, PORTABLE)
+    states = {i: (portable[i], pc.store.get(k)[0]) for i, k in entry.keys.items()}
     return write_artifact(out_dir, sources=(text, files, source_name or source), schema=entry.layout.schema,
                           layout=entry.layout, states=states, model_fp=pc.model_fingerprint,
-                          tokenizer_fp=pc.tokenizer_fingerprint, kv_spec=spec)
+                          model_digest=model_digest(pc.model_key), tokenizer_fp=pc.tokenizer_fingerprint,
+                          kv_spec=kv_spec_record(pc))
 
 
 def load_compiled(pc: "PromptCache", path, schema=None, recompile=False, namespace=None,
                   verify=False) -> "EncodedSchema":
     t0 = time.perf_counter()
     try:
-        manifest = read_manifest(path)
+        manifest, opened = read_manifest(path)
         digest = parse_schema(schema).digest if schema is not None else None
         problems = mismatches(manifest, pc.model_fingerprint, pc.tokenizer_fingerprint, digest)
+        if manifest.get("kv_spec") != kv_spec_record(pc):
+            problems.append(f"KV shape or dtype differs (compiled: {manifest.get('kv_spec')}, "
+                            f"now: {kv_spec_record(pc)})")
     except ArtifactError:
         if not (recompile and schema is not None):
             raise
@@ -45,6 +62,10 @@ def load_compiled(pc: "PromptCache", path, schema=None, recompile=False, namespa
         if not recompile:
             raise ArtifactError(f"compiled schema {path} does not match: {'; '.join(problems)}. "
                                 "Recompile it (`promptcache compile`, or recompile=True / --recompile).")
+        if schema is None and not _embedded_schema_intact(manifest):
+            raise ArtifactError(f"compiled schema {path} cannot be recompiled from its own manifest: "
+                                f"{'; '.join(problems)}; its embedded schema text does not match its digest. "
+                                "Pass the schema source to recompile it.")
         log.warning("recompiling %s: %s", path, "; ".join(problems))
         if schema is not None:
             compile_schema(pc, schema, path, namespace=namespace)
@@ -57,10 +78,40 @@ def load_compiled(pc: "PromptCache", path, schema=None, recompile=False, namespa
         raise ArtifactError(f"compiled schema {path}: the tokenizer lays the schema out differently now")
     ns = namespace or pc.config.namespace
     keys = content_keys(layout, pc.model_key, ns)
-    states = manifest["states"]
-    entries = {k: (f"span_{i}", states["sha256"][f"span_{i}"], states["nbytes"][f"span_{i}"]) for i, k in keys.items()}
-    pc.store.register_file(Path(path) / states["file"], entries)
+    pc.store.register_file(opened.path, _entries(pc, layout, keys, manifest, opened), opened)
     if verify:
         for k in keys.values():
             pc.store.get(k)
     return pc.register_schema(layout, keys, ns, time.perf_counter() - t0)
+
+
+def _embedded_schema_intact(manifest: dict) -> bool:
+    """Whether the manifest's PML text and src files still give the digest it records (an edited
+    or corrupted manifest may be recompiled from its own text only when they do)."""
+    if intact(manifest):
+        return True
+    try:
+        return materialize_schema(manifest).digest == manifest["schema"].get("digest")
+    except (PMLError, ArtifactError, KeyError, TypeError, AttributeError, OSError):  # a damaged text
+        return False
+
+
+def _entries(pc: "PromptCache", layout: SchemaLayout, keys: dict[int, str], manifest: dict,
+             opened: StatesFile) -> dict[str, tuple[str, StateInfo, int]]:
+    """Store key -> (tensor name, what it must be, bytes); refuses a state that is not that."""
+    portable = content_keys(layout, pc.model_key, PORTABLE)
+    sums, spec, digest = manifest["states"]["sha256"], pc.spec, model_digest(pc.model_key)
+    dtype = str(spec.dtype).removeprefix("torch.")
+    entries = {}
+    for i, key in keys.items():
+        name = f"span_{i}"
+        if name not in sums:
+            raise ArtifactError(f"{manifest['states']['file']}: the manifest lists no state '{name}'")
+        shape = (spec.layers, 2, spec.kv_heads, len(layout.spans[i].token_ids), spec.head_dim)
+        expect = StateInfo(portable[i], dtype, shape, digest, sums[name])
+        try:
+            opened.check(name, expect)
+        except CodecError as e:
+            raise ArtifactError(f"compiled schema {opened.path.parent}: {e}") from None
+        entries[key] = (name, expect, opened.nbytes(name))
+    return entries

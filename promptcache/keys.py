@@ -4,6 +4,11 @@ A stored state is determined by the model, the token IDs and positions of its en
 and its own tokens. Its key hashes exactly those, plus a namespace (a salt chosen by the caller):
 identical modules of two schemas share one stored state; two namespaces never do. Shared states
 would let one tenant learn from time to first token whether another used the same text.
+
+Two encodings, one scheme (``_hasher`` + per-span update): ``content_keys`` for a schema's
+spans (each hashes its pass's tokens and positions up to it) and ``alone_key`` for tokens encoded
+alone from position ``start`` with no context (RAG documents and prefixes). The two carry
+different domain tags, so a document never shares a key with a schema span.
 """
 
 from __future__ import annotations
@@ -66,17 +71,50 @@ def tokenizer_fingerprint(tokenizer) -> str:
     return _sha("\0".join(parts))
 
 
+PORTABLE = "\0portable"  # the namespace of keys recorded in files (no tenant name can equal it)
+
+
+def model_digest(model_key: str) -> str:
+    """A short, fixed-length name of a model + tokenizer (recorded in every stored state)."""
+    return _sha(model_key)
+
+
+def _hasher(domain: str, model_key: str, namespace: str):
+    return hashlib.sha256(f"{domain}\0{namespace}\0{model_key}\0".encode())
+
+
+def _add_span(h, token_ids, start: int, end: int) -> None:
+    """Hash a span's tokens and its positions [start, end)."""
+    h.update(array("q", token_ids).tobytes() + array("q", range(start, end)).tobytes() + b"|")
+
+
+def _finish(h, n: int) -> str:
+    end = h.copy()
+    end.update(f"n={n}".encode())
+    return end.hexdigest()
+
+
 def content_keys(layout: SchemaLayout, model_key: str, namespace: str) -> dict[int, str]:
     """Stored span index -> content key, hashing its pass's tokens and positions up to it."""
     spans, keys = layout.spans, {}
     for p in layout.passes():
-        h = hashlib.sha256(f"promptcache-v1\0{namespace}\0{model_key}\0".encode())
+        h = _hasher("promptcache-v1", model_key, namespace)
         targets = set(p.targets)
         for i in p.spans:
             s = spans[i]
-            h.update(array("q", s.token_ids).tobytes() + array("q", range(s.start, s.end)).tobytes() + b"|")
+            _add_span(h, s.token_ids, s.start, s.end)
             if i in targets:
-                end = h.copy()
-                end.update(f"n={len(s.token_ids)}".encode())
-                keys[i] = end.hexdigest()
+                keys[i] = _finish(h, len(s.token_ids))
     return keys
+
+
+def alone_key(token_ids, model_key: str, namespace: str, start: int = 0) -> str:
+    """Key of ``token_ids`` encoded alone (no context) at positions start..start+n-1."""
+    h = _hasher("promptcache-alone-v1", model_key, namespace)
+    _add_span(h, token_ids, start, start + len(token_ids))
+    return _finish(h, len(token_ids))
+
+
+def token_digest(token_ids) -> str:
+    """sha256 of token IDs (int64): names a document's states file."""
+    return hashlib.sha256(array("q", token_ids).tobytes()).hexdigest()

@@ -1,5 +1,8 @@
 """Retrieval-augmented generation on position-independent document modules.
 
+(About 300 lines: the document API, prompt planning, and persistence with the index checks the
+hardening issue asks for; persistence is the part to move out if it grows.)
+
     store = DocumentStore(pc, "docs.pcache")           # persisted; reopened with its states
     store.add("paris", "Paris is the capital of France ...", {"source": "wiki"})
     out = store.generate("What is Paris famous for?", doc_ids=["paris"], system="Answer briefly.")
@@ -14,32 +17,47 @@ document does not attend to the documents before it (the paper's independent mod
 Works with any retriever: the caller passes document ids. Rotary and ALiBi models only
 (learned absolute positions cannot be moved; see ``models.relocate``).
 
-Persistence (``path``): ``index.json`` (documents, model and tokenizer fingerprints) and one
-``docs/<digest>.safetensors`` per document, all written atomically. Reopening with another
-model or tokenizer is refused naming the part, unless ``reencode=True``.
+Keys come from ``promptcache.keys`` (``alone_key``: tokens encoded alone from position 0, salted
+by the namespace), so documents and the prefix live in the engine's store beside schema modules.
+
+Persistence (``path``), all written atomically (``fsutil``)::
+
+    index.json                  {"format_version": 2, "model": {fingerprint}, "model_digest": str,
+                                 "tokenizer": str, "documents": [{"id": str, "text": str,
+                                 "metadata": {}, "n_tokens": int, "digest": sha256 of the token
+                                 ids, "file": str, "sha256": codec checksum}, ...]}
+    docs/<digest[:32]>.safetensors   one state "kv" [L, 2, H, n, D] in the codec format
+                                 (portable key, model digest, checksum in its header)
+
+Reopening checks every field of the index (a wrong type, a null or a missing field is a
+``DocumentStoreError`` naming the file, the document and the field; nothing is changed), the
+model and tokenizer (refused naming the part unless ``reencode=True``), and registers each file
+with what it must hold (key, dtype, shape, model, checksum); the data is verified on first read.
+A state that fails is dropped from the store; ``add`` of the same document re-encodes it and
+rewrites its file.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import threading
-from array import array
+import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 
 from .engine import Generation, PrefillResult, PromptCache
+from .fsutil import atomic_write
+from .keys import PORTABLE, alone_key, model_digest, token_digest
 from .layout import PromptLayout, Span
 from .models.relocate import check_relocatable, relocate
-from .artifact import atomic_write_text
-from .store.disk import atomic_save, tensor_sha256
+from .store.codec import StateInfo, write_file
 
 log = logging.getLogger(__name__)
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 INDEX = "index.json"
 
 
@@ -83,9 +101,9 @@ class DocumentStore:
         ids = self.pc.tok.encode(text)
         if not ids:
             raise ValueError(f"document '{doc_id}' is empty")
-        digest = hashlib.sha256(array("q", ids).tobytes()).hexdigest()
+        digest = token_digest(ids)
         doc = Document(doc_id, text, dict(metadata or {}), len(ids), digest, tuple(ids))
-        key = self._key(digest)
+        key = self._key(ids)
         if key not in self.pc.store:
             kv = self.pc.encode_span(ids)
             self.pc.store.put(key, kv)
@@ -121,8 +139,6 @@ class DocumentStore:
 
     def prefill(self, question: str, doc_ids: list[str], system: str | None = None, reserve: int = 0,
                 keep_cache: bool = False) -> PrefillResult:
-        import time
-
         t0 = time.perf_counter()
         layout, cached, hits = self._plan(question, doc_ids, system, with_states=True)
         new = [s for s in layout.spans if s.kind == "new"]
@@ -152,8 +168,9 @@ class DocumentStore:
                 f"unknown document id '{doc_id}' (the store has {len(self._docs)} documents: {known or 'none'})")
         return doc
 
-    def _key(self, digest: str, what: str = "doc") -> str:
-        return hashlib.sha256(f"promptcache-{what}-v1\0{self.namespace}\0{self.pc.model_key}\0{digest}".encode()).hexdigest()
+    def _key(self, token_ids, namespace: str | None = None) -> str:
+        """Store key of tokens encoded alone from position 0 (``namespace``: this store's)."""
+        return alone_key(token_ids, self.pc.model_key, namespace or self.namespace)
 
     def _plan(self, question: str, doc_ids: list[str], system: str | None, with_states: bool = False):
         """(layout, cached states for run_spliced, tier hits)."""
@@ -177,14 +194,14 @@ class DocumentStore:
         cached, hits = [], {}
         device = self.pc.device
         if prefix:
-            key = self._key(hashlib.sha256(array("q", prefix).tobytes()).hexdigest(), "prefix")
+            key = self._key(prefix)
             if key not in self.pc.store:
                 self.pc.store.put(key, self.pc.encode_span(prefix))
             kv, tier = self.pc.store.get(key)
             hits[tier] = hits.get(tier, 0) + 1
             cached.append((key, kv, torch.arange(len(prefix), device=device)))
         for d, span in zip(docs, spans[1 if prefix else 0 :]):
-            key = self._key(d.digest)
+            key = self._key(d.token_ids)
             kv, tier = self.pc.store.get(key)
             hits[tier] = hits.get(tier, 0) + 1
             start = span.position_ids[0]
@@ -193,10 +210,10 @@ class DocumentStore:
         return layout, cached, hits
 
     def _write_states(self, doc: Document, kv: torch.Tensor) -> None:
-        f = self._file(doc)
-        self._sums[doc.digest] = tensor_sha256(kv)
-        if not f.exists():
-            atomic_save({"kv": kv}, f)
+        """Write (or rewrite) a document's states file: one state "kv" with its portable key."""
+        sums = write_file(self._file(doc), {"kv": (self._key(doc.token_ids, PORTABLE), kv)},
+                          model_digest(self.pc.model_key))
+        self._sums[doc.digest] = sums["kv"]
 
     def _file(self, doc: Document) -> Path:
         return self.path / "docs" / f"{doc.digest[:32]}.safetensors"
@@ -207,45 +224,84 @@ class DocumentStore:
         docs = []
         for d in self._docs.values():
             if d.digest not in self._sums:  # stored in memory before (same text): persist it now
-                self._write_states(d, self.pc.store.get(self._key(d.digest))[0])
+                self._write_states(d, self.pc.store.get(self._key(d.token_ids))[0])
             record = {k: v for k, v in asdict(d).items() if k != "token_ids"}
             docs.append({**record, "file": self._file(d).name, "sha256": self._sums[d.digest]})
         index = {"format_version": FORMAT_VERSION, "model": self.pc.model_fingerprint,
-                 "tokenizer": self.pc.tokenizer_fingerprint, "documents": docs}
-        self.path.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(self.path / INDEX, json.dumps(index, indent=1))
+                 "model_digest": model_digest(self.pc.model_key), "tokenizer": self.pc.tokenizer_fingerprint,
+                 "documents": docs}
+        atomic_write(self.path / INDEX, json.dumps(index, indent=1))
 
     def _open(self, reencode: bool) -> None:
+        where = self.path / INDEX
         try:
-            index = json.loads((self.path / INDEX).read_text(encoding="utf-8"))
+            index = json.loads(where.read_text(encoding="utf-8"))
         except (OSError, ValueError) as e:
-            raise DocumentStoreError(f"{self.path / INDEX} is unreadable or corrupted: {e}") from None
-        if index.get("format_version") != FORMAT_VERSION:
-            raise DocumentStoreError(f"{self.path / INDEX}: format version {index.get('format_version')} "
-                                     f"is not {FORMAT_VERSION}")
+            raise DocumentStoreError(f"{where} is unreadable or corrupted: {e}") from None
+        docs = _check_index(index, where)
         problems = [f"model {k.removesuffix('_sha256')} differs"
                     for k in ("architecture", "config_sha256", "weights_sha256", "dtype")
                     if index["model"].get(k) != self.pc.model_fingerprint.get(k)]
-        if index.get("tokenizer") != self.pc.tokenizer_fingerprint:
+        if index["tokenizer"] != self.pc.tokenizer_fingerprint:
             problems.append("tokenizer differs")
-        docs = index.get("documents", [])
         if problems:
             if not reencode:
                 raise DocumentStoreError(f"document store {self.path} was built with another model or tokenizer: "
                                          f"{'; '.join(problems)}. Open it with reencode=True to encode again.")
             log.warning("re-encoding %d documents in %s: %s", len(docs), self.path, "; ".join(problems))
             for d in docs:
-                self.add(d["id"], d["text"], d.get("metadata"))
+                self.add(d["id"], d["text"], d["metadata"])
             return
-        for d in docs:
+        opened, spec = {}, self.pc.spec
+        for d in docs:  # check everything first: on an error nothing is registered
             ids = tuple(self.pc.tok.encode(d["text"]))
-            doc = Document(d["id"], d["text"], d.get("metadata") or {}, len(ids), d["digest"], ids)
-            if hashlib.sha256(array("q", ids).tobytes()).hexdigest() != doc.digest:
-                raise DocumentStoreError(f"document '{doc.id}' tokenizes differently than when it was stored")
+            doc = Document(d["id"], d["text"], d["metadata"], len(ids), d["digest"], ids)
+            if token_digest(ids) != doc.digest or d["n_tokens"] != len(ids):
+                raise DocumentStoreError(f"{where}: document '{doc.id}' tokenizes differently than when it was stored")
             f = self._file(doc)
-            if not f.is_file():
-                raise DocumentStoreError(f"document '{doc.id}': states file {f} is missing")
-            # read lazily on first use; the disk tier checks the sha256 and never uses a bad file
-            self.pc.store.register_file(f, {self._key(doc.digest): ("kv", d["sha256"], 0)})
-            self._sums[doc.digest] = d["sha256"]
+            if d["file"] != f.name or not f.is_file():
+                raise DocumentStoreError(f"{where}: document '{doc.id}': states file {self.path / 'docs' / d['file']} "
+                                         f"is missing or misnamed (field 'file', expected {f.name})")
+            shape = (spec.layers, 2, spec.kv_heads, len(ids), spec.head_dim)
+            expect = StateInfo(self._key(ids, PORTABLE), str(spec.dtype).removeprefix("torch."), shape,
+                               model_digest(self.pc.model_key), d["sha256"])
+            opened[doc.id] = (doc, f, expect)
+        for doc, f, expect in opened.values():
+            # read lazily on first use; the disk tier verifies it and never uses a bad file
+            self.pc.store.register_file(f, {self._key(doc.token_ids): ("kv", expect, 0)})
+            self._sums[doc.digest] = expect.checksum
             self._docs[doc.id] = doc
+
+
+_FIELDS = {"id": str, "text": str, "metadata": dict, "n_tokens": int, "digest": str, "file": str, "sha256": str}
+
+
+def _check_index(index, where: Path) -> list[dict]:
+    """The documents of a parsed index.json, every field type-checked (else DocumentStoreError)."""
+    def bad(field: str, what: str):
+        return DocumentStoreError(f"{where}: field '{field}' {what}")
+
+    if not isinstance(index, dict):
+        raise bad("(top level)", f"must be an object, got {type(index).__name__}")
+    if index.get("format_version") != FORMAT_VERSION:
+        raise bad("format_version", f"is {index.get('format_version')!r}; this promptcache reads {FORMAT_VERSION}")
+    if not isinstance(index.get("model"), dict):
+        raise bad("model", "must be an object (the model fingerprint)")
+    if not isinstance(index.get("tokenizer"), str):
+        raise bad("tokenizer", "must be a string (the tokenizer fingerprint)")
+    docs = index.get("documents")
+    if not isinstance(docs, list):
+        raise bad("documents", "must be a list")
+    seen = set()
+    for n, d in enumerate(docs):
+        if not isinstance(d, dict):
+            raise bad(f"documents[{n}]", "must be an object")
+        for name, typ in _FIELDS.items():
+            v = d.get(name)
+            if not isinstance(v, typ) or (typ is int and isinstance(v, bool)) or (typ is str and not v and name != "text"):
+                raise bad(f"documents[{n}].{name}", f"must be a {'non-empty ' if typ is str else ''}{typ.__name__}, "
+                          f"got {v!r:.40}")
+        if d["id"] in seen:
+            raise bad(f"documents[{n}].id", f"repeats id '{d['id']}'")
+        seen.add(d["id"])
+    return docs

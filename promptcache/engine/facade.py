@@ -29,7 +29,7 @@ from .. import compiled
 from ..layout import PromptLayout, SchemaLayout, layout_prompt, layout_schema
 from ..pml import parse_prompt
 from ..pml.nodes import Prompt
-from ..store import TieredStore
+from ..store import build_store
 from ..tokens import as_span_tokenizer
 from .assemble import assemble
 from .config import EngineConfig
@@ -55,7 +55,7 @@ class PromptCache:
         device = torch.device(self.config.device) if self.config.device else None
         self.runner = ModelRunner(model, tokenizer, device)
         self.model, self.adapter, self.spec, self.device = model, self.runner.adapter, self.runner.spec, self.runner.device
-        self.store = TieredStore(self.device, self.config.store_config())
+        self.store = build_store(self.device, self.config.store_config())
         self.registry = SchemaRegistry(model, tokenizer, self.spec.bytes_per_token, self.device)
         self.encoder = SchemaEncoder(self.runner, self.config.encode_chunk, self.config.encode_batch_bytes,
                                      self.tok.pad_id)

@@ -1,9 +1,18 @@
 """The storage contract: a tier holds module key/value states by content key.
 
-Tiers (device memory, host memory, disk) share one small interface so ``TieredStore`` can move
-states between them: get / put / evict / bytes used / integrity check. Keys are content
-addresses (see ``keys.py``): equal keys mean equal states, so a state is stored once however many
-schemas use it.
+Tiers (device memory, host memory, disk, later a remote store) share one small interface so
+``TieredStore`` can move states between them: get / put / evict / lru / bytes used. Keys are
+content addresses (see ``promptcache.keys``): equal keys mean equal states, so a state is stored
+once however many schemas use it. States are tensors [L, 2, H, n, D] (layers, key/value, KV
+heads, tokens, head dim).
+
+Each tier declares:
+  * ``write_policy``: ``"on_evict"`` (the default: it receives states evicted from the tier
+    above, write-back) or ``"through"`` (it also receives every ``put``, write-through);
+  * ``io``: True when ``get`` reads a file or the network. ``TieredStore`` calls such tiers
+    outside its index lock, so they must guard their own index (memory tiers need not).
+A tier's ``get`` raises ``StoreError`` when what it holds fails verification; the store then
+drops the key from every tier (``evict``) so the state is re-encoded or reloaded.
 """
 
 from __future__ import annotations
@@ -12,14 +21,18 @@ from abc import ABC, abstractmethod
 
 import torch
 
+WRITE_POLICIES = ("on_evict", "through")
+
 
 class StoreError(RuntimeError):
-    """A stored state cannot be used (missing, truncated or corrupted)."""
+    """A stored state cannot be used (missing, truncated, corrupted, or not the state asked for)."""
 
 
 class Tier(ABC):
     name: str
-    budget: int | None  # bytes; None: unbounded
+    budget: int | None = None  # bytes; None: unbounded
+    write_policy: str = "on_evict"
+    io: bool = False
 
     @abstractmethod
     def get(self, key: str) -> torch.Tensor | None:
@@ -27,15 +40,15 @@ class Tier(ABC):
 
     @abstractmethod
     def put(self, key: str, kv: torch.Tensor) -> None:
-        """Store ``kv`` (copied to this tier's memory) under ``key``."""
+        """Store ``kv`` (copied to this tier's memory or medium) under ``key``; no-op if present."""
 
     @abstractmethod
     def evict(self, key: str) -> torch.Tensor | None:
-        """Remove ``key``; return its state if this tier held it in memory."""
+        """Remove ``key``; return its state if this tier held it in memory (else None)."""
 
     @abstractmethod
     def lru(self) -> str | None:
-        """The least recently used key, or None when empty."""
+        """The least recently used key this tier may evict, or None."""
 
     @property
     @abstractmethod
@@ -44,12 +57,14 @@ class Tier(ABC):
     @abstractmethod
     def __contains__(self, key: str) -> bool: ...
 
-    def check(self, key: str) -> bool:
-        """Integrity check of one stored state (memory tiers trust themselves)."""
-        return key in self
-
     def fits(self, nbytes: int) -> bool:
         return self.budget is None or nbytes <= self.budget
+
+
+def check_policy(policy: str) -> str:
+    if policy not in WRITE_POLICIES:
+        raise ValueError(f"write policy must be one of {', '.join(WRITE_POLICIES)}, got {policy!r}")
+    return policy
 
 
 def nbytes(t: torch.Tensor) -> int:

@@ -1,114 +1,134 @@
-"""The disk tier: states in safetensors files, memory-mapped, checksummed, written atomically.
+"""The disk tier: states in safetensors files (``codec`` format), memory-mapped, verified once.
 
-Two kinds of files feed it: compiled artifacts (registered with ``add_file``, read-only) and
-spill files this tier writes itself when memory tiers evict a state that is on no disk yet
-(``<key>.safetensors`` in the spill directory). Every read verifies the tensor's sha256 against
-the value recorded when it was written; a mismatch or a truncated file raises ``StoreError``
-and the state is never used.
+Two kinds of files feed it: compiled artifacts and document stores (registered with
+``add_file``, read-only here) and spill files this tier writes itself when a memory tier evicts
+a state no file holds yet (``<key>.safetensors`` in the spill folder; deleted on eviction).
+
+Reads: the file is opened once (``codec.StatesFile``, kept in a small LRU of open handles; the
+mapping keeps a file readable after another writer replaces or removes it) and each state's
+checksum is verified the first time it is read through that handle, never again while the handle
+lives. Every read checks the header against what the reader registered (content key, dtype,
+shape, model, checksum). Registering a file replaces any entry for the same keys (a stale or
+corrupted one) and forgets the file's open handle, so it is verified afresh.
+
+Thread safety: a lock guards the index and the handle cache; file I/O runs outside it.
+The default spill folder is a temporary folder removed when the tier is collected or the process
+exits.
 """
 
 from __future__ import annotations
 
-import hashlib
 import logging
-import os
+import shutil
 import tempfile
+import threading
+import weakref
 from collections import OrderedDict
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
-from safetensors.torch import save_file
 
-from .base import StoreError, Tier
+from . import codec
+from .base import Tier, check_policy, nbytes
 
 log = logging.getLogger(__name__)
 
-
-def tensor_sha256(t: torch.Tensor) -> str:
-    t = t.detach().contiguous().cpu()
-    return hashlib.sha256(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"").hexdigest()
+OPEN_FILES = 128  # open handles kept (each is one memory mapping)
 
 
-def atomic_save(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str] | None = None) -> None:
-    """Write a safetensors file via a temporary file in the same folder, fsync, then rename."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    try:
-        save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, tmp, metadata=metadata)
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+@dataclass(frozen=True)
+class FileState:
+    """Where a registered state lives and what it must be: tensor ``name`` in ``path``."""
+
+    path: Path
+    name: str
+    expect: codec.StateInfo
+    nbytes: int = 0
+    spilled: bool = False
 
 
 class DiskTier(Tier):
     name = "disk"
+    io = True
 
-    def __init__(self, spill_dir: str | Path | None = None, budget: int | None = None):
-        self.budget = budget
+    def __init__(self, spill_dir: str | Path | None = None, budget: int | None = None,
+                 write_policy: str = "on_evict"):
+        self.budget, self.write_policy = budget, check_policy(write_policy)
         self._spill_dir = Path(spill_dir) if spill_dir else None
-        # key -> (file, tensor name, sha256, nbytes); LRU order for spill eviction
-        self._index: OrderedDict[str, tuple[Path, str, str, int]] = OrderedDict()
-        self._spilled: set[str] = set()
+        self._index: OrderedDict[str, FileState] = OrderedDict()  # LRU order
+        self._files: OrderedDict[Path, codec.StatesFile] = OrderedDict()
+        self._lock = threading.RLock()
 
     @property
     def spill_dir(self) -> Path:
-        if self._spill_dir is None:
-            self._spill_dir = Path(tempfile.mkdtemp(prefix="promptcache-spill-"))
-        return self._spill_dir
+        with self._lock:
+            if self._spill_dir is None:
+                self._spill_dir = Path(tempfile.mkdtemp(prefix="promptcache-spill-"))
+                weakref.finalize(self, shutil.rmtree, str(self._spill_dir), True)
+            return self._spill_dir
 
-    def add_file(self, path: Path, entries: dict[str, tuple[str, str, int]]) -> None:
-        """Register states held in an existing file: key -> (tensor name, sha256, nbytes)."""
-        for key, (name, sha, n) in entries.items():
-            if key not in self._index:
-                self._index[key] = (Path(path), name, sha, n)
+    def add_file(self, path: str | Path, entries: dict[str, tuple[str, codec.StateInfo, int]],
+                 opened: codec.StatesFile | None = None) -> None:
+        """Register states held in ``path``: key -> (tensor name, expectation, nbytes).
+        ``opened``: the file already opened by the caller (kept, so it stays readable)."""
+        path = Path(path)
+        with self._lock:
+            self._files.pop(path, None)
+            if opened is not None:
+                self._files[path] = opened
+            for key, (name, expect, n) in entries.items():
+                self._drop(key)
+                self._index[key] = FileState(path, name, expect, n)
 
     def get(self, key: str) -> torch.Tensor | None:
-        entry = self._index.get(key)
-        if entry is None:
-            return None
-        self._index.move_to_end(key)
-        path, name, sha, _ = entry
-        try:
-            with safe_open(str(path), framework="pt") as f:
-                t = f.get_tensor(name)
-        except Exception as e:  # truncated, missing, or not a safetensors file
-            raise StoreError(f"cannot read state '{name}' from {path}: {e}") from None
-        if tensor_sha256(t) != sha:
-            raise StoreError(f"checksum mismatch for state '{name}' in {path}: the file is corrupted")
-        return t
+        with self._lock:
+            entry = self._index.get(key)
+            if entry is None:
+                return None
+            self._index.move_to_end(key)
+            handle = self._files.get(entry.path)
+            if handle is not None:
+                self._files.move_to_end(entry.path)
+        if handle is None:
+            handle = codec.StatesFile(entry.path)  # header read: outside the lock
+            with self._lock:
+                handle = self._files.setdefault(entry.path, handle)
+                while len(self._files) > OPEN_FILES:
+                    self._files.popitem(last=False)
+        return handle.read(entry.name, entry.expect)
 
     def put(self, key: str, kv: torch.Tensor) -> None:
-        if key in self._index:
-            return
+        with self._lock:
+            if key in self._index:
+                return
         path = self.spill_dir / f"{key}.safetensors"
-        atomic_save({"kv": kv}, path)
-        self._index[key] = (path, "kv", tensor_sha256(kv), kv.numel() * kv.element_size())
-        self._spilled.add(key)
+        codec.write_file(path, {"kv": (key, kv)})
+        info = codec.StateInfo(key, str(kv.dtype).removeprefix("torch."), tuple(kv.shape))
+        with self._lock:
+            if key not in self._index:
+                self._index[key] = FileState(path, "kv", info, nbytes(kv), spilled=True)
 
     def evict(self, key: str) -> torch.Tensor | None:
-        entry = self._index.pop(key, None)
-        if entry is not None and key in self._spilled:
-            self._spilled.discard(key)
-            entry[0].unlink(missing_ok=True)
+        with self._lock:
+            self._drop(key)
         return None
 
+    def _drop(self, key: str) -> None:
+        entry = self._index.pop(key, None)
+        if entry is not None and entry.spilled:
+            self._files.pop(entry.path, None)
+            entry.path.unlink(missing_ok=True)
+
     def lru(self) -> str | None:
-        return next((k for k in self._index if k in self._spilled), None)
+        with self._lock:
+            return next((k for k, e in self._index.items() if e.spilled), None)
 
     @property
     def bytes_used(self) -> int:
-        return sum(self._index[k][3] for k in self._spilled)
+        """Bytes of spill files (registered files are not this tier's to budget)."""
+        with self._lock:
+            return sum(e.nbytes for e in self._index.values() if e.spilled)
 
     def __contains__(self, key: str) -> bool:
         return key in self._index
-
-    def check(self, key: str) -> bool:
-        try:
-            return self.get(key) is not None
-        except StoreError:
-            return False

@@ -1,4 +1,6 @@
-"""A memory tier (GPU or host) with a byte budget and least-recently-used order."""
+"""A memory tier (GPU or host) with a byte budget and least-recently-used order.
+
+Not thread-safe by itself: ``TieredStore`` calls it under its index lock (``io = False``)."""
 
 from __future__ import annotations
 
@@ -6,12 +8,14 @@ from collections import OrderedDict
 
 import torch
 
-from .base import Tier, nbytes
+from .base import Tier, check_policy, nbytes
 
 
 class MemoryTier(Tier):
-    def __init__(self, name: str, device: torch.device | str, budget: int | None = None, pin: bool = False):
+    def __init__(self, name: str, device: torch.device | str, budget: int | None = None, pin: bool = False,
+                 write_policy: str = "on_evict"):
         self.name, self.device, self.budget = name, torch.device(device), budget
+        self.write_policy = check_policy(write_policy)
         self.pin = pin and self.device.type == "cpu" and torch.cuda.is_available()
         self._data: OrderedDict[str, torch.Tensor] = OrderedDict()
         self._bytes = 0

@@ -127,3 +127,53 @@ def test_learned_position_models_are_refused():
     for family in ("gpt2", "opt"):
         with pytest.raises(UnsupportedModelError, match="learned"):
             make_store(family)
+
+
+INDEX_DAMAGE = [
+    (lambda ix: [ix], "top level"),
+    (lambda ix: {**ix, "documents": None}, "'documents'"),
+    (lambda ix: {**ix, "model": None}, "'model'"),
+    (lambda ix: {**ix, "tokenizer": 5}, "'tokenizer'"),
+    (lambda ix: {**ix, "format_version": "2"}, "'format_version'"),
+    (lambda ix: {**ix, "documents": [None]}, r"documents\[0\]"),
+]
+for _field in ("id", "text", "digest", "sha256", "file", "n_tokens", "metadata"):
+    INDEX_DAMAGE.append((lambda ix, f=_field: {**ix, "documents": [{k: v for k, v in ix["documents"][0].items()
+                                                                     if k != f}]}, rf"documents\[0\]\.{_field}"))
+    INDEX_DAMAGE.append((lambda ix, f=_field: {**ix, "documents": [{**ix["documents"][0], f: None}]},
+                         rf"documents\[0\]\.{_field}"))
+INDEX_DAMAGE += [
+    (lambda ix: {**ix, "documents": [{**ix["documents"][0], "n_tokens": "7"}]}, r"documents\[0\]\.n_tokens"),
+    (lambda ix: {**ix, "documents": [{**ix["documents"][0], "metadata": []}]}, r"documents\[0\]\.metadata"),
+    (lambda ix: {**ix, "documents": ix["documents"] * 2}, "repeats id"),
+    (lambda ix: {**ix, "documents": [{**ix["documents"][0], "file": "../x.safetensors"}]}, "field 'file'"),
+    (lambda ix: {**ix, "documents": [{**ix["documents"][0], "text": "other text"}]}, "tokenizes differently"),
+]
+
+
+@pytest.mark.parametrize("damage, field", INDEX_DAMAGE)
+def test_damaged_index_is_a_clear_error_naming_file_and_field(tmp_path, damage, field):
+    store = make_store(path=tmp_path / "d")
+    store.add("paris", DOCS["paris"])
+    index_file = tmp_path / "d" / "index.json"
+    damaged = json.dumps(damage(json.loads(index_file.read_text())))
+    index_file.write_text(damaged)
+    before = sorted(p.name for p in (tmp_path / "d").rglob("*"))
+    with pytest.raises(DocumentStoreError, match=field) as err:
+        make_store(path=tmp_path / "d")
+    assert "index.json" in str(err.value)
+    assert sorted(p.name for p in (tmp_path / "d").rglob("*")) == before and index_file.read_text() == damaged
+
+
+def test_documents_and_schema_modules_share_one_key_scheme():
+    from promptcache.keys import alone_key
+
+    store = make_store()
+    store.add("paris", DOCS["paris"])
+    ids = store.pc.tok.encode(DOCS["paris"])
+    key = alone_key(ids, store.pc.model_key, store.namespace)
+    assert key in store.pc.store and torch.equal(store.pc.store.get(key)[0], store.pc.encode_span(ids))
+    other = DocumentStore(store.pc, namespace="tenant-b")
+    other.add("paris", DOCS["paris"])
+    assert alone_key(ids, store.pc.model_key, "tenant-b") in store.pc.store and key != alone_key(
+        ids, store.pc.model_key, "tenant-b")

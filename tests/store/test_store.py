@@ -13,6 +13,7 @@ from promptcache import PMLError, PromptCache
 from promptcache.engine import EngineConfig
 from promptcache.store import StoreError
 from promptcache import artifact as artifact_mod
+from promptcache import fsutil
 from promptcache.artifact import ArtifactError
 from tiny import make_model, make_tokenizer
 
@@ -46,7 +47,7 @@ def reference():
 def test_compile_load_round_trip_gives_identical_logits(tmp_path, reference):
     engine().compile(SCHEMA, tmp_path / "trip")
     manifest = json.loads((tmp_path / "trip" / "manifest.json").read_text())
-    assert manifest["format_version"] == 1 and manifest["schema"]["name"] == "trip"
+    assert manifest["format_version"] == 2 and manifest["schema"]["name"] == "trip"
     assert manifest["model"]["architecture"] == "LlamaForCausalLM" and manifest["dtype"] == "float32"
     assert set(manifest["model"]) >= {"config_sha256", "weights_sha256"} and manifest["tokenizer"]["sha256"]
     fresh = engine()
@@ -117,25 +118,23 @@ def test_crash_mid_write_leaves_the_old_artifact(tmp_path, monkeypatch, referenc
     out = tmp_path / "w"
     engine().compile(SCHEMA, out)
     before = sorted(p.name for p in out.iterdir())
-    real_save = artifact_mod.atomic_save.__globals__["save_file"]
 
-    def dying_save(tensors, path, metadata=None):
-        with open(path, "wb") as f:
-            f.write(b"partial")  # the process dies here, mid-write
-        raise KeyboardInterrupt
+    def dying_fsync(fd):
+        raise KeyboardInterrupt  # the process dies after writing the temporary file, before the rename
 
-    monkeypatch.setitem(artifact_mod.atomic_save.__globals__, "save_file", dying_save)
+    monkeypatch.setattr(fsutil.os, "fsync", dying_fsync)
     with pytest.raises(KeyboardInterrupt):
         engine(seed=1).compile(SCHEMA, out)
-    monkeypatch.setitem(artifact_mod.atomic_save.__globals__, "save_file", real_save)
+    monkeypatch.undo()
     assert sorted(p.name for p in out.iterdir()) == before  # no half file, old manifest and states
     fresh = engine()
     fresh.load_compiled(out)
     assert torch.equal(fresh.prefill(PROMPTS[0]).logits, reference[PROMPTS[0]])
     with pytest.raises(KeyboardInterrupt):
-        monkeypatch.setitem(artifact_mod.atomic_save.__globals__, "save_file", dying_save)
+        monkeypatch.setattr(fsutil.os, "fsync", dying_fsync)
         engine().compile(SCHEMA, tmp_path / "new")
-    assert not list((tmp_path / "new").glob("*"))  # a first compile that dies leaves nothing
+    monkeypatch.undo()
+    assert not list((tmp_path / "new").glob("*.safetensors")) and not (tmp_path / "new" / "manifest.json").exists()
     with pytest.raises(ArtifactError, match="no manifest.json"):
         engine().load_compiled(tmp_path / "new")
 
@@ -163,7 +162,7 @@ def test_promotion_after_eviction(tmp_path):
     e2 = roomy.add_schema(SCHEMA)
     keys = list(e2.keys.values())
     roomy.store.tiers[0].budget = e2.stored_bytes // 4  # shrink: most states go down
-    roomy.store._fit(0)
+    roomy.store.fit()
     down = [k for k in keys if roomy.store.tier_of(k) == "disk"]
     assert down
     res = roomy.prefill(PROMPTS[0])
@@ -205,3 +204,22 @@ def test_concurrent_generate_under_eviction_is_exact(tmp_path):
         results = list(ex.map(lambda p: (p, pc.generate(p, max_new_tokens=5).token_ids), PROMPTS * 5))
     for p, ids in results:
         assert ids == expected[p]
+
+
+def test_edited_manifest_is_refused_and_recompiled_only_from_trusted_text(tmp_path, reference):
+    engine().compile(SCHEMA, tmp_path / "e")
+    mf = tmp_path / "e" / "manifest.json"
+    data = json.loads(mf.read_text())
+    data["kv_spec"]["head_dim"] += 1  # an edit no other check would notice: the manifest hash does
+    mf.write_text(json.dumps(data))
+    with pytest.raises(ArtifactError, match="edited or corrupted"):
+        engine().load_compiled(tmp_path / "e")
+    data["schema"]["text"] = data["schema"]["text"].replace("cafes", "bars")  # embedded text damaged too
+    mf.write_text(json.dumps(data))
+    with pytest.raises(ArtifactError, match="embedded schema text does not match"):
+        engine().load_compiled(tmp_path / "e", recompile=True)
+    src = tmp_path / "trip.xml"
+    src.write_text(SCHEMA)
+    pc = engine()
+    pc.load_compiled(tmp_path / "e", schema=src, recompile=True)  # with the source: recompiled
+    assert torch.equal(pc.prefill(PROMPTS[0]).logits, reference[PROMPTS[0]])

@@ -1,0 +1,214 @@
+"""The codec: module states <-> safetensors bytes that prove what they hold.
+
+Format (a plain safetensors file or byte string)::
+
+    u64 header length N (little endian) | N bytes JSON header | tensor data
+    header = {"__metadata__": {"format": "promptcache-states-v2", "model": <model digest>,
+                               "states": JSON {name: {"key": <content key>, "sha256": <checksum>}},
+                               ...caller's extra string fields},
+              <name>: {"dtype": "F32", "shape": [L, 2, H, n, D], "data_offsets": [a, b]}, ...}
+
+Each state's checksum is sha256 over ``describe(name, dtype, shape, key, model)`` (canonical
+JSON) + NUL + its data bytes: it covers the header entry (dtype, shape), the content key and the
+model, not only the data. A flipped header byte either breaks the JSON, changes a described
+field (checksum mismatch) or changes an offset (the data no longer matches). A reader states
+what it needs (``StateInfo``: key, and where known dtype, shape, model, checksum) and is refused
+(``CodecError``, a ``StoreError``) unless the stored state proves to be exactly that.
+
+``StatesFile`` reads a file lazily (memory-mapped): ``check`` compares the header with the
+expectation (no data read), ``read`` returns a tensor and verifies its checksum the first time
+each state is read through this handle (``verified``); the handle is the unit of "verified once
+per process". ``encode`` / ``decode`` are the same format as bytes (a remote tier's values).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
+
+from ..fsutil import atomic_write
+from .base import StoreError
+
+FORMAT = "promptcache-states-v2"
+MAX_HEADER = 64 << 20  # bytes; a longer header is corruption, not a states file
+_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
+           torch.int64: "I64", torch.int32: "I32", torch.int8: "I8", torch.uint8: "U8"}
+_BY_NAME = {str(k).removeprefix("torch."): v for k, v in _DTYPES.items()}
+
+
+class CodecError(StoreError):
+    """Stored bytes are not the state the reader needs (corrupted, truncated, or another state)."""
+
+
+@dataclass(frozen=True)
+class StateInfo:
+    """What a reader needs a stored state to be. None fields are not checked."""
+
+    key: str | None  # None: not checked (a manifest's header check before keys are computed)
+    dtype: str | None = None  # torch dtype name, "float32"
+    shape: tuple[int, ...] | None = None  # [L, 2, H, n, D]
+    model: str | None = None  # model digest (keys.model_digest)
+    checksum: str | None = None  # the codec checksum a manifest or index recorded
+
+
+def st_dtype(t: torch.dtype | str) -> str:
+    """safetensors' dtype code ("F32") of a torch dtype or its name ("float32")."""
+    return _BY_NAME.get(t, t) if isinstance(t, str) else _DTYPES[t]
+
+
+def describe(name: str, dtype: str, shape, key: str, model: str) -> bytes:
+    return json.dumps({"format": FORMAT, "name": name, "dtype": dtype, "shape": list(shape), "key": key,
+                       "model": model}, sort_keys=True).encode()
+
+
+def checksum(name: str, kv: torch.Tensor, key: str, model: str) -> str:
+    h = hashlib.sha256(describe(name, st_dtype(kv.dtype), kv.shape, key, model) + b"\0")
+    h.update(_data(kv))
+    return h.hexdigest()
+
+
+def _data(kv: torch.Tensor) -> memoryview | bytes:
+    t = kv.detach().contiguous().cpu()
+    return t.reshape(-1).view(torch.uint8).numpy().data if t.numel() else b""
+
+
+def encode(states: dict[str, tuple[str, torch.Tensor]], model: str = "",
+           extra: dict[str, str] | None = None) -> tuple[bytes, dict[str, str]]:
+    """(safetensors bytes, {name: checksum}) of ``states``: name -> (content key, kv)."""
+    tensors, records = {}, {}
+    for name, (key, kv) in states.items():
+        tensors[name] = kv.detach().contiguous().cpu()
+        records[name] = {"key": key, "sha256": checksum(name, tensors[name], key, model)}
+    meta = {**(extra or {}), "format": FORMAT, "model": model, "states": json.dumps(records, sort_keys=True)}
+    return st_save(tensors, metadata=meta), {n: r["sha256"] for n, r in records.items()}
+
+
+def decode(blob: bytes, name: str, expect: StateInfo) -> torch.Tensor:
+    """The state ``name`` of an encoded byte string, verified against its checksum and ``expect``."""
+    header = parse_header(blob[:8], lambda n: blob[8 : 8 + n], len(blob), "value")
+    recorded = _check(header, name, expect, "value")
+    try:
+        kv = st_load(blob)[name]
+    except Exception as e:
+        raise CodecError(f"state '{name}' in value: unreadable ({e})") from None
+    _verify(kv, name, recorded, "value")
+    return kv
+
+
+def parse_header(first8: bytes, read, total: int, where: str) -> dict:
+    """The JSON header of safetensors data of ``total`` bytes; ``read(n)`` returns bytes 8..8+n."""
+    if len(first8) < 8:
+        raise CodecError(f"{where}: truncated ({total} bytes, no safetensors header)")
+    (n,) = struct.unpack("<Q", first8)
+    if n > MAX_HEADER or 8 + n > total:
+        raise CodecError(f"{where}: truncated or corrupted (header of {n} bytes in {total} bytes)")
+    try:
+        header = json.loads(read(n).decode("utf-8"))
+        meta = header.get("__metadata__") or {}
+        states = json.loads(meta.get("states", "null"))
+    except (UnicodeDecodeError, ValueError, AttributeError) as e:
+        raise CodecError(f"{where}: corrupted header ({e})") from None
+    if meta.get("format") != FORMAT or not isinstance(states, dict):
+        raise CodecError(f"{where}: not a promptcache states file of format {FORMAT} "
+                         f"(format {meta.get('format')!r}); re-create it with this version")
+    end = 8 + n
+    for k, v in header.items():
+        if k != "__metadata__" and (not isinstance(v, dict) or end + _offsets(v)[1] > total):
+            raise CodecError(f"{where}: truncated or corrupted (tensor '{k}' lies past the end)")
+    header["__metadata__"]["states"] = states
+    return header
+
+
+def _offsets(entry: dict) -> tuple[int, int]:
+    off = entry.get("data_offsets")
+    if not (isinstance(off, list) and len(off) == 2 and all(isinstance(x, int) for x in off)):
+        raise CodecError(f"corrupted tensor entry {entry!r}")
+    return off[0], off[1]
+
+
+def _check(header: dict, name: str, expect: StateInfo, where: str) -> dict:
+    """Compare the header's record of ``name`` with ``expect``; returns the record."""
+    meta, entry = header["__metadata__"], header.get(name)
+    rec = meta["states"].get(name)
+    if not isinstance(entry, dict) or not isinstance(rec, dict):
+        raise CodecError(f"{where} holds no state '{name}'")
+    got = {"key": rec.get("key"), "dtype": entry.get("dtype"), "shape": entry.get("shape"),
+           "model": meta.get("model"), "checksum": rec.get("sha256")}
+    want = {"key": expect.key, "dtype": expect.dtype and st_dtype(expect.dtype),
+            "shape": list(expect.shape) if expect.shape is not None else None, "model": expect.model,
+            "checksum": expect.checksum}
+    wrong = [f"{k} is {_short(got[k])}, expected {_short(v)}" for k, v in want.items()
+             if v is not None and got[k] != v]
+    if wrong:
+        raise CodecError(f"state '{name}' in {where} is not the state needed: {'; '.join(wrong)}")
+    return {**got, "name": name}
+
+
+def _verify(kv: torch.Tensor, name: str, rec: dict, where: str) -> None:
+    if (st_dtype(kv.dtype), list(kv.shape)) != (rec["dtype"], rec["shape"]) or \
+            checksum(name, kv, rec["key"], rec["model"]) != rec["checksum"]:
+        raise CodecError(f"checksum mismatch for state '{name}' in {where}: the data is corrupted")
+
+
+def _short(v) -> str:
+    return str(v)[:16] if v is not None else "none"
+
+
+class StatesFile:
+    """A states file opened for lazy reads (memory-mapped; the mapping outlives an unlink)."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        where = str(self.path)
+        try:
+            with open(self.path, "rb") as f:
+                total = f.seek(0, 2)
+                f.seek(0)
+                first8 = f.read(8)
+                self.header = parse_header(first8, f.read, total, where)
+            self._handle = safe_open(where, framework="pt")
+        except OSError as e:
+            raise CodecError(f"cannot read states file {where}: {e}") from None
+        except CodecError:
+            raise
+        except Exception as e:  # safetensors' own validation
+            raise CodecError(f"{where}: truncated or corrupted ({e})") from None
+        self.verified: set[str] = set()
+
+    @property
+    def names(self) -> list[str]:
+        return [k for k in self.header if k != "__metadata__"]
+
+    def nbytes(self, name: str) -> int:
+        a, b = _offsets(self.header[name])
+        return b - a
+
+    def check(self, name: str, expect: StateInfo) -> None:
+        _check(self.header, name, expect, str(self.path))
+
+    def read(self, name: str, expect: StateInfo) -> torch.Tensor:
+        rec = _check(self.header, name, expect, str(self.path))
+        try:
+            kv = self._handle.get_tensor(name)
+        except Exception as e:
+            raise CodecError(f"cannot read state '{name}' from {self.path}: {e}") from None
+        if name not in self.verified:
+            _verify(kv, name, rec, str(self.path))
+            self.verified.add(name)
+        return kv
+
+
+def write_file(path: Path, states: dict[str, tuple[str, torch.Tensor]], model: str = "",
+               extra: dict[str, str] | None = None) -> dict[str, str]:
+    """Encode ``states`` to ``path`` atomically (see ``fsutil``); returns {name: checksum}."""
+    blob, sums = encode(states, model, extra)
+    atomic_write(path, blob)
+    return sums
