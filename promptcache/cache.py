@@ -7,7 +7,7 @@ one ``copy_``. Nothing is concatenated. A forward writes its new tokens either a
 filled slot (the default, the hot path) or at slots the caller names (``slot_write``: tokens in
 the middle of an assembled cache are recomputed in place, selective recompute).
 
-This file is a little over 300 lines because the cache, its transformers layer contract and the
+This file is over 300 lines because the cache, its transformers layer contract and the
 buffer pool share one buffer layout; splitting them would spread that layout over three files.
 """
 

@@ -31,7 +31,7 @@ import torch
 import transformers
 
 from ..cache import KVSpec, SpliceCache
-from . import masks
+from .masks import additive as additive_mask, check as check_mask, slot_causal
 
 log = logging.getLogger(__name__)
 
@@ -152,41 +152,47 @@ class Adapter:
 
     def _forward_masked(self, input_ids, position_ids, cache, write_slots, attention_mask) -> torch.Tensor:
         b, t = input_ids.shape
+        self.check_mask_support()  # before the cache is touched
         kwargs = {"position_ids": position_ids} if self.passes_position_ids else {}
+        old = cache.length
         if write_slots is None:
-            kv_len = cache.length + t
+            mask = check_mask(attention_mask, b, t, old + t).to(cache.buf.device)
             cache.stage_positions(position_ids)
-            mask = masks.check(attention_mask, b, t, kv_len)
-            state_cm = self._positions(cache.positions[:, :kv_len], mask)
-            with state_cm as state:
+            with self._positions(cache.positions[:, : old + t], mask) as state:
                 out = self.model(input_ids=input_ids, past_key_values=cache, use_cache=True, logits_to_keep=1,
                                  **kwargs, **self.mask_kwargs(mask))
         else:
-            old = cache.length
+            if attention_mask is not None and isinstance(write_slots, torch.Tensor) and write_slots.numel():
+                top = max(old, int(write_slots.max()) + 1)  # the length after the write, checked again below
+                attention_mask = check_mask(attention_mask, b, t, top).to(cache.buf.device)
             with cache.slot_write(position_ids, write_slots) as kv_len:
                 if attention_mask is None:
-                    mask = masks.slot_causal(old, cache.pending[0], kv_len)
+                    mask = slot_causal(old, cache.pending[0], kv_len)
                 else:
-                    mask = masks.check(attention_mask, b, t, kv_len)
+                    mask = attention_mask
                 with self._positions(cache.positions[:, :kv_len], mask) as state:
                     out = self.model(input_ids=input_ids, past_key_values=cache, use_cache=True, logits_to_keep=1,
                                      **kwargs, **self.mask_kwargs(mask))
         self.verify_forward(state)
         return out.logits[:, -1, :]
 
+    def check_mask_support(self) -> None:
+        """Raise ``UnsupportedModelError`` if custom masks cannot reach this model's attention."""
+        impl = self.attn_implementation()
+        if impl not in ("sdpa", "eager"):
+            raise UnsupportedModelError(
+                f"custom attention masks (write_slots / attention_mask) need attn_implementation 'sdpa' or "
+                f"'eager'; this {self.config.model_type} model uses '{impl}' (load it with attn_implementation='sdpa')"
+            )
+
     def mask_kwargs(self, mask: torch.Tensor) -> dict:
         """Model keyword arguments that carry ``mask`` (bool [B|1, 1, T, kv], True = attend) to
         attention: a 4D mask, which transformers' ``create_causal_mask`` passes through as is, bool
         for sdpa and additive float for eager. ALiBi adapters override (their hooks carry it)."""
-        impl = self.attn_implementation()
-        if impl == "sdpa":
+        self.check_mask_support()
+        if self.attn_implementation() == "sdpa":
             return {"attention_mask": mask}
-        if impl == "eager":
-            return {"attention_mask": masks.additive(mask, self.kv_spec().dtype)}
-        raise UnsupportedModelError(
-            f"custom attention masks (write_slots / attention_mask) need attn_implementation 'sdpa' or 'eager'; "
-            f"this {self.config.model_type} model uses '{impl}' (load it with attn_implementation='sdpa')"
-        )
+        return {"attention_mask": additive_mask(mask, self.kv_spec().dtype)}
 
     def attn_implementation(self) -> str:
         return getattr(self.config, "_attn_implementation", None) or "eager"
@@ -233,14 +239,14 @@ class Adapter:
         cache = SpliceCache(spec, n, device=device)
         self._compare(stock, self.forward(ids, pos, cache), tol, "the hooked forward")
         try:
-            self.mask_kwargs(torch.ones(1, 1, n, n, dtype=torch.bool, device=device))
+            self.check_mask_support()
         except UnsupportedModelError as e:
             log.info("self-check of the slot/mask path skipped: %s", e)
             return
         cache = SpliceCache(spec, n, device=device)
         self.forward(ids[:, : n - 2], pos[:, : n - 2], cache)
         slots = torch.arange(n, device=device)
-        got = self.forward(ids, pos, cache, write_slots=slots, attention_mask=masks.slot_causal(n - 2, slots, n))
+        got = self.forward(ids, pos, cache, write_slots=slots, attention_mask=slot_causal(n - 2, slots, n))
         self._compare(stock, got, tol, "a forward through write_slots and a causal attention_mask")
 
     def _compare(self, stock: torch.Tensor, got: torch.Tensor, tol: float, what: str) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from . import masks
+from .masks import additive as additive_mask
 from .base import Adapter, UnsupportedModelError
 from .kinds import AlibiAdapter, LearnedAdapter, RotaryAdapter, scaled_mask
 
@@ -119,7 +119,7 @@ class FalconAlibi(_FalconShapes, AlibiAdapter):
         h = self.config.num_attention_heads
         dtype = kwargs["alibi"].dtype
         # [B|1, 1, T, kv] float: the model's merged mask, or our mask made additive
-        old_mask = kwargs["attention_mask"] if mask is None else masks.additive(mask, dtype)
+        old_mask = kwargs["attention_mask"] if mask is None else additive_mask(mask, dtype)
         # the model multiplies bfloat16 slopes by positions; do the same so contiguous runs match it
         slopes = self.slopes.to(key_positions.device).bfloat16()
         alibi = (slopes[None, :, None] * key_positions[:, None, :]).reshape(b, h, 1, kv).to(dtype)
@@ -162,7 +162,7 @@ class Bloom(AlibiAdapter):
         alibi = slopes[None, :, None] * key_positions[:, None, :].float()  # [B, H, kv]
         out = {"alibi": alibi.reshape(-1, 1, kv).to(dtype)}  # [B * H, 1, kv], as Bloom builds it
         if mask is not None:  # Bloom's attention adds a float mask to its scores
-            out["attention_mask"] = masks.additive(mask, dtype)
+            out["attention_mask"] = additive_mask(mask, dtype)
         return out
 
 

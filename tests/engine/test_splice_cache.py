@@ -229,3 +229,15 @@ def test_max_positions_of_bounded_ropes_is_the_original_context():
                                           "original_max_position_embeddings": 512})
     adapter = get_adapter(AutoModelForCausalLM.from_config(config).eval())
     assert adapter.max_positions == 512 and adapter.max_position() == 511
+
+
+def test_a_refused_mask_leaves_the_cache_untouched():
+    adapter = get_adapter(make_model("llama"))
+    cache = SpliceCache(adapter.kv_spec(), 8)
+    adapter.forward(torch.tensor([[5, 6, 7]]), torch.tensor([[0, 1, 2]]), cache)
+    before, positions = cache.buf[:, :, :, :, :3].clone(), cache.positions.clone()
+    with pytest.raises(ValueError, match=r"\[1, 1, 2, 4\]"):
+        adapter.forward(torch.tensor([[8, 9]]), torch.tensor([[9, 9]]), cache, write_slots=torch.tensor([1, 3]),
+                        attention_mask=torch.ones(1, 1, 2, 3, dtype=torch.bool))
+    assert cache.length == 3 and torch.equal(cache.positions, positions)
+    assert torch.equal(cache.buf[:, :, :, :, :3], before)
