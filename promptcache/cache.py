@@ -3,75 +3,164 @@
 Layout of the buffer: ``buf[layer, 0|1, batch, kv_head, slot, head_dim]`` (0 = keys, 1 = values)
 and ``positions[batch, slot]``, the position ID of every entry (read by ALiBi adapters).
 A stored span is ``[layer, 2, kv_head, n, head_dim]``: copying one into slots [off, off + n) is
-one ``copy_``. New tokens are written after the last filled slot; nothing is concatenated.
+one ``copy_``. Nothing is concatenated. A forward writes its new tokens either after the last
+filled slot (the default, the hot path) or at slots the caller names (``slot_write``: tokens in
+the middle of an assembled cache are recomputed in place, selective recompute).
+
+This file is over 300 lines because the cache, its transformers layer contract and the
+buffer pool share one buffer layout; splitting them would spread that layout over three files.
 """
 
 from __future__ import annotations
 
 import threading
+from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
-from transformers.cache_utils import Cache, DynamicLayer
-
-from .models.base import KVSpec
+from transformers.cache_utils import Cache, CacheLayerMixin
 
 
-class SpliceLayer(DynamicLayer):
-    """One layer's view of the shared buffer. ``n`` is this layer's filled length."""
+@dataclass(frozen=True)
+class KVSpec:
+    """Shape of one token's key/value states: per layer, K and V of [kv_heads, head_dim]."""
 
-    def __init__(self, owner: "SpliceCache", index: int):
-        super().__init__()
-        self.owner, self.index, self.n = owner, index, 0
-        self.is_initialized = True
-        self.dtype, self.device = owner.buf.dtype, owner.buf.device
+    layers: int
+    kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
 
     @property
-    def keys(self):  # [B, H, n, D] view
+    def bytes_per_token(self) -> int:
+        return 2 * self.layers * self.kv_heads * self.head_dim * torch.empty((), dtype=self.dtype).element_size()
+
+
+class SpliceLayer(CacheLayerMixin):
+    """One layer's view of the shared buffer; implements transformers' cache-layer contract itself.
+
+    ``n`` is this layer's filled length: slots [0, n) are valid. ``keys``/``values`` are views
+    ``[B, H, n, D]`` of the buffer and cannot be assigned. Supported: ``update`` (append, or write
+    at the slots of a pending ``SpliceCache.slot_write``), ``get_seq_length``, ``get_mask_sizes``,
+    ``get_max_length``, ``crop``, ``reset``. Everything that would move entries between batch rows
+    or devices (beam reorder, batch select/repeat, offload/prefetch) raises ``NotImplementedError``:
+    the buffer is shared with the engine's bookkeeping, a silent no-op would be a wrong answer.
+    """
+
+    is_sliding = False
+    is_croppable = True
+    is_compileable = False
+
+    def __init__(self, owner: "SpliceCache", index: int):  # no super().__init__: it assigns keys/values
+        self.owner, self.index, self.n = owner, index, 0
+        self.is_initialized = True  # the buffer is allocated up front
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.owner.buf.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.owner.buf.device
+
+    @property
+    def keys(self) -> torch.Tensor:  # [B, H, n, D] view
         return self.owner.buf[self.index, 0, :, :, : self.n]
 
     @keys.setter
-    def keys(self, value):  # DynamicLayer.__init__ assigns; views are derived
-        pass
+    def keys(self, value):
+        _unsupported("assigning keys (they are views of the shared buffer; use SpliceCache.write or update)")
 
     @property
-    def values(self):
+    def values(self) -> torch.Tensor:  # [B, H, n, D] view
         return self.owner.buf[self.index, 1, :, :, : self.n]
 
     @values.setter
     def values(self, value):
-        pass
+        _unsupported("assigning values (they are views of the shared buffer; use SpliceCache.write or update)")
 
-    def lazy_initialization(self, key_states, value_states) -> None:
-        pass
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Nothing to allocate (the buffer exists); only check the states fit it."""
+        want = (self.owner.batch, self.owner.spec.kv_heads, self.owner.spec.head_dim)
+        got = (key_states.shape[0], key_states.shape[1], key_states.shape[-1])
+        if got != want:
+            raise ValueError(f"SpliceCache layer {self.index}: states [B, H, _, D] = {list(got)} do not fit {list(want)}")
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        t = key_states.shape[-2]
-        self.owner.ensure_capacity(self.n + t)
-        buf = self.owner.buf
-        buf[self.index, 0, :, :, self.n : self.n + t] = key_states
-        buf[self.index, 1, :, :, self.n : self.n + t] = value_states
-        self.n += t
+        """Store new states [B, H, T, D]; return keys and values over the filled slots [B, H, n, D]."""
+        pending = self.owner.pending
+        if pending is None:  # hot path: append after the filled slots
+            t = key_states.shape[-2]
+            self.owner.ensure_capacity(self.n + t)
+            buf = self.owner.buf
+            buf[self.index, 0, :, :, self.n : self.n + t] = key_states
+            buf[self.index, 1, :, :, self.n : self.n + t] = value_states
+            self.n += t
+            return self.keys, self.values
+        slots, kv_len = pending
+        if slots.shape[-1] != key_states.shape[-2]:
+            raise ValueError(f"slot write of {slots.shape[-1]} slots got {key_states.shape[-2]} new states")
+        k, v = self.owner.buf[self.index, 0], self.owner.buf[self.index, 1]  # [B, H, S, D] views
+        if slots.dim() == 1:
+            k.index_copy_(2, slots, key_states.to(k.dtype))
+            v.index_copy_(2, slots, value_states.to(v.dtype))
+        else:  # one slot list per batch row
+            for row in range(slots.shape[0]):
+                k[row].index_copy_(1, slots[row], key_states[row].to(k.dtype))
+                v[row].index_copy_(1, slots[row], value_states[row].to(v.dtype))
+        self.n = kv_len
         return self.keys, self.values
 
     def get_seq_length(self) -> int:
         return self.n
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        """(kv_length, kv_offset) of the mask the model builds itself. Under a slot write the
+        adapter always supplies the real mask (and ALiBi bias); the model's own one, sized as for
+        an append like its other length bookkeeping, is replaced before attention."""
         return self.n + query_length, 0
 
+    def get_max_length(self) -> int:
+        return -1  # grows on demand (ensure_capacity)
+
+    get_max_cache_shape = get_max_length  # the name transformers 5.0 used
+
     def crop(self, tokens_to_remove: int) -> None:
+        """Negative: drop that many trailing entries. Non-negative (transformers' legacy form): keep
+        at most that many entries."""
         self.n = max(0, self.n + tokens_to_remove) if tokens_to_remove < 0 else min(self.n, tokens_to_remove)
 
     def reset(self) -> None:
         self.n = 0
 
+    def offload(self):
+        _unsupported("offloading (the engine places the buffer on its device; use CachePool(device=...))")
+
+    def prefetch(self):
+        _unsupported("prefetching (SpliceCache is never offloaded)")
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        _unsupported("reordering batch rows (beam search)")
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        _unsupported("repeating batch rows")
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        _unsupported("selecting batch rows")
+
+
+def _unsupported(what: str):
+    raise NotImplementedError(f"SpliceCache does not support {what}; assemble a new cache instead")
+
 
 class SpliceCache(Cache):
+    """All layers' states in one buffer; ``positions[b, s]`` is the position ID of slot ``s``."""
+
     def __init__(self, spec: KVSpec, capacity: int, batch: int = 1, device="cpu", pin: bool = False):
         shape = (spec.layers, 2, batch, spec.kv_heads, max(capacity, 1), spec.head_dim)
         self.spec, self.batch = spec, batch
         self.buf = torch.empty(shape, dtype=spec.dtype, device=device, pin_memory=pin)
         self.positions = torch.zeros((batch, shape[4]), dtype=torch.long, device=device)
+        self.pending: tuple[torch.Tensor, int] | None = None  # (slots [T] | [B, T], kv_len) during a slot write
         super().__init__(layers=[SpliceLayer(self, i) for i in range(spec.layers)])
 
     @property
@@ -138,15 +227,73 @@ class SpliceCache(Cache):
         """A copy of slots [off, off + n) of row ``row`` as [L, 2, H, n, D] (contiguous)."""
         return self.buf[:, :, row, :, off : off + n].contiguous()
 
+    # -- positions of the next forward ------------------------------------------------------------
     def stage_positions(self, position_ids: torch.Tensor) -> None:
-        """Record the positions of the next ``T`` entries (position_ids: [B, T])."""
+        """Record the positions of the next ``T`` appended entries (position_ids: [B, T])."""
         n, t = self.length, position_ids.shape[1]
         self.ensure_capacity(n + t)
         self.positions[:, n : n + t] = position_ids
 
     def key_positions(self, query_length: int) -> torch.Tensor:
-        """Positions of every key a forward of ``query_length`` new tokens attends to: [B, kv]."""
+        """Positions of every key a forward of ``query_length`` appended tokens attends to: [B, kv]."""
         return self.positions[:, : self.length + query_length]
+
+    @contextmanager
+    def slot_write(self, position_ids: torch.Tensor, slots: torch.Tensor):
+        """For one forward, write the new tokens' states at ``slots`` instead of appending them.
+
+        position_ids: [B, T]; slots: LongTensor [T] (every row) or [B, T], unique per row, >= 0.
+        Afterwards the length is ``kv_len = max(length, max(slots) + 1)`` and every layer returns
+        keys/values over slots [0, kv_len). Slots at or past the length must fill [length, kv_len)
+        exactly (no unwritten gap: its contents would be garbage the attention reads). Yields
+        ``kv_len``. Residents overlapping the written slots are forgotten (their states change).
+        After an exception inside the block the cache's contents are undefined: release it.
+        """
+        slots = self._check_slots(position_ids, slots)
+        old, top = self.length, int(slots.max()) + 1
+        kv_len = max(old, top)
+        rows = slots if slots.dim() == 2 else slots[None]
+        fresh = (rows >= old).sum(dim=1)
+        if bool((fresh != kv_len - old).any()):
+            raise ValueError(
+                f"slot write would leave unwritten slots: the cache holds {old} entries and the write reaches "
+                f"slot {top - 1}, so it must write every slot in [{old}, {kv_len}) (per row, wrote {fresh.tolist()})"
+            )
+        self.ensure_capacity(kv_len)
+        if slots.dim() == 1:
+            self.positions[:, slots] = position_ids.to(self.positions.device)
+        else:
+            self.positions.scatter_(1, slots, position_ids.to(self.positions.device))
+        low = int(slots.min())
+        if self.resident:
+            self.resident = {off: kn for off, kn in self.resident.items() if off + kn[1] <= low}
+        self.pending = (slots, kv_len)
+        try:
+            yield kv_len
+        finally:
+            self.pending = None
+        if any(layer.n != kv_len for layer in self.layers):
+            raise RuntimeError(f"slot write: not every layer was written (lengths {[l.n for l in self.layers]})")
+
+    def _check_slots(self, position_ids: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """Slots on the buffer's device, [T] when every row writes the same slots, else [B, T]."""
+        b, t = position_ids.shape
+        if not isinstance(slots, torch.Tensor) or slots.dtype != torch.long:
+            raise ValueError(f"write_slots must be a LongTensor [T] or [B, T], got {type(slots).__name__} "
+                             f"{getattr(slots, 'dtype', '')}")
+        if slots.shape not in ((t,), (b, t)):
+            raise ValueError(f"write_slots must be [T] = [{t}] or [B, T] = [{b}, {t}], got {list(slots.shape)}")
+        if b != self.batch:
+            raise ValueError(f"a forward of {b} rows on a cache of {self.batch} rows")
+        slots = slots.to(self.buf.device)
+        if slots.dim() == 2 and bool((slots == slots[:1]).all()):
+            slots = slots[0]
+        if t and int(slots.min()) < 0:
+            raise ValueError(f"write_slots must be >= 0, got {int(slots.min())}")
+        rows = slots if slots.dim() == 2 else slots[None]
+        if t == 0 or any(int(r.unique().numel()) != t for r in rows):
+            raise ValueError("write_slots must be non-empty and name each slot at most once per row")
+        return slots
 
 
 class CachePool:

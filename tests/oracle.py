@@ -111,3 +111,32 @@ def plain_logits(model, token_ids):
     with torch.inference_mode():
         out = model(input_ids=torch.tensor([token_ids], dtype=torch.long))
     return out.logits[0, -1]
+
+
+def plain_logits_at(model, token_ids, position_ids):
+    """One forward over ``token_ids`` at ``position_ids`` from an empty cache: last logits [V].
+    Rotary and learned models: the stock forward with ``position_ids``; ALiBi models: the adapter's
+    hot path (checked against an independent bias in ``tests/engine/test_alibi_reference.py``)."""
+    return _run(model, list(token_ids), list(position_ids), _empty(model))[0]
+
+
+def assembled_cache(model, schema_layout, prompt_layout, room=64):
+    """The cache the engine assembles for a prompt: every cached span's entries from its encoding
+    context (the definition, DESIGN.md section 4), placed at slots 0.. in prompt order
+    (``SpliceCache.place``), with ``room`` free slots after them. Returns (cache, n_cached)."""
+    adapter = get_adapter(model)
+    n_layers = adapter.kv_spec().layers
+    placed = []
+    for i, span in enumerate(prompt_layout.cached):
+        ctx = context_spans(schema_layout, span.schema_index)
+        ids = [t for s in ctx for t in s.token_ids]
+        pos = [p for s in ctx for p in range(s.start, s.end)]
+        _, past = _run(model, ids, pos, _empty(model))
+        lo, hi = len(ids) - len(span.token_ids), len(ids)
+        kv = torch.stack([torch.stack([_layer_kv(past, l)[0][0, :, lo:hi], _layer_kv(past, l)[1][0, :, lo:hi]])
+                          for l in range(n_layers)])  # [L, 2, H, n, D]
+        placed.append((i, kv, torch.tensor(span.position_ids)))
+    n_cached = sum(len(s) for s in prompt_layout.cached)
+    cache = SpliceCache(adapter.kv_spec(), n_cached + room)
+    cache.place(placed)
+    return cache, n_cached

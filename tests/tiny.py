@@ -83,13 +83,21 @@ FAMILIES = sorted(_configs())
 
 
 @functools.lru_cache(maxsize=None)
-def make_model(family: str, seed: int = 0):
+def make_model(family: str, seed: int = 0, attn: str | None = None):
+    """A tiny float32 model; ``attn`` picks the attention implementation ("eager", "sdpa"; None:
+    transformers' default for the family). Cached: callers must not modify it (``fresh_model``)."""
+    return fresh_model(family, seed, attn)
+
+
+def fresh_model(family: str, seed: int = 0, attn: str | None = None):
+    """Like ``make_model`` but a new instance on every call (for tests that modify the model)."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
     config = _configs()[family]()
     config.bos_token_id, config.eos_token_id, config.pad_token_id = 2, 3, 1
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    extra = {"attn_implementation": attn} if attn else {}
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, **extra)
     with torch.no_grad():  # random init is tiny; widen it so logits differ visibly between tokens
         for p in model.parameters():
             if p.dim() > 1:

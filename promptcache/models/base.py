@@ -1,38 +1,41 @@
-"""The adapter contract: how position IDs reach attention for one architecture family.
+"""The adapter contract: how position IDs (and custom masks) reach attention for one family.
 
 An adapter wraps a stock ``transformers`` causal LM instance; it never copies model code.
-Three ways positions reach attention (DESIGN.md section 5):
+Three ways positions reach attention (DESIGN.md section 5), one subclass each in ``kinds.py``:
 
 * rotary and learned absolute positions: the model takes ``position_ids``;
 * ALiBi: the bias is built inside the model from key *indices*; the adapter installs forward
   pre-hooks on the model's blocks (per instance) that replace that one tensor with one built
-  from our key positions. The hooks read a thread-local context set only inside
+  from our key positions. The hooks read a per-thread state set only inside
   ``Adapter.forward``; outside it the model behaves exactly as stock.
+
+``forward`` runs new tokens on a ``SpliceCache``: appended after the filled slots (the hot path),
+or written at named slots under a caller's attention mask (``write_slots``, ``attention_mask``),
+which is how tokens in the middle of an assembled cache are recomputed. Every adapter checks
+itself once per model instance (``self_check``, called by ``get_adapter``) and is refused if its
+forward does not equal the stock forward at contiguous positions.
+
+Decisions: ``max_positions`` is a property (the model's context length, or None); the
+attention implementation is read from ``config._attn_implementation``, the attribute transformers
+itself documents for it (there is no public getter in transformers 5).
 """
 
 from __future__ import annotations
 
-import math
+import logging
 import threading
 from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
+import transformers
 
+from ..cache import KVSpec, SpliceCache
+from .masks import additive as additive_mask, check as check_mask, slot_causal
 
-@dataclass(frozen=True)
-class KVSpec:
-    """Shape of one token's key/value states: per layer, K and V of [kv_heads, head_dim]."""
+log = logging.getLogger(__name__)
 
-    layers: int
-    kv_heads: int
-    head_dim: int
-    dtype: torch.dtype
-
-    @property
-    def bytes_per_token(self) -> int:
-        return 2 * self.layers * self.kv_heads * self.head_dim * torch.empty((), dtype=self.dtype).element_size()
+__all__ = ["Adapter", "KVSpec", "UnsupportedModelError"]
 
 
 class UnsupportedModelError(ValueError):
@@ -40,11 +43,18 @@ class UnsupportedModelError(ValueError):
 
 
 class Adapter:
-    """Base adapter. Subclasses set ``model_types`` and ``positional`` and may override the hooks."""
+    """Base adapter. Subclasses set ``model_types`` and ``positional`` and may override the hooks.
+
+    ``relocation`` declares how stored states move to new positions (``relocate.py`` dispatches on
+    it): ``"rotate_keys"`` (rotary), ``"positions_only"`` (ALiBi: tensors unchanged) or None, in
+    which case ``relocation_refusal`` says why not.
+    """
 
     model_types: ClassVar[tuple[str, ...]] = ()
     positional: ClassVar[str] = "rotary"  # "rotary" | "alibi" | "learned"
     passes_position_ids: ClassVar[bool] = True
+    relocation: ClassVar[str | None] = None
+    relocation_refusal: ClassVar[str] = "this model's stored states cannot be moved to new positions exactly"
 
     def __init__(self, model):
         self.model = model
@@ -56,6 +66,9 @@ class Adapter:
     def select(cls, config) -> type["Adapter"]:
         """The concrete adapter class for this config (a family may have variants)."""
         return cls
+
+    def close(self) -> None:
+        """Undo what the adapter installed on the model (nothing for most families)."""
 
     # -- shapes --------------------------------------------------------------------------------
     def kv_heads(self) -> int:
@@ -74,8 +87,13 @@ class Adapter:
     def check_config(self) -> None:
         """Refuse settings under which splicing is not exact."""
 
+    @property
+    def max_positions(self) -> int | None:
+        """The model's context length in positions (None: the config names none)."""
+        return getattr(self.config, "max_position_embeddings", None)
+
     def max_position(self) -> int | None:
-        """Largest position ID the model can take (None: unbounded)."""
+        """Largest position ID the model can take exactly (None: unbounded)."""
         return None
 
     def max_entries(self) -> int | None:
@@ -96,105 +114,148 @@ class Adapter:
                 "splicing is exact only inside the window"
             )
 
+    def can_relocate(self) -> bool:
+        """Whether stored states can be moved to new positions exactly (``relocate.py``)."""
+        try:
+            self.check_relocatable()
+        except UnsupportedModelError:
+            return False
+        return True
+
+    def check_relocatable(self) -> None:
+        """Raise ``UnsupportedModelError`` saying why this model's states cannot be relocated."""
+        if self.relocation is None:
+            raise UnsupportedModelError(self.relocation_refusal)
+
     # -- forward -------------------------------------------------------------------------------
     @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cache) -> torch.Tensor:
-        """Run new tokens on top of ``cache`` (a ``SpliceCache`` whose ``positions`` hold the key
-        position of every entry). input_ids, position_ids: [B, T]. Returns last-token logits [B, V]."""
-        cache.stage_positions(position_ids)
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cache: SpliceCache, *,
+                write_slots: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Run new tokens on top of ``cache`` (whose ``positions`` hold every entry's position ID).
+
+        input_ids, position_ids: [B, T]. Returns last-token logits [B, V].
+        ``write_slots`` (LongTensor [T] or [B, T]): write the new states (and positions) at these
+        slots instead of appending; see ``SpliceCache.slot_write`` for the rules. The default mask
+        is then: every filled slot not being rewritten, plus the new tokens causally in their order.
+        ``attention_mask`` (BoolTensor [B or 1, 1, T, kv_len], True = attend, kv_len = the length
+        after this forward) replaces the default mask (all cached entries + causal over the new
+        tokens).
+        """
+        if write_slots is None and attention_mask is None:  # the hot path
+            cache.stage_positions(position_ids)
+            kwargs = {"position_ids": position_ids} if self.passes_position_ids else {}
+            with self._positions(cache.key_positions(position_ids.shape[1])) as state:
+                out = self.model(input_ids=input_ids, past_key_values=cache, use_cache=True, logits_to_keep=1, **kwargs)
+            self.verify_forward(state)
+            return out.logits[:, -1, :]
+        return self._forward_masked(input_ids, position_ids, cache, write_slots, attention_mask)
+
+    def _forward_masked(self, input_ids, position_ids, cache, write_slots, attention_mask) -> torch.Tensor:
+        b, t = input_ids.shape
+        self.check_mask_support()  # before the cache is touched
         kwargs = {"position_ids": position_ids} if self.passes_position_ids else {}
-        with self._positions(cache.key_positions(position_ids.shape[1])):
-            out = self.model(input_ids=input_ids, past_key_values=cache, use_cache=True, logits_to_keep=1, **kwargs)
+        old = cache.length
+        if write_slots is None:
+            mask = check_mask(attention_mask, b, t, old + t).to(cache.buf.device)
+            cache.stage_positions(position_ids)
+            with self._positions(cache.positions[:, : old + t], mask) as state:
+                out = self.model(input_ids=input_ids, past_key_values=cache, use_cache=True, logits_to_keep=1,
+                                 **kwargs, **self.mask_kwargs(mask))
+        else:
+            if attention_mask is not None and isinstance(write_slots, torch.Tensor) and write_slots.numel():
+                top = max(old, int(write_slots.max()) + 1)  # the length after the write, checked again below
+                attention_mask = check_mask(attention_mask, b, t, top).to(cache.buf.device)
+            with cache.slot_write(position_ids, write_slots) as kv_len:
+                if attention_mask is None:
+                    mask = slot_causal(old, cache.pending[0], kv_len)
+                else:
+                    mask = attention_mask
+                with self._positions(cache.positions[:, :kv_len], mask) as state:
+                    out = self.model(input_ids=input_ids, past_key_values=cache, use_cache=True, logits_to_keep=1,
+                                     **kwargs, **self.mask_kwargs(mask))
+        self.verify_forward(state)
         return out.logits[:, -1, :]
 
+    def check_mask_support(self) -> None:
+        """Raise ``UnsupportedModelError`` if custom masks cannot reach this model's attention."""
+        impl = self.attn_implementation()
+        if impl not in ("sdpa", "eager"):
+            raise UnsupportedModelError(
+                f"custom attention masks (write_slots / attention_mask) need attn_implementation 'sdpa' or "
+                f"'eager'; this {self.config.model_type} model uses '{impl}' (load it with attn_implementation='sdpa')"
+            )
+
+    def mask_kwargs(self, mask: torch.Tensor) -> dict:
+        """Model keyword arguments that carry ``mask`` (bool [B|1, 1, T, kv], True = attend) to
+        attention: a 4D mask, which transformers' ``create_causal_mask`` passes through as is, bool
+        for sdpa and additive float for eager. ALiBi adapters override (their hooks carry it)."""
+        self.check_mask_support()
+        if self.attn_implementation() == "sdpa":
+            return {"attention_mask": mask}
+        return {"attention_mask": additive_mask(mask, self.kv_spec().dtype)}
+
+    def attn_implementation(self) -> str:
+        return getattr(self.config, "_attn_implementation", None) or "eager"
+
+    def verify_forward(self, state: dict) -> None:
+        """Called after every forward with the per-forward state (ALiBi: did every hook run?)."""
+
     @contextmanager
-    def _positions(self, key_positions: torch.Tensor):
-        """Make key positions [B, kv_len] visible to the ALiBi hooks for one forward."""
+    def _positions(self, key_positions: torch.Tensor, mask: torch.Tensor | None = None):
+        """Make key positions [B, kv_len] (and a custom mask) visible to the hooks for one forward."""
         prev = getattr(self._ctx, "state", None)
-        self._ctx.state = {"key_positions": key_positions}
+        state = self._ctx.state = {"key_positions": key_positions, "mask": mask, "calls": 0}
         try:
-            yield
+            yield state
         finally:
             self._ctx.state = prev
 
     def _state(self) -> dict | None:
         return getattr(self._ctx, "state", None)
 
-    # -- relocation (position-independent modules) ---------------------------------------------
-    def can_relocate(self) -> bool:
-        """Whether stored states can be moved to new positions exactly (``relocate.py``)."""
-        from .relocate import can_relocate  # relocate.py builds on this module
+    # -- self-check ----------------------------------------------------------------------------
+    @torch.inference_mode()
+    def self_check(self, n_tokens: int = 6) -> None:
+        """Compare this adapter's forward with the stock forward at contiguous positions 0..n-1,
+        once through the hot path and once recomputing every slot through ``write_slots`` with a
+        causal mask (skipped, with a log line, where the attention implementation takes no custom
+        mask; such forwards then raise). Raises ``UnsupportedModelError`` on a mismatch.
+        Runs with the model in eval mode (dropout off) and restores its mode afterwards."""
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            self._self_check(n_tokens)
+        finally:
+            self.model.train(was_training)
 
-        return can_relocate(self)
+    def _self_check(self, n: int) -> None:
+        n = max(3, min(n, self.max_entries() or n))  # inside a sliding window, where a causal mask is exact
+        device = next(self.model.parameters()).device
+        vocab = self.model.get_input_embeddings().num_embeddings
+        ids = ((torch.arange(n, device=device) * 7 + 5) % vocab)[None]  # [1, n]
+        pos = torch.arange(n, device=device)[None]
+        stock = self.model(input_ids=ids, use_cache=False).logits[:, -1].float()
+        spec = self.kv_spec()
+        tol = max(1e-4, 16 * torch.finfo(spec.dtype).eps) * max(1.0, stock.abs().max().item())
+        cache = SpliceCache(spec, n, device=device)
+        self._compare(stock, self.forward(ids, pos, cache), tol, "the hooked forward")
+        try:
+            self.check_mask_support()
+        except UnsupportedModelError as e:
+            log.info("self-check of the slot/mask path skipped: %s", e)
+            return
+        cache = SpliceCache(spec, n, device=device)
+        self.forward(ids[:, : n - 2], pos[:, : n - 2], cache)
+        slots = torch.arange(n, device=device)
+        got = self.forward(ids, pos, cache, write_slots=slots, attention_mask=slot_causal(n - 2, slots, n))
+        self._compare(stock, got, tol, "a forward through write_slots and a causal attention_mask")
 
-
-class RotaryAdapter(Adapter):
-    positional = "rotary"
-
-    def rope_parameters(self) -> dict:
-        rp = getattr(self.config, "rope_parameters", None) or {}
-        return rp if "rope_type" in rp or "rope_theta" in rp else {}
-
-    def check_config(self) -> None:
-        sw = getattr(self.config, "sliding_window", None)
-        if sw is not None and getattr(self.config, "use_sliding_window", True):
-            self._sliding_window = int(sw)
-        else:
-            self._sliding_window = None
-
-    def max_position(self) -> int | None:
-        rp = self.rope_parameters()
-        if rp.get("rope_type") in ("dynamic", "longrope"):
-            # these recompute frequencies from the largest position in each forward: exact only
-            # while every position stays below the original context length
-            orig = rp.get("original_max_position_embeddings") or self.config.max_position_embeddings
-            return orig - 1
-        return None
-
-    def max_entries(self) -> int | None:
-        # the sliding-window mask counts cache entries, not positions: stay inside the window
-        return self._sliding_window
-
-
-class LearnedAdapter(Adapter):
-    positional = "learned"
-
-    def max_position(self) -> int | None:
-        return self.config.max_position_embeddings - 1
-
-
-class AlibiAdapter(Adapter):
-    """ALiBi families: per-instance block pre-hooks replace the bias built from key indices."""
-
-    positional = "alibi"
-    passes_position_ids = False
-
-    def __init__(self, model):
-        super().__init__(model)
-        self.slopes = self.alibi_slopes().float()  # [H]
-        for block in self.blocks():
-            block.register_forward_pre_hook(self._hook, with_kwargs=True)
-
-    def blocks(self):
-        raise NotImplementedError
-
-    def alibi_slopes(self) -> torch.Tensor:
-        raise NotImplementedError
-
-    def _hook(self, module, args, kwargs):
-        state = self._state()
-        if state is None:
-            return None
-        if "bias" not in state:
-            state["bias"] = self.bias_kwargs(state["key_positions"], kwargs)
-        kwargs.update(state["bias"])
-        return args, kwargs
-
-    def bias_kwargs(self, key_positions: torch.Tensor, kwargs: dict) -> dict:
-        raise NotImplementedError
-
-
-def scaled_mask(alibi: torch.Tensor, causal: torch.Tensor, scale: float) -> torch.Tensor:
-    """Falcon-style merged mask: alibi / sqrt(head_dim) where visible, dtype min where masked."""
-    min_dtype = torch.finfo(causal.dtype).min
-    return torch.masked_fill(alibi / math.sqrt(scale), causal < -1, min_dtype)
+    def _compare(self, stock: torch.Tensor, got: torch.Tensor, tol: float, what: str) -> None:
+        diff = (got.float() - stock).abs().max().item()
+        if not diff <= tol:  # also catches NaN
+            raise UnsupportedModelError(
+                f"self-check failed for this {self.config.model_type} model ({type(self).__name__}, "
+                f"transformers {transformers.__version__}): {what} at contiguous positions differs from the "
+                f"stock forward by {diff:.3g} (tolerance {tol:.3g}); refusing the model rather than giving "
+                "inexact answers"
+            )

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from .base import Adapter, AlibiAdapter, LearnedAdapter, RotaryAdapter, UnsupportedModelError, scaled_mask
+from .masks import additive as additive_mask
+from .base import Adapter, UnsupportedModelError
+from .kinds import AlibiAdapter, LearnedAdapter, RotaryAdapter, scaled_mask
 
 REGISTRY: dict[str, type[Adapter]] = {}
 
@@ -20,7 +22,8 @@ def supported_model_types() -> list[str]:
 
 
 def get_adapter(model) -> Adapter:
-    """The adapter for a loaded model (created once per model instance)."""
+    """The adapter for a loaded model, created and self-checked once per model instance
+    (``Adapter.self_check``); a model that fails the check is refused (``UnsupportedModelError``)."""
     existing = getattr(model, "_promptcache_adapter", None)
     if existing is not None:
         return existing
@@ -31,6 +34,11 @@ def get_adapter(model) -> Adapter:
             f"model type '{model_type}' is not supported (verified: {', '.join(supported_model_types())})"
         )
     adapter = cls.select(model.config)(model)
+    try:
+        adapter.self_check()
+    except Exception:
+        adapter.close()
+        raise
     model._promptcache_adapter = adapter
     return adapter
 
@@ -87,6 +95,14 @@ class FalconAlibi(_FalconShapes, AlibiAdapter):
     """Falcon with ``alibi=True``: the model merges alibi / sqrt(head_dim) into its float mask and
     passes the raw alibi too; the hook replaces both."""
 
+    relocation = None
+    relocation_refusal = (
+        "cannot relocate states of a Falcon ALiBi model: Falcon computes its ALiBi bias as bfloat16 "
+        "slope * absolute position (8 significant bits, even in float32 models), so its states depend "
+        "on absolute positions through rounding and moving them is not exact; re-encode the span at "
+        "its new positions instead"
+    )
+
     def blocks(self):
         return self.model.transformer.h
 
@@ -96,15 +112,19 @@ class FalconAlibi(_FalconShapes, AlibiAdapter):
         ones = torch.ones((1, 2), dtype=torch.long)
         return modeling_falcon.build_alibi_tensor(ones, self.config.num_attention_heads, torch.float32)[:, 0, 1]
 
-    def bias_kwargs(self, key_positions, kwargs):
+    bias_args = ("alibi", "attention_mask")
+
+    def bias_kwargs(self, key_positions, kwargs, mask=None):
         b, kv = key_positions.shape
         h = self.config.num_attention_heads
-        old_mask, dtype = kwargs["attention_mask"], kwargs["alibi"].dtype
+        dtype = kwargs["alibi"].dtype
+        # [B|1, 1, T, kv] float: the model's merged mask, or our mask made additive
+        old_mask = kwargs["attention_mask"] if mask is None else additive_mask(mask, dtype)
         # the model multiplies bfloat16 slopes by positions; do the same so contiguous runs match it
         slopes = self.slopes.to(key_positions.device).bfloat16()
         alibi = (slopes[None, :, None] * key_positions[:, None, :]).reshape(b, h, 1, kv).to(dtype)
-        mask = scaled_mask(alibi, old_mask, self.config.hidden_size // h)
-        return {"alibi": alibi, "attention_mask": mask}
+        merged = scaled_mask(alibi, old_mask, self.config.hidden_size // h)  # [B, H, T, kv]
+        return {"alibi": alibi, "attention_mask": merged}
 
 
 @register
@@ -133,11 +153,17 @@ class Bloom(AlibiAdapter):
         t = self.model.transformer.build_alibi_tensor(ones, self.config.num_attention_heads, torch.float32)
         return t[:, 0, 1]
 
-    def bias_kwargs(self, key_positions, kwargs):
+    bias_args = ("alibi",)
+
+    def bias_kwargs(self, key_positions, kwargs, mask=None):
         b, kv = key_positions.shape
+        dtype = kwargs["alibi"].dtype
         slopes = self.slopes.to(key_positions.device)
         alibi = slopes[None, :, None] * key_positions[:, None, :].float()  # [B, H, kv]
-        return {"alibi": alibi.reshape(-1, 1, kv).to(kwargs["alibi"].dtype)}
+        out = {"alibi": alibi.reshape(-1, 1, kv).to(dtype)}  # [B * H, 1, kv], as Bloom builds it
+        if mask is not None:  # Bloom's attention adds a float mask to its scores
+            out["attention_mask"] = additive_mask(mask, dtype)
+        return out
 
 
 @register
@@ -160,10 +186,19 @@ class MPT(AlibiAdapter):
         t = self.model.transformer.build_mpt_alibi_tensor(self.config.num_attention_heads, 2)
         return -t[:, 0, 0]
 
-    def bias_kwargs(self, key_positions, kwargs):
+    bias_args = ("position_bias",)
+
+    @property
+    def max_positions(self) -> int | None:
+        return self.config.max_seq_len  # the stock bias is built for this many keys
+
+    def bias_kwargs(self, key_positions, kwargs, mask=None):
         if key_positions.shape[0] > 1 and not bool((key_positions == key_positions[:1]).all()):
             raise UnsupportedModelError("MPT batches need equal key positions in every row")
         kp = key_positions[0].float()
         slopes = self.slopes.to(kp.device)
         bias = slopes[:, None, None] * (kp - kp.max())[None, None, :]  # [H, 1, kv], <= 0 as in MPT
-        return {"position_bias": bias}
+        out = {"position_bias": bias}
+        if mask is not None:  # MPT's attention takes a bool mask, True = masked
+            out["attention_mask"] = ~mask
+        return out

@@ -21,8 +21,9 @@ Values never carry a position; what keys carry depends on how positions reach at
   Bloom and MPT build the bias in float32 and are exact at float32; in half precision Bloom's
   bias, like any half-precision state, carries rounding that depends on absolute position.
 
-Dispatch is a registry keyed by adapter class (most specific first), then by
-``Adapter.positional``; an unknown kind is refused. Rotary relocation assumes the
+Dispatch is a registry keyed by the capability the adapter declares (``Adapter.relocation``:
+``"rotate_keys"``, ``"positions_only"``, or None with ``Adapter.relocation_refusal`` saying why);
+an unknown kind is refused. This module builds on ``base``/``kinds``; they never import it. Rotary relocation assumes the
 ``rotate_half`` convention that every registered rotary family uses (Llama, Mistral, Qwen2/3,
 Phi-3, GPT-NeoX, Falcon); an interleaved-pair family would need its own mover.
 
@@ -37,31 +38,16 @@ from __future__ import annotations
 
 import numbers
 import weakref
-from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
 from .base import Adapter, UnsupportedModelError
-from .families import FalconAlibi
+from .kinds import RopeSpec, RotaryAdapter
+
+__all__ = ["RopeSpec", "can_relocate", "check_relocatable", "mover", "relocate", "rope_spec", "rotate_keys"]
 
 Mover = Callable[[torch.Tensor, int], torch.Tensor]  # (kv [L, 2, H, n, D], delta) -> new kv
-
-_STATIC_ROPES = ("default", "linear", "llama3", "yarn")  # inv_freq fixed at init
-_BOUNDED_ROPES = ("dynamic", "longrope")  # original inv_freq below the adapter's max_position
-
-
-@dataclass(frozen=True)
-class RopeSpec:
-    """The rotary frequencies one model applies to its keys."""
-
-    inv_freq: torch.Tensor  # [rotary_dim // 2], float64 on CPU: the model's own float32 values
-    rope_type: str
-
-    @property
-    def rotary_dim(self) -> int:
-        """Leading channels of each head that are rotated; ``head_dim - rotary_dim`` pass through."""
-        return 2 * self.inv_freq.numel()
 
 
 # -- public API ------------------------------------------------------------------------------------
@@ -80,11 +66,7 @@ def relocate(adapter: Adapter, kv: torch.Tensor, delta: int) -> torch.Tensor:
 
 def can_relocate(adapter: Adapter) -> bool:
     """Whether ``relocate`` works for this model (``check_relocatable`` says why not)."""
-    try:
-        check_relocatable(adapter)
-    except UnsupportedModelError:
-        return False
-    return True
+    return adapter.can_relocate()
 
 
 def check_relocatable(adapter: Adapter) -> None:
@@ -96,14 +78,14 @@ def mover(adapter: Adapter) -> Mover:
     """The relocation function for one adapter (built once per adapter instance)."""
     cached = _MOVER_CACHE.get(adapter)
     if cached is None:
-        keys = (*type(adapter).__mro__, adapter.positional)
-        factory = next((_MOVERS[k] for k in keys if k in _MOVERS), None)
+        adapter.check_relocatable()  # raises UnsupportedModelError with the adapter's reason
+        factory = _MOVERS.get(adapter.relocation)
         if factory is None:
             raise UnsupportedModelError(
-                f"cannot relocate states of positional kind '{adapter.positional}' "
+                f"cannot relocate states of relocation kind '{adapter.relocation}' "
                 f"(relocatable kinds: {', '.join(sorted(_MOVERS))})"
             )
-        cached = _MOVER_CACHE[adapter] = factory(adapter)  # may raise UnsupportedModelError
+        cached = _MOVER_CACHE[adapter] = factory(adapter)
     return cached
 
 
@@ -125,70 +107,35 @@ def rotate_keys(kv: torch.Tensor, inv_freq: torch.Tensor, delta: int) -> torch.T
 
 
 def rope_spec(adapter: Adapter) -> RopeSpec:
-    """The model's rotary frequencies, read from its own rotary module; refuses rope settings
-    under which rotating stored keys is not exact."""
-    rotary = _rotary_module(adapter.model)
-    rope_type = getattr(rotary, "rope_type", "default")
-    if not isinstance(rope_type, str):  # per-layer-type ropes (a dict): not a registered family
-        raise UnsupportedModelError(f"cannot relocate: per-layer rope types {rope_type!r} are not verified")
-    if rope_type in _STATIC_ROPES:
-        inv_freq = rotary.inv_freq
-    elif rope_type in _BOUNDED_ROPES:
-        if adapter.max_position() is None:  # the bound below which original frequencies hold
-            raise UnsupportedModelError(f"cannot relocate: rope type '{rope_type}' without a position limit")
-        inv_freq = rotary.original_inv_freq
-    else:
-        raise UnsupportedModelError(
-            f"cannot relocate: rope type '{rope_type}' is not verified "
-            f"(verified: {', '.join(_STATIC_ROPES + _BOUNDED_ROPES)})"
-        )
-    return RopeSpec(inv_freq.detach().to("cpu", torch.float64), rope_type)
+    """The model's rotary frequencies (``RotaryAdapter.rope_spec``); refuses rope settings under
+    which rotating stored keys is not exact, and non-rotary models."""
+    if not isinstance(adapter, RotaryAdapter):
+        raise UnsupportedModelError(f"{adapter.config.model_type} has no rotary embedding")
+    return adapter.rope_spec()
 
 
-# -- movers: registry keyed by adapter class or by Adapter.positional -------------------------------
-_MOVERS: dict[str | type[Adapter], Callable[[Adapter], Mover]] = {}
+# -- movers: registry keyed by Adapter.relocation ---------------------------------------------------
+_MOVERS: dict[str, Callable[[Adapter], Mover]] = {}
 _MOVER_CACHE: "weakref.WeakKeyDictionary[Adapter, Mover]" = weakref.WeakKeyDictionary()
 
 
-def _register(key: str | type[Adapter]):
+def _register(kind: str):
     def deco(factory: Callable[[Adapter], Mover]):
-        _MOVERS[key] = factory
+        _MOVERS[kind] = factory
         return factory
 
     return deco
 
 
-@_register("rotary")
+@_register("rotate_keys")
 def _rotary_mover(adapter: Adapter) -> Mover:
     spec = rope_spec(adapter)
-    if spec.rotary_dim > adapter.head_dim():
-        raise UnsupportedModelError(f"rotary dim {spec.rotary_dim} exceeds head_dim {adapter.head_dim()}")
     return lambda kv, delta: rotate_keys(kv, spec.inv_freq, delta)
 
 
-@_register("alibi")
+@_register("positions_only")
 def _alibi_mover(adapter: Adapter) -> Mover:
     return lambda kv, delta: kv.clone()  # keys carry no position; only the position IDs move
-
-
-@_register(FalconAlibi)
-def _falcon_alibi_mover(adapter: Adapter) -> Mover:
-    raise UnsupportedModelError(
-        "cannot relocate states of a Falcon ALiBi model: Falcon computes its ALiBi bias as bfloat16 "
-        "slope * absolute position (8 significant bits, even in float32 models), so its states depend "
-        "on absolute positions through rounding and moving them is not exact; re-encode the span at "
-        "its new positions instead"
-    )
-
-
-@_register("learned")
-def _learned_mover(adapter: Adapter) -> Mover:
-    raise UnsupportedModelError(
-        f"cannot relocate states of this {adapter.config.model_type} model: it uses learned absolute "
-        "position embeddings, added to the token embeddings before the first layer, so every key and "
-        "value mixes in its position nonlinearly and there is no exact way to move them; "
-        "re-encode the span at its new positions instead"
-    )
 
 
 # -- helpers -----------------------------------------------------------------------------------------
@@ -196,16 +143,6 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     """transformers' rotate_half: [x1, x2] -> [-x2, x1] over the last dim."""
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)
-
-
-def _rotary_module(model) -> torch.nn.Module:
-    found = [m for m in model.modules() if type(m).__name__.endswith("RotaryEmbedding")]
-    if len(found) != 1:
-        raise UnsupportedModelError(
-            f"cannot relocate: expected one rotary embedding module in this {model.config.model_type} "
-            f"model, found {len(found)}"
-        )
-    return found[0]
 
 
 def _check_shape(adapter: Adapter, kv: torch.Tensor) -> None:
