@@ -10,7 +10,8 @@ request is in the engine's namespace (``pc.config.namespace``) and no key is che
 A request is validated and planned (``prompts.Planner``) before it is queued; a streaming
 answer starts only after its prompt ran, so an error before that is a plain HTTP error with its
 status; an error after it (rare: the engine failing mid-decode) ends the stream with an
-``error`` event.
+``error`` event. A client that disconnects cancels its request: at once when streaming, within
+``DISCONNECT_POLL_S`` otherwise.
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ from .prefix import DEFAULT_BLOCK_SIZE, PrefixCache
 from .prompts import Planner
 
 log = logging.getLogger(__name__)
+
+DISCONNECT_POLL_S = 1.0  # a non-streaming request checks this often whether its client is still there
 
 
 def create_app(pc, *, api_keys: dict[str, str] | None = None, documents=None, max_queue: int = 64,
@@ -124,10 +127,20 @@ def create_app(pc, *, api_keys: dict[str, str] | None = None, documents=None, ma
             include = bool(req.stream_options and req.stream_options.include_usage)
             return StreamingResponse(_sse(job, backend, rid, req.model, chat, include, finish),
                                      media_type="text/event-stream")
-        text = []
+        text, checked = [], time.monotonic()
         try:
             while True:
-                kind, value = await job.events.get()
+                try:
+                    kind, value = await asyncio.wait_for(job.events.get(), DISCONNECT_POLL_S)
+                except TimeoutError:
+                    kind = None
+                if time.monotonic() - checked >= DISCONNECT_POLL_S:
+                    checked = time.monotonic()
+                    if await request.is_disconnected():  # the client gave up waiting: stop decoding
+                        backend.cancel(job)
+                        return Response(status_code=499)
+                if kind is None:
+                    continue
                 if kind == "text":
                     text.append(value)
                 elif kind == "done":

@@ -84,8 +84,11 @@ def load_documents(pc, folder: Path, namespace: str):
 @click.option("--max-queue", default=64, show_default=True, type=int, help="Requests admitted at once (503 beyond).")
 @click.option("--block-size", default=64, show_default=True, type=int, help="Tokens per prefix-reuse block.")
 @click.option("--model-name", default=None, help="The model id clients send (default: --model).")
+@click.option("--cache-gb", default=4.0, show_default=True, type=float,
+              help="Memory for stored states (prefix blocks, schemas, documents) in GiB; the least recently "
+                   "used spill to disk beyond it.")
 def serve(model, device, dtype, schemas, compiled, documents, host, port, api_key_file, max_queue, block_size,
-          model_name):
+          model_name, cache_gb):
     """Serve an OpenAI-compatible API (chat, completions, models, health, metrics) that reuses
     attention states across requests. Needs the 'serve' extra."""
     try:
@@ -94,7 +97,7 @@ def serve(model, device, dtype, schemas, compiled, documents, host, port, api_ke
         raise click.ClickException("the server needs the 'serve' extra: pip install 'promptcache[serve]'") from None
     import torch
 
-    from ..engine import PromptCache
+    from ..engine import EngineConfig, PromptCache
     from ..models.loading import load_model
     from .app import create_app
 
@@ -107,7 +110,9 @@ def serve(model, device, dtype, schemas, compiled, documents, host, port, api_ke
     dtype = ("bfloat16" if device.startswith("cuda") else "float32") if dtype == "auto" else dtype
     click.echo(f"Loading model {model} on {device} ({dtype}) ...", err=True)
     try:
-        pc = PromptCache(*load_model(model, device=device, dtype=dtype))
+        budget = int(cache_gb * 2**30)
+        config = EngineConfig(device_budget=budget, host_budget=budget)
+        pc = PromptCache(*load_model(model, device=device, dtype=dtype), config)
     except (OSError, ValueError) as e:
         raise click.ClickException(str(e)) from None
     namespaces = sorted(set(keys.values())) if keys else [pc.config.namespace]

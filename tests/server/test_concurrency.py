@@ -103,3 +103,20 @@ def test_metrics_counters_move(pc):
         assert metric(url, "promptcache_prefix_blocks_stored") > 0
         assert metric(url, "promptcache_ttft_seconds_count") == 2
         assert metric(url, "promptcache_requests_finished_total", outcome="done") == 2
+
+
+def test_client_that_drops_a_plain_request_cancels_it(pc):
+    import json
+    import socket
+
+    app = create_app(pc, model_name=MODEL)
+    with running(app) as url:
+        body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "go"}], "max_tokens": 3000,
+                           "temperature": 0}).encode()
+        host, port = url.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port))) as s:
+            s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                      + f"content-length: {len(body)}\r\n\r\n".encode() + body)
+            assert wait_for(lambda: metric(url, "promptcache_requests_in_flight") == 1)
+        assert wait_for(lambda: metric(url, "promptcache_requests_finished_total", outcome="cancelled") == 1)
+        assert metric(url, "promptcache_requests_in_flight") == 0
