@@ -25,6 +25,8 @@ from typing import Callable
 
 import torch
 
+from ..store import StoreError
+
 log = logging.getLogger(__name__)
 
 DEFAULT_BLOCK_SIZE = 64
@@ -74,7 +76,7 @@ class PrefixCache:
                 break
             try:
                 kv, tier = self.pc.store.get(key)  # kv: [L, 2, H, B, D]
-            except Exception:  # evicted between the check and the read: stop the chain here
+            except StoreError:  # evicted with no disk copy between the check and the read: the chain ends here
                 break
             hits[tier] = hits.get(tier, 0) + 1
             cached.append((key, kv, torch.arange(m * b, (m + 1) * b, device=self.pc.device)))

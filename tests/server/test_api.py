@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from conftest import BLOCK, MODEL, http
+from serverkit import BLOCK, MODEL, http
 
 SYSTEM = "You are a careful assistant for a travel agency. " * 12  # ~130 tokens: several blocks
 

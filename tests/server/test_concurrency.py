@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from conftest import MODEL, client, metric, running
+from serverkit import MODEL, client, metric, running
 
 from promptcache.server import create_app
 

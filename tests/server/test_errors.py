@@ -7,7 +7,7 @@ import json
 import openai
 import pytest
 
-from conftest import MODEL, client, http, running
+from serverkit import MODEL, client, http, running
 
 from promptcache.server import create_app
 

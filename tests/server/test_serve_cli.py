@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from conftest import ROOT, client, free_port
+from serverkit import ROOT, client, free_port
 
 from promptcache.server.cli import read_key_file
 
