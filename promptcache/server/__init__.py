@@ -1,0 +1,16 @@
+"""``promptcache serve``: an OpenAI-compatible HTTP server over one PromptCache engine.
+
+    app.py      FastAPI routes, keys -> namespaces, SSE streaming      (create_app)
+    protocol.py OpenAI request/response shapes and error objects
+    prompts.py  request -> Plan (start callable, token count, sampling); validation
+    prefix.py   automatic prefix reuse: hash-chained token blocks in the engine's store
+    backend.py  the worker thread that owns the model: bounded queue, interleaved decoding
+    metrics.py  Prometheus counters
+    cli.py      the click command ``serve``
+
+Needs the ``serve`` extra: ``pip install -e ".[serve]"``.
+"""
+
+from .app import create_app
+
+__all__ = ["create_app"]

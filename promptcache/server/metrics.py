@@ -1,0 +1,30 @@
+"""Prometheus metrics of one server (its own registry, so several apps in a process never mix)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST  # noqa: F401  (re-exported for the app)
+
+
+class Metrics:
+    def __init__(self, backend, prefix_cache, store):
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter("promptcache_requests", "HTTP requests answered", ["endpoint", "status"], registry=r)
+        self.prompt_tokens = Counter("promptcache_prompt_tokens", "prompt tokens served", registry=r)
+        self.cached_tokens = Counter("promptcache_cached_tokens", "prompt tokens served from stored states",
+                                     registry=r)
+        self.generated_tokens = Counter("promptcache_generated_tokens", "tokens generated", registry=r)
+        self.finished = Counter("promptcache_requests_finished", "engine requests by outcome",
+                                ["outcome"], registry=r)  # done, error, cancelled
+        self.ttft = Histogram("promptcache_ttft_seconds", "time from queueing to the prompt's logits",
+                              buckets=(.005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30), registry=r)
+        Gauge("promptcache_requests_in_flight", "requests admitted and not finished",
+              registry=r).set_function(lambda: backend.in_flight)
+        Gauge("promptcache_prefix_blocks_stored", "prefix blocks put into the store",
+              registry=r).set_function(lambda: prefix_cache.blocks_stored)
+        usage = Gauge("promptcache_store_bytes", "bytes of stored states per tier", ["tier"], registry=r)
+        for tier in store.usage():
+            usage.labels(tier).set_function(lambda t=tier: store.usage().get(t, 0))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

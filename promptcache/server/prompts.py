@@ -1,0 +1,167 @@
+"""Requests -> what the engine runs: ``Plan(start, prompt_tokens, sampling)``, or an APIError.
+
+Three ways in, all validated before anything is queued (so nothing is half-served):
+  * plain chat messages / completion prompts -> token IDs (the tokenizer's chat template with
+    ``add_generation_prompt=True``; never XML) -> automatic prefix reuse (``prefix.PrefixCache``);
+  * ``pml``: a PML prompt for a schema loaded in the caller's namespace (``pc.prefill``);
+  * ``documents``: DocumentStore ids; the chat must be optional system messages and one user
+    message (the DocumentStore's public API places documents between them); other shapes are
+    refused with 400 naming ``documents``.
+
+Decisions: ``messages`` content parts must be text (others: 400); ``developer`` is ``system``;
+``recompute`` is validated ([0, 1]); 0 is accepted (nothing to recompute), anything above is
+refused with 400 "not supported yet" until the engine has selective recompute. Without
+``max_tokens``, chat generates up to 256 tokens (fewer if the context ends first) and completions
+16 (OpenAI's default). A prompt plus ``max_tokens`` past the model's context is a 400.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from ..pml import PMLError, parse_prompt
+from .backend import Sampling
+from .protocol import APIError, ChatRequest, CompletionRequest, BaseRequest
+
+CHAT_DEFAULT_MAX_TOKENS = 256
+COMPLETION_DEFAULT_MAX_TOKENS = 16
+
+
+@dataclass
+class Plan:
+    start: Callable[[int], object]  # start(reserve) -> PrefillResult
+    prompt_tokens: int
+    sampling: Sampling
+
+
+class Planner:
+    """Builds Plans for one engine; ``documents`` maps namespace -> DocumentStore."""
+
+    def __init__(self, pc, prefix, documents: dict | None = None):
+        self.pc, self.prefix, self.documents = pc, prefix, documents or {}
+        self.context = getattr(pc.model.config, "max_position_embeddings", None)
+
+    def chat(self, req: ChatRequest, ns: str) -> Plan:
+        _check_common(req)
+        if req.pml is not None:
+            if req.messages or req.documents:
+                raise APIError(400, "send either 'messages' (and 'documents') or 'pml', not both", "pml")
+            return self._pml(req, ns, req.max_completion_tokens or req.max_tokens, CHAT_DEFAULT_MAX_TOKENS)
+        if not req.messages:
+            raise APIError(400, "'messages' must hold at least one message", "messages")
+        msgs = [{"role": "system" if m.role == "developer" else m.role, "content": _text(m, i)}
+                for i, m in enumerate(req.messages)]
+        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        if req.documents is not None:
+            return self._documents(req, msgs, ns, max_tokens)
+        return self._tokens(self.chat_ids(msgs), req, ns, max_tokens, CHAT_DEFAULT_MAX_TOKENS, "messages")
+
+    def completion(self, req: CompletionRequest, ns: str) -> Plan:
+        _check_common(req)
+        if req.pml is not None:
+            if req.prompt:
+                raise APIError(400, "send either 'prompt' or 'pml', not both", "pml")
+            return self._pml(req, ns, req.max_tokens, COMPLETION_DEFAULT_MAX_TOKENS)
+        p = req.prompt
+        if isinstance(p, list) and p and isinstance(p[0], str):
+            if len(p) != 1:
+                raise APIError(400, f"one prompt per request is supported, got {len(p)}", "prompt")
+            p = p[0]
+        if not p:
+            raise APIError(400, "'prompt' must not be empty", "prompt")
+        ids = list(p) if isinstance(p, list) else self.pc.tokenizer(p).input_ids
+        vocab = self.pc.model.config.vocab_size
+        if any(not 0 <= t < vocab for t in ids):
+            raise APIError(400, f"token ids must be in [0, {vocab})", "prompt")
+        return self._tokens(ids, req, ns, req.max_tokens, COMPLETION_DEFAULT_MAX_TOKENS, "prompt")
+
+    def chat_ids(self, msgs: list[dict]) -> list[int]:
+        """Token IDs of a conversation rendered with the chat template plus the generation prompt."""
+        tok = self.pc.tokenizer
+        if getattr(tok, "chat_template", None):
+            try:
+                out = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
+            except Exception as e:  # templates raise on role orders they refuse
+                raise APIError(400, f"the model's chat template refused the messages: {e}", "messages") from None
+            return list(out["input_ids"] if hasattr(out, "keys") else out)
+        text = "".join(f"{m['role'].capitalize()}: {m['content']}\n" for m in msgs) + "Assistant:"
+        return tok(text).input_ids
+
+    # -- the three paths -------------------------------------------------------------------------
+    def _tokens(self, ids, req: BaseRequest, ns: str, max_tokens, default: int, param: str) -> Plan:
+        sampling = self._sampling(req, len(ids), max_tokens, default, param)
+        return Plan(self.prefix.starter(ids, ns), len(ids), sampling)
+
+    def _pml(self, req: BaseRequest, ns: str, max_tokens, default: int) -> Plan:
+        try:
+            tree = parse_prompt(req.pml)
+            if tree.schema is not None:
+                try:
+                    self.pc.schema(tree.schema, ns)
+                except PMLError as e:
+                    raise APIError(404, str(e), "pml", "schema_not_found") from None
+            layout = self.pc.layout(tree, ns)
+        except PMLError as e:
+            raise APIError(400, f"bad PML prompt: {e}", "pml") from None
+        sampling = self._sampling(req, max(layout.position_ids) + 1, max_tokens, default, "pml")
+        return Plan(lambda reserve: self.pc.prefill(tree, reserve, keep_cache=True, namespace=ns),
+                    len(layout.token_ids), sampling)
+
+    def _documents(self, req: ChatRequest, msgs: list[dict], ns: str, max_tokens) -> Plan:
+        store = self.documents.get(ns)
+        if store is None:
+            raise APIError(400, "this server has no documents (start it with --documents DIR)", "documents")
+        roles = [m["role"] for m in msgs]
+        if roles[-1] != "user" or any(r != "system" for r in roles[:-1]):
+            raise APIError(400, "with 'documents', messages must be system messages and one last user message "
+                                f"(got roles {roles})", "documents")
+        system = "\n".join(m["content"] for m in msgs[:-1]) or None
+        question, ids = msgs[-1]["content"], list(req.documents)
+        unknown = [d for d in ids if d not in store]
+        if unknown:
+            raise APIError(404, f"unknown document ids {unknown} (the store has {len(store)} documents)",
+                           "documents", "document_not_found")
+        layout = store.layout(question, ids, system)
+        sampling = self._sampling(req, max(layout.position_ids) + 1, max_tokens, CHAT_DEFAULT_MAX_TOKENS, "messages")
+        return Plan(lambda reserve: store.prefill(question, ids, system, reserve, keep_cache=True),
+                    len(layout.token_ids), sampling)
+
+    def _sampling(self, req: BaseRequest, length: int, max_tokens, default: int, param: str) -> Sampling:
+        room = None if self.context is None else self.context - length
+        if room is not None and room < 1:
+            raise APIError(400, f"the prompt is {length} tokens, the model's context is {self.context} "
+                                "(room for at least one generated token is needed)", param, "context_length_exceeded")
+        if max_tokens is None:
+            max_tokens = default if room is None else min(default, room)
+        elif room is not None and max_tokens > room:
+            raise APIError(400, f"the prompt is {length} tokens and max_tokens is {max_tokens}: "
+                                f"{length + max_tokens} is past the model's context of {self.context}",
+                           "max_tokens", "context_length_exceeded")
+        return Sampling(max_tokens, req.temperature, req.top_p, req.stop_list(), req.seed)
+
+
+def _check_common(req: BaseRequest) -> None:
+    if req.n != 1:
+        raise APIError(400, f"n={req.n}: one choice per request is supported", "n")
+    for name in ("max_tokens", "max_completion_tokens"):
+        v = getattr(req, name, None)
+        if v is not None and v < 1:
+            raise APIError(400, f"{name} must be >= 1, got {v}", name)
+    if req.recompute:  # validated to [0, 1] by the model; 0 means none
+        raise APIError(400, f"recompute={req.recompute} is not supported yet by this engine "
+                            "(selective recompute is not implemented; send 0 or leave it out)", "recompute")
+
+
+def _text(m, i: int) -> str:
+    if m.content is None:
+        return ""
+    if isinstance(m.content, str):
+        return m.content
+    parts = []
+    for j, p in enumerate(m.content):
+        if p.type != "text" or p.text is None:
+            raise APIError(400, f"content part type '{p.type}' is not supported (text only)",
+                           f"messages[{i}].content[{j}]")
+        parts.append(p.text)
+    return "".join(parts)

@@ -1,0 +1,78 @@
+"""Helpers of the server tests: real uvicorn servers on free ports, clients, raw HTTP, metrics.
+
+Servers run in a thread of the test process (uvicorn on 127.0.0.1) so tests can reach the
+engine they serve; ``test_serve_cli.py`` starts the command in a subprocess. (A module of its
+own, not conftest.py: ``from conftest import`` would be ambiguous beside tests/conftest.py.)
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import openai
+import uvicorn
+
+ROOT = Path(__file__).resolve().parents[2]
+MODEL = "embedded"
+BLOCK = 16  # tokens per prefix block in these tests (small prompts still span several blocks)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextmanager
+def running(app):
+    """Serve ``app`` on a free port; yields its base URL ('http://127.0.0.1:PORT')."""
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(10)
+
+
+def client(url: str, key: str = "none") -> openai.OpenAI:
+    return openai.OpenAI(base_url=url + "/v1", api_key=key, max_retries=0, timeout=60)
+
+
+def http(method: str, url: str, body: dict | None = None, key: str | None = None):
+    """(status, content type, body text) of a raw request (stdlib only)."""
+    import json
+    import urllib.error
+    import urllib.request
+
+    data = json.dumps(body).encode() if body is not None else None
+    req = urllib.request.Request(url, data=data, method=method, headers={"content-type": "application/json"})
+    if key:
+        req.add_header("authorization", f"Bearer {key}")
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status, r.headers.get("content-type", ""), r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.headers.get("content-type", ""), e.read().decode()
+
+
+def metric(url: str, name: str, **labels) -> float:
+    """A sample's value from the server's /metrics (0 when absent)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = http("GET", url + "/metrics")[2]
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
+                return s.value
+    return 0.0

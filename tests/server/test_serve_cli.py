@@ -1,0 +1,92 @@
+"""``python -m promptcache.server``: loads with progress, says it is ready, serves keys, stops on Ctrl-C."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from serverkit import ROOT, client, free_port
+
+from promptcache.server.cli import read_key_file
+
+
+def test_key_file_format(tmp_path):
+    f = tmp_path / "keys"
+    f.write_text("# tenants\nk1 alpha\n\nk2   beta\nk3 alpha\n")
+    assert read_key_file(f) == {"k1": "alpha", "k2": "beta", "k3": "alpha"}
+    f.write_text("k1 alpha\nk2\n")
+    with pytest.raises(ValueError, match=r"keys:2: expected 'KEY NAMESPACE'"):
+        read_key_file(f)
+    f.write_text("k1 a\nk1 b\n")
+    with pytest.raises(ValueError, match="twice"):
+        read_key_file(f)
+
+
+@pytest.mark.slow  # a subprocess loads torch and the model (~25 s on a busy 2-core machine)
+def test_serve_command_starts_serves_and_stops_on_ctrl_c(tmp_path):
+    keys = tmp_path / "keys.txt"
+    keys.write_text("secret-1 tenant-a\n")
+    port = free_port()
+    cmd = [sys.executable, "-m", "promptcache.server", "--model", "embedded", "--schema",
+           str(ROOT / "schemas" / "travel.xml"), "--api-key-file", str(keys), "--port", str(port)]
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
+                            env={**os.environ, "PYTHONPATH": str(ROOT)})
+    log = []
+    try:
+        deadline = time.monotonic() + 120
+        while not any("Ready" in line for line in log):
+            line = proc.stderr.readline()
+            assert line or proc.poll() is None, "".join(log)
+            log.append(line)
+            assert time.monotonic() < deadline, "".join(log)
+        text = "".join(log)
+        assert "Loading model embedded" in text and "travel.xml: " in text and "tokens (100%)" in text
+        assert "1 API keys in 1 namespaces" in text
+        oai = client(f"http://127.0.0.1:{port}", "secret-1")
+        pml = '<prompt schema="travel"><tokyo/><user>Food?</user></prompt>'
+        for _ in range(50):  # uvicorn binds right after the message
+            try:
+                r = oai.chat.completions.create(model="embedded", messages=[], max_tokens=2, extra_body={"pml": pml})
+                break
+            except Exception:  # noqa: BLE001 - not listening yet
+                time.sleep(0.1)
+        assert r.usage.prompt_tokens_details.cached_tokens > 0  # the schema was encoded in tenant-a's namespace
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=30)
+        assert proc.returncode == 0, err
+        assert "Stopped." in err
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_no_key_file_binds_loopback_and_says_so(monkeypatch):
+    import uvicorn
+    from click.testing import CliRunner
+
+    from promptcache.server.cli import serve
+
+    calls = []
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: calls.append(kw))
+    out = CliRunner().invoke(serve, ["--model", "embedded", "--port", "9"])
+    assert out.exit_code == 0, out.output
+    assert calls == [{"host": "127.0.0.1", "port": 9, "log_level": "warning"}]
+    assert "No --api-key-file" in out.output and "127.0.0.1 (this machine only)" in out.output
+
+
+def test_bad_key_file_stops_before_loading(tmp_path):
+    from click.testing import CliRunner
+
+    from promptcache.server.cli import serve
+
+    bad = tmp_path / "keys"
+    bad.write_text("only-a-key\n")
+    out = CliRunner().invoke(serve, ["--api-key-file", str(bad)])
+    assert out.exit_code != 0 and "keys:1: expected 'KEY NAMESPACE'" in out.output
+    assert "Loading model" not in out.output
