@@ -138,8 +138,8 @@ class RedisTier(Tier):
 
     def put(self, key: str, kv: torch.Tensor) -> None:
         """Publish a state (a no-op when Redis already holds it or is unavailable)."""
-        if time.monotonic() < self._down_until:
-            return
+        if self._call(lambda r: bool(r.exists(self._k(key, "h"))), "probe") is not False:
+            return  # there already (content-addressed: the same state), or Redis unavailable
         value = encode_state(key, kv)
         if self._call(lambda r: self._write(r, key, value), "write") is True:
             self._count("bytes_out", len(value))
@@ -179,6 +179,10 @@ class RedisTier(Tier):
             if mine:
                 self._call(lambda r: self._release(keys=[lock_key], args=[token], client=r), "unlock")
 
+    def close(self) -> None:
+        """Close this tier's connections (a later call reconnects)."""
+        self._r.close()
+
     # -- Redis operations (may raise; _call turns failures into misses) ---------------------------
     def _k(self, key: str, part: str | int) -> str:
         return f"{PREFIX}:{{{key}}}:{part}"  # {key}: Redis Cluster hash tag, one shard per state
@@ -212,8 +216,6 @@ class RedisTier(Tier):
 
     def _write(self, r: redis.Redis, key: str, value: bytes) -> bool:
         head_key = self._k(key, "h")
-        if r.exists(head_key):
-            return False  # content-addressed: the same state is there already
         view, size = memoryview(value), self.chunk_bytes
         n = max(1, -(-len(value) // size))
         # chunks outlive the header by a margin, so a live header never points at expired chunks
