@@ -25,6 +25,10 @@ write for ``put``. After a connection failure the tier stays quiet for a back-of
 from ``retry_after[0]`` to ``retry_after[1]`` seconds), then the client reconnects by itself.
 Eviction is Redis's (``maxmemory-policy allkeys-lru``, optional ``ttl``); this tier has no
 budget and never picks a victim.
+
+One file of ~320 lines on purpose: key layout, verification, failure handling and the lock are
+one protocol over Redis and read best together; the two codec functions at the top are meant to
+be replaced by the store's codec.
 """
 
 from __future__ import annotations

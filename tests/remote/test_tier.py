@@ -128,7 +128,8 @@ def test_codec_names_the_mismatch():
 
 
 def test_namespaces_never_read_each_other(redis_server):
-    schema = '<schema name="s">Intro text. <module name="a">Alpha module text.</module> <module name="b">Beta.</module></schema>'
+    schema = ('<schema name="s">Intro text. <module name="a">Alpha module text.</module> '
+              '<module name="b">Beta.</module></schema>')
     layout = layout_schema(schema, WordTokenizer())
     keys_a, keys_b = content_keys(layout, "model-x", "tenant-a"), content_keys(layout, "model-x", "tenant-b")
     assert keys_a.keys() == keys_b.keys() and not set(keys_a.values()) & set(keys_b.values())
