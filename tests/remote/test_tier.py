@@ -1,0 +1,198 @@
+"""RedisTier against a real redis-server: round trips, chunking, verification, namespaces, password, lock."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import threading
+
+import pytest
+import torch
+
+from promptcache.keys import content_keys
+from promptcache.layout import layout_schema
+from promptcache.store.remote import RedisTier, decode_state, encode_state
+from promptcache.tokens import WordTokenizer
+
+KEY = "ab" * 32  # a content key: 64 hex digits
+
+
+def state(n: int = 50, dtype=torch.float32, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(2, 2, 4, n, 16, generator=g).to(dtype)  # [L, 2, H, n, D]
+
+
+def chunk_keys(client, key: str) -> list[bytes]:
+    return sorted(k for k in client.keys(f"pc:v1:{{{key}}}:*") if not k.endswith((b":h", b":lock")))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_round_trip_is_bit_identical(redis_server, dtype):
+    tier, kv = RedisTier(redis_server.url), state(dtype=dtype)
+    assert tier.get(KEY) is None and KEY not in tier
+    tier.put(KEY, kv)
+    got = tier.get(KEY)
+    assert KEY in tier and got.dtype == dtype and torch.equal(got.view(torch.uint8), kv.view(torch.uint8))
+    assert tier.stats["hits"] == 1 and tier.stats["misses"] == 1 and tier.stats["errors"] == 0
+    assert tier.stats["bytes_in"] == tier.stats["bytes_out"] > kv.numel() * kv.element_size()
+    assert RedisTier(redis_server.url).get(KEY) is not None  # another client (replica) reads it too
+
+
+def test_large_state_is_chunked_and_header_written(redis_server):
+    tier, kv = RedisTier(redis_server.url, chunk_bytes=64 << 10), state(n=2000)  # 2 MiB in 64 KiB chunks
+    tier.put(KEY, kv)
+    client = redis_server.client()
+    head = json.loads(client.get(f"pc:v1:{{{KEY}}}:h"))
+    assert head["chunks"] == len(chunk_keys(client, KEY)) == -(-head["bytes"] // (64 << 10)) > 30
+    assert torch.equal(tier.get(KEY), kv)
+    tier.evict(KEY)
+    assert client.keys("pc:v1:*") == [] and tier.get(KEY) is None
+
+
+def test_ttl_is_set_on_header_and_chunks(redis_server):
+    tier = RedisTier(redis_server.url, chunk_bytes=4096, ttl=100)
+    tier.put(KEY, state())
+    client = redis_server.client()
+    head_ttl = client.pttl(f"pc:v1:{{{KEY}}}:h")
+    assert 0 < head_ttl <= 100_000
+    assert all(client.pttl(k) > head_ttl for k in chunk_keys(client, KEY))  # chunks outlive the header
+
+
+def _corrupt_chunk(client, key):
+    k = chunk_keys(client, key)[1]
+    v = bytearray(client.get(k))
+    v[len(v) // 2] ^= 0x01
+    client.set(k, bytes(v))
+
+
+def _truncate_chunk(client, key):
+    k = chunk_keys(client, key)[-1]
+    client.set(k, client.get(k)[:-10])
+
+
+def _drop_chunk(client, key):
+    client.delete(chunk_keys(client, key)[0])
+
+
+def _bad_header(client, key):
+    client.set(f"pc:v1:{{{key}}}:h", b"not json")
+
+
+def _forged_header(client, key):  # length and checksum consistent, but the value is no state
+    value = b"\x10" + bytes(999)
+    for k in chunk_keys(client, key):
+        client.delete(k)
+    client.set(f"pc:v1:{{{key}}}:0", value)
+    client.set(f"pc:v1:{{{key}}}:h", json.dumps({"chunks": 1, "bytes": len(value),
+                                                 "sha256": hashlib.sha256(value).hexdigest()}))
+
+
+@pytest.mark.parametrize("damage", [_corrupt_chunk, _truncate_chunk, _drop_chunk, _bad_header, _forged_header])
+def test_bad_value_is_deleted_and_reported_as_a_miss(redis_server, caplog, damage):
+    tier = RedisTier(redis_server.url, chunk_bytes=4096)
+    tier.put(KEY, state())
+    client = redis_server.client()
+    damage(client, KEY)
+    with caplog.at_level(logging.WARNING, logger="promptcache.store.remote"):
+        assert tier.get(KEY) is None
+    assert tier.stats["corrupt"] == 1 and tier.stats["misses"] == 1 and tier.stats["hits"] == 0
+    assert "bad value" in caplog.text
+    assert client.keys("pc:v1:*") == []  # deleted: header and every chunk
+    tier.put(KEY, state())  # re-published (re-encoded) afterwards, it serves again
+    assert torch.equal(tier.get(KEY), state())
+
+
+def test_value_stored_under_another_key_is_refused(redis_server):
+    tier, client = RedisTier(redis_server.url), redis_server.client()
+    other = "cd" * 32
+    tier.put(other, state())
+    for k in client.keys(f"pc:v1:{{{other}}}:*"):  # copy other's value under KEY, as a buggy writer might
+        client.set(k.replace(other.encode(), KEY.encode()), client.get(k))
+    assert tier.get(KEY) is None and tier.stats["corrupt"] == 1
+    assert torch.equal(tier.get(other), state())
+
+
+def test_codec_names_the_mismatch():
+    value = encode_state(KEY, state())
+    assert torch.equal(decode_state(KEY, value), state())
+    with pytest.raises(ValueError, match="asked for"):
+        decode_state("ef" * 32, value)
+    with pytest.raises(ValueError, match="unreadable"):
+        decode_state(KEY, value[:-5])
+    flipped = bytearray(value)
+    flipped[-1] ^= 0x01  # a data byte: only the data's sha256 in the metadata tells
+    with pytest.raises(ValueError, match="does not match its metadata"):
+        decode_state(KEY, bytes(flipped))
+    assert decode_state(KEY, bytes(flipped), check_data=False).shape == state().shape  # caller verified
+
+
+def test_namespaces_never_read_each_other(redis_server):
+    schema = ('<schema name="s">Intro text. <module name="a">Alpha module text.</module> '
+              '<module name="b">Beta.</module></schema>')
+    layout = layout_schema(schema, WordTokenizer())
+    keys_a, keys_b = content_keys(layout, "model-x", "tenant-a"), content_keys(layout, "model-x", "tenant-b")
+    assert keys_a.keys() == keys_b.keys() and not set(keys_a.values()) & set(keys_b.values())
+    tier = RedisTier(redis_server.url)
+    for i, k in keys_a.items():
+        tier.put(k, state(seed=i))
+    reader = RedisTier(redis_server.url)  # another replica, in namespace tenant-b
+    assert all(k not in reader and reader.get(k) is None for k in keys_b.values())
+    assert all(torch.equal(reader.get(k), state(seed=i)) for i, k in keys_a.items())
+
+
+def test_password_protected_redis(start_redis):
+    server = start_redis(password="s3cret pass")
+    tier = RedisTier(server.url)
+    tier.put(KEY, state())
+    assert torch.equal(tier.get(KEY), state()) and tier.stats["errors"] == 0
+    assert "s3cret" not in tier.where
+    wrong = RedisTier(server.url.replace("s3cret pass", "wrong"))
+    assert wrong.get(KEY) is None and KEY not in wrong  # refused: a miss, not an exception
+    wrong.put("cd" * 32, state())
+    assert wrong.stats["errors"] >= 1 and server.client().exists("pc:v1:{" + "cd" * 32 + "}:h") == 0
+    nopass = RedisTier(f"redis://127.0.0.1:{server.port}/0")
+    assert nopass.get(KEY) is None and nopass.stats["errors"] == 1
+
+
+def test_bad_url_is_refused_with_the_reason():
+    with pytest.raises(ValueError, match="redis://"):
+        RedisTier("http://localhost:6379")
+    with pytest.raises(ValueError, match="chunk_bytes"):
+        RedisTier("redis://localhost:6379/0", chunk_bytes=0)
+
+
+def test_encode_lock_one_thread_encodes_the_other_waits(redis_server):
+    a, b = RedisTier(redis_server.url, poll=0.01), RedisTier(redis_server.url, poll=0.01)
+    results, entered = {}, threading.Event()
+
+    def waiter():
+        entered.wait()
+        with b.encode_lock(KEY, ttl=30) as mine:
+            results["b"] = mine
+
+    t = threading.Thread(target=waiter)
+    t.start()
+    with a.encode_lock(KEY, ttl=30) as mine:
+        results["a"] = mine
+        entered.set()
+        a.put(KEY, state())
+    t.join(timeout=60)
+    assert results == {"a": True, "b": False}
+    assert redis_server.client().exists(f"pc:v1:{{{KEY}}}:lock") == 0  # released
+
+
+def test_crashed_lock_holder_blocks_nobody_past_the_ttl(redis_server):
+    crashed = RedisTier(redis_server.url).encode_lock(KEY, ttl=0.5)
+    assert crashed.__enter__() is True  # a holder that dies without releasing (no __exit__)
+    with RedisTier(redis_server.url, poll=0.02).encode_lock(KEY, ttl=30) as mine:
+        assert mine is True  # took the lock over once it expired, long before its own 30 s wait ran out
+        assert redis_server.client().pttl(f"pc:v1:{{{KEY}}}:lock") > 20_000
+
+
+def test_encode_lock_with_redis_down_encodes_at_once(redis_server):
+    tier = RedisTier(redis_server.url)
+    redis_server.stop()
+    with tier.encode_lock(KEY, ttl=30) as mine:
+        assert mine is True
+    assert tier.stats["errors"] >= 1
