@@ -17,6 +17,7 @@ from pathlib import Path
 import click
 
 from .pml.errors import PMLError
+from .server.cli import serve as serve_command
 
 ASSETS = Path(__file__).resolve().parent / "assets" / "demo"
 DEMO_QUESTION = "How was the water supply protected during the August wildfire?"
@@ -353,6 +354,8 @@ def _load_tokenizer(model: str):
         raise OSError(f"could not load the tokenizer of '{model}': {e}. Without network, pass a local "
                       "directory or use the embedded tokenizer (--model embedded).") from e
 
+
+main.add_command(serve_command)
 
 if __name__ == "__main__":
     main()

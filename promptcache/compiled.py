@@ -73,10 +73,10 @@ def load_compiled(pc: "PromptCache", path, schema=None, recompile=False, namespa
             with materialized(manifest) as source:
                 compile_schema(pc, source, path, namespace=namespace, source_name=manifest["schema"]["source"])
         return load_compiled(pc, path, schema, namespace=namespace, verify=verify)
-    layout = layout_schema(materialize_schema(manifest), pc.tok)
+    layout = layout_schema(materialize_schema(manifest), pc.tok, max_positions=pc.adapter.max_positions)
     if layout_record(layout) != manifest["layout"]["spans"]:
         raise ArtifactError(f"compiled schema {path}: the tokenizer lays the schema out differently now")
-    ns = namespace or pc.config.namespace
+    ns = pc.config.namespace_for(namespace)
     keys = content_keys(layout, pc.model_key, ns)
     pc.store.register_file(opened.path, _entries(pc, layout, keys, manifest, opened), opened)
     if verify:

@@ -84,7 +84,7 @@ class DocumentStore:
     def __init__(self, pc: PromptCache, path: str | Path | None = None, namespace: str | None = None,
                  reencode: bool = False):
         check_relocatable(pc.adapter)
-        self.pc, self.namespace = pc, namespace or pc.config.namespace
+        self.pc, self.namespace = pc, pc.config.namespace_for(namespace)
         self.path = Path(path) if path is not None else None
         self._docs: dict[str, Document] = {}
         self._sums: dict[str, str] = {}  # document digest -> sha256 of its stored states
@@ -170,7 +170,7 @@ class DocumentStore:
 
     def _key(self, token_ids, namespace: str | None = None) -> str:
         """Store key of tokens encoded alone from position 0 (``namespace``: this store's)."""
-        return alone_key(token_ids, self.pc.model_key, namespace or self.namespace)
+        return alone_key(token_ids, self.pc.model_key, self.namespace if namespace is None else namespace)
 
     def _plan(self, question: str, doc_ids: list[str], system: str | None, with_states: bool = False):
         """(layout, cached states for run_spliced, tier hits)."""

@@ -2,11 +2,24 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from ..store import StoreConfig
 
-__all__ = ["EngineConfig"]
+__all__ = ["EngineConfig", "check_namespace"]
+
+KV_DTYPES = (None, "float32", "bfloat16", "float16")
+_NAMESPACE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@-]{0,127}")
+
+
+def check_namespace(namespace: object) -> str:
+    """A valid namespace, or ValueError. Namespaces salt every content key, so an empty or
+    malformed one must never fall back to another tenant's (the default) states."""
+    if not isinstance(namespace, str) or not _NAMESPACE.fullmatch(namespace):
+        raise ValueError(f"bad namespace {namespace!r}: expected 1-128 characters of letters, digits and "
+                         "'._:@-', starting with a letter or digit (None means the engine's default namespace)")
+    return namespace
 
 
 @dataclass(frozen=True)
@@ -22,12 +35,27 @@ class EngineConfig:
     spill_dir: str | None = None  # evicted states with no artifact go here (default: a temp dir)
     pin_memory: bool = True
     namespace: str = "default"  # cache namespace (salt): states are never shared across namespaces
+    kv_dtype: str | None = None  # stored module states: None = the model's dtype, or "bfloat16" / "float16" / "float32"
+    recompute: float = 0.0  # default fraction of a prompt's cached tokens computed afresh (0: the paper's exact reuse)
+    remote: str | None = None  # shared tier below disk: "redis://[:password@]host:port/db" (None: this process only)
 
     def __post_init__(self):
         if self.encode_chunk < 1:
             raise ValueError(f"EngineConfig.encode_chunk must be >= 1, got {self.encode_chunk}")
         if self.encode_batch_bytes < 0:
             raise ValueError(f"EngineConfig.encode_batch_bytes must be >= 0, got {self.encode_batch_bytes}")
+        check_namespace(self.namespace)
+        if self.kv_dtype not in KV_DTYPES:
+            raise ValueError(f"EngineConfig.kv_dtype must be one of {', '.join(map(str, KV_DTYPES))}, got {self.kv_dtype!r}")
+        if not (isinstance(self.recompute, (int, float)) and 0.0 <= self.recompute <= 1.0):
+            raise ValueError(f"EngineConfig.recompute must be a fraction in [0, 1], got {self.recompute!r}")
+        if self.remote is not None and not str(self.remote).startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError(f"EngineConfig.remote must be a redis:// URL, got {self.remote!r}")
+
+    def namespace_for(self, namespace: str | None) -> str:
+        """The namespace a call uses: ``None`` means this config's; anything else must be valid
+        (an empty string is an error, never the default)."""
+        return self.namespace if namespace is None else check_namespace(namespace)
 
     def store_config(self) -> StoreConfig:
         return StoreConfig(self.device_budget, self.host_budget, self.spill_dir, self.pin_memory)

@@ -88,8 +88,8 @@ class PromptCache:
         """Parse, lay out and encode a schema (only modules not stored yet are encoded).
         On any error the engine is left unchanged."""
         t0 = time.perf_counter()
-        layout = layout_schema(schema, self.tok)
-        ns = namespace or self.config.namespace
+        layout = layout_schema(schema, self.tok, max_positions=self.adapter.max_positions)
+        ns = self.config.namespace_for(namespace)
         keys = self.registry.content_keys(layout, ns)
         missing = [i for i, k in keys.items() if k not in self.store]
         states = self.encoder.encode(layout, progress) if missing else {}
@@ -123,7 +123,7 @@ class PromptCache:
         return self.encoder.encode_alone(token_ids, start)
 
     def schema(self, name: str, namespace: str | None = None) -> EncodedSchema:
-        return self.registry.get(name, namespace or self.config.namespace)
+        return self.registry.get(name, self.config.namespace_for(namespace))
 
     @property
     def schemas(self) -> list[str]:
@@ -133,8 +133,9 @@ class PromptCache:
     def layout(self, prompt: str | Path | Prompt, namespace: str | None = None) -> PromptLayout:
         """The prompt's ordered spans (``.kind``, ``.name``, ``.token_ids``, ``.position_ids``)."""
         tree = prompt if isinstance(prompt, Prompt) else parse_prompt(prompt)
-        schema = self.schema(tree.schema, namespace).layout if tree.schema is not None else None
-        return layout_prompt(tree, schema, self.tok)
+        ns = self.config.namespace_for(namespace)
+        schema = self.schema(tree.schema, ns).layout if tree.schema is not None else None
+        return layout_prompt(tree, schema, self.tok, max_positions=self.adapter.max_positions)
 
     def prefill(self, prompt: str | Path | Prompt, reserve: int = 0, keep_cache: bool = False,
                 namespace: str | None = None) -> PrefillResult:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from .masks import additive as additive_mask
@@ -17,6 +19,11 @@ def register(cls: type[Adapter]) -> type[Adapter]:
     return cls
 
 
+# id(model) -> its adapter, while the adapter lives (the adapter holds the model, so a weak map keyed
+# by the model itself would never let go; the ``is`` check above guards against a reused id).
+_ADAPTERS: "weakref.WeakValueDictionary[int, Adapter]" = weakref.WeakValueDictionary()
+
+
 def supported_model_types() -> list[str]:
     return sorted(REGISTRY)
 
@@ -24,8 +31,8 @@ def supported_model_types() -> list[str]:
 def get_adapter(model) -> Adapter:
     """The adapter for a loaded model, created and self-checked once per model instance
     (``Adapter.self_check``); a model that fails the check is refused (``UnsupportedModelError``)."""
-    existing = getattr(model, "_promptcache_adapter", None)
-    if existing is not None:
+    existing = _ADAPTERS.get(id(model))
+    if existing is not None and existing.model is model:
         return existing
     model_type = getattr(model.config, "model_type", None)
     cls = REGISTRY.get(model_type)
@@ -39,7 +46,7 @@ def get_adapter(model) -> Adapter:
     except Exception:
         adapter.close()
         raise
-    model._promptcache_adapter = adapter
+    _ADAPTERS[id(model)] = adapter
     return adapter
 
 

@@ -113,7 +113,7 @@ def read_source(text_or_path: str | Path, kind: str) -> tuple[str, str, Path | N
     return read_text(path, f"{kind} file", str(path)), str(path), path.parent
 
 
-def parse_xml(text: str, source: str) -> tuple[etree._Element, "Lines"]:
+def parse_xml(text: str, source: str) -> tuple["etree.ElementBase", "Lines"]:
     """Parse strictly (no recovery, no entity expansion, no network) into (root, line tracker)."""
     parser = etree.XMLParser(
         resolve_entities=False, no_network=True, recover=False, encoding="utf-8",

@@ -11,6 +11,13 @@
 Needs the ``serve`` extra: ``pip install -e ".[serve]"``.
 """
 
-from .app import create_app
-
 __all__ = ["create_app"]
+
+
+def __getattr__(name: str):
+    # Lazy: ``promptcache --help`` imports the serve command without FastAPI installed.
+    if name == "create_app":
+        from .app import create_app
+
+        return create_app
+    raise AttributeError(name)

@@ -27,7 +27,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..sampling import eos_ids
+
 from . import protocol as P
 from .backend import Backend, QueueFull
 from .metrics import CONTENT_TYPE_LATEST, Metrics
@@ -54,7 +54,7 @@ def create_app(pc, *, api_keys: dict[str, str] | None = None, documents=None, ma
     backend = Backend(pc, max_queue)
     metrics = Metrics(backend, prefix, pc.store)
     backend.on_finish = lambda job, how: metrics.finished.labels(how).inc()
-    stops = eos_ids(pc.model, pc.tokenizer)
+    stops = pc.runner.eos_ids
 
     @asynccontextmanager
     async def lifespan(app):

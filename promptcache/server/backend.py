@@ -148,7 +148,8 @@ class Backend:
             job.emit("prefilled", res)
             return res
 
-        return self.pc.stream_from(start, s.max_new_tokens, s.temperature, s.top_p, 0, s.stop, s.seed)
+        return self.pc.stream_from(start, max_new_tokens=s.max_new_tokens, temperature=s.temperature, top_p=s.top_p,
+                                   stop=s.stop, seed=s.seed)
 
     def _finish(self, job: Job, how: str) -> None:
         if job._it is not None and how != "done":

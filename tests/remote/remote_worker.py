@@ -42,7 +42,7 @@ def lock(url: str) -> dict:
 
 def consume(url: str, out: Path) -> dict:
     from promptcache import PromptCache
-    from promptcache.encoder import SchemaEncoder
+    from promptcache.engine.encoder import SchemaEncoder
     from promptcache.models.loading import load_model
 
     encodes = []
