@@ -57,7 +57,7 @@ def correct(logits: torch.Tensor, answer: list[int]) -> int:
     return int(logits.argmax(-1).tolist() == answer)
 
 
-def run(model, tok, samples, fractions, names, shuffle: bool):
+def run(model, tok, samples, fractions, names, shuffle: bool, save=None):
     rows, gen = [], torch.Generator().manual_seed(0)
     for si, sample in enumerate(samples):
         order = torch.randperm(len(sample["notes"]), generator=gen).tolist() if shuffle else None
@@ -81,6 +81,8 @@ def run(model, tok, samples, fractions, names, shuffle: bool):
         done = [r for r in rows if r["sample"] == sample["_id"]]
         print(f"[{si}] full {done[0]['correct']} " + " ".join(
             f"{r['selection']}@{r['fraction']}:{r['correct']}" for r in done[1:]), flush=True)
+        if save is not None:  # after every sample: a long run stopped early keeps what it measured
+            save(rows)
     return rows
 
 
@@ -144,12 +146,12 @@ def main(argv=None):
     tok = AutoTokenizer.from_pretrained(path)
     samples = retrieval_samples(args.first + args.samples, seed=11)[args.first:]
     print(f"recompute=1.0 vs plain forward: max |dlogit| {check_exact(model, build_prompt(tok, samples[0])[0]):.2e}")
-    rows = run(model, tok, samples, args.fractions, args.selections, args.shuffle)
+    stem = f"selection_study{args.tag}"
+    rows = run(model, tok, samples, args.fractions, args.selections, args.shuffle,
+               save=lambda rows: write_csv(f"{stem}.csv", rows, args.out))
     summary = summarize(rows)
     for s in summary:
         print(s)
-    stem = f"selection_study{args.tag}"
-    write_csv(f"{stem}.csv", rows, args.out)
     write_csv(f"{stem}_summary.csv", summary, args.figures)
     print("wrote", plot(summary, args.figures / f"{stem}.png", f"SmolLM2-135M, {len(samples)} questions"))
     return rows, summary
