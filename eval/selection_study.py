@@ -125,6 +125,23 @@ def plot(summary, path: Path, title: str):
     return path
 
 
+def combine(paths: list[Path], figures: Path, tag: str = ""):
+    """Summary CSV and PNG over the per-sample CSVs of several runs."""
+    import csv
+
+    rows = []
+    for path in paths:
+        with path.open() as f:
+            for r in csv.DictReader(f):
+                rows.append(dict(r, fraction=float(r["fraction"]), correct=int(r["correct"]), kl=float(r["kl"]),
+                                 extra=float(r["extra"]), seconds=float(r["seconds"])))
+    summary = summarize(rows)
+    n = len({r["sample"] for r in rows})
+    write_csv(f"selection_study{tag}_summary.csv", summary, figures)
+    print("wrote", plot(summary, figures / f"selection_study{tag}.png", f"SmolLM2-135M, {n} questions"))
+    return rows, summary
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--samples", type=int, default=64)
@@ -135,7 +152,11 @@ def main(argv=None):
     ap.add_argument("--out", type=Path, default=RESULTS)
     ap.add_argument("--figures", type=Path, default=HERE / "figures")
     ap.add_argument("--tag", default="")
+    ap.add_argument("--combine", type=Path, nargs="+", default=None,
+                    help="only summarize and plot these per-sample CSVs (runs split with --first)")
     args = ap.parse_args(argv)
+    if args.combine:
+        return combine(args.combine, args.figures, args.tag)
     torch.manual_seed(0)
     torch.set_num_threads(1)
     from promptcache.models.smollm2 import ensure_smollm2
