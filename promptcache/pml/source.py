@@ -1,9 +1,11 @@
 """Reading PML sources: files or text, strict XML parsing, element content with exact lines.
 
-Trust (README, "Security model"): a PML source may name ``src`` files, but only regular files
-of at most ``MAX_FILE_BYTES`` inside an allowed root (``confined_path``); a DOCTYPE (internal
-DTD, entities, attribute defaults) is refused; text must be encodable UTF-8 (no lone
-surrogates). Every refusal is a ``PMLError`` naming the source and line.
+Trust (README, "Security model"): a ``str`` is always PML (or plain-text prompt) text and is
+never opened, whatever file it happens to name; an ``os.PathLike`` is a file (``read_source``).
+A PML source may name ``src`` files, but only regular files of at most ``MAX_FILE_BYTES`` inside
+an allowed root (``confined_path``); a DOCTYPE (internal DTD, entities, attribute defaults) is
+refused; text must be encodable UTF-8 (no lone surrogates). Every refusal is a ``PMLError``
+naming the source and line (``SourceFileError`` when a file is missing or unreadable).
 
 lxml reports one line per element: where its start tag *ends*. Errors must name the line a user
 sees the problem on (where a tag starts, where a stray text is), so ``Lines`` re-reads the
