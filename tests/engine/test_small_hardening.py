@@ -1,12 +1,17 @@
-"""Small things from issue 16: the chat-template fallback is logged once per tokenizer; files
-promptcache writes (artifacts, manifests) follow the umask instead of a temporary file's 0600."""
+"""Small things from issues 12 and 16: the chat-template fallback is logged once per tokenizer;
+files promptcache writes (artifacts, manifests) follow the umask instead of a temporary file's
+0600; the engine treats a str prompt as text even when it names a file."""
 
 from __future__ import annotations
 
 import logging
 import os
 
-from promptcache import PromptCache, layout_schema
+from pathlib import Path
+
+import pytest
+
+from promptcache import PMLError, PromptCache, layout_schema
 from promptcache.fsutil import atomic_write
 from tiny import make_model, make_tokenizer
 
@@ -47,3 +52,17 @@ def test_written_files_follow_the_umask(tmp_path):
     first, second = _modes(tmp_path / "art"), _modes(tmp_path / "art2")
     assert "manifest.json" in first and len(first) >= 2  # the manifest and the states file
     assert set(first.values()) == {0o640} and set(second.values()) == {0o664}
+
+
+def test_engine_str_is_text_and_path_is_a_file(tmp_path, monkeypatch):
+    (tmp_path / "travel").write_text('<prompt schema="r"><m/></prompt>')
+    (tmp_path / "r.xml").write_text(ROLES_SCHEMA)
+    monkeypatch.chdir(tmp_path)
+    pc = PromptCache(make_model("llama", 0), make_tokenizer())
+    with pytest.raises(PMLError, match="pathlib.Path"):
+        pc.add_schema("r.xml")  # a str is PML text, not a file name
+    pc.add_schema(Path("r.xml"))
+    as_text = pc.prefill("travel")  # the word, not the file
+    assert as_text.cached_tokens == 0 and pc.layout("travel").token_ids[1:] == make_tokenizer().encode(
+        "travel", add_special_tokens=False)
+    assert pc.prefill(Path("travel")).cached_tokens > 0  # the file: a prompt importing module m
