@@ -2,22 +2,25 @@
 
 ``from promptcache import PMLError, parse_schema, layout_schema`` needs no torch; ``PromptCache``,
 ``EngineConfig`` and ``SamplingParams`` (the engine, ``promptcache.engine``) are imported lazily
-on first use.
+on first use. Every error promptcache raises on purpose derives from ``PromptCacheError``
+(``errors.py``). A ``str`` is always PML or plain text; a ``pathlib.Path`` is a file.
 """
 
+from .errors import ConfigError, PromptCacheError
 from .layout import PromptLayout, SchemaLayout, Span, layout_prompt, layout_schema
 from .pml import PMLError, parse_prompt, parse_schema
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "EngineConfig", "PMLError", "PromptCache", "SamplingParams", "PromptLayout", "SchemaLayout", "Span", "layout_prompt", "layout_schema",
-    "parse_prompt", "parse_schema", "print_layout",
+    "ConfigError", "EngineConfig", "PMLError", "PromptCache", "PromptCacheError", "SamplingParams", "PromptLayout",
+    "SchemaLayout", "Span", "layout_prompt", "layout_schema", "parse_prompt", "parse_schema", "print_layout",
 ]
 
 
 def print_layout(schema, tokenizer=None) -> None:
-    """Print the layout of a schema (text or path) in one call; defaults to a whitespace tokenizer."""
+    """Print the layout of a schema (PML text as a ``str``, a file as a ``pathlib.Path``, or a
+    parsed tree) in one call; defaults to a whitespace tokenizer."""
     from .tokens import WordTokenizer
 
     print(layout_schema(schema, tokenizer or WordTokenizer()).table())

@@ -37,6 +37,7 @@ from pathlib import Path
 
 import torch
 
+from .errors import PromptCacheError
 from .fsutil import atomic_write, folder_lock, remove_stale_temps
 from .layout import SchemaLayout
 from .pml.nodes import Module, Schema
@@ -48,8 +49,10 @@ FORMAT_VERSION = 2
 MANIFEST = "manifest.json"
 
 
-class ArtifactError(RuntimeError):
+class ArtifactError(PromptCacheError, RuntimeError):
     """A compiled artifact cannot be used; the message says which part is wrong."""
+
+    exit_code = 1
 
 
 def schema_sources(text_or_path) -> tuple[str, dict[str, str], str]:

@@ -49,6 +49,7 @@ from pathlib import Path
 import torch
 
 from .engine import Generation, PrefillResult, PromptCache
+from .errors import PromptCacheError
 from .fsutil import atomic_write
 from .keys import PORTABLE, alone_key, model_digest, token_digest
 from .layout import PromptLayout, Span
@@ -61,13 +62,19 @@ FORMAT_VERSION = 2
 INDEX = "index.json"
 
 
-class UnknownDocumentError(KeyError):
+class UnknownDocumentError(PromptCacheError, KeyError):
+    """A document id that is not in the store."""
+
+    exit_code = 1
+
     def __str__(self) -> str:
         return str(self.args[0])
 
 
-class DocumentStoreError(RuntimeError):
+class DocumentStoreError(PromptCacheError, RuntimeError):
     """A persisted document store cannot be used as it is (model, tokenizer or files)."""
+
+    exit_code = 1
 
 
 @dataclass(frozen=True)

@@ -13,16 +13,23 @@ wraps it. Hugging Face tokenizers get ``HFSpanTokenizer``:
   prepends it, so its plain prompts start with their text, as ``tokenizer(text)`` does;
 * chat roles are rendered with the tokenizer's chat template: a conversation whose contents are
   sentinels is rendered and split around them, giving the *glue* text before each message's
-  content and after the last one. Tokenizers without a chat template use ``PlainRoles``.
+  content and after the last one. Tokenizers without a chat template use ``PlainRoles``; for a
+  Hugging Face tokenizer (which a user expects to bring its own template) this is logged once per
+  tokenizer object, as a warning, the first time roles are rendered.
 """
 
 from __future__ import annotations
 
+import logging
 import re
+import threading
+import weakref
 from typing import Protocol, Sequence, runtime_checkable
 
 from .pml.errors import PMLError
 from .pml.source import check_text
+
+log = logging.getLogger(__name__)
 
 _SENTINEL = "\ue000PC{}\ue001"
 _SENTINEL_RE = re.compile("\ue000PC(\\d+)\ue001")
@@ -101,6 +108,8 @@ class HFSpanTokenizer:
 
     def _render(self, roles: list[str], add_generation_prompt: bool) -> list[str]:
         if not getattr(self.tok, "chat_template", None):
+            if roles:
+                _warn_no_template(self.tok)
             return PlainRoles.render_roles(roles, add_generation_prompt)
         if not roles:
             return [""]
@@ -125,6 +134,27 @@ class HFSpanTokenizer:
         if self.bos_ids and self.tok.bos_token and pieces[0].startswith(self.tok.bos_token):
             pieces[0] = pieces[0][len(self.tok.bos_token) :]
         return pieces
+
+
+_WARNED: "weakref.WeakSet" = weakref.WeakSet()  # tokenizers already warned about (no chat template)
+_WARNED_IDS: set[int] = set()  # the same, for tokenizers that cannot be weakly referenced
+_WARN_LOCK = threading.Lock()
+
+
+def _warn_no_template(tok) -> None:
+    """Log, once per tokenizer object, that chat roles fall back to ``PlainRoles``."""
+    with _WARN_LOCK:
+        try:
+            if tok in _WARNED:
+                return
+            _WARNED.add(tok)
+        except TypeError:
+            if id(tok) in _WARNED_IDS:
+                return
+            _WARNED_IDS.add(id(tok))
+    log.warning("tokenizer %s (%s) has no chat template: chat roles use the plain fallback "
+                "'System: ...\\nUser: ...\\nAssistant:' (set tokenizer.chat_template to use the model's format)",
+                type(tok).__name__, getattr(tok, "name_or_path", "") or "unnamed")
 
 
 def _first_int(obj, names: Sequence[str], default: int) -> int:

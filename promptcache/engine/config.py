@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from ..errors import ConfigError
 from ..store import StoreConfig
 
 __all__ = ["EngineConfig", "check_namespace"]
@@ -14,10 +15,10 @@ _NAMESPACE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@-]{0,127}")
 
 
 def check_namespace(namespace: object) -> str:
-    """A valid namespace, or ValueError. Namespaces salt every content key, so an empty or
+    """A valid namespace, or ConfigError (a ValueError). Namespaces salt every content key, so an empty or
     malformed one must never fall back to another tenant's (the default) states."""
     if not isinstance(namespace, str) or not _NAMESPACE.fullmatch(namespace):
-        raise ValueError(f"bad namespace {namespace!r}: expected 1-128 characters of letters, digits and "
+        raise ConfigError(f"bad namespace {namespace!r}: expected 1-128 characters of letters, digits and "
                          "'._:@-', starting with a letter or digit (None means the engine's default namespace)")
     return namespace
 
@@ -41,16 +42,16 @@ class EngineConfig:
 
     def __post_init__(self):
         if self.encode_chunk < 1:
-            raise ValueError(f"EngineConfig.encode_chunk must be >= 1, got {self.encode_chunk}")
+            raise ConfigError(f"EngineConfig.encode_chunk must be >= 1, got {self.encode_chunk}")
         if self.encode_batch_bytes < 0:
-            raise ValueError(f"EngineConfig.encode_batch_bytes must be >= 0, got {self.encode_batch_bytes}")
+            raise ConfigError(f"EngineConfig.encode_batch_bytes must be >= 0, got {self.encode_batch_bytes}")
         check_namespace(self.namespace)
         if self.kv_dtype not in KV_DTYPES:
-            raise ValueError(f"EngineConfig.kv_dtype must be one of {', '.join(map(str, KV_DTYPES))}, got {self.kv_dtype!r}")
+            raise ConfigError(f"EngineConfig.kv_dtype must be one of {', '.join(map(str, KV_DTYPES))}, got {self.kv_dtype!r}")
         if not (isinstance(self.recompute, (int, float)) and 0.0 <= self.recompute <= 1.0):
-            raise ValueError(f"EngineConfig.recompute must be a fraction in [0, 1], got {self.recompute!r}")
+            raise ConfigError(f"EngineConfig.recompute must be a fraction in [0, 1], got {self.recompute!r}")
         if self.remote is not None and not str(self.remote).startswith(("redis://", "rediss://", "unix://")):
-            raise ValueError(f"EngineConfig.remote must be a redis:// URL, got {self.remote!r}")
+            raise ConfigError(f"EngineConfig.remote must be a redis:// URL, got {self.remote!r}")
 
     def namespace_for(self, namespace: str | None) -> str:
         """The namespace a call uses: ``None`` means this config's; anything else must be valid

@@ -1,8 +1,8 @@
 """``PromptCache``: the public face of the engine. It delegates; the work is in the rooms beside it.
 
     pc = PromptCache(model, tokenizer)
-    pc.add_schema("schemas/travel.xml")
-    out = pc.generate("examples/travel_tokyo.xml", max_new_tokens=64)
+    pc.add_schema(Path("schemas/travel.xml"))         # a str is PML text, a Path a file
+    out = pc.generate(Path("examples/travel_tokyo.xml"), max_new_tokens=64)
 
 Prompt time (the hot path): layout -> ``assemble`` (store lookups: which stored states go where,
 which tokens run) -> ``ModelRunner.prefill_spliced`` (copy what is not in place into one

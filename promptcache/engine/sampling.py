@@ -27,6 +27,8 @@ from transformers import GenerationConfig
 from transformers.generation.logits_process import (LogitsProcessorList, RepetitionPenaltyLogitsProcessor,
                                                     TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
 
+from ..errors import ConfigError
+
 __all__ = ["Sampler", "SamplingParams", "sampling_params"]
 
 
@@ -142,4 +144,4 @@ def _is_real(x) -> bool:
 
 def _check(params: SamplingParams, name: str, ok: bool, expected: str) -> None:
     if not ok:
-        raise ValueError(f"SamplingParams.{name} must be {expected}, got {getattr(params, name)!r}")
+        raise ConfigError(f"SamplingParams.{name} must be {expected}, got {getattr(params, name)!r}")

@@ -54,7 +54,7 @@ def layout_prompt(
     max_positions: int | None = None,
 ) -> PromptLayout:
     """Lay out a prompt against its schema's layout (None for a plain prompt). ``schema`` may
-    also be a schema tree, PML text or path; it is then laid out with ``tokenizer`` (and
+    also be a schema tree, PML text (``str``) or a file (``pathlib.Path``); it is then laid out with ``tokenizer`` (and
     ``max_positions``). ``max_positions``: the model's context; a prompt whose positions reach
     past it is a PMLError naming both numbers."""
     if not isinstance(prompt, Prompt):

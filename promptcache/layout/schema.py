@@ -101,7 +101,7 @@ def layout_schema(
     max_positions: int | None = None,
     allow_src_root: str | Path | None = None,
 ) -> SchemaLayout:
-    """Lay out a schema (tree, PML text or path): spans with token IDs and positions.
+    """Lay out a schema (tree, PML text as a ``str``, or a file as a ``pathlib.Path``): spans with token IDs and positions.
 
     ``max_positions``: the model's context (positions 0..max_positions-1); a schema needing more
     is a PMLError naming both numbers. ``allow_src_root`` is passed to ``parse_schema``. A schema

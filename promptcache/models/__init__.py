@@ -7,6 +7,7 @@ never import it); ``loading.py``, ``embedded.py`` getting a model.
 """
 
 from .base import Adapter, KVSpec, UnsupportedModelError
-from .families import REGISTRY, get_adapter, supported_model_types
+from .families import REGISTRY, adapter_class, get_adapter, supported_model_types
 
-__all__ = ["Adapter", "KVSpec", "REGISTRY", "UnsupportedModelError", "get_adapter", "supported_model_types"]
+__all__ = ["Adapter", "KVSpec", "REGISTRY", "UnsupportedModelError", "adapter_class", "get_adapter",
+           "supported_model_types"]

@@ -31,6 +31,7 @@ import torch
 import transformers
 
 from ..cache import KVSpec, SpliceCache
+from ..errors import PromptCacheError
 from .masks import additive as additive_mask, check as check_mask, slot_causal
 
 log = logging.getLogger(__name__)
@@ -38,8 +39,10 @@ log = logging.getLogger(__name__)
 __all__ = ["Adapter", "KVSpec", "UnsupportedModelError"]
 
 
-class UnsupportedModelError(ValueError):
+class UnsupportedModelError(PromptCacheError, ValueError):
     """The architecture (or one of its settings) has not been verified for exact splicing."""
+
+    exit_code = 1
 
 
 class Adapter:

@@ -28,19 +28,26 @@ def supported_model_types() -> list[str]:
     return sorted(REGISTRY)
 
 
+def adapter_class(config) -> type[Adapter]:
+    """The adapter class for a model config, without the model: an unsupported ``model_type`` is
+    refused (``UnsupportedModelError`` listing the verified ones) before any weights are loaded.
+    Settings checked on the instance (``Adapter.check_config``, the self-check) come with ``get_adapter``."""
+    model_type = getattr(config, "model_type", None)
+    cls = REGISTRY.get(model_type)
+    if cls is None:
+        raise UnsupportedModelError(
+            f"model type '{model_type}' is not supported (verified: {', '.join(supported_model_types())})"
+        )
+    return cls.select(config)
+
+
 def get_adapter(model) -> Adapter:
     """The adapter for a loaded model, created and self-checked once per model instance
     (``Adapter.self_check``); a model that fails the check is refused (``UnsupportedModelError``)."""
     existing = _ADAPTERS.get(id(model))
     if existing is not None and existing.model is model:
         return existing
-    model_type = getattr(model.config, "model_type", None)
-    cls = REGISTRY.get(model_type)
-    if cls is None:
-        raise UnsupportedModelError(
-            f"model type '{model_type}' is not supported (verified: {', '.join(supported_model_types())})"
-        )
-    adapter = cls.select(model.config)(model)
+    adapter = adapter_class(model.config)(model)
     try:
         adapter.self_check()
     except Exception:

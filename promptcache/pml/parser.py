@@ -8,6 +8,7 @@ The whitespace rule is in ``whitespace.py`` (one rule for schemas, prompts and `
 from __future__ import annotations
 
 import hashlib
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,7 +17,7 @@ from .errors import PMLError
 from .nodes import ROLES, Module, ModuleRef, Parameter, Prompt, PromptRole, Role, Schema, Text, Union
 from .rules import MAX_PARAMETER_LENGTH, RESERVED, check_name, check_not_empty, check_roles_only
 from .rules import check_scope_names, check_union, length_ok
-from .source import Lines, check_text, confined_path, content, is_file, is_markup, parse_xml, read_source, read_text
+from .source import Lines, check_text, confined_path, content, is_markup, parse_xml, read_source, read_text
 from .whitespace import normalize_whitespace
 
 _DIGITS = re.compile(r"^[0-9]+$")
@@ -57,8 +58,8 @@ class _SchemaCtx:
     unions: int = 0
 
 
-def parse_schema(text_or_path: str | Path, *, allow_src_root: str | Path | None = None) -> Schema:
-    """Parse a schema from PML text or a file path.
+def parse_schema(text_or_path: str | os.PathLike, *, allow_src_root: str | Path | None = None) -> Schema:
+    """Parse a schema from PML text (a ``str``, never opened) or a file (a ``pathlib.Path``).
 
     ``src=`` files are read relative to the schema file's folder (the current working directory
     for a schema given as a string) and must lie inside ``allow_src_root``: by default that same
@@ -66,6 +67,9 @@ def parse_schema(text_or_path: str | Path, *, allow_src_root: str | Path | None 
     An empty schema (no text, no module) is a PMLError.
     """
     text, source, base = read_source(text_or_path, "schema")
+    if isinstance(text_or_path, str) and not is_markup(text):
+        raise PMLError("schema text must start with '<' (a str is PML text, never a file name: "
+                       "pass pathlib.Path(...) to read a file)", source, 1)
     root, lines = parse_xml(text, source)
     line = lines.start(root)
     if root.tag != "schema":
@@ -177,19 +181,22 @@ def _read_src(rel: str, ctx: _SchemaCtx, line: int) -> str:
 # Prompts
 
 
-def parse_prompt(text_or_path: str | Path) -> Prompt:
-    """Parse a prompt. Text not starting with '<' is a plain-text prompt (no schema), unless it
-    names an existing file (kept as it is for now). An empty or whitespace-only prompt is a
-    PMLError; a prompt that yields no tokens is refused by the layout."""
-    if isinstance(text_or_path, str) and not is_markup(text_or_path):
-        if "\n" in text_or_path or not is_file(text_or_path):
-            check_text(text_or_path, "prompt text", "<string>", 1)
-            if not text_or_path.strip():
-                raise PMLError("empty prompt: no text and no <prompt> element", "<string>", 1)
-            children = [Text(text_or_path, 1, verbatim=True)]
-            normalize_whitespace(children, at_start=True)
-            return Prompt(schema=None, children=children)
-    text, source, _ = read_source(text_or_path, "prompt")
+def parse_prompt(text_or_path: str | os.PathLike) -> Prompt:
+    """Parse a prompt: a ``str`` is text and never opened, a ``pathlib.Path`` is a file to read.
+    Text starting with '<' is PML; any other text is a plain-text prompt (no schema), even a
+    string that happens to name a file. An empty or whitespace-only prompt is a PMLError; a
+    prompt that yields no tokens is refused by the layout."""
+    if isinstance(text_or_path, str):
+        text, source = text_or_path, "<string>"
+    else:
+        text, source, _ = read_source(text_or_path, "prompt")
+    if not is_markup(text):
+        check_text(text, "prompt text", source, 1)
+        if not text.strip():
+            raise PMLError("empty prompt: no text and no <prompt> element", source, 1)
+        children = [Text(text, 1, verbatim=True)]
+        normalize_whitespace(children, at_start=True)
+        return Prompt(schema=None, children=children, source=source)
     root, lines = parse_xml(text, source)
     line = lines.start(root)
     if root.tag != "prompt":

@@ -1,9 +1,11 @@
 """Reading PML sources: files or text, strict XML parsing, element content with exact lines.
 
-Trust (README, "Security model"): a PML source may name ``src`` files, but only regular files
-of at most ``MAX_FILE_BYTES`` inside an allowed root (``confined_path``); a DOCTYPE (internal
-DTD, entities, attribute defaults) is refused; text must be encodable UTF-8 (no lone
-surrogates). Every refusal is a ``PMLError`` naming the source and line.
+Trust (README, "Security model"): a ``str`` is always PML (or plain-text prompt) text and is
+never opened, whatever file it happens to name; an ``os.PathLike`` is a file (``read_source``).
+A PML source may name ``src`` files, but only regular files of at most ``MAX_FILE_BYTES`` inside
+an allowed root (``confined_path``); a DOCTYPE (internal DTD, entities, attribute defaults) is
+refused; text must be encodable UTF-8 (no lone surrogates). Every refusal is a ``PMLError``
+naming the source and line (``SourceFileError`` when a file is missing or unreadable).
 
 lxml reports one line per element: where its start tag *ends*. Errors must name the line a user
 sees the problem on (where a tag starts, where a stray text is), so ``Lines`` re-reads the
@@ -22,15 +24,7 @@ from pathlib import Path
 
 from lxml import etree
 
-from .errors import PMLError
-
-
-def is_file(path: str | Path) -> bool:
-    """``Path.is_file`` that says False for strings no file can have (too long, NUL bytes)."""
-    try:
-        return Path(path).is_file()
-    except (OSError, ValueError):
-        return False
+from .errors import PMLError, SourceFileError
 
 
 MAX_FILE_BYTES = 16 << 20  # a schema, prompt or src file larger than 16 MiB is refused
@@ -44,8 +38,9 @@ def read_text(path: Path, what: str, source: str, line: int | None = None) -> st
     (``/dev/zero``) is refused instead of hanging or filling memory."""
     try:
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
-    except OSError as e:
-        raise PMLError(f"{what} '{path}' cannot be read ({e.strerror or e})", source, line) from None
+    except (OSError, ValueError) as e:  # ValueError: a NUL byte in the path
+        raise SourceFileError(f"{what} '{path}' cannot be read ({getattr(e, 'strerror', None) or e})",
+                              source, line) from None
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
@@ -57,7 +52,7 @@ def read_text(path: Path, what: str, source: str, line: int | None = None) -> st
         with os.fdopen(fd, "rb", closefd=False) as f:
             data = f.read(MAX_FILE_BYTES + 1)
     except OSError as e:
-        raise PMLError(f"{what} '{path}' cannot be read ({e.strerror or e})", source, line) from None
+        raise SourceFileError(f"{what} '{path}' cannot be read ({e.strerror or e})", source, line) from None
     finally:
         os.close(fd)
     if len(data) > MAX_FILE_BYTES:
@@ -96,20 +91,25 @@ def check_text(text: str, what: str, source: str, line: int | None = None) -> No
         ) from None
 
 
-def is_markup(text_or_path) -> bool:
+def is_markup(text: str) -> bool:
     """A string whose first character, after whitespace and a byte-order mark, is '<'."""
-    return isinstance(text_or_path, str) and text_or_path.lstrip().lstrip("\ufeff").lstrip().startswith("<")
+    return isinstance(text, str) and text.lstrip().lstrip("\ufeff").lstrip().startswith("<")
 
 
-def read_source(text_or_path: str | Path, kind: str) -> tuple[str, str, Path | None]:
-    """Return (text, source name, base directory). Strings starting with '<' are PML text."""
-    if is_markup(text_or_path):
+def read_source(text_or_path: str | os.PathLike, kind: str) -> tuple[str, str, Path | None]:
+    """Return (text, source name, base directory).
+
+    A ``str`` is always text (PML, or for a prompt plain text) and is never opened, whatever
+    file it happens to name; an ``os.PathLike`` (``pathlib.Path``) is a file to read. A missing
+    file is a ``SourceFileError`` naming it; an empty string a ``PMLError``.
+    """
+    if isinstance(text_or_path, str):
+        if not text_or_path.strip():
+            raise PMLError(f"empty {kind}: expected PML text (or a pathlib.Path to read a file)", "<string>", 1)
         return text_or_path, "<string>", None
-    if isinstance(text_or_path, str) and not text_or_path.strip():
-        raise PMLError(f"empty {kind}: expected PML text or a file path", "<string>", 1)
+    if not isinstance(text_or_path, os.PathLike):
+        raise TypeError(f"a {kind} is PML text (str) or a file (pathlib.Path), got {type(text_or_path).__name__}")
     path = Path(text_or_path)
-    if not is_file(path):
-        raise PMLError(f"{kind} file not found: {path}", str(path))
     return read_text(path, f"{kind} file", str(path)), str(path), path.parent
 
 

@@ -30,11 +30,15 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
+from ..errors import PromptCacheError
+
 log = logging.getLogger(__name__)
 
 
-class QueueFull(RuntimeError):
+class QueueFull(PromptCacheError, RuntimeError):
     """More requests than ``max_queue`` are in flight."""
+
+    exit_code = 2
 
 
 @dataclass

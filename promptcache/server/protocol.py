@@ -13,8 +13,10 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from ..errors import PromptCacheError
 
-class APIError(Exception):
+
+class APIError(PromptCacheError):
     """An error answered as ``{"error": {message, type, param, code}}`` with ``status``."""
 
     TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",

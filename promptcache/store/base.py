@@ -21,11 +21,15 @@ from abc import ABC, abstractmethod
 
 import torch
 
+from ..errors import PromptCacheError
+
 WRITE_POLICIES = ("on_evict", "through")
 
 
-class StoreError(RuntimeError):
+class StoreError(PromptCacheError, RuntimeError):
     """A stored state cannot be used (missing, truncated, corrupted, or not the state asked for)."""
+
+    exit_code = 1
 
 
 class Tier(ABC):

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from ..errors import ConfigError
 from .base import StoreError, Tier, nbytes
 from .disk import DiskTier
 from .memory import MemoryTier
@@ -46,7 +47,7 @@ class StoreConfig:
         for name in ("device_budget", "host_budget"):
             v = getattr(self, name)
             if v is not None and v < 0:
-                raise ValueError(f"{name} must be >= 0 bytes, got {v}")
+                raise ConfigError(f"{name} must be >= 0 bytes, got {v}")
 
 
 def build_store(device: torch.device | str, config: StoreConfig | None = None) -> "TieredStore":

@@ -27,7 +27,7 @@ def test_schema_lays_out_and_prints(path, capsys):
     lay = layout_schema(schema, WordTokenizer())
     assert lay.end > 0 and lay.modules
     assert lay.passes()[0].key == ()
-    promptcache.print_layout(str(path))
+    promptcache.print_layout(path)
     out = capsys.readouterr().out
     assert out.startswith(f"schema '{schema.name}': positions [0, {lay.end})")
     assert all(f"{'/'.join(p)} " in out for p in lay.modules)

@@ -17,7 +17,7 @@ from serverkit import BLOCK, MODEL, ROOT, client, running  # noqa: E402
 @pytest.fixture(scope="session")
 def pc():
     engine = PromptCache(*embedded_model(MODEL))
-    engine.add_schema(str(ROOT / "schemas" / "travel.xml"))
+    engine.add_schema(ROOT / "schemas" / "travel.xml")
     return engine
 
 
