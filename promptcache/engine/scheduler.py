@@ -54,6 +54,8 @@ class Scheduler:
         self.batch = DecodeBatch(runner)
         self.batch_refusal = batch_refusal(runner)  # None: decode steps may share one forward
         self._refusal_logged = False
+        self.decode_forwards = 0  # forwards run for decoding (a batched step counts once)
+        self.decode_tokens = 0  # tokens they decoded (decode_tokens / decode_forwards: mean batch size)
 
     @property
     def has_work(self) -> bool:
@@ -100,6 +102,8 @@ class Scheduler:
         outs = []
         if batched:
             logits = self._guard(batched, self.batch.step)  # [B, V], rows in batch order
+            self.decode_forwards += 1
+            self.decode_tokens += len(batched)
             for row, req in enumerate(self.batch.rows):
                 if req is not None:
                     req.position += 1
@@ -107,6 +111,8 @@ class Scheduler:
         for req in [r for r in self.running if r not in self.batch]:
             logits = self._guard([req], lambda: self.runner.decode(req.pending, req.position, req.prefill.cache))
             req.position += 1
+            self.decode_forwards += 1
+            self.decode_tokens += 1
             outs.append(self._guard([req], lambda: self._sample(req, logits)))
         return outs
 
