@@ -90,11 +90,20 @@ def test_rows_are_reused_and_repacked(caplog):
     sched.step()  # its prefill
     sched.step()  # it joins the dead row: no new buffer
     assert sched.batch.rows[1] is late and sched.batch.repacks == 1
+    while late in sched.batch:
+        sched.step()
+    longer = request(pc, prompt(4, 90), 60)  # longer than the shared length: it grows, the others get a gap
+    sched.add(longer)
+    sched.step()
+    capacity = sched.batch.cache.capacity
+    sched.step()
+    assert sched.batch.rows[1] is longer and sched.batch.repacks == 1 and sched.batch.cache.capacity > capacity
     while sched.has_work:
         sched.step()
     alone = [pc.generate(prompt(i, 40), max_new_tokens=30).token_ids for i in (0, 2)]
     assert [long[0].token_ids, long[2].token_ids] == alone
     assert late.token_ids == pc.generate(prompt(9, 3), max_new_tokens=5).token_ids
+    assert longer.token_ids == pc.generate(prompt(4, 90), max_new_tokens=60).token_ids
     assert long[1].finish_reason == "cancelled" and long[1].prefill.cache is None
 
 
