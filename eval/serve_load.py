@@ -7,8 +7,9 @@
 2. Throughput: ``--requests`` distinct short chats of ``--gen`` generated tokens each, sent by
    ``c`` client threads for every c in ``--concurrency``, against "sequential": the same requests
    through ``pc.generate`` in-process, one after another (the engine alone, no HTTP). Generated
-   tokens per second and TTFT p50/p99 per level. Today's server interleaves decode steps but runs
-   one token per forward, so throughput stays near sequential; batching comes with the scheduler.
+   tokens per second and TTFT p50/p99 per level. The server batches the decode steps of concurrent
+   requests into one forward (continuous batching); prefills run one at a time and hold up the
+   others' decoding meanwhile (no chunked prefill), which is most of TTFT under load.
 
 Writes ``serve_turns.csv``, ``serve_throughput.csv`` and ``serve_load.png`` to ``--out``
 (default eval/results/) and prints the ratios. Run it with ``nice -n 10`` on a shared machine;

@@ -41,6 +41,7 @@ class Request:
         self.position = 0  # position ID of ``pending``
         self.finish_reason: str | None = None
         self.cancel_requested = False
+        self.error: BaseException | None = None  # set when a step failed for this request (it is finished then)
 
     @property
     def finished(self) -> bool:

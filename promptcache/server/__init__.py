@@ -4,7 +4,7 @@
     protocol.py OpenAI request/response shapes and error objects
     prompts.py  request -> Plan (start callable, token count, sampling); validation
     prefix.py   automatic prefix reuse: hash-chained token blocks in the engine's store
-    backend.py  the worker thread that owns the model: bounded queue, interleaved decoding
+    backend.py  the worker thread stepping one shared Scheduler: bounded queue, batched decoding
     metrics.py  Prometheus counters
     cli.py      the click command ``serve``
 

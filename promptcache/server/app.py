@@ -54,7 +54,6 @@ def create_app(pc, *, api_keys: dict[str, str] | None = None, documents=None, ma
     backend = Backend(pc, max_queue)
     metrics = Metrics(backend, prefix, pc.store)
     backend.on_finish = lambda job, how: metrics.finished.labels(how).inc()
-    stops = pc.runner.eos_ids
 
     @asynccontextmanager
     async def lifespan(app):
@@ -104,6 +103,8 @@ def create_app(pc, *, api_keys: dict[str, str] | None = None, documents=None, ma
             job = backend.submit(plan.start, plan.sampling)
         except QueueFull as e:
             raise P.APIError(503, f"the server is busy: {e}; retry later") from None
+        except ValueError as e:  # sampling settings the engine refuses (SamplingParams names the field)
+            raise P.APIError(400, str(e)) from None
         try:
             kind, res = await job.events.get()  # the prompt ran (or failed) before any answer starts
         except asyncio.CancelledError:
@@ -118,9 +119,7 @@ def create_app(pc, *, api_keys: dict[str, str] | None = None, documents=None, ma
 
         def finish(gen):
             metrics.generated_tokens.inc(len(gen.token_ids))
-            ids = gen.token_ids
-            reason = "length" if len(ids) >= plan.sampling.max_new_tokens and ids[-1] not in stops else "stop"
-            return reason, P.usage(plan.prompt_tokens, len(ids), res.cached_tokens)
+            return gen.finish_reason, P.usage(plan.prompt_tokens, len(gen.token_ids), res.cached_tokens)
 
         metrics.requests.labels(request.url.path, "200").inc()
         if req.stream:

@@ -1,23 +1,23 @@
-"""The seam between the HTTP layer and the engine: one worker thread owns the model.
+"""The seam between the HTTP layer and the engine: one worker thread steps one shared ``Scheduler``.
 
 Requests arrive as ``Job``s (a ``start(reserve) -> PrefillResult`` callable and sampling
-settings). The worker admits them and steps every active job's ``GenerationStream`` iterator in
-turn (round-robin, one step each: a step is the prefill, or decoding until the next text piece),
-so no request waits for another's whole generation. Each step's outcome goes back to the
-request's asyncio loop as an event:
+settings), each wrapping an engine ``Request``. The worker adds arriving requests to the
+scheduler and calls ``step()`` while there is work: a step is the prefill of one waiting request
+or ONE batched decode forward of every running one (continuous batching, see
+``promptcache/engine/batch.py``), so no request waits for another's whole generation. A prefill
+holds up the others' decoding for its duration (chunked prefill would fix that; not done).
+Each step's outcome goes back to the request's asyncio loop as an event:
 
     ("prefilled", PrefillResult)  after the prompt ran (usage, TTFT)
     ("text", str)                 a decoded text piece
-    ("done", Generation)          finished; the cache is back in the engine's pool
+    ("done", Generation)          finished; the cache (or batch row) is free again
     ("error", Exception)          failed; nothing more follows
 
-Capacity: at most ``max_queue`` jobs are admitted at once (decoding or waiting for their first
-step); ``submit`` raises ``QueueFull`` beyond that (the server answers 503). ``cancel`` closes the
-job's iterator on the worker thread, which returns its cache to the pool.
-
-Later (continuous batching), the engine's scheduler replaces ``_step_all``: the worker then
-hands all active requests to one batched decode step; ``Job``/``submit``/``cancel`` and the
-events stay as they are.
+Capacity: at most ``max_queue`` jobs are admitted at once (decoding or waiting for their
+prefill); ``submit`` raises ``QueueFull`` beyond that (the server answers 503). ``cancel``
+(a client went away) asks the scheduler to stop the request at its next step, which frees its
+cache or batch row. A step that fails marks the requests it concerned (``Request.error``): those
+get an error event, the others go on.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
+from ..engine import Request, SamplingParams, Scheduler
 from ..errors import PromptCacheError
 
 log = logging.getLogger(__name__)
@@ -49,6 +50,10 @@ class Sampling:
     stop: list[str] | None = None
     seed: int | None = None
 
+    def params(self) -> SamplingParams:
+        return SamplingParams(max_new_tokens=self.max_new_tokens, temperature=self.temperature, top_p=self.top_p,
+                              stop=tuple(self.stop or ()), seed=self.seed)
+
 
 @dataclass
 class Job:
@@ -56,10 +61,9 @@ class Job:
     sampling: Sampling
     loop: asyncio.AbstractEventLoop | None = None
     events: asyncio.Queue | None = None
+    request: Request | None = None  # the engine request, stepped by the worker's scheduler
     cancelled: bool = False
     submitted: float = field(default_factory=time.perf_counter)
-    _it: object = field(default=None, repr=False)
-    _stream: object = field(default=None, repr=False)
 
     def emit(self, kind: str, value) -> None:
         try:
@@ -69,15 +73,16 @@ class Job:
 
 
 class Backend:
-    """Owns the engine; ``submit`` from the event loop, events back through ``job.events``."""
+    """Owns the engine's scheduler; ``submit`` from the event loop, events back through ``job.events``."""
 
     def __init__(self, pc, max_queue: int = 64, on_finish: Callable[[Job, str], None] | None = None):
         if max_queue < 1:
             raise ValueError(f"max_queue must be >= 1, got {max_queue}")
         self.pc, self.max_queue = pc, max_queue
         self.on_finish = on_finish or (lambda job, how: None)  # how: "done", "error", "cancelled"
+        self.scheduler = Scheduler(pc.runner)  # stepped by the worker thread only
         self._incoming: deque[Job] = deque()
-        self._active: list[Job] = []
+        self._jobs: dict[int, Job] = {}  # request id -> job, admitted and not finished (worker thread)
         self._in_flight = 0
         self._cv = threading.Condition()
         self._running = True
@@ -89,8 +94,16 @@ class Backend:
         return self._in_flight
 
     def submit(self, start: Callable[[int], object], sampling: Sampling) -> Job:
-        """Queue a request; call from the event loop. Raises QueueFull when at capacity."""
+        """Queue a request; call from the event loop. Raises QueueFull when at capacity, ValueError
+        for sampling settings the engine refuses."""
         job = Job(start, sampling, asyncio.get_running_loop(), asyncio.Queue())
+
+        def start_and_report(reserve: int):
+            res = job.start(reserve)
+            job.emit("prefilled", res)
+            return res
+
+        job.request = Request(start_and_report, sampling.params(), self.pc.tokenizer)
         with self._cv:
             if self._in_flight >= self.max_queue:
                 raise QueueFull(f"{self._in_flight} requests in flight, the queue holds {self.max_queue}")
@@ -100,9 +113,10 @@ class Backend:
         return job
 
     def cancel(self, job: Job) -> None:
-        """The client went away: the worker closes the job's stream and frees its cache."""
+        """The client went away: the scheduler stops the request at its next step and frees its cache."""
         with self._cv:
             job.cancelled = True
+            job.request.cancel()
             self._cv.notify()
 
     def close(self, timeout: float = 10.0) -> None:
@@ -115,52 +129,64 @@ class Backend:
     def _run(self) -> None:
         while True:
             with self._cv:
-                while self._running and not self._incoming and not self._active:
+                while self._running and not self._incoming and not self.scheduler.has_work:
                     self._cv.wait()
                 if not self._running:
                     break
                 while self._incoming:
-                    self._active.append(self._incoming.popleft())
-            self._step_all()
-        for job in self._active + list(self._incoming):
-            self._finish(job, "cancelled")
-
-    def _step_all(self) -> None:
-        for job in list(self._active):
-            if job.cancelled:
+                    job = self._incoming.popleft()
+                    self._jobs[job.request.id] = job
+                    self.scheduler.add(job.request)
+            self._step()
+        with self._cv:
+            while self._incoming:
+                job = self._incoming.popleft()
+                self._jobs[job.request.id] = job
+                self.scheduler.add(job.request)
+        for job in self._jobs.values():
+            job.request.cancel()
+        try:
+            while self.scheduler.has_work:  # cancelled requests finish at once, freeing their caches
+                self._step()
+        finally:
+            for job in list(self._jobs.values()):
                 self._finish(job, "cancelled")
+
+    def _step(self) -> None:
+        try:
+            outs = self.scheduler.step()
+        except Exception:  # noqa: BLE001 - reported to the requests it concerned, the worker goes on
+            log.exception("engine step failed")
+            self._sweep()
+            return
+        for out in outs:
+            job = self._jobs.get(out.request_id)
+            if job is None:
                 continue
-            try:
-                if job._it is None:
-                    job._stream = self._open(job)
-                    job._it = iter(job._stream)
-                piece = next(job._it)
-                job.emit("text", piece)
-            except StopIteration:
-                job.emit("done", job._stream.result)
-                self._finish(job, "done")
-            except Exception as e:  # noqa: BLE001 - reported to the client, the worker goes on
-                log.exception("request failed")
-                job.emit("error", e)
-                self._finish(job, "error")
+            if out.text:
+                job.emit("text", out.text)
+            if out.finished:
+                self._report(job)
 
-    def _open(self, job: Job):
-        s = job.sampling
+    def _sweep(self) -> None:
+        """After a failed step: report every request that finished in it (failed or cancelled)."""
+        for job in list(self._jobs.values()):
+            if job.request.finished:
+                self._report(job)
 
-        def start(reserve: int):
-            res = job.start(reserve)
-            job.emit("prefilled", res)
-            return res
-
-        return self.pc.stream_from(start, max_new_tokens=s.max_new_tokens, temperature=s.temperature, top_p=s.top_p,
-                                   stop=s.stop, seed=s.seed)
+    def _report(self, job: Job) -> None:
+        req = job.request
+        if req.error is not None:
+            job.emit("error", req.error)
+            self._finish(job, "error")
+        elif req.finish_reason == "cancelled":
+            self._finish(job, "cancelled")
+        else:
+            job.emit("done", req.generation())
+            self._finish(job, "done")
 
     def _finish(self, job: Job, how: str) -> None:
-        if job._it is not None and how != "done":
-            job._it.close()  # GeneratorExit inside the stream: its cache goes back to the pool
-        job._it = job._stream = None
-        if job in self._active:
-            self._active.remove(job)
+        self._jobs.pop(job.request.id, None)
         with self._cv:
             self._in_flight -= 1
         if how == "cancelled":

@@ -22,6 +22,10 @@ class Metrics:
               registry=r).set_function(lambda: backend.in_flight)
         Gauge("promptcache_prefix_blocks_stored", "prefix blocks put into the store",
               registry=r).set_function(lambda: prefix_cache.blocks_stored)
+        Gauge("promptcache_decode_forwards", "forwards run for decoding (a batched step counts once)",
+              registry=r).set_function(lambda: backend.scheduler.decode_forwards)
+        Gauge("promptcache_decode_tokens", "tokens decoded by those forwards (tokens / forwards: mean batch)",
+              registry=r).set_function(lambda: backend.scheduler.decode_tokens)
         usage = Gauge("promptcache_store_bytes", "bytes of stored states per tier", ["tier"], registry=r)
         for tier in store.usage():
             usage.labels(tier).set_function(lambda t=tier: store.usage().get(t, 0))

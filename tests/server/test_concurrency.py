@@ -33,9 +33,14 @@ def test_greedy_outputs_under_8_concurrent_requests_equal_one_by_one(pc):
             return r.choices[0].message.content
 
         alone = [one(p) for p in prompts]
+        assert metric(url, "promptcache_decode_tokens") == metric(url, "promptcache_decode_forwards")  # one by one
+        forwards, tokens = metric(url, "promptcache_decode_forwards"), metric(url, "promptcache_decode_tokens")
         with ThreadPoolExecutor(8) as ex:
             together = list(ex.map(one, prompts))
+        forwards = metric(url, "promptcache_decode_forwards") - forwards
+        tokens = metric(url, "promptcache_decode_tokens") - tokens
     assert together == alone
+    assert tokens > 2 * forwards, (tokens, forwards)  # concurrent decode steps shared forwards (batched)
     assert len(set(alone)) > 1  # distinct prompts, distinct answers: the comparison can fail
 
 
