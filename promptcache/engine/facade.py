@@ -152,7 +152,9 @@ class PromptCache:
         """Assemble the prompt's cache and run its new tokens: next-token logits and statistics.
 
         ``keep_cache=True`` hands the assembled cache to the caller (``result.cache``, with room
-        for ``reserve`` more tokens); call ``release(result)`` when done so it can be reused."""
+        for ``reserve`` more tokens); call ``release(result)`` when done so it can be reused.
+        A stored state that vanished (shared tier down, evicted) or fails verification is
+        re-encoded with the schema's other missing states and the plan retried once (a warning)."""
         t0 = time.perf_counter()
         layout = self.layout(prompt, namespace)
         entry = self.schema(layout.schema.name, namespace) if layout.schema is not None else None
