@@ -14,7 +14,8 @@ Each tier declares:
   * ``shared``: True when other processes read and write the same states (a remote service,
     ``ByteTier``). Shared tiers come after every local tier; ``write_policy`` then says when
     this process publishes: ``"through"`` on every ``put``, ``"on_evict"`` when a local memory
-    tier evicts the state.
+    tier evicts the state. A shared tier also answers ``exists_many(keys)`` and provides
+    ``encode_lock(key)`` (``ByteTier`` does).
 A local tier's ``get`` raises ``StoreError`` when what it holds fails verification; the store
 then drops the key from every local tier so the state is re-encoded or reloaded. A shared tier
 deletes a bad value itself and reports a miss.
