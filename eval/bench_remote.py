@@ -4,15 +4,16 @@ states from Redis, or loads a local compiled artifact; and the bytes each moves.
     python eval/bench_remote.py [--model embedded:bench] [--schema-tokens 4000] [--repeats 3]
                                 [--remote redis://host:port/db] [--out eval/results]
 
-The parent encodes the schema once, compiles it to a temporary artifact and publishes its states
-to Redis (a redis-server it starts on a free port unless ``--remote`` names one). Then, per
+The parent compiles the schema once to a temporary artifact with ``EngineConfig(remote=URL)``, which
+publishes its states to Redis (a redis-server it starts on a free port unless ``--remote`` names
+one). Then, per
 repeat and mode, a new Python process loads the model and runs one plain warm-up prompt (not
 timed: a server does both at start), then times schema -> first prompt's logits (``ttft_s``;
 ``states_s`` is the part before the prompt's prefill; ``local_prefill_s`` the same prompt again
 with its states in host memory, placement forgotten; ``acquire_s`` = ttft_s - local_prefill_s,
 the cost of getting the states):
   encode   PromptCache.add_schema (every module encoded) + prefill
-  remote   add_schema with the Redis tier appended (nothing encoded) + prefill (states fetched)
+  remote   add_schema on EngineConfig(remote=URL) (nothing encoded) + prefill (states fetched)
   disk     load_compiled(artifact) + prefill (states read from the memory-mapped file)
 Modes run round-robin, so machine load falls on all of them alike; medians are reported.
 Writes remote.csv and remote.png to ``--out``; prints the ratios (target: remote >= 10x faster
@@ -61,41 +62,36 @@ def prepare(args, work: Path) -> dict:
     """Encode once, compile the artifact, publish every state; the prompt and sizes for the children."""
     from promptcache import PromptCache
     from promptcache.bench import build_prompt, build_schema
+    from promptcache.engine import EngineConfig
     from promptcache.models.loading import load_model
-    from promptcache.store.remote import RedisTier
 
     model, tok = load_model(args.model, device=args.device, dtype=args.dtype)
     schema = build_schema(tok, args.schema_tokens)
     (work / "schema.xml").write_text(schema)
-    pc = PromptCache(model, tok)
-    pc.compile(work / "schema.xml", work / "artifact")
+    pc = PromptCache(model, tok, EngineConfig(remote=args.remote))
+    pc.compile(work / "schema.xml", work / "artifact")  # publishes every state (write-through)
     entry = pc.schema("bench")
-    tier = RedisTier(args.remote)
-    for key in entry.keys.values():
-        tier.put(key, pc.store.get(key)[0])
-    if tier.stats["errors"]:
-        raise SystemExit(f"publishing to {tier.where} failed: {tier.stats}")
+    stats = pc.store.shared_stats()
+    if stats["errors"] or not stats["bytes_out"]:
+        raise SystemExit(f"publishing to {args.remote.split('@')[-1]} failed: {stats}")
     prompt = build_prompt(pc, 8, 32)
     (work / "prompt.xml").write_text(prompt)
     return {"schema_tokens": entry.stored_tokens, "state_bytes": entry.stored_bytes,
             "artifact_bytes": sum(p.stat().st_size for p in (work / "artifact").iterdir()),
-            "redis_bytes": tier.stats["bytes_out"]}
+            "redis_bytes": stats["bytes_out"]}
 
 
 def child(args) -> None:
     """One fresh process, one mode: print {"ttft_s", "encoded", "bytes", "hit_tiers"} as JSON."""
     from promptcache import PromptCache
+    from promptcache.engine import EngineConfig
     from promptcache.models.loading import load_model
-    from promptcache.store.remote import RedisTier
 
     work = Path(args.work)
     model, tok = load_model(args.model, device=args.device, dtype=args.dtype)
-    pc = PromptCache(model, tok)
+    pc = PromptCache(model, tok, EngineConfig(remote=args.remote) if args.child == "remote" else None)
     _ = pc.model_key  # fingerprints (a sampled weight hash) belong to model loading, in every mode
     pc.prefill("<prompt>warm up</prompt>")  # so does the process's first forward (a server does it at start)
-    tier = RedisTier(args.remote) if args.child == "remote" else None
-    if tier is not None:
-        pc.store.tiers.append(tier)
     prompt = (work / "prompt.xml").read_text()
     t0 = time.perf_counter()
     if args.child == "disk":
@@ -109,9 +105,10 @@ def child(args) -> None:
     t2 = time.perf_counter()
     pc.prefill(prompt)
     local = time.perf_counter() - t2
-    moved = tier.stats["bytes_in"] if tier is not None else entry.stored_bytes if args.child == "disk" else 0
+    stats = pc.store.shared_stats()  # empty unless this is the remote mode
+    moved = stats["bytes_in"] if stats else entry.stored_bytes if args.child == "disk" else 0
     print(json.dumps({"ttft_s": ttft, "states_s": t1 - t0, "local_s": local, "bytes": moved, "hit_tiers": res.hit_tiers,
-                      "errors": tier.stats["errors"] if tier is not None else 0}))
+                      "errors": stats.get("errors", 0) + stats.get("corrupt", 0)}))
 
 
 def run_child(args, mode: str, work: Path) -> dict:

@@ -52,6 +52,15 @@ def _load_engine(model: str, device: str | None, dtype: str, config=None):
     return PromptCache(m, tok, config)
 
 
+def _remote_config(remote: str | None):
+    from .engine import EngineConfig
+
+    try:
+        return EngineConfig(remote=remote) if remote else None
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="--remote") from None
+
+
 @contextmanager
 def _progress(label: str):
     """A click progress bar fed by the engine's (done, total) callback."""
@@ -172,9 +181,10 @@ def demo(model, device, max_new_tokens):
 @click.option("--seed", default=None, type=int)
 @click.option("--stop", multiple=True, help="Stop when this text appears (repeatable).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of streaming.")
+@click.option("--remote", default=None, help="Share stored states through Redis/Valkey: redis://[:password@]host:port/db.")
 @_guard
 def run(prompt, schemas, compiled, recompile, model, device, dtype, no_cache, max_new_tokens, temperature, top_p,
-        top_k, repetition_penalty, seed, stop, as_json):
+        top_k, repetition_penalty, seed, stop, as_json, remote):
     """Answer PROMPT (a PML prompt file): stream the text, then one line of statistics.
 
     \b
@@ -190,7 +200,7 @@ def run(prompt, schemas, compiled, recompile, model, device, dtype, no_cache, ma
                                 repetition_penalty=repetition_penalty, stop=stop, seed=seed)
     except ValueError as e:
         raise click.UsageError(str(e)) from None
-    pc = _load_engine(model, device, dtype)
+    pc = _load_engine(model, device, dtype, _remote_config(remote))
     for folder in compiled:
         pc.load_compiled(folder, recompile=recompile)
     for s in schemas:
@@ -220,15 +230,16 @@ def run(prompt, schemas, compiled, recompile, model, device, dtype, no_cache, ma
 @click.argument("schema", type=click.Path(exists=True, dir_okay=False))
 @click.option("--out", "-o", required=True, type=click.Path(file_okay=False), help="Artifact folder to write.")
 @model_options
+@click.option("--remote", default=None, help="Also publish the states to this Redis/Valkey: redis://[:password@]host:port/db.")
 @_guard
-def compile(schema, out, model, device, dtype):
+def compile(schema, out, model, device, dtype, remote):
     """Encode SCHEMA once and write it as safetensors + manifest.json (atomically).
 
     \b
     Example:
       promptcache compile schemas/long_doc_qa.xml --model Qwen/Qwen2.5-0.5B-Instruct --out build/qa
     """
-    pc = _load_engine(model, device, dtype)
+    pc = _load_engine(model, device, dtype, _remote_config(remote))
     with _progress(f"Compiling {Path(schema).name}") as bar:
         path = pc.compile(schema, out, progress=bar)
     entry = pc.schema(pc.load_compiled(path).name)
@@ -319,8 +330,9 @@ def validate(files, model):
 @click.option("--schema-tokens", default=2000, show_default=True)
 @click.option("--new-tokens", default=32, show_default=True)
 @click.option("--repeats", default=10, show_default=True)
+@click.option("--remote", default=None, help="Share stored states through Redis/Valkey: redis://[:password@]host:port/db.")
 @_guard
-def bench(model, device, dtype, schema_tokens, new_tokens, repeats):
+def bench(model, device, dtype, schema_tokens, new_tokens, repeats, remote):
     """Time to first token: full prefill vs Prompt Cache vs the limit (one process, ratios).
 
     The limit is the forward of the new tokens alone on a ready, assembled cache. The default
@@ -328,7 +340,7 @@ def bench(model, device, dtype, schema_tokens, new_tokens, repeats):
     """
     from . import bench as benchmark
 
-    pc = _load_engine(model, device, dtype)
+    pc = _load_engine(model, device, dtype, _remote_config(remote))
     click.echo("\n".join(benchmark.run(pc, schema_tokens, new_tokens, repeats).lines()))
 
 

@@ -5,7 +5,9 @@ exactly what the engine needs (``StateInfo``: the portable content key, dtype, s
 [L, 2, H, n, D] from the engine's KV spec, the model digest and the manifest's checksum), so a
 states file that is not that (another model's, another schema's, a flipped header byte) is
 refused at load. Registering replaces any stale entry for the same keys: after a corrupted
-artifact was refused (and its states dropped from every tier), loading a good one works.
+artifact was refused (and its states dropped from every local tier), loading a good one works.
+Compiling also publishes the states to the store's shared tiers (``EngineConfig(remote=...)``):
+under their namespace keys, what replicas running ``add_schema`` look up.
 """
 
 from __future__ import annotations
@@ -38,6 +40,8 @@ def compile_schema(pc: "PromptCache", schema, out_dir, progress=None, namespace=
     entry = pc.add_schema(schema, progress, namespace)
     portable = content_keys(entry.layout, pc.model_key, PORTABLE)
     states = {i: (portable[i], pc.store.get(k)[0]) for i, k in entry.keys.items()}
+    for i, k in entry.keys.items():  # with a shared tier: every replica can use them (whatever its policy)
+        pc.store.publish(k, states[i][1])
     return write_artifact(out_dir, sources=(text, files, source_name or source), schema=entry.layout.schema,
                           layout=entry.layout, states=states, model_fp=pc.model_fingerprint,
                           model_digest=model_digest(pc.model_key), tokenizer_fp=pc.tokenizer_fingerprint,

@@ -39,6 +39,7 @@ class EngineConfig:
     kv_dtype: str | None = None  # stored module states: None = the model's dtype, or "bfloat16" / "float16" / "float32"
     recompute: float = 0.0  # default fraction of a prompt's cached tokens computed afresh (0: the paper's exact reuse)
     remote: str | None = None  # shared tier below disk: "redis://[:password@]host:port/db" (None: this process only)
+    remote_policy: str = "through"  # publish to ``remote`` every new state ("through") or what memory evicts ("on_evict")
 
     def __post_init__(self):
         if self.encode_chunk < 1:
@@ -52,6 +53,7 @@ class EngineConfig:
             raise ConfigError(f"EngineConfig.recompute must be a fraction in [0, 1], got {self.recompute!r}")
         if self.remote is not None and not str(self.remote).startswith(("redis://", "rediss://", "unix://")):
             raise ConfigError(f"EngineConfig.remote must be a redis:// URL, got {self.remote!r}")
+        self.store_config()  # validates the store's fields (remote_policy) now, not when the engine starts
 
     def namespace_for(self, namespace: str | None) -> str:
         """The namespace a call uses: ``None`` means this config's; anything else must be valid
@@ -59,4 +61,5 @@ class EngineConfig:
         return self.namespace if namespace is None else check_namespace(namespace)
 
     def store_config(self) -> StoreConfig:
-        return StoreConfig(self.device_budget, self.host_budget, self.spill_dir, self.pin_memory)
+        return StoreConfig(self.device_budget, self.host_budget, self.spill_dir, self.pin_memory, self.remote,
+                           self.remote_policy)

@@ -19,6 +19,7 @@ keys), ``encoder.py`` (schema encoding), ``assemble.py`` (prompt plans), ``sampl
 from __future__ import annotations
 
 import functools
+import logging
 import time
 from pathlib import Path
 from typing import Callable
@@ -29,7 +30,7 @@ from .. import compiled
 from ..layout import PromptLayout, SchemaLayout, layout_prompt, layout_schema
 from ..pml import parse_prompt
 from ..pml.nodes import Prompt
-from ..store import build_store
+from ..store import StoreError, build_store
 from ..tokens import as_span_tokenizer
 from .assemble import assemble
 from .config import EngineConfig
@@ -41,6 +42,8 @@ from .sampling import SamplingParams, sampling_params
 from .stream import GenerationStream
 
 __all__ = ["PromptCache"]
+
+log = logging.getLogger(__name__)
 
 Start = Callable[[int], PrefillResult]  # reserve -> a prefill holding its cache
 
@@ -91,11 +94,18 @@ class PromptCache:
         layout = layout_schema(schema, self.tok, max_positions=self.adapter.max_positions)
         ns = self.config.namespace_for(namespace)
         keys = self.registry.content_keys(layout, ns)
-        missing = [i for i, k in keys.items() if k not in self.store]
-        states = self.encoder.encode(layout, progress) if missing else {}
-        for i in missing:
-            self.store.put(keys[i], states[i])
+        self._ensure_states(layout, keys, progress)
         return self.register_schema(layout, keys, ns, time.perf_counter() - t0)
+
+    def _ensure_states(self, layout: SchemaLayout, keys: dict[int, str], progress: Progress | None = None,
+                       fetch: bool = False) -> None:
+        """Encode the states no tier holds (local, or shared: fetched on first use, or now with
+        ``fetch``); with a shared tier, two processes missing the same states encode them once
+        (``TieredStore.ensure``)."""
+        def encode() -> dict[str, torch.Tensor]:
+            return {keys[i]: kv for i, kv in self.encoder.encode(layout, progress).items()}
+
+        self.store.ensure(keys.values(), encode, fetch)
 
     def register_schema(self, layout: SchemaLayout, keys: dict[int, str], namespace: str,
                         seconds: float) -> EncodedSchema:
@@ -142,11 +152,20 @@ class PromptCache:
         """Assemble the prompt's cache and run its new tokens: next-token logits and statistics.
 
         ``keep_cache=True`` hands the assembled cache to the caller (``result.cache``, with room
-        for ``reserve`` more tokens); call ``release(result)`` when done so it can be reused."""
+        for ``reserve`` more tokens); call ``release(result)`` when done so it can be reused.
+        A stored state that vanished (shared tier down, evicted) or fails verification is
+        re-encoded with the schema's other missing states and the plan retried once (a warning)."""
         t0 = time.perf_counter()
         layout = self.layout(prompt, namespace)
         entry = self.schema(layout.schema.name, namespace) if layout.schema is not None else None
-        plan = assemble(layout, entry, self.store)
+        try:
+            plan = assemble(layout, entry, self.store)
+        except StoreError as e:  # a state vanished (shared tier down or evicted) or failed verification
+            if entry is None:
+                raise
+            log.warning("schema '%s': a stored state cannot be used (%s); re-encoding what is missing", entry.name, e)
+            self._ensure_states(entry.layout, entry.keys, fetch=True)
+            plan = assemble(layout, entry, self.store)
         return self.runner.prefill_spliced(plan.cached, plan.new_ids, plan.new_pos, plan.max_position, t0, reserve,
                                            keep_cache, exact=plan.exact, layout=layout, hit_tiers=plan.hit_tiers)
 

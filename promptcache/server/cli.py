@@ -87,8 +87,9 @@ def load_documents(pc, folder: Path, namespace: str):
 @click.option("--cache-gb", default=4.0, show_default=True, type=float,
               help="Memory for stored states (prefix blocks, schemas, documents) in GiB; the least recently "
                    "used spill to disk beyond it.")
+@click.option("--remote", default=None, help="Share stored states through Redis/Valkey: redis://[:password@]host:port/db.")
 def serve(model, device, dtype, schemas, compiled, documents, host, port, api_key_file, max_queue, block_size,
-          model_name, cache_gb):
+          model_name, cache_gb, remote):
     """Serve an OpenAI-compatible API (chat, completions, models, health, metrics) that reuses
     attention states across requests. Needs the 'serve' extra."""
     try:
@@ -111,7 +112,7 @@ def serve(model, device, dtype, schemas, compiled, documents, host, port, api_ke
     click.echo(f"Loading model {model} on {device} ({dtype}) ...", err=True)
     try:
         budget = int(cache_gb * 2**30)
-        config = EngineConfig(device_budget=budget, host_budget=budget)
+        config = EngineConfig(device_budget=budget, host_budget=budget, remote=remote)
         pc = PromptCache(*load_model(model, device=device, dtype=dtype), config)
     except (OSError, ValueError) as e:
         raise click.ClickException(str(e)) from None

@@ -4,6 +4,12 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client import CONTENT_TYPE_LATEST  # noqa: F401  (re-exported for the app)
+from prometheus_client.core import CounterMetricFamily
+
+# the shared (Redis) tier's counters (TieredStore.shared_stats) -> metric name, help
+REMOTE = {"hits": ("promptcache_remote_hits", "stored states fetched from the shared tier (verified)"),
+          "errors": ("promptcache_remote_errors", "shared tier failures (down, slow, full): served locally"),
+          "corrupt": ("promptcache_remote_corrupt", "shared values that failed verification (deleted, re-encoded)")}
 
 
 class Metrics:
@@ -29,6 +35,20 @@ class Metrics:
         usage = Gauge("promptcache_store_bytes", "bytes of stored states per tier", ["tier"], registry=r)
         for tier in store.usage():
             usage.labels(tier).set_function(lambda t=tier: store.usage().get(t, 0))
+        if store.shared:
+            r.register(_RemoteCounters(store))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _RemoteCounters:
+    """Counters read from the shared tier at each scrape (the tier counts; nothing to increment here)."""
+
+    def __init__(self, store):
+        self.store = store
+
+    def collect(self):
+        stats = self.store.shared_stats()
+        for field, (name, doc) in REMOTE.items():
+            yield CounterMetricFamily(name, doc, value=stats.get(field, 0))

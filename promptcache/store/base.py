@@ -10,9 +10,15 @@ Each tier declares:
   * ``write_policy``: ``"on_evict"`` (the default: it receives states evicted from the tier
     above, write-back) or ``"through"`` (it also receives every ``put``, write-through);
   * ``io``: True when ``get`` reads a file or the network. ``TieredStore`` calls such tiers
-    outside its index lock, so they must guard their own index (memory tiers need not).
-A tier's ``get`` raises ``StoreError`` when what it holds fails verification; the store then
-drops the key from every tier (``evict``) so the state is re-encoded or reloaded.
+    outside its index lock, so they must guard their own index (memory tiers need not);
+  * ``shared``: True when other processes read and write the same states (a remote service,
+    ``ByteTier``). Shared tiers come after every local tier; ``write_policy`` then says when
+    this process publishes: ``"through"`` on every ``put``, ``"on_evict"`` when a local memory
+    tier evicts the state. A shared tier also answers ``exists_many(keys)`` and provides
+    ``encode_lock(key)`` (``ByteTier`` does).
+A local tier's ``get`` raises ``StoreError`` when what it holds fails verification; the store
+then drops the key from every local tier so the state is re-encoded or reloaded. A shared tier
+deletes a bad value itself and reports a miss.
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ class Tier(ABC):
     budget: int | None = None  # bytes; None: unbounded
     write_policy: str = "on_evict"
     io: bool = False
+    shared: bool = False
 
     @abstractmethod
     def get(self, key: str) -> torch.Tensor | None:

@@ -1,17 +1,19 @@
 """The remote tier: module states shared by every replica through one Redis (or Valkey).
 
-Layout in Redis of one state with content key K (``keys.py``; it already hashes the namespace,
-model and tokenizer fingerprints, tokens and positions), format version ``v1``:
+A ``ByteTier``: values are the store's codec bytes (safetensors with the content key, dtype,
+shape and a checksum over all of them and the data), verified on every fetch exactly like disk
+states (``bytetier.py``). Layout in Redis of one state with content key K (``keys.py``; it
+already hashes the namespace, model and tokenizer fingerprints, tokens and positions), format
+version ``v2`` (the codec's format; values of another version are never read):
 
-    pc:v1:{K}:0 .. pc:v1:{K}:<n-1>   the encoded value in chunks of ``chunk_bytes`` (last one shorter)
-    pc:v1:{K}:h                      header, JSON {"chunks": n, "bytes": total, "sha256": of the value}
-    pc:v1:{K}:lock                   single-flight encoding lock (``encode_lock``)
+    pc:v2:{K}:0 .. pc:v2:{K}:<n-1>   the codec value in chunks of ``chunk_bytes`` (last one shorter)
+    pc:v2:{K}:h                      header, JSON {"chunks": n, "bytes": total}
+    pc:v2:{K}:lock                   single-flight encoding lock (``encode_lock``)
 
 Writes: the chunks go in one pipeline; the header is written LAST, only after every chunk was
-acknowledged, so a reader that finds a header never sees a half-written value. Reads check the
-header (length and sha256 over the value) and the value's own metadata (content key, dtype,
-shape, sha256 of the tensor data); a bad, truncated or partly evicted value is deleted and
-reported as a miss, never returned.
+acknowledged, so a reader that finds a header never sees a half-written value. Reads take the
+header, then every chunk in one pipeline; a missing chunk, a length that differs from the
+header's or a value the codec refuses is deleted and reported as a miss, never returned.
 
 ``{K}`` is a Redis Cluster hash tag: only the text in braces is hashed to pick the key's slot,
 so the chunks, header and lock of one state live on one shard. One pipeline then reads or writes
@@ -20,165 +22,122 @@ separately), and the lock guards keys on its own node. Different states still sp
 shards by their keys.
 
 Failures never reach the caller: Redis down, slow (socket timeouts) or full (OOM on write) is
-a logged warning (once per outage), a count in ``stats``, a miss for ``get`` and a dropped
-write for ``put``. After a connection failure the tier stays quiet for a back-off (doubling
-from ``retry_after[0]`` to ``retry_after[1]`` seconds), then the client reconnects by itself.
-Eviction is Redis's (``maxmemory-policy allkeys-lru``, optional ``ttl``); this tier has no
-budget and never picks a victim.
+a logged warning (once per outage), a count in ``stats``, a miss for ``get`` / ``exists`` and a
+dropped write for ``put``. After a connection failure the tier stays quiet for a back-off
+(doubling from ``retry_after[0]`` to ``retry_after[1]`` seconds), then the client reconnects by
+itself. Eviction is Redis's (``maxmemory-policy allkeys-lru``, optional ``ttl``).
 
-One file of ~320 lines on purpose: key layout, verification, failure handling and the lock are
-one protocol over Redis and read best together; the two codec functions at the top are meant to
-be replaced by the store's codec.
+Over 250 lines on purpose: key layout, failure handling and the lock are one protocol over
+Redis and read best together.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
-import struct
 import threading
 import time
 import uuid
 from contextlib import contextmanager
-from typing import Callable, Iterator
+from typing import Callable, Iterable, Iterator
 from urllib.parse import urlsplit
 
 import redis
-import torch
 from redis.backoff import NoBackoff
 from redis.retry import Retry
-from safetensors.torch import load as st_load
-from safetensors.torch import save as st_save
 
-from .base import Tier
+from .bytetier import ByteTier
 
 log = logging.getLogger(__name__)
 
-PREFIX = "pc:v1"  # key prefix and value format version; bump it when the value layout changes
+PREFIX = "pc:v2"  # key prefix and value format version; bump it when the value layout changes
+SCHEMES = ("redis", "rediss", "unix", "valkey", "valkeys")
 
-
-# -- the value codec (swap in the store's codec here) ---------------------------------------------
-def encode_state(key: str, kv: torch.Tensor) -> bytes:
-    """safetensors bytes of one state, metadata: content key, dtype, shape, sha256 of the data."""
-    kv = kv.detach().contiguous().cpu()
-    meta = {"key": key, "dtype": str(kv.dtype).removeprefix("torch."), "shape": json.dumps(list(kv.shape)),
-            "sha256": _data_sha256(kv)}
-    return st_save({"kv": kv}, metadata=meta)
-
-
-def decode_state(key: str, value: bytes, check_data: bool = True) -> torch.Tensor:
-    """The state in ``value`` (from ``encode_state``); ValueError naming the mismatch.
-    ``check_data=False`` skips hashing the data, for a caller that already verified every byte
-    of ``value`` against a checksum (the Redis header's): one sha256 pass instead of two."""
-    if len(value) < 8:
-        raise ValueError(f"value of {len(value)} bytes is no safetensors file")
-    (n,) = struct.unpack("<Q", value[:8])
-    try:
-        meta = json.loads(value[8 : 8 + n])["__metadata__"]
-        kv = st_load(value)["kv"]
-    except Exception as e:  # truncated or not safetensors
-        raise ValueError(f"unreadable value: {e}") from None
-    if meta.get("key") != key:
-        raise ValueError(f"value holds key {str(meta.get('key'))[:16]}..., asked for {key[:16]}...")
-    got = (str(kv.dtype).removeprefix("torch."), json.dumps(list(kv.shape)),
-           _data_sha256(kv) if check_data else meta.get("sha256"))
-    want = (meta.get("dtype"), meta.get("shape"), meta.get("sha256"))
-    bad = [f"{name} {g} (metadata: {w})" for name, g, w in zip(("dtype", "shape", "data sha256"), got, want) if g != w]
-    if bad:
-        raise ValueError(f"value does not match its metadata: {'; '.join(bad)}")
-    return kv
-
-
-def _data_sha256(t: torch.Tensor) -> str:
-    return hashlib.sha256(t.reshape(-1).view(torch.uint8).numpy().data if t.numel() else b"").hexdigest()
-
-
-# -- the tier -------------------------------------------------------------------------------------
 _LUA_RELEASE = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) end return 0"
 _FAILED = object()  # what _call returns when Redis failed or is in back-off
 
 
-class RedisTier(Tier):
+class RedisTier(ByteTier):
     """States in one Redis/Valkey shared by every process pointed at it (``name == "remote"``).
 
-    ``url``: ``redis://[:password@]host:port/db`` (``rediss://`` for TLS). ``ttl``: seconds a
-    stored state lives (None: until Redis evicts it). Timeouts are seconds; ``retry_after`` is
-    the back-off (first, longest) after a connection failure. Thread-safe.
+    ``url``: ``redis://[:password@]host:port/db`` (``rediss://`` for TLS, ``unix://`` for a
+    socket). ``write_policy``: ``"through"`` (publish every new state) or ``"on_evict"``
+    (publish what this process's memory tiers evict). ``ttl``: seconds a stored state lives
+    (None: until Redis evicts it). ``lock_ttl``: expiry of the encoding lock, and how long a
+    waiter waits for another process's encoding. Timeouts are seconds; ``retry_after`` is the
+    back-off (first, longest) after a connection failure. Thread-safe.
     """
 
-    name = "remote"
-    budget = None  # Redis's maxmemory and eviction policy bound it, not this process
-
-    def __init__(self, url: str, chunk_bytes: int = 8 << 20, ttl: float | None = None,
-                 connect_timeout: float = 0.5, timeout: float = 2.0,
-                 retry_after: tuple[float, float] = (1.0, 5.0), poll: float = 0.05):
-        if chunk_bytes < 1 or (ttl is not None and ttl <= 0) or connect_timeout <= 0 or timeout <= 0:
-            raise ValueError(f"RedisTier: chunk_bytes, ttl, connect_timeout and timeout must be > 0, got "
-                             f"{chunk_bytes}, {ttl}, {connect_timeout}, {timeout}")
+    def __init__(self, url: str, write_policy: str = "through", chunk_bytes: int = 8 << 20,
+                 ttl: float | None = None, lock_ttl: float = 60.0, connect_timeout: float = 0.5,
+                 timeout: float = 2.0, retry_after: tuple[float, float] = (1.0, 5.0), poll: float = 0.05):
+        super().__init__("remote", write_policy)
+        if chunk_bytes < 1 or (ttl is not None and ttl <= 0) or lock_ttl <= 0 or connect_timeout <= 0 or timeout <= 0:
+            raise ValueError(f"RedisTier: chunk_bytes, ttl, lock_ttl, connect_timeout and timeout must be > 0, got "
+                             f"{chunk_bytes}, {ttl}, {lock_ttl}, {connect_timeout}, {timeout}")
         if not 0 < retry_after[0] <= retry_after[1]:
             raise ValueError(f"RedisTier: retry_after must be (first, longest) with 0 < first <= longest, "
                              f"got {retry_after}")
         parts = urlsplit(url)
-        if parts.scheme not in ("redis", "rediss", "valkey", "valkeys"):
+        if parts.scheme not in SCHEMES:
             raise ValueError(f"RedisTier: URL must look like redis://[:password@]host:port/db, got scheme "
                              f"'{parts.scheme}'")
-        self.where = f"{parts.scheme}://{parts.hostname}:{parts.port or 6379}{parts.path or '/0'}"  # no password
-        self.chunk_bytes, self.poll, self.retry_after = chunk_bytes, poll, retry_after
+        self.where = (f"unix://{parts.path}" if parts.scheme == "unix" else  # never the password
+                      f"{parts.scheme}://{parts.hostname}:{parts.port or 6379}{parts.path or '/0'}")
+        self.chunk_bytes, self.lock_ttl, self.poll, self.retry_after = chunk_bytes, lock_ttl, poll, retry_after
         self._ttl_ms = None if ttl is None else int(ttl * 1000)
         url = url.replace("valkey", "redis", 1) if parts.scheme.startswith("valkey") else url
         self._r = redis.Redis.from_url(url, socket_connect_timeout=connect_timeout, socket_timeout=timeout,
                                        retry=Retry(NoBackoff(), 0), health_check_interval=0)
         self._release = self._r.register_script(_LUA_RELEASE)
-        self.stats = {"hits": 0, "misses": 0, "errors": 0, "bytes_in": 0, "bytes_out": 0, "corrupt": 0}
         self._lock = threading.Lock()
         self._down_until = 0.0  # time.monotonic() before which Redis is not tried
         self._backoff = retry_after[0]
         self._warned: set[str] = set()  # failure kinds warned about during the current outage
 
-    # -- the Tier interface -----------------------------------------------------------------------
-    def get(self, key: str) -> torch.Tensor | None:
-        """The verified state, or None (absent, bad, or Redis unavailable)."""
-        kv = self._call(lambda r: self._read(r, key), "read")
-        hit = isinstance(kv, torch.Tensor)
-        self._count("hits" if hit else "misses")
-        return kv if hit else None
+    # -- the ByteTier interface -------------------------------------------------------------------
+    def read(self, key: str) -> bytes | None:
+        value = self._call(lambda r: self._read(r, key), "read")
+        if isinstance(value, str):  # what is wrong with the stored value
+            self.bad_value(key, value)
+        return value if isinstance(value, bytes) else None
 
-    def put(self, key: str, kv: torch.Tensor) -> None:
-        """Publish a state (a no-op when Redis already holds it or is unavailable)."""
-        if self._call(lambda r: bool(r.exists(self._k(key, "h"))), "probe") is not False:
-            return  # there already (content-addressed: the same state), or Redis unavailable
-        value = encode_state(key, kv)
-        if self._call(lambda r: self._write(r, key, value), "write") is True:
-            self._count("bytes_out", len(value))
+    def write(self, key: str, value: bytes) -> bool:
+        return self._call(lambda r: self._write(r, key, value), "write") is True
 
-    def evict(self, key: str) -> torch.Tensor | None:
-        """Delete the state from Redis (for every replica); never returns a state."""
+    def delete(self, key: str) -> None:
         self._call(lambda r: self._delete(r, key), "delete")
-        return None
 
-    def lru(self) -> str | None:
-        return None  # Redis evicts by itself (maxmemory-policy)
+    def exists(self, key: str) -> bool:
+        return self._call(lambda r: bool(r.exists(self._k(key, "h"))), "probe") is True
 
-    @property
-    def bytes_used(self) -> int:
-        return 0  # Redis's memory is not this process's budget; see stats for bytes moved
+    def exists_many(self, keys: Iterable[str]) -> set[str]:
+        """One pipelined round trip for every key (none when Redis is unavailable)."""
+        keys = list(keys)
+        if not keys:
+            return set()
 
-    def __contains__(self, key: str) -> bool:
-        """Whether Redis holds a header for ``key`` (unverified: ``get`` verifies)."""
-        return self._call(lambda r: bool(r.exists(self._k(key, "h"))), "read") is True
+        def probe(r: redis.Redis) -> list:
+            pipe = r.pipeline(transaction=False)
+            for k in keys:
+                pipe.exists(self._k(k, "h"))
+            return pipe.execute()
+
+        found = self._call(probe, "probe")
+        return set() if found is _FAILED else {k for k, n in zip(keys, found) if n}
 
     def check(self, key: str) -> bool:
         """Read and verify the whole value; a bad one is deleted."""
         return self.get(key) is not None
 
     @contextmanager
-    def encode_lock(self, key: str, ttl: float = 30.0) -> Iterator[bool]:
+    def encode_lock(self, key: str, ttl: float | None = None) -> Iterator[bool]:
         """Single flight across processes: yields True when this process should encode ``key``
         (and publish it with ``put`` inside the block), False when another process published it
         meanwhile (``get`` it; a miss still means encode). A waiter polls for at most ``ttl``
-        seconds; the lock expires after ``ttl``, so a crashed holder blocks nobody for longer.
-        With Redis unavailable it yields True at once."""
+        seconds (default ``lock_ttl``); the lock expires after ``ttl``, so a crashed holder blocks
+        nobody for longer. With Redis unavailable it yields True at once."""
+        ttl = self.lock_ttl if ttl is None else ttl
         lock_key, token = self._k(key, "lock"), uuid.uuid4().hex
         mine = self._wait_turn(key, lock_key, token, ttl)
         try:
@@ -195,35 +154,28 @@ class RedisTier(Tier):
     def _k(self, key: str, part: str | int) -> str:
         return f"{PREFIX}:{{{key}}}:{part}"  # {key}: Redis Cluster hash tag, one shard per state
 
-    def _read(self, r: redis.Redis, key: str) -> torch.Tensor | None:
+    def _read(self, r: redis.Redis, key: str) -> bytes | str | None:
+        """The value, None when absent, or what is wrong with it (a str)."""
         raw = r.get(self._k(key, "h"))
         if raw is None:
             return None
         try:
             head = json.loads(raw)
-            n, total, sha = int(head["chunks"]), int(head["bytes"]), str(head["sha256"])
+            n, total = int(head["chunks"]), int(head["bytes"])
         except (ValueError, KeyError, TypeError):
-            return self._corrupt(r, key, "unreadable header")
+            return "unreadable header"
         pipe = r.pipeline(transaction=False)
         for i in range(n):
             pipe.get(self._k(key, i))
         chunks = pipe.execute()
         if any(c is None for c in chunks):
-            return self._corrupt(r, key, f"{sum(c is None for c in chunks)} of {n} chunks missing", n)
+            return f"{sum(c is None for c in chunks)} of {n} chunks missing"
         value = b"".join(chunks)
         if len(value) != total:
-            return self._corrupt(r, key, f"{len(value)} bytes, header says {total}", n)
-        if hashlib.sha256(value).hexdigest() != sha:
-            return self._corrupt(r, key, "sha256 mismatch", n)
-        try:
-            kv = decode_state(key, value, check_data=False)  # every byte matched the header's sha256
-        except ValueError as e:
-            return self._corrupt(r, key, str(e), n)
-        self._count("bytes_in", total)
-        return kv
+            return f"{len(value)} bytes, header says {total}"
+        return value  # the codec verifies it (ByteTier.get)
 
     def _write(self, r: redis.Redis, key: str, value: bytes) -> bool:
-        head_key = self._k(key, "h")
         view, size = memoryview(value), self.chunk_bytes
         n = max(1, -(-len(value) // size))
         # chunks outlive the header by a margin, so a live header never points at expired chunks
@@ -233,20 +185,19 @@ class RedisTier(Tier):
             pipe.set(self._k(key, i), view[i * size : (i + 1) * size], px=chunk_px)
         try:
             pipe.execute()
-            head = json.dumps({"chunks": n, "bytes": len(value), "sha256": hashlib.sha256(value).hexdigest()})
-            r.set(head_key, head, px=self._ttl_ms)  # last: the value is complete from here on
+            r.set(self._k(key, "h"), json.dumps({"chunks": n, "bytes": len(value)}), px=self._ttl_ms)  # last
         except redis.exceptions.ResponseError:  # e.g. OOM: drop the chunks written so far
             r.delete(*[self._k(key, i) for i in range(n)])
             raise
         return True
 
-    def _delete(self, r: redis.Redis, key: str, n: int | None = None) -> None:
-        """Header first (no reader trusts the chunks from then on), then chunks 0..n-1; with n
-        unknown (bad header), the header's count or runs of 16 until a run is incomplete."""
-        head = r.get(self._k(key, "h")) if n is None else None
+    def _delete(self, r: redis.Redis, key: str) -> None:
+        """Header first (no reader trusts the chunks from then on), then chunks 0..n-1 by the
+        header's count or, without a readable header, runs of 16 until a run is incomplete."""
+        head = r.get(self._k(key, "h"))
         r.delete(self._k(key, "h"))
         try:
-            n = int(json.loads(head)["chunks"]) if head is not None else n
+            n = int(json.loads(head)["chunks"]) if head is not None else None
         except (ValueError, KeyError, TypeError):
             n = None
         if n is not None:
@@ -255,13 +206,6 @@ class RedisTier(Tier):
         start = 0
         while r.delete(*[self._k(key, i) for i in range(start, start + 16)]) == 16:
             start += 16
-
-    def _corrupt(self, r: redis.Redis, key: str, why: str, n: int | None = None) -> None:
-        log.warning("shared tier %s: bad value for %s... (%s): deleted, treated as a miss", self.where,
-                    key[:16], why)
-        self._count("corrupt")
-        self._delete(r, key, n)
-        return None
 
     def _wait_turn(self, key: str, lock_key: str, token: str, ttl: float) -> bool:
         deadline = time.monotonic() + ttl
@@ -295,8 +239,8 @@ class RedisTier(Tier):
         return out
 
     def _failed(self, kind: str, what: str, e: Exception, backoff: bool) -> None:
+        self.count("errors")
         with self._lock:
-            self.stats["errors"] += 1
             first = kind not in self._warned
             self._warned.add(kind)
             wait = self._backoff if backoff else 0.0
@@ -316,7 +260,3 @@ class RedisTier(Tier):
             was, self._warned = self._warned, set()
             self._backoff, self._down_until = self.retry_after[0], 0.0
         log.info("shared tier %s reachable again (after %s)", self.where, ", ".join(sorted(was)))
-
-    def _count(self, name: str, n: int = 1) -> None:
-        with self._lock:
-            self.stats[name] += n

@@ -1,19 +1,29 @@
 """Tiers stacked fastest first: LRU eviction down, promotion up on use, write-through where asked.
 
 ``TieredStore(tiers=[...])`` takes its tiers; ``build_store(device, StoreConfig)`` builds the
-default stack: device memory (when the device is not the CPU), host memory, disk. Lookup runs
-down the list (device -> host -> disk -> a remote tier when one is added); a hit below the top
-is promoted to the fastest tier that can hold it.
+default stack: device memory (when the device is not the CPU), host memory, disk, and the shared
+Redis tier when ``StoreConfig.remote`` names one. Lookup runs down the list (device -> host ->
+disk -> remote); a hit below the top is promoted to the fastest tier that can hold it.
 
 Writes: ``put`` stores a state in the fastest tier that fits and in every lower tier whose
-``write_policy`` is ``"through"``; a state evicted from a tier goes to the next lower tier unless
-a lower tier already holds it (``"on_evict"``, write-back).
+``write_policy`` is ``"through"``; a state evicted from a tier goes to the next lower local tier
+unless a lower local tier already holds it (``"on_evict"``, write-back). Shared tiers
+(``tier.shared``, after every local tier) never take part in eviction decisions (no network
+round trip under the lock); one with ``"on_evict"`` receives every state a local memory tier
+evicts (published when it leaves this process's memory), written after the lock is released.
+
+``ensure(keys, produce)`` is how the engine fills the store for a schema: keys a local tier holds
+stay; keys a shared tier holds are left there (fetched, verified and promoted by the first
+``get``, so a prompt's ``hit_tiers`` says ``remote``); the rest are produced once. With a
+write-through shared tier that happens under its ``encode_lock``: two processes missing the same
+states produce them once, the other waits and then finds them published.
 
 Locking: one lock guards the index (which tier holds what, LRU order, budgets). Tiers with
 ``io=True`` are read outside it, and write-through copies are written outside it; spill writes
 on eviction happen under it, so a state is never absent from every tier while it moves down.
 A state that fails verification (``StoreError`` from a tier) is dropped from every tier before
 the error is raised, so the next ``add_schema`` re-encodes it and a good file can be registered.
+A shared tier never raises: it deletes a bad value itself and reports a miss.
 """
 
 from __future__ import annotations
@@ -22,11 +32,12 @@ import logging
 import threading
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable, Iterable
 
 import torch
 
 from ..errors import ConfigError
-from .base import StoreError, Tier, nbytes
+from .base import WRITE_POLICIES, StoreError, Tier, nbytes
 from .disk import DiskTier
 from .memory import MemoryTier
 
@@ -36,29 +47,50 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class StoreConfig:
     """Byte budgets per tier (None: unbounded). On a CPU-only engine the device *is* host memory:
-    there is one memory tier, named "host", with ``host_budget``."""
+    there is one memory tier, named "host", with ``host_budget``. ``remote``: a Redis/Valkey URL
+    whose tier is appended below disk (needs the ``redis`` client: the ``remote`` extra), with
+    ``remote_policy`` "through" (publish every new state) or "on_evict" (publish what memory
+    tiers evict)."""
 
     device_budget: int | None = None
     host_budget: int | None = None
     spill_dir: str | None = None  # where evicted states go when no file holds them (default: a temp dir)
     pin_memory: bool = True  # pin host states when a GPU is used
+    remote: str | None = None  # "redis://[:password@]host:port/db" (None: this process only)
+    remote_policy: str = "through"
 
     def __post_init__(self):
         for name in ("device_budget", "host_budget"):
             v = getattr(self, name)
             if v is not None and v < 0:
                 raise ConfigError(f"{name} must be >= 0 bytes, got {v}")
+        if self.remote_policy not in WRITE_POLICIES:
+            raise ConfigError(f"remote_policy must be one of {', '.join(WRITE_POLICIES)}, got {self.remote_policy!r}")
 
 
 def build_store(device: torch.device | str, config: StoreConfig | None = None) -> "TieredStore":
-    """The default tiers: device memory (not on CPU), host memory, disk (all write-back)."""
+    """The default tiers: device memory (not on CPU), host memory, disk (all write-back), then the
+    shared Redis tier when ``config.remote`` is set."""
     config, device = config or StoreConfig(), torch.device(device)
     tiers: list[Tier] = []
     if device.type != "cpu":
         tiers.append(MemoryTier("device", device, config.device_budget))
     tiers.append(MemoryTier("host", "cpu", config.host_budget, pin=config.pin_memory))
     tiers.append(DiskTier(config.spill_dir))
+    if config.remote is not None:
+        tiers.append(_redis_tier(config.remote, config.remote_policy))
     return TieredStore(tiers)
+
+
+def _redis_tier(url: str, policy: str) -> Tier:
+    try:
+        from .remote import RedisTier  # the redis client is optional: imported only when asked for
+    except ModuleNotFoundError as e:
+        if e.name != "redis":
+            raise
+        raise ImportError(f"a remote tier ({url.split('@')[-1]}) needs the redis client: "
+                          'pip install "promptcache[remote]"') from None
+    return RedisTier(url, policy)
 
 
 class TieredStore:
@@ -68,23 +100,56 @@ class TieredStore:
         names = [t.name for t in tiers]
         if not tiers or len(set(names)) != len(names):
             raise ValueError(f"a store needs at least one tier and distinct tier names, got {names}")
+        kinds = [t.shared for t in tiers]
+        if kinds != sorted(kinds) or all(kinds):
+            raise ValueError(f"shared tiers must come after the local ones, and one tier at least must be "
+                             f"local; got {[(t.name, 'shared' if t.shared else 'local') for t in tiers]}")
         self.tiers = list(tiers)
+        self.local = [t for t in tiers if not t.shared]
+        self.shared = [t for t in tiers if t.shared]
         self._lock = threading.RLock()
+        self._outbox: list[tuple[Tier, str, torch.Tensor]] = []  # on_evict publications, sent outside the lock
 
     def __contains__(self, key: str) -> bool:
+        """Whether any tier holds ``key`` (a shared tier: one round trip, unverified)."""
         with self._lock:
-            return any(key in t for t in self.tiers)
+            if any(key in t for t in self.local):
+                return True
+        return any(key in t for t in self.shared)
 
     def put(self, key: str, kv: torch.Tensor) -> None:
         """Store a state in the fastest tier that can hold it (evicting others down as needed)
         and in every write-through tier below it."""
         with self._lock:
-            if any(key in t for t in self.tiers):
+            if any(key in t for t in self.local):
                 return
             i = self._insert_at(key, kv, 0)
         for tier in self.tiers[i + 1 :]:
             if tier.write_policy == "through":
                 tier.put(key, kv)
+        self._flush()
+
+    def publish(self, key: str, kv: torch.Tensor) -> None:
+        """Write a state to every shared tier whatever its policy (``promptcache compile --remote``)."""
+        for tier in self.shared:
+            tier.put(key, kv)
+
+    def ensure(self, keys: Iterable[str], produce: Callable[[], dict[str, torch.Tensor]],
+               fetch: bool = False) -> list[str]:
+        """Make every key servable; returns the keys produced here (``produce()`` returns states
+        by key, at least those; it is called at most once). See the module docstring.
+        ``fetch=True`` fetches what shared tiers hold now (verified, promoted) instead of on first
+        use, so a bad or vanished shared value is produced here at once (a prompt's retry)."""
+        with self._lock:
+            missing = [k for k in dict.fromkeys(keys) if not any(k in t for t in self.local)]
+        missing = [k for k in missing if not self._fetched(k)] if fetch else self._not_shared(missing)
+        lock_tier = next((t for t in self.shared if t.write_policy == "through"), None)
+        if not missing or lock_tier is None:
+            return self._produce(missing, produce)
+        with lock_tier.encode_lock(missing[0]) as mine:
+            if not mine:  # another process produced them meanwhile
+                missing = self._not_shared(missing)
+            return self._produce(missing, produce)
 
     def get(self, key: str) -> tuple[torch.Tensor, str]:
         """(state, name of the tier it was found in). Promotes it to the fastest tier that fits.
@@ -100,13 +165,16 @@ class TieredStore:
             with self._lock:
                 if i > self._top_fitting(nbytes(kv)) and not any(key in t for t in self.tiers[:i]):
                     kv = self._insert(key, kv, 0)
+            self._flush()
             return kv, tier.name
-        raise StoreError(f"no stored state for key {key[:16]}... (evicted with no disk copy?)")
+        where = " or shared tier unavailable" if self.shared else ""
+        raise StoreError(f"no stored state for key {key[:16]}... (evicted with no disk copy{where}?)")
 
     def discard(self, key: str) -> None:
-        """Drop ``key`` from every tier (spill files and remote values are deleted)."""
+        """Drop ``key`` from every local tier (spill files are deleted). Shared values stay: a
+        local copy going bad says nothing about them, and a shared tier deletes its own bad values."""
         with self._lock:
-            for tier in self.tiers:
+            for tier in self.local:
                 tier.evict(key)
 
     def register_file(self, path: Path, entries: dict, opened=None) -> None:
@@ -115,7 +183,7 @@ class TieredStore:
         if disk is None:
             raise StoreError(f"cannot register {path}: this store has no disk tier")
         with self._lock:
-            for tier in self.tiers:  # a stale copy elsewhere must not shadow the file
+            for tier in self.local:  # a stale copy elsewhere must not shadow the file
                 if tier is not disk:
                     for key in entries:
                         tier.evict(key)
@@ -126,6 +194,16 @@ class TieredStore:
         with self._lock:
             for i in range(len(self.tiers)):
                 self._fit(i)
+        self._flush()
+
+    def shared_stats(self) -> dict[str, int]:
+        """The shared tiers' counters summed (``ByteTier.stats``: hits, misses, errors, corrupt,
+        bytes_in, bytes_out); empty without a shared tier."""
+        out: dict[str, int] = {}
+        for tier in self.shared:
+            for name, n in getattr(tier, "stats", {}).items():
+                out[name] = out.get(name, 0) + n
+        return out
 
     def usage(self) -> dict[str, int]:
         with self._lock:
@@ -136,6 +214,35 @@ class TieredStore:
             return next((t.name for t in self.tiers if key in t), None)
 
     # -- internals -------------------------------------------------------------------------------
+    def _not_shared(self, keys: list[str]) -> list[str]:
+        """The keys no shared tier holds (one ``exists_many`` per tier; unavailable: none held)."""
+        for tier in self.shared:
+            if keys:
+                held = tier.exists_many(keys)
+                keys = [k for k in keys if k not in held]
+        return keys
+
+    def _fetched(self, key: str) -> bool:
+        try:
+            self.get(key)
+            return True
+        except StoreError:
+            return False
+
+    def _produce(self, missing: list[str], produce) -> list[str]:
+        if missing:
+            states = produce()
+            for key in reversed(missing):  # the first (a lock's key) published last: waiters see all
+                self.put(key, states[key])
+        return missing
+
+    def _flush(self) -> None:
+        """Send on_evict publications queued under the lock (network writes outside it)."""
+        with self._lock:
+            out, self._outbox = self._outbox, []
+        for tier, key, kv in out:
+            tier.put(key, kv)
+
     def _read(self, tier: Tier, key: str) -> torch.Tensor | None:
         """An io tier's read, outside the lock; on a verification failure drop the key everywhere."""
         try:
@@ -147,7 +254,8 @@ class TieredStore:
             raise
 
     def _top_fitting(self, n: int) -> int:
-        return next((i for i, t in enumerate(self.tiers) if t.fits(n)), len(self.tiers) - 1)
+        """The fastest local tier that can hold n bytes (the last local one when none can)."""
+        return next((i for i, t in enumerate(self.local) if t.fits(n)), len(self.local) - 1)
 
     def _insert_at(self, key: str, kv: torch.Tensor, start: int) -> int:
         i = max(start, self._top_fitting(nbytes(kv)))
@@ -162,8 +270,9 @@ class TieredStore:
         return kv
 
     def _fit(self, i: int) -> None:
-        """Evict least-recently-used states from tier i to the tier below until within budget."""
-        tier, lower = self.tiers[i], self.tiers[i + 1 :]
+        """Evict least-recently-used states from tier i to the local tier below until within budget;
+        queue them for on_evict shared tiers."""
+        tier, lower = self.tiers[i], self.local[i + 1 :]
         while tier.budget is not None and tier.bytes_used > tier.budget:
             victim = tier.lru()
             if victim is None:
@@ -172,4 +281,6 @@ class TieredStore:
             if kv is not None and lower and not any(victim in t for t in lower):
                 lower[0].put(victim, kv)
                 self._fit(i + 1)
+            if kv is not None:
+                self._outbox += [(t, victim, kv) for t in self.shared if t.write_policy == "on_evict"]
             log.debug("evicted %s from %s", victim[:12], tier.name)

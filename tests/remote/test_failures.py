@@ -8,7 +8,7 @@ import time
 
 import torch
 
-from promptcache.store.remote import RedisTier
+from promptcache.store.remote import PREFIX, RedisTier
 
 KEY, OTHER = "ab" * 32, "cd" * 32
 
@@ -80,7 +80,7 @@ def test_full_redis_drops_the_write_with_a_warning(start_redis, caplog):
     assert KEY not in tier and tier.get(KEY) is None
     assert tier.stats["errors"] == 2 and tier.stats["bytes_out"] == 0
     assert len(warnings(caplog)) == 1 and "full" in warnings(caplog)[0]
-    assert server.client().keys("pc:v1:*") == []  # the chunks written before the OOM were dropped
+    assert server.client().keys(f"{PREFIX}:*") == []  # the chunks written before the OOM were dropped
     tier.put(KEY, state())  # a small state still fits: no back-off after a full Redis
     assert torch.equal(tier.get(KEY), state())
 

@@ -1,5 +1,6 @@
-"""Across OS processes: single-flight encoding, and an engine that encodes nothing because another
-process published every state (the workers are in ``remote_worker.py``)."""
+"""Across OS processes, through ``EngineConfig(remote=...)`` only: a compile in one process serves
+another that encodes nothing, and two replicas missing the same schema at once encode it once
+(the replicas are in ``remote_worker.py``)."""
 
 from __future__ import annotations
 
@@ -10,15 +11,15 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
 import torch
 
 from promptcache import PromptCache
+from promptcache.engine import EngineConfig
 from promptcache.models.loading import load_model
-from promptcache.store.remote import RedisTier
 
 WORKER = Path(__file__).resolve().parent / "remote_worker.py"
 ROOT = WORKER.parents[2]
+SCHEMA, PROMPT = ROOT / "schemas" / "travel.xml", ROOT / "examples" / "travel_tokyo.xml"
 
 
 def spawn(role: str, url: str, out: Path) -> subprocess.Popen:
@@ -33,51 +34,30 @@ def finish(proc: subprocess.Popen, out: Path) -> dict:
     return json.loads(out.read_text())
 
 
-def test_two_processes_missing_the_same_key_encode_it_once(redis_server, tmp_path):
-    client = redis_server.client()
-    procs = [spawn("lock", redis_server.url, tmp_path / f"p{i}.json") for i in range(2)]
-    deadline = time.monotonic() + 120
-    while int(client.get("test:ready") or 0) < 2:  # both imported torch and connected
-        assert time.monotonic() < deadline and all(p.poll() is None for p in procs), "workers did not start"
-        time.sleep(0.05)
-    client.set("test:go", 1)
-    reports = [finish(p, tmp_path / f"p{i}.json") for i, p in enumerate(procs)]
-    assert int(client.get("test:encodes")) == 1
-    assert sorted(r["mine"] for r in reports) == [False, True]
-    assert all(r["equal"] for r in reports)
-
-
-@pytest.fixture(scope="module")
-def embedded():
-    return load_model("embedded")
-
-
-SCHEMA, PROMPT = ROOT / "schemas" / "travel.xml", ROOT / "examples" / "travel_tokyo.xml"
-
-
-def test_engine_in_a_fresh_process_takes_every_state_from_remote(redis_server, embedded, tmp_path):
-    pc, tier = PromptCache(*embedded), RedisTier(redis_server.url)  # process A: this one
-    entry = pc.add_schema(SCHEMA)
-    for key in entry.keys.values():  # publish every stored state
-        tier.put(key, pc.store.get(key)[0])
-    want = pc.prefill(PROMPT).logits
-    assert tier.stats["bytes_out"] > 0 and tier.stats["errors"] == 0
+def test_compile_publishes_and_a_fresh_process_encodes_nothing(redis_server, tmp_path):
+    a = PromptCache(*load_model("embedded"), EngineConfig(remote=redis_server.url))  # process A: this one
+    a.compile(SCHEMA, tmp_path / "travel")
+    want = a.prefill(PROMPT).logits
+    assert a.store.shared_stats()["bytes_out"] > 0 and a.store.shared_stats()["errors"] == 0
     b = finish(spawn("consume", redis_server.url, tmp_path / "b.json"), tmp_path / "b.json")  # process B
     assert b["encodes"] == 0  # nothing encoded: every state came from process A
-    assert b["states"] == len(entry.keys) and set(b["hit_tiers"]) == {"remote"}
-    assert b["stats"]["hits"] == sum(b["hit_tiers"].values()) > 0 and b["stats"]["corrupt"] == 0
+    assert set(b["hit_tiers"]) == {"remote"} and b["stats"]["hits"] == sum(b["hit_tiers"].values()) > 0
+    assert b["stats"]["corrupt"] == 0 and b["stats"]["errors"] == 0
     assert torch.equal(torch.load(tmp_path / "b.json.pt"), want)
 
 
-def test_engine_with_redis_down_encodes_locally(redis_server, embedded):
-    plain = PromptCache(*embedded)
-    plain.add_schema(SCHEMA)
-    want = plain.prefill(PROMPT).logits
-    tier = RedisTier(redis_server.url)
-    redis_server.stop()
-    pc = PromptCache(*embedded)
-    pc.store.tiers.append(tier)
-    pc.add_schema(SCHEMA)  # every module is "missing" (Redis down): encoded here
-    res = pc.prefill(PROMPT)
-    assert "remote" not in res.hit_tiers and torch.allclose(res.logits, want, atol=1e-4, rtol=0)
-    assert tier.stats["errors"] >= 1 and tier.stats["hits"] == 0
+def test_two_processes_missing_the_same_schema_encode_it_once(redis_server, tmp_path):
+    client = redis_server.client()
+    procs = [spawn("race", redis_server.url, tmp_path / f"p{i}.json") for i in range(2)]
+    deadline = time.monotonic() + 180
+    while int(client.get("test:ready") or 0) < 2:  # both loaded the model and are about to add the schema
+        assert time.monotonic() < deadline and all(p.poll() is None for p in procs), \
+            "workers did not start: " + "".join(p.communicate()[0].decode()[-2000:] for p in procs if p.poll())
+        time.sleep(0.05)
+    client.set("test:go", 1)
+    reports = [finish(p, tmp_path / f"p{i}.json") for i, p in enumerate(procs)]
+    assert sorted(r["encodes"] for r in reports) == [0, 1]  # one encoded, the other waited and fetched
+    waiter = next(r for r in reports if r["encodes"] == 0)
+    assert set(waiter["hit_tiers"]) == {"remote"}
+    logits = [torch.load(tmp_path / f"p{i}.json.pt") for i in range(2)]
+    assert torch.equal(logits[0], logits[1])

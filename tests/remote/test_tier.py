@@ -1,8 +1,8 @@
-"""RedisTier against a real redis-server: round trips, chunking, verification, namespaces, password, lock."""
+"""RedisTier against a real redis-server: round trips, chunking, verification (the store's codec),
+namespaces, password, lock."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import threading
@@ -12,7 +12,8 @@ import torch
 
 from promptcache.keys import content_keys
 from promptcache.layout import layout_schema
-from promptcache.store.remote import RedisTier, decode_state, encode_state
+from promptcache.store import codec
+from promptcache.store.remote import PREFIX, RedisTier
 from promptcache.tokens import WordTokenizer
 
 KEY = "ab" * 32  # a content key: 64 hex digits
@@ -24,7 +25,7 @@ def state(n: int = 50, dtype=torch.float32, seed: int = 0) -> torch.Tensor:
 
 
 def chunk_keys(client, key: str) -> list[bytes]:
-    return sorted(k for k in client.keys(f"pc:v1:{{{key}}}:*") if not k.endswith((b":h", b":lock")))
+    return sorted(k for k in client.keys(f"{PREFIX}:{{{key}}}:*") if not k.endswith((b":h", b":lock")))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -43,18 +44,18 @@ def test_large_state_is_chunked_and_header_written(redis_server):
     tier, kv = RedisTier(redis_server.url, chunk_bytes=64 << 10), state(n=2000)  # 2 MiB in 64 KiB chunks
     tier.put(KEY, kv)
     client = redis_server.client()
-    head = json.loads(client.get(f"pc:v1:{{{KEY}}}:h"))
+    head = json.loads(client.get(f"{PREFIX}:{{{KEY}}}:h"))
     assert head["chunks"] == len(chunk_keys(client, KEY)) == -(-head["bytes"] // (64 << 10)) > 30
     assert torch.equal(tier.get(KEY), kv)
     tier.evict(KEY)
-    assert client.keys("pc:v1:*") == [] and tier.get(KEY) is None
+    assert client.keys(f"{PREFIX}:*") == [] and tier.get(KEY) is None
 
 
 def test_ttl_is_set_on_header_and_chunks(redis_server):
     tier = RedisTier(redis_server.url, chunk_bytes=4096, ttl=100)
     tier.put(KEY, state())
     client = redis_server.client()
-    head_ttl = client.pttl(f"pc:v1:{{{KEY}}}:h")
+    head_ttl = client.pttl(f"{PREFIX}:{{{KEY}}}:h")
     assert 0 < head_ttl <= 100_000
     assert all(client.pttl(k) > head_ttl for k in chunk_keys(client, KEY))  # chunks outlive the header
 
@@ -76,16 +77,15 @@ def _drop_chunk(client, key):
 
 
 def _bad_header(client, key):
-    client.set(f"pc:v1:{{{key}}}:h", b"not json")
+    client.set(f"{PREFIX}:{{{key}}}:h", b"not json")
 
 
-def _forged_header(client, key):  # length and checksum consistent, but the value is no state
+def _forged_header(client, key):  # length consistent, but the value is no state
     value = b"\x10" + bytes(999)
     for k in chunk_keys(client, key):
         client.delete(k)
-    client.set(f"pc:v1:{{{key}}}:0", value)
-    client.set(f"pc:v1:{{{key}}}:h", json.dumps({"chunks": 1, "bytes": len(value),
-                                                 "sha256": hashlib.sha256(value).hexdigest()}))
+    client.set(f"{PREFIX}:{{{key}}}:0", value)
+    client.set(f"{PREFIX}:{{{key}}}:h", json.dumps({"chunks": 1, "bytes": len(value)}))
 
 
 @pytest.mark.parametrize("damage", [_corrupt_chunk, _truncate_chunk, _drop_chunk, _bad_header, _forged_header])
@@ -94,11 +94,11 @@ def test_bad_value_is_deleted_and_reported_as_a_miss(redis_server, caplog, damag
     tier.put(KEY, state())
     client = redis_server.client()
     damage(client, KEY)
-    with caplog.at_level(logging.WARNING, logger="promptcache.store.remote"):
+    with caplog.at_level(logging.WARNING, logger="promptcache.store"):
         assert tier.get(KEY) is None
     assert tier.stats["corrupt"] == 1 and tier.stats["misses"] == 1 and tier.stats["hits"] == 0
     assert "bad value" in caplog.text
-    assert client.keys("pc:v1:*") == []  # deleted: header and every chunk
+    assert client.keys(f"{PREFIX}:*") == []  # deleted: header and every chunk
     tier.put(KEY, state())  # re-published (re-encoded) afterwards, it serves again
     assert torch.equal(tier.get(KEY), state())
 
@@ -107,24 +107,20 @@ def test_value_stored_under_another_key_is_refused(redis_server):
     tier, client = RedisTier(redis_server.url), redis_server.client()
     other = "cd" * 32
     tier.put(other, state())
-    for k in client.keys(f"pc:v1:{{{other}}}:*"):  # copy other's value under KEY, as a buggy writer might
+    for k in client.keys(f"{PREFIX}:{{{other}}}:*"):  # copy other's value under KEY, as a buggy writer might
         client.set(k.replace(other.encode(), KEY.encode()), client.get(k))
     assert tier.get(KEY) is None and tier.stats["corrupt"] == 1
     assert torch.equal(tier.get(other), state())
 
 
-def test_codec_names_the_mismatch():
-    value = encode_state(KEY, state())
-    assert torch.equal(decode_state(KEY, value), state())
-    with pytest.raises(ValueError, match="asked for"):
-        decode_state("ef" * 32, value)
-    with pytest.raises(ValueError, match="unreadable"):
-        decode_state(KEY, value[:-5])
-    flipped = bytearray(value)
-    flipped[-1] ^= 0x01  # a data byte: only the data's sha256 in the metadata tells
-    with pytest.raises(ValueError, match="does not match its metadata"):
-        decode_state(KEY, bytes(flipped))
-    assert decode_state(KEY, bytes(flipped), check_data=False).shape == state().shape  # caller verified
+def test_values_are_the_store_codec_format(redis_server):
+    tier, client = RedisTier(redis_server.url, chunk_bytes=4096), redis_server.client()
+    tier.put(KEY, state())
+    value = b"".join(client.get(k) for k in sorted(chunk_keys(client, KEY), key=lambda k: int(k.rsplit(b":", 1)[1])))
+    assert torch.equal(codec.decode(value, "kv", codec.StateInfo(KEY, "float32", tuple(state().shape))), state())
+    assert tier.exists_many([KEY, "cd" * 32]) == {KEY}  # one pipelined round trip
+    redis_server.stop()
+    assert tier.exists_many([KEY]) == set() and tier.stats["errors"] == 1  # unavailable: nothing held
 
 
 def test_namespaces_never_read_each_other(redis_server):
@@ -150,7 +146,7 @@ def test_password_protected_redis(start_redis):
     wrong = RedisTier(server.url.replace("s3cret pass", "wrong"))
     assert wrong.get(KEY) is None and KEY not in wrong  # refused: a miss, not an exception
     wrong.put("cd" * 32, state())
-    assert wrong.stats["errors"] >= 1 and server.client().exists("pc:v1:{" + "cd" * 32 + "}:h") == 0
+    assert wrong.stats["errors"] >= 1 and server.client().exists(f"{PREFIX}:{{{'cd' * 32}}}:h") == 0
     nopass = RedisTier(f"redis://127.0.0.1:{server.port}/0")
     assert nopass.get(KEY) is None and nopass.stats["errors"] == 1
 
@@ -179,7 +175,7 @@ def test_encode_lock_one_thread_encodes_the_other_waits(redis_server):
         a.put(KEY, state())
     t.join(timeout=60)
     assert results == {"a": True, "b": False}
-    assert redis_server.client().exists(f"pc:v1:{{{KEY}}}:lock") == 0  # released
+    assert redis_server.client().exists(f"{PREFIX}:{{{KEY}}}:lock") == 0  # released
 
 
 def test_crashed_lock_holder_blocks_nobody_past_the_ttl(redis_server):
@@ -187,7 +183,7 @@ def test_crashed_lock_holder_blocks_nobody_past_the_ttl(redis_server):
     assert crashed.__enter__() is True  # a holder that dies without releasing (no __exit__)
     with RedisTier(redis_server.url, poll=0.02).encode_lock(KEY, ttl=30) as mine:
         assert mine is True  # took the lock over once it expired, long before its own 30 s wait ran out
-        assert redis_server.client().pttl(f"pc:v1:{{{KEY}}}:lock") > 20_000
+        assert redis_server.client().pttl(f"{PREFIX}:{{{KEY}}}:lock") > 20_000
 
 
 def test_encode_lock_with_redis_down_encodes_at_once(redis_server):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import json
+import logging
 
 import pytest
 import torch
@@ -88,7 +89,7 @@ def test_mismatch_is_refused_naming_the_part(tmp_path, change, message, referenc
                                        other.model_fingerprint, other.tokenizer_fingerprint, None)
 
 
-def test_corrupted_states_are_detected_never_used(tmp_path):
+def test_corrupted_states_are_detected_never_used(tmp_path, reference, caplog):
     engine().compile(SCHEMA, tmp_path / "d")
     manifest = json.loads((tmp_path / "d" / "manifest.json").read_text())
     states = tmp_path / "d" / manifest["states"]["file"]
@@ -100,9 +101,9 @@ def test_corrupted_states_are_detected_never_used(tmp_path):
         fresh.load_compiled(tmp_path / "d", verify=True)
     lazy = engine()
     lazy.load_compiled(tmp_path / "d")
-    with pytest.raises(StoreError, match="checksum mismatch"):
-        for p in PROMPTS:
-            lazy.prefill(p)
+    with caplog.at_level(logging.WARNING):  # caught at first read: re-encoded by the prompt, never used
+        assert all(torch.equal(lazy.prefill(p).logits, reference[p]) for p in PROMPTS)
+    assert "checksum mismatch" in caplog.text and "re-encoding" in caplog.text
 
 
 def test_truncated_states_file_is_refused(tmp_path):

@@ -34,6 +34,7 @@ class DictTier(ByteTier):
 
     def write(self, key, value):
         self.values[key] = value
+        return True
 
     def delete(self, key):
         self.values.pop(key, None)
@@ -79,9 +80,41 @@ def test_byte_tier_serves_verifies_and_deletes_bad_values():
     assert tier == "remote" and torch.equal(got, kv(2))
     assert b.get("k")[1] == "host"  # promoted
     remote.values["k2"] = remote.values["k"]  # a value stored under the wrong key
-    with pytest.raises(StoreError, match="key is k"):
-        b.get("k2")
-    assert "k2" not in remote.values  # a bad value is deleted
+    with pytest.raises(StoreError, match="no stored state"):
+        b.get("k2")  # verified like a disk state: refused, a miss
+    assert "k2" not in remote.values and remote.stats["corrupt"] == 1  # a bad value is deleted
+    assert remote.stats["hits"] == 1 and remote.stats["bytes_in"] == remote.stats["bytes_out"] > 0
+
+
+def test_shared_tier_on_evict_publishes_what_memory_evicts(tmp_path):
+    remote = DictTier("on_evict")
+    store = TieredStore([MemoryTier("host", "cpu", budget=kv(0).numel() * 4), DiskTier(tmp_path), remote])
+    store.put("a", kv(1))
+    assert not remote.values  # nothing published while it stays in memory
+    store.put("b", kv(2))  # evicts "a": spilled to disk (local) and published
+    assert store.tier_of("a") == "disk" and set(remote.values) == {"a"}
+    store.discard("a")  # a local copy dropped: the shared value stays for the other replicas
+    assert "a" in remote.values and store.get("a")[1] == "remote"
+    with pytest.raises(ValueError, match="shared tiers must come after"):
+        TieredStore([DictTier(), MemoryTier("host", "cpu")])
+
+
+def test_ensure_produces_only_what_no_tier_holds(tmp_path):
+    remote = DictTier("through")
+    other = TieredStore([MemoryTier("host", "cpu"), remote])  # another replica published "b"
+    other.put("b", kv(2))
+    store = TieredStore([MemoryTier("host", "cpu"), DiskTier(tmp_path), remote])
+    store.put("a", kv(1))
+    calls = []
+
+    def produce():
+        calls.append(1)
+        return {k: kv(i) for i, k in enumerate("abc", 1)}
+
+    assert store.ensure(["a", "b", "c"], produce) == ["c"] and len(calls) == 1
+    assert store.tier_of("c") == "host" and "c" in remote.values  # produced here, published (through)
+    assert store.get("b")[1] == "remote" and store.get("b")[1] == "host"  # fetched on first use, promoted
+    assert store.ensure(["a", "b", "c"], produce) == [] and len(calls) == 1
 
 
 def test_eviction_goes_down_and_verification_failure_drops_everywhere(tmp_path):
