@@ -29,6 +29,7 @@ from .. import compiled
 from ..layout import PromptLayout, SchemaLayout, layout_prompt, layout_schema
 from ..pml import parse_prompt
 from ..pml.nodes import Prompt
+from ..progress import progress_for
 from ..store import build_store
 from ..tokens import as_span_tokenizer
 from .assemble import assemble
@@ -84,15 +85,18 @@ class PromptCache:
 
     # -- schemas ---------------------------------------------------------------------------------
     def add_schema(self, schema: str | Path, progress: Progress | None = None,
-                   namespace: str | None = None) -> EncodedSchema:
+                   namespace: str | None = None, *, allow_src_root: str | Path | None = None) -> EncodedSchema:
         """Parse, lay out and encode a schema (only modules not stored yet are encoded).
-        On any error the engine is left unchanged."""
+        On any error the engine is left unchanged. Without ``progress``, encoding shows a bar on
+        a terminal and logs otherwise (``promptcache.progress``). ``allow_src_root``: the folder
+        ``src=`` files may come from (default: the schema file's folder)."""
         t0 = time.perf_counter()
-        layout = layout_schema(schema, self.tok, max_positions=self.adapter.max_positions)
+        layout = layout_schema(schema, self.tok, max_positions=self.adapter.max_positions,
+                               allow_src_root=allow_src_root)
         ns = self.config.namespace_for(namespace)
         keys = self.registry.content_keys(layout, ns)
         missing = [i for i, k in keys.items() if k not in self.store]
-        states = self.encoder.encode(layout, progress) if missing else {}
+        states = self.encoder.encode(layout, progress or progress_for(f"encoding {layout.name}")) if missing else {}
         for i in missing:
             self.store.put(keys[i], states[i])
         return self.register_schema(layout, keys, ns, time.perf_counter() - t0)
