@@ -128,11 +128,11 @@ def _collect(f):
 
 
 def engine_config(cli_values: dict, config_file: str | Path | None = None, env=None,
-                  device: str | None = None) -> EngineConfig:
-    """The EngineConfig from defaults < config file < environment < command line. A bad value is
-    a ValueError naming where it came from (the option, variable or file key)."""
+                  device: str | None = None, defaults: dict | None = None) -> EngineConfig:
+    """The EngineConfig from defaults (the dataclass's, then ``defaults``) < config file <
+    environment < command line. A bad value is a ValueError naming where it came from."""
     env = os.environ if env is None else env
-    values: dict = {}
+    values: dict = {k: (v, "command default") for k, v in (defaults or {}).items()}
     if config_file is not None:
         try:
             data = tomllib.loads(Path(config_file).read_text(encoding="utf-8"))
