@@ -9,6 +9,7 @@ most once per 10 % step, so a log file gets a handful of lines, never a bar's ca
 from __future__ import annotations
 
 import logging
+import os
 import sys
 from typing import Callable, TextIO
 
@@ -34,6 +35,13 @@ def _is_terminal(stream) -> bool:
         return False
 
 
+def _columns(stream) -> int:
+    try:
+        return os.get_terminal_size(stream.fileno()).columns
+    except (AttributeError, OSError, ValueError):
+        return 0
+
+
 class _Bar:
     """A tqdm bar opened on the first call, closed when done reaches total."""
 
@@ -45,7 +53,9 @@ class _Bar:
         if self.bar is None:
             from tqdm.auto import tqdm
 
-            self.bar = tqdm(total=total, desc=self.label, unit=f" {self.unit}", file=self.stream, leave=True)
+            ncols = None if _columns(self.stream) else 80  # a terminal reporting 0 columns draws nothing
+            self.bar = tqdm(total=total, desc=self.label, unit=f" {self.unit}", file=self.stream, leave=True,
+                            ncols=ncols)
         self.bar.update(max(done - self.done, 0))
         self.done = done
         if done >= total:

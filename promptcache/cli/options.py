@@ -156,7 +156,11 @@ def engine_config(cli_values: dict, config_file: str | Path | None = None, env=N
             raise ValueError(f"{where}: {e}") from None
     if device is not None:
         parsed["device"] = device
-    return EngineConfig(**parsed)
+    try:
+        return EngineConfig(**parsed)
+    except ValueError as e:  # the dataclass's own checks: say where the offending value came from
+        bad = [n for n in values if f"EngineConfig.{n}" in str(e) or (n == "namespace" and "namespace" in str(e))]
+        raise ValueError(f"{values[bad[0]][1]}: {e}" if bad else str(e)) from None
 
 
 def model_options(f):
