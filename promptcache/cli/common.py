@@ -50,6 +50,7 @@ def load_engine(model: str, device: str | None, dtype: str, config=None):
 
     device = check_device(device)
     dtype = resolve_dtype(dtype, device)
+    model = _resolve_alias(model)
     click.echo(f"Loading model {model} on {device} ({dtype}) ...", err=True)
     if str(model).startswith("embedded"):
         click.echo("  note: embedded models have RANDOM weights: their text is noise, their speed is real "
@@ -58,16 +59,24 @@ def load_engine(model: str, device: str | None, dtype: str, config=None):
     return PromptCache(m, tok, config or EngineConfig())
 
 
+def _resolve_alias(model: str) -> str:
+    """``smollm2`` -> its converted folder (fetched and converted on first use, saying so)."""
+    if model != "smollm2":
+        return model
+    from ..models.smollm2 import ensure_smollm2
+
+    path = ensure_smollm2(progress=lambda line: click.echo(line, err=True))
+    click.echo(f"smollm2: SmolLM2-135M-Instruct from {path} (converted once; loads offline)", err=True)
+    return str(path)
+
+
 def load_tokenizer(model: str):
     """The tokenizer alone (validate, inspect); a hub id without network is an OSError saying so."""
     from ..models.embedded import embedded_tokenizer, is_embedded
 
     if is_embedded(model):
         return embedded_tokenizer()
-    if model == "smollm2":
-        from ..models.loading import load_model
-
-        return load_model(model)[1]
+    model = _resolve_alias(model)
     from transformers import AutoTokenizer
 
     try:

