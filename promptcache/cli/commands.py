@@ -142,12 +142,14 @@ run.help = (run.help or "") + "\n" + "\n".join(f"  {k}: {v}" for k, v in JSON_FI
 @click.command()
 @click.argument("schema", type=click.Path(exists=True, dir_okay=False))
 @click.option("--out", "-o", required=True, type=click.Path(file_okay=False), help="Artifact folder to write.")
-@src_root_option
 @model_options
 @engine_options
 @guard
-def compile(schema, out, src_root, model, device, dtype, engine, config_file):
+def compile(schema, out, model, device, dtype, engine, config_file):
     """Encode SCHEMA (a schema file) once and write it as safetensors + manifest.json (atomically).
+
+    The artifact embeds the schema's src= files, so they must lie in the schema's folder (no
+    --src-root here: the artifact format refuses paths outside it).
 
     \b
     Example:
@@ -155,10 +157,6 @@ def compile(schema, out, src_root, model, device, dtype, engine, config_file):
     """
     setup_logging()
     config = engine_config(engine, config_file)
-    if src_root is not None:
-        from ..pml import parse_schema
-
-        parse_schema(Path(schema), allow_src_root=src_root)  # refuses a src= outside the root first
     pc = load_engine(model, device, dtype, config)
     path = pc.compile(Path(schema), out)
     entry = pc.schema(pc.load_compiled(path).name)
