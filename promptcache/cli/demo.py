@@ -16,9 +16,15 @@ DEMO_QUESTION = "How was the water supply protected during the August wildfire?"
 SECTIONS = ("overview", "supply", "treatment", "distribution", "finances", "capital_plan", "customers", "emergency")
 
 
-def _clip(text: str, width: int = 70) -> str:
-    text = " ".join(text.split())
-    return text if len(text) <= width else text[: width - 3] + "..."
+def side_by_side(left: str, right: str, width: int = 38) -> list[str]:
+    """Two texts in columns of ``width`` characters (wrapped, whitespace collapsed)."""
+    import textwrap
+
+    a = textwrap.wrap(" ".join(left.split()), width) or ["(empty)"]
+    b = textwrap.wrap(" ".join(right.split()), width) or ["(empty)"]
+    rows = max(len(a), len(b))
+    a, b = a + [""] * (rows - len(a)), b + [""] * (rows - len(b))
+    return [f"  {x:<{width}} | {y}" for x, y in zip(a, b)]
 
 
 @click.command()
@@ -59,8 +65,8 @@ def demo(model, device, max_new_tokens):
             click.echo(f"  TTFT with cache:    {cached.ttft * 1e3:8.1f} ms   speed-up {full.ttft / cached.ttft:.1f}x")
             click.echo(f"  outputs identical:  {'yes' if same else 'no'}"
                        f" (state equals a plain prefill: {'yes' if cached.exact else 'no'})")
-            click.echo(f"  {'with cache':<36} | without cache")
-            click.echo(f"  {_clip(repr(cached.text), 36):<36} | {_clip(repr(full.text), 36)}")
+            click.echo(f"  {'answer with cache':<38} | answer without cache")
+            click.echo("\n".join(side_by_side(cached.text, full.text)))
     if str(model).startswith("embedded"):
         click.echo("\nThe embedded model has random weights, so the text above is noise; for real answers run:"
                    "\n  promptcache demo --model smollm2   (downloads SmolLM2-135M-Instruct once)")
