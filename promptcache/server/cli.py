@@ -89,6 +89,7 @@ def serve(model, device, dtype, engine, config_file, src_root, schemas, compiled
     except ImportError:
         raise click.ClickException("the server needs the 'serve' extra: pip install 'promptcache[serve]'") from None
     from ..cli.common import load_engine
+    from ..progress import progress_for
     from .app import create_app
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
@@ -104,7 +105,7 @@ def serve(model, device, dtype, engine, config_file, src_root, schemas, compiled
     for ns in namespaces:  # PMLError, artifact mismatches, document store errors: one line each (guard)
         for f in schemas:
             click.echo(f"Encoding schema {f} (namespace '{ns}') ...", err=True)
-            pc.add_schema(Path(f), namespace=ns, allow_src_root=src_root)
+            pc.add_schema(Path(f), progress_for(Path(f).name), namespace=ns, allow_src_root=src_root)
         for d in compiled:
             click.echo(f"Loading compiled schema {d} (namespace '{ns}') ...", err=True)
             pc.load_compiled(d, namespace=ns)
