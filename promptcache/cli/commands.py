@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import sys
+from inspect import cleandoc
 from pathlib import Path
 
 import click
@@ -136,7 +137,7 @@ def run(prompt, prompt_text, schemas, compiled, recompile, src_root, model, devi
                f" | tier hits: {tiers}{' | baseline (no cache)' if no_cache else ''}]")
 
 
-run.help = (run.help or "") + "\n" + "\n".join(f"  {k}: {v}" for k, v in JSON_FIELDS.items())
+run.help = cleandoc(run.help or "") + "\n" + _JSON_HELP  # the fields, from the one list above
 
 
 @click.command()

@@ -10,7 +10,6 @@ import os
 import re
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -129,9 +128,7 @@ def test_every_engine_config_field_has_an_option_everywhere():
 
 def test_precedence_command_line_over_environment_over_file_over_defaults(tmp_path):
     cfg = tmp_path / "engine.toml"
-    cfg.write_text('namespace = "from-file"\nhost_budget = "1GiB"\nspill_dir = "/tmp/file"\n[engine]\n'
-                   'encode_chunk = 7\n' if False else
-                   '[engine]\nnamespace = "from-file"\nhost_budget = "1GiB"\nspill_dir = "/tmp/file"\n'
+    cfg.write_text('[engine]\nnamespace = "from-file"\nhost_budget = "1GiB"\nspill_dir = "/tmp/file"\n'
                    'encode_chunk = 7\n')
     env = {"PROMPTCACHE_NAMESPACE": "from-env", "PROMPTCACHE_HOST_BUDGET": "2GiB", "PROMPTCACHE_PIN_MEMORY": "0"}
     c = engine_config({"namespace": "from-cli"}, cfg, env=env)
