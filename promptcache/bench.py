@@ -7,10 +7,12 @@ forward of the new tokens alone on a ready, assembled cache. Medians after a war
 
 from __future__ import annotations
 
+import logging
 import random
 import statistics
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -20,6 +22,8 @@ WORDS = (
     "history art coffee bread tea fish rice noodle wine cheese park square tower church palace island "
     "mountain valley lake beach forest village road station ticket hotel room morning evening summer"
 ).split()
+
+log = logging.getLogger(__name__)
 
 
 def sentences(n_words: int, seed: int) -> str:
@@ -103,8 +107,12 @@ class BenchResult:
         return out
 
 
-def run(pc, schema_tokens: int = 2000, new_tokens: int = 32, repeats: int = 10) -> BenchResult:
-    """Benchmark a PromptCache (its model and tokenizer) on a synthetic schema."""
+def run(pc, schema_tokens: int = 2000, new_tokens: int = 32, repeats: int = 10,
+        announce: Callable[[str], None] | None = None) -> BenchResult:
+    """Benchmark a PromptCache (its model and tokenizer) on a synthetic schema. ``announce(step)``
+    is called as each step starts (default: an INFO log line), so long runs are never silent."""
+    say = announce or (lambda step: log.info("bench: %s", step))
+    say(f"encoding a {schema_tokens}-token schema")
     t0 = time.perf_counter()
     entry = pc.add_schema(build_schema(pc.tokenizer, schema_tokens))
     encode_s = time.perf_counter() - t0
@@ -120,10 +128,14 @@ def run(pc, schema_tokens: int = 2000, new_tokens: int = 32, repeats: int = 10) 
         pc.forget_placement()
         return pc.prefill(prompt)
 
+    say(f"timing full prefill ({max(3, repeats // 3)} repeats)")
     full = median_time(lambda: pc.prefill_baseline(prompt), repeats=max(3, repeats // 3))
+    say(f"timing Prompt Cache, fresh buffer ({repeats} repeats)")
     t_cold = median_time(cold, repeats)
+    say(f"timing Prompt Cache, reused buffer ({repeats} repeats)")
     t_copy = median_time(copy_all, repeats)
     copied = copy_all().bytes_copied
+    say(f"timing Prompt Cache, modules in place ({repeats} repeats)")
     t_in = median_time(lambda: pc.prefill(prompt), repeats)
     kept = pc.prefill(prompt, keep_cache=True)
     new = kept.layout.new
@@ -135,6 +147,7 @@ def run(pc, schema_tokens: int = 2000, new_tokens: int = 32, repeats: int = 10) 
         pc.adapter.forward(ids, pos, kept.cache)
         sync()
 
+    say(f"timing the limit ({repeats} repeats)")
     t_limit = median_time(limit, repeats)
     pc.release(kept)
     t_layout = median_time(lambda: pc.layout(prompt), repeats)

@@ -30,6 +30,7 @@ from .. import compiled
 from ..layout import PromptLayout, SchemaLayout, layout_prompt, layout_schema
 from ..pml import parse_prompt
 from ..pml.nodes import Prompt
+from ..progress import progress_for
 from ..store import StoreError, build_store
 from ..tokens import as_span_tokenizer
 from .assemble import assemble
@@ -87,14 +88,17 @@ class PromptCache:
 
     # -- schemas ---------------------------------------------------------------------------------
     def add_schema(self, schema: str | Path, progress: Progress | None = None,
-                   namespace: str | None = None) -> EncodedSchema:
+                   namespace: str | None = None, *, allow_src_root: str | Path | None = None) -> EncodedSchema:
         """Parse, lay out and encode a schema (only modules not stored yet are encoded).
-        On any error the engine is left unchanged."""
+        On any error the engine is left unchanged. Without ``progress``, encoding shows a bar on
+        a terminal and logs otherwise (``promptcache.progress``). ``allow_src_root``: the folder
+        ``src=`` files may come from (default: the schema file's folder)."""
         t0 = time.perf_counter()
-        layout = layout_schema(schema, self.tok, max_positions=self.adapter.max_positions)
+        layout = layout_schema(schema, self.tok, max_positions=self.adapter.max_positions,
+                               allow_src_root=allow_src_root)
         ns = self.config.namespace_for(namespace)
         keys = self.registry.content_keys(layout, ns)
-        self._ensure_states(layout, keys, progress)
+        self._ensure_states(layout, keys, progress or progress_for(f"encoding {layout.name}"))
         return self.register_schema(layout, keys, ns, time.perf_counter() - t0)
 
     def _ensure_states(self, layout: SchemaLayout, keys: dict[int, str], progress: Progress | None = None,

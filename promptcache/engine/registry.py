@@ -44,6 +44,13 @@ class EncodedSchema:
     def stored_bytes(self) -> int:
         return self.stored_tokens * self.bytes_per_token
 
+    def __repr__(self) -> str:  # counts, not the layout (whose repr runs to tens of thousands of characters)
+        n_unions = len(self.layout.unions)
+        return (f"EncodedSchema(name={self.name!r}, namespace={self.namespace!r}, spans={len(self.layout.spans)}, "
+                f"modules={len(self.layout.modules)}, {n_unions} union{'' if n_unions == 1 else 's'}, "
+                f"stored_tokens={self.stored_tokens}, stored_bytes={self.stored_bytes}, "
+                f"encode_seconds={self.encode_seconds:.2f})")
+
 
 class SchemaRegistry:
     """Thread-safe map (namespace, schema name) -> EncodedSchema for one model and tokenizer."""

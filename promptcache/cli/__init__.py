@@ -1,0 +1,56 @@
+"""The ``promptcache`` command line: one click group; the commands live beside it.
+
+``commands.py`` (run, compile, inspect, validate, bench), ``demo.py``, ``chat.py``; ``options.py``
+holds the option groups (model; EngineConfig, generated from its fields), ``errors.py`` maps
+library errors to one line and an exit code, ``common.py`` loads engines and reads prompts.
+``serve`` lives in ``promptcache.server.cli`` and is resolved when asked for, so importing the
+server's command never imports this package's other commands first.
+"""
+
+from __future__ import annotations
+
+import click
+
+from .chat import chat
+from .commands import bench, compile, inspect, run, validate
+from .demo import demo
+
+__all__ = ["main"]
+
+
+class _Main(click.Group):
+    """The command group; ``serve`` (with its optional dependencies) is imported on demand."""
+
+    def list_commands(self, ctx):
+        return sorted(set(super().list_commands(ctx)) | {"serve"})
+
+    def get_command(self, ctx, name):
+        if name == "serve":
+            from ..server.cli import serve
+
+            return serve
+        return super().get_command(ctx, name)
+
+
+@click.group(cls=_Main, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="promptcache")
+def main():
+    """Prompt Cache: reuse the attention states of prompt modules for fast time to first token.
+
+    \b
+    Quick tour (no network needed; SCHEMA.xml is a schema file, PROMPT.xml a prompt using it):
+      promptcache demo
+      promptcache inspect SCHEMA.xml PROMPT.xml
+      promptcache compile SCHEMA.xml --out build/s
+      promptcache run PROMPT.xml --compiled build/s
+      promptcache chat --schema SCHEMA.xml
+
+    Exit codes: 0 ok, 1 bad input, 2 the environment (no network, no CUDA) or a usage error.
+    """
+
+
+for _command in (demo, run, compile, inspect, validate, bench, chat):
+    main.add_command(_command)
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,285 @@
+"""The working commands: run, compile, inspect, validate, bench. Each builds configs and calls the
+library; errors go through ``errors.guard`` (one line, an exit code)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+from inspect import cleandoc
+from pathlib import Path
+
+import click
+
+from .common import load_engine, load_tokenizer, read_prompt, setup_logging
+from .errors import guard
+from .options import engine_config, engine_options, model_options
+
+# `run --json` prints one object with these fields (also listed in `promptcache run --help`).
+JSON_FIELDS = {
+    "text": "the generated text",
+    "token_ids": "generated token ids (an EOS or stop token included)",
+    "ttft_s": "seconds from prompt to first-token logits",
+    "cached_tokens": "prompt tokens served from stored states",
+    "new_tokens": "prompt tokens run through the model",
+    "exact": "true when the assembled state equals a plain prefill's",
+    "bytes_copied": "stored KV bytes copied to assemble the prompt",
+    "hit_tiers": "cached spans served per tier (device, host, disk, remote)",
+    "finish_reason": "stop, length or cancelled",
+    "usage": "OpenAI-style counts: prompt_tokens, completion_tokens, cached_tokens, total_tokens",
+}
+_JSON_HELP = "\n".join(f"  {k}: {v}" for k, v in JSON_FIELDS.items())
+
+src_root_option = click.option("--src-root", type=click.Path(exists=True, file_okay=False), default=None,
+                               help="Folder src= files may come from (default: each schema file's folder).")
+
+
+def _schema_name(compiled_dir: str) -> str | None:
+    try:
+        return json.loads((Path(compiled_dir) / "manifest.json").read_text(encoding="utf-8"))["schema"]["name"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None  # load_compiled names the problem
+
+
+def _load_compiled(pc, folder: str, schema: Path | None, recompile: bool) -> None:
+    """Load a compiled folder, checked against its schema source when given; a stale artifact is
+    refused (exit 1) or, with --recompile, recompiled -- and the command says which."""
+    from ..artifact import ArtifactError
+
+    try:
+        entry = pc.load_compiled(folder, schema=schema)
+        click.echo(f"Loaded compiled schema '{entry.name}' from {folder}"
+                   f"{f' (matches {schema})' if schema else ''}", err=True)
+    except ArtifactError as e:
+        if not recompile:
+            raise
+        click.echo(f"recompiling {folder}: {' '.join(str(e).split())}", err=True)
+        pc.load_compiled(folder, schema=schema, recompile=True)
+        click.echo(f"Recompiled {folder}{f' from {schema}' if schema else ''}", err=True)
+
+
+@click.command()
+@click.argument("prompt", required=False)
+@click.option("--prompt", "-p", "prompt_text", default=None, help="The prompt as text (PML or plain), not a file.")
+@click.option("--schema", "-s", "schemas", multiple=True, type=click.Path(exists=True, dir_okay=False),
+              help="Schema file(s) to encode (repeatable); with --compiled, the schema a compiled folder of "
+                   "the same name must match.")
+@click.option("--compiled", "-c", "compiled", multiple=True, type=click.Path(exists=True, file_okay=False),
+              help="Compiled schema folder(s) from `promptcache compile` (repeatable).")
+@click.option("--recompile", is_flag=True, help="Recompile a compiled schema that does not match (model or schema).")
+@src_root_option
+@model_options
+@engine_options
+@click.option("--no-cache", is_flag=True, help="Baseline: plain prefill of the same tokens, no module reuse.")
+@click.option("--max-new-tokens", default=128, show_default=True)
+@click.option("--temperature", default=0.0, show_default=True, help="0 is greedy.")
+@click.option("--top-p", default=1.0, show_default=True)
+@click.option("--top-k", default=0, show_default=True)
+@click.option("--repetition-penalty", default=1.0, show_default=True, help="1 is off (transformers' definition).")
+@click.option("--seed", default=None, type=int)
+@click.option("--stop", multiple=True, help="Stop when this text appears (repeatable).")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of streaming (fields below).")
+@guard
+def run(prompt, prompt_text, schemas, compiled, recompile, src_root, model, device, dtype, engine, config_file,
+        no_cache, max_new_tokens, temperature, top_p, top_k, repetition_penalty, seed, stop, as_json):
+    """Answer PROMPT (a PML or plain-text file, '-' for stdin, or -p TEXT): stream the text, then
+    one line of statistics.
+
+    \b
+    Examples (SCHEMA.xml: a schema file; PROMPT.xml: a prompt using it):
+      promptcache run PROMPT.xml --schema SCHEMA.xml
+      promptcache run PROMPT.xml --compiled build/s --schema SCHEMA.xml --json
+      promptcache run -p '<prompt schema="s"><intro/><user>Hi</user></prompt>' -s SCHEMA.xml
+      echo 'Hello' | promptcache run -
+
+    \b
+    --json fields:
+    """
+    from ..engine import SamplingParams
+
+    setup_logging()
+    source = read_prompt(prompt, prompt_text)
+    try:  # checked before the model loads
+        params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+                                repetition_penalty=repetition_penalty, stop=stop, seed=seed)
+    except ValueError as e:
+        raise click.UsageError(str(e)) from None
+    config = engine_config(engine, config_file)
+    pc = load_engine(model, device, dtype, config)
+    by_name = {}
+    if compiled:
+        from ..pml import parse_schema
+
+        by_name = {parse_schema(Path(s), allow_src_root=src_root).name: Path(s) for s in schemas}
+    paired = set()
+    for folder in compiled:
+        schema = by_name.get(_schema_name(folder))
+        paired.add(schema)
+        _load_compiled(pc, folder, schema, recompile)
+    for s in schemas:
+        if Path(s) not in paired:
+            pc.add_schema(Path(s), allow_src_root=src_root)
+    if as_json:
+        out = pc.generate(source, params, use_cache=not no_cache)
+        click.echo(json.dumps({"text": out.text, "token_ids": out.token_ids, "ttft_s": out.ttft,
+                               "cached_tokens": out.cached_tokens, "new_tokens": out.new_tokens,
+                               "exact": out.exact, "bytes_copied": out.bytes_copied, "hit_tiers": out.hit_tiers,
+                               "finish_reason": out.finish_reason, "usage": dataclasses.asdict(out.usage)}))
+        return
+    stream = pc.stream(source, params, use_cache=not no_cache)
+    for piece in stream:
+        click.echo(piece, nl=False)
+    out = stream.result
+    if out is None:
+        return
+    tiers = ", ".join(f"{k} {v}" for k, v in sorted(out.hit_tiers.items())) or "none"
+    click.echo(f"\n[TTFT {out.ttft * 1e3:.1f} ms | cached {out.cached_tokens} tokens | new {out.new_tokens} tokens"
+               f" | tier hits: {tiers}{' | baseline (no cache)' if no_cache else ''}]")
+
+
+run.help = cleandoc(run.help or "") + "\n" + _JSON_HELP  # the fields, from the one list above
+
+
+@click.command()
+@click.argument("schema", type=click.Path(exists=True, dir_okay=False))
+@click.option("--out", "-o", required=True, type=click.Path(file_okay=False), help="Artifact folder to write.")
+@model_options
+@engine_options
+@guard
+def compile(schema, out, model, device, dtype, engine, config_file):
+    """Encode SCHEMA (a schema file) once and write it as safetensors + manifest.json (atomically).
+
+    The artifact embeds the schema's src= files, so they must lie in the schema's folder (no
+    --src-root here: the artifact format refuses paths outside it).
+
+    \b
+    Example:
+      promptcache compile SCHEMA.xml --model Qwen/Qwen2.5-0.5B-Instruct --out build/s
+    """
+    setup_logging()
+    config = engine_config(engine, config_file)
+    pc = load_engine(model, device, dtype, config)
+    path = pc.compile(Path(schema), out)
+    entry = pc.schema(pc.load_compiled(path).name)
+    click.echo(f"Compiled '{entry.name}' to {path}: {entry.stored_tokens} tokens, "
+               f"{entry.stored_bytes / 2**20:.1f} MiB of states")
+
+
+def _tokenizer_line(model: str) -> str:
+    kind = "embedded tokenizer (pass --model for your model's)" if model.startswith("embedded") else f"tokenizer of '{model}'"
+    return f"tokenizer: {kind}"
+
+
+@click.command()
+@click.argument("schema", type=click.Path(exists=True, dir_okay=False))
+@click.argument("prompt", required=False)
+@click.option("--prompt", "-p", "prompt_text", default=None, help="The prompt as text instead of a file.")
+@click.option("--model", "-m", default="embedded", show_default=True,
+              help="Whose tokenizer to use (only the tokenizer is loaded).")
+@src_root_option
+@guard
+def inspect(schema, prompt, prompt_text, model, src_root):
+    """Print the spans of SCHEMA (and of PROMPT against it): positions, tokens, unions, parameters.
+
+    \b
+    Example:
+      promptcache inspect SCHEMA.xml PROMPT.xml --model Qwen/Qwen2.5-0.5B-Instruct
+    """
+    from ..layout import layout_prompt, layout_schema
+
+    tok = load_tokenizer(model)
+    click.echo(_tokenizer_line(model))
+    layout = layout_schema(Path(schema), tok, allow_src_root=src_root)
+    click.echo(layout.table())
+    for u in layout.unions.values():
+        click.echo(f"union u{u.index} (line {u.line}): members {', '.join(u.members)}; positions "
+                   f"[{u.start}, {u.start + u.length}); scaffold {u.scaffold or '(none)'}")
+    for m in layout.modules.values():
+        for name, (_, p) in m.params.items():
+            click.echo(f"parameter {'/'.join(m.path)}.{name}: {p.length} positions, scaffold {p.scaffold!r}")
+    if prompt or prompt_text:
+        click.echo("")
+        click.echo(layout_prompt(read_prompt(prompt, prompt_text), layout, tok).table())
+
+
+@click.command()
+@click.argument("files", nargs=-1, required=True, type=click.Path(exists=True, dir_okay=False))
+@click.option("--model", "-m", default="embedded", show_default=True,
+              help="Tokenizer used to lay out and check lengths (only the tokenizer is loaded).")
+@src_root_option
+@guard
+def validate(files, model, src_root):
+    """Check PML schema and prompt files; errors print as file:line: message (exit code 1).
+
+    Prompts are checked against the schemas given alongside them (unknown modules, parameters,
+    argument lengths); a prompt naming a schema that is not among the files is an error. The
+    first line says which tokenizer was used: lengths depend on it, so pass --model.
+
+    \b
+    Example:
+      promptcache validate schemas/*.xml examples/*.xml --model Qwen/Qwen2.5-0.5B-Instruct
+    """
+    from ..layout import layout_prompt, layout_schema
+    from ..pml import PMLError, parse_prompt, parse_schema
+
+    tok = load_tokenizer(model)
+    click.echo(_tokenizer_line(model))
+    schemas, prompts, failed = {}, [], False
+    for f in files:
+        try:
+            if _root_tag(Path(f).read_text(encoding="utf-8", errors="replace")) == "schema":
+                layout = layout_schema(parse_schema(Path(f), allow_src_root=src_root), tok)
+                schemas[layout.name] = layout
+                click.echo(f"{f}: ok (schema '{layout.name}')")
+            else:
+                prompts.append((f, parse_prompt(Path(f))))
+        except PMLError as e:
+            failed = True
+            click.echo(str(e), err=True)
+    for f, tree in prompts:
+        try:
+            if tree.schema is not None and tree.schema not in schemas:
+                known = ", ".join(sorted(schemas)) or "none"
+                raise PMLError(f"unknown schema '{tree.schema}' (schemas given: {known}); pass its schema file "
+                               "alongside the prompt", str(f), getattr(tree, "line", None))
+            layout_prompt(tree, schemas.get(tree.schema), tok)
+            click.echo(f"{f}: ok (prompt)")
+        except PMLError as e:
+            failed = True
+            click.echo(str(e), err=True)
+    sys.exit(1 if failed else 0)
+
+
+@click.command()
+@click.option("--model", "-m", default="embedded:bench", show_default=True)
+@click.option("--device", default=None)
+@click.option("--dtype", default="auto", show_default=True, type=click.Choice(("auto", "float32", "bfloat16", "float16")))
+@engine_options
+@click.option("--schema-tokens", default=2000, show_default=True)
+@click.option("--new-tokens", default=32, show_default=True)
+@click.option("--repeats", default=10, show_default=True)
+@guard
+def bench(model, device, dtype, engine, config_file, schema_tokens, new_tokens, repeats):
+    """Time to first token: full prefill vs Prompt Cache vs the limit (one process, ratios).
+
+    The limit is the forward of the new tokens alone on a ready, assembled cache. The default
+    model is a random-weight Llama of realistic width (8 layers, hidden 1024, vocab 32000).
+    Each step is announced on stderr as it starts.
+    """
+    from .. import bench as benchmark
+
+    setup_logging()
+    config = engine_config(engine, config_file)
+    pc = load_engine(model, device, dtype, config)
+    report = benchmark.run(pc, schema_tokens, new_tokens, repeats,
+                           announce=lambda step: click.echo(f"bench: {step} ...", err=True))
+    click.echo("\n".join(report.lines()))
+
+
+def _root_tag(text: str) -> str:
+    """'prompt' or 'schema' (anything else is parsed as a schema, whose parser names the problem)."""
+    import re
+
+    body = re.sub(r"<!--.*?-->|<\?.*?\?>|<!DOCTYPE[^>]*>", "", text, flags=re.S)
+    m = re.search(r"<\s*([A-Za-z_][\w.-]*)", body)
+    return "prompt" if m and m.group(1) == "prompt" else "schema"
