@@ -6,6 +6,7 @@ import re
 from dataclasses import dataclass
 
 from ..store import StoreConfig
+from .recompute import check_selection
 
 __all__ = ["EngineConfig", "check_namespace"]
 
@@ -37,6 +38,7 @@ class EngineConfig:
     namespace: str = "default"  # cache namespace (salt): states are never shared across namespaces
     kv_dtype: str | None = None  # stored module states: None = the model's dtype, or "bfloat16" / "float16" / "float32"
     recompute: float = 0.0  # default fraction of a prompt's cached tokens computed afresh (0: the paper's exact reuse)
+    recompute_selection: str = "qattn_module"  # which cached tokens recompute chooses (engine/recompute.py SELECTIONS)
     remote: str | None = None  # shared tier below disk: "redis://[:password@]host:port/db" (None: this process only)
 
     def __post_init__(self):
@@ -49,6 +51,7 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.kv_dtype must be one of {', '.join(map(str, KV_DTYPES))}, got {self.kv_dtype!r}")
         if not (isinstance(self.recompute, (int, float)) and 0.0 <= self.recompute <= 1.0):
             raise ValueError(f"EngineConfig.recompute must be a fraction in [0, 1], got {self.recompute!r}")
+        check_selection(self.recompute_selection)
         if self.remote is not None and not str(self.remote).startswith(("redis://", "rediss://", "unix://")):
             raise ValueError(f"EngineConfig.remote must be a redis:// URL, got {self.remote!r}")
 
