@@ -103,10 +103,9 @@ def _eager(model):
             c._attn_implementation = o
 
 
-def question_attention(model, run: Callable[[], object], n_cached: int,
-                       layers: slice = slice(None)) -> torch.Tensor | None:
-    """Attention probabilities the new tokens pay each cached slot, summed over heads, queries and
-    ``layers``: [n_cached]. ``run`` does the forward of the new tokens over the assembled cache.
+def question_attention(model, run: Callable[[], object], n_cached: int) -> torch.Tensor | None:
+    """Attention probabilities the new tokens pay each cached slot, summed over heads and queries,
+    per layer: [L, n_cached]. ``run`` does the forward of the new tokens over the assembled cache.
     None when the model's attention modules return no probabilities (then selections fall back)."""
     got: list[torch.Tensor] = []
 
@@ -124,7 +123,7 @@ def question_attention(model, run: Callable[[], object], n_cached: int,
             h.remove()
     if not got:
         return None
-    return torch.stack(got[layers]).sum(0) if got[layers] else torch.stack(got).sum(0)
+    return torch.stack(got)
 
 
 # -- selections: (scores [n_cached] | None, request, budget) -> cached slots [<= budget] ------------
@@ -163,8 +162,8 @@ def qattn_module(scores, req: RecomputeRequest, k: int) -> list[int]:
 
 
 def qattn_mix(scores, req: RecomputeRequest, k: int) -> list[int]:
-    """Whole spans ranked by mean question attention while they fit in the budget, then the rest
-    of the budget by token-level question attention over the remaining candidates."""
+    """Whole spans ranked by mean question attention (late layers) while they fit in the budget,
+    then the rest of the budget by token-level question attention over the remaining candidates."""
     if scores is None:
         return tail(None, req, k)
     mass = [float(scores[a:b].mean()) for a, b in req.spans]
@@ -180,6 +179,7 @@ def qattn_mix(scores, req: RecomputeRequest, k: int) -> list[int]:
 
 SELECTIONS: dict[str, Callable] = {"tail": tail, "qattn": qattn, "qattn_module": qattn_module, "qattn_mix": qattn_mix}
 NEEDS_SCORES = frozenset({"qattn", "qattn_module", "qattn_mix"})
+LATE_LAYERS = frozenset({"qattn_mix"})  # scored over the second half of the layers (the others: all)
 DEFAULT_SELECTION = "qattn_module"  # eval/README.md "Quality": the best measured curve on SmolLM2
 
 
@@ -198,7 +198,9 @@ def run_recompute(adapter, model, cache, req: RecomputeRequest, new_ids: list[in
         return adapter.forward(ids, pos, cache)[0], 0
     scores = None
     if req.selection in NEEDS_SCORES:  # question over the reused state; appends the new tokens' states
-        scores = question_attention(model, lambda: adapter.forward(ids, pos, cache), n_cached)
+        per_layer = question_attention(model, lambda: adapter.forward(ids, pos, cache), n_cached)  # [L, n_cached]
+        if per_layer is not None:
+            scores = per_layer[per_layer.shape[0] // 2 if req.selection in LATE_LAYERS else 0 :].sum(0)
     chosen = SELECTIONS[req.selection](scores, req, k)
     # inputs in prompt order: chosen cached tokens and the new tokens (the last prompt token is new)
     rows = sorted([(req.slot_order[s], req.slot_ids[s], req.slot_pos[s], s) for s in chosen]
