@@ -25,8 +25,10 @@ then the question and the template's tail. Two ways to reuse the documents' stat
   moved to its position exactly (``models.relocate``); the separators and the question run through
   the model. Cheapest to reuse (any subset, any order), but a document never sees the documents
   before it, which costs answers: on SmolLM2-135M-Instruct, 8 notes, "what is the code for X"
-  (eval/README.md "Quality"), full prefill answers 0.55 and independent documents 0.16 at
-  ``recompute=0``; ``recompute=r`` (the engine's selective recompute) is the quality knob.
+  (eval/README.md "Quality"), full prefill answered 0.60 and independent documents 0.15 at
+  ``recompute=0`` (issue 11's measurement, 8 glued documents); with the notes encoded
+  independently the best selection measured keeps 0.30 at ``recompute=0.3`` against 0.58 for full
+  prefill (64 questions). ``recompute=r`` (the engine's selective recompute) is the quality knob.
   Rotary and ALiBi models only (learned absolute positions cannot be moved).
 
 Works with any retriever: the caller passes document ids. Keys come from ``promptcache.keys``

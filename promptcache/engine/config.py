@@ -38,7 +38,7 @@ class EngineConfig:
     namespace: str = "default"  # cache namespace (salt): states are never shared across namespaces
     kv_dtype: str | None = None  # stored module states: None = the model's dtype, or "bfloat16" / "float16" / "float32"
     recompute: float = 0.0  # default fraction of a prompt's cached tokens computed afresh (0: the paper's exact reuse)
-    recompute_selection: str = "qattn_module"  # which cached tokens recompute chooses (engine/recompute.py SELECTIONS)
+    recompute_selection: str = "qattn"  # which cached tokens recompute chooses (engine/recompute.py SELECTIONS)
     remote: str | None = None  # shared tier below disk: "redis://[:password@]host:port/db" (None: this process only)
 
     def __post_init__(self):
