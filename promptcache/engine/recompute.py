@@ -91,16 +91,17 @@ def recompute_request(layout: PromptLayout, n_exact: int, fraction: float, selec
 # -- question attention ---------------------------------------------------------------------------
 @contextlib.contextmanager
 def _eager(model):
-    """Eager attention for one forward (sdpa returns no probabilities); restored afterwards."""
-    cfgs = [m.config for m in model.modules() if hasattr(m, "config")]
-    old = [getattr(c, "_attn_implementation", None) for c in cfgs]
+    """Eager attention for one forward (sdpa returns no probabilities); restored afterwards.
+    ``set_attn_implementation`` is transformers' public switch (it updates every sub-config)."""
+    old = getattr(model.config, "_attn_implementation", None) or "eager"
+    if old == "eager":
+        yield
+        return
+    model.set_attn_implementation("eager")
     try:
-        for c in cfgs:
-            c._attn_implementation = "eager"
         yield
     finally:
-        for c, o in zip(cfgs, old):
-            c._attn_implementation = o
+        model.set_attn_implementation(old)
 
 
 def question_attention(model, run: Callable[[], object], n_cached: int) -> torch.Tensor | None:
