@@ -199,7 +199,8 @@ def main_retrieval(args) -> tuple[list[dict], list[dict]]:
     pc = PromptCache.from_pretrained(args.model, device=args.device, dtype=args.dtype)
     samples = retrieval_samples(args.limit or 60, seed=11)
     recompute = rs.reference_recompute(args.selection) if args.recompute_impl == "reference" else rs.engine_recompute
-    rows = rs.evaluate(pc, samples, args.modes or rs.MODES, args.recompute, args.max_new_tokens, recompute=recompute)
+    rows = rs.evaluate(pc, samples, args.modes or rs.MODES, args.recompute, args.max_new_tokens, recompute=recompute,
+                       save=lambda rows: write_csv("accuracy_retrieval.csv", rows, args.out))
     summary = rs.summarize(rows)
     for s in summary:
         print(s)

@@ -159,7 +159,9 @@ def build(pc, mode: str, sample: dict, index: int, shuffled: bool, rng: random.R
     return Request(prompt=_prompt(name, keep, q))
 
 
-def evaluate(pc, samples, modes, fractions, max_new_tokens: int, recompute: Callable, log=print) -> list[dict]:
+def evaluate(pc, samples, modes, fractions, max_new_tokens: int, recompute: Callable, log=print,
+             save: Callable | None = None) -> list[dict]:
+    """Every sample in every mode; ``save(rows)`` after each sample (a run stopped early keeps them)."""
     rows, rng = [], random.Random(0)
     for i, sample in enumerate(samples):
         for mode in modes:
@@ -181,6 +183,8 @@ def evaluate(pc, samples, modes, fractions, max_new_tokens: int, recompute: Call
                                      output_full=full.text[:60], output_pc=ans.text[:60]))
         log(f"[{i}] " + " ".join(f"{r['mode'][:8]}{'~' if r['shuffled'] else ''}@{r['recompute']}:"
                                  f"{r['full_correct']}{r['pc_correct']}" for r in rows if r["sample"] == sample["_id"]))
+        if save is not None:
+            save(rows)
     return rows
 
 
