@@ -279,7 +279,7 @@ class DocumentStore:
         self._prefix_state(layout, cached, hits)
         spans = [s for s in layout.spans if s.name.startswith("doc:")]
         parent = cached[0][0] if cached else f"root:{self.pc.model_key}:{self.namespace}"
-        links, matched = [], 0  # links: (key, slot range) of the documents to add
+        links, matched = [], 0  # links: (chain key, token count) of the documents to compute and add
         for d, span in zip(docs, spans):
             key = self._chain_key(parent, d, span.position_ids[0])
             if not links and key in self.pc.store:
