@@ -155,7 +155,7 @@ def parse_args(argv):
                     help="default: retrieval for --model smollm2, else longbench")
     ap.add_argument("--recompute", type=float, nargs="+", default=[0.15, 0.3, 0.5, 0.7],
                     help="retrieval task: recompute fractions where they apply")
-    ap.add_argument("--recompute-impl", choices=("reference", "engine"), default="reference",
+    ap.add_argument("--recompute-impl", choices=("reference", "engine"), default="engine",
                     help="retrieval task: eval/recompute_reference.py, or the engine's prefill(recompute=)")
     ap.add_argument("--selection", default="qattn", help="retrieval task, reference recompute: selections.py name")
     ap.add_argument("--modes", nargs="+", default=None, help="retrieval task: a subset of the modes")
@@ -199,7 +199,8 @@ def main_retrieval(args) -> tuple[list[dict], list[dict]]:
     pc = PromptCache.from_pretrained(args.model, device=args.device, dtype=args.dtype)
     samples = retrieval_samples(args.limit or 60, seed=11)
     recompute = rs.reference_recompute(args.selection) if args.recompute_impl == "reference" else rs.engine_recompute
-    rows = rs.evaluate(pc, samples, args.modes or rs.MODES, args.recompute, args.max_new_tokens, recompute=recompute)
+    rows = rs.evaluate(pc, samples, args.modes or rs.MODES, args.recompute, args.max_new_tokens, recompute=recompute,
+                       save=lambda rows: write_csv("accuracy_retrieval.csv", rows, args.out))
     summary = rs.summarize(rows)
     for s in summary:
         print(s)

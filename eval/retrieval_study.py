@@ -8,13 +8,13 @@ the red door?". A sample is correct when the greedy answer holds the code. Modes
   the first 4 of 8, then the question.
 * ``subset_gaps``: the same schema; the prompt imports notes 1, 3, 5, 7 (gaps between them).
 * ``independent``: each note in its own union (encoded after the shared header only); all 8 imported.
-* ``docstore_exact`` / ``docstore_independent``: ``DocumentStore`` with the 8 notes as documents
-  (``independent=True`` for the second); skipped with a note where the engine lacks the option.
+* ``docstore_exact`` / ``docstore_independent``: ``DocumentStore`` with the 8 notes as documents:
+  chains (the default, exact) and ``independent=True`` (position-independent, recompute applies).
 
 ``shuffled`` variants present the notes in a random order per sample. Where recompute applies
 (``independent``, ``docstore_independent``) every fraction is run through ``recompute`` (a
-function ``(pc, how, r, max_new_tokens) -> Answer``: ``reference_recompute`` today, the engine's
-``prefill(recompute=r)`` later via ``engine_recompute``). Per row: full-prefill correct,
+function ``(pc, how, r, max_new_tokens) -> Answer``: the engine's ``prefill(recompute=r)`` via
+``engine_recompute``, or ``reference_recompute`` outside the engine). Per row: full-prefill correct,
 promptcache correct, first-token KL(full || cached), recomputed fraction, TTFT ratio.
 """
 
@@ -114,7 +114,7 @@ def reference_recompute(selection: str = "qattn") -> Callable:
 
 
 def engine_recompute(pc, req: Request, r: float, max_new_tokens: int) -> Answer:
-    """The engine's own selective recompute (``prefill(..., recompute=r)``), once it has one."""
+    """The engine's own selective recompute (``prefill(..., recompute=r)``)."""
     return engine_answer(pc, req, max_new_tokens, recompute=r)
 
 
@@ -139,13 +139,10 @@ def build(pc, mode: str, sample: dict, index: int, shuffled: bool, rng: random.R
     if mode.startswith("docstore"):
         from promptcache.rag import DocumentStore
 
-        try:
-            store = DocumentStore(pc, independent=True) if mode == "docstore_independent" else DocumentStore(pc)
-        except TypeError:
-            return None
+        store = DocumentStore(pc, independent=mode == "docstore_independent")
         ids = [f"{name}_{i}" for i in range(len(notes))]
         for d, t in zip(ids, notes):
-            store.add(d, t + "\n")
+            store.add(d, t)  # the store separates documents with "\n\n"
         return Request(store=store, question=f"Question: {q}", doc_ids=ids)
     pc.add_schema(_schema(notes, mode == "independent", name))
     if mode == "prefix_subset":  # the target note is kept among the first 4
@@ -162,7 +159,9 @@ def build(pc, mode: str, sample: dict, index: int, shuffled: bool, rng: random.R
     return Request(prompt=_prompt(name, keep, q))
 
 
-def evaluate(pc, samples, modes, fractions, max_new_tokens: int, recompute: Callable, log=print) -> list[dict]:
+def evaluate(pc, samples, modes, fractions, max_new_tokens: int, recompute: Callable, log=print,
+             save: Callable | None = None) -> list[dict]:
+    """Every sample in every mode; ``save(rows)`` after each sample (a run stopped early keeps them)."""
     rows, rng = [], random.Random(0)
     for i, sample in enumerate(samples):
         for mode in modes:
@@ -184,6 +183,8 @@ def evaluate(pc, samples, modes, fractions, max_new_tokens: int, recompute: Call
                                      output_full=full.text[:60], output_pc=ans.text[:60]))
         log(f"[{i}] " + " ".join(f"{r['mode'][:8]}{'~' if r['shuffled'] else ''}@{r['recompute']}:"
                                  f"{r['full_correct']}{r['pc_correct']}" for r in rows if r["sample"] == sample["_id"]))
+        if save is not None:
+            save(rows)
     return rows
 
 

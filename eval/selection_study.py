@@ -9,6 +9,12 @@ tokens (``recompute_reference.blend``); after an answer cue ("The access code fo
 a sample is correct when greedy decoding starts with the code (teacher-forced argmax check). Reference rows: full prefill (``full``) and naive reuse (``none``).
 Writes ``selection_study.csv`` (per sample) and ``selection_study_summary.csv`` to ``--out`` and
 the curve ``selection_curve.png`` to ``--figures``.
+
+``--impl engine`` measures the engine's own selections (``promptcache.engine.recompute``) instead:
+``DocumentStore(independent=True)`` with the 8 notes as documents, ``generate(..., recompute=r)``
+with each ``EngineConfig.recompute_selection``; a sample is correct when the greedy answer (14
+tokens) holds the code; TTFT is the engine's (selection pass included). Rows ``full`` (the stock
+model over the same tokens) and ``none`` (r = 0). Writes ``selection_engine*.csv`` / PNG.
 """
 
 from __future__ import annotations
@@ -86,6 +92,50 @@ def run(model, tok, samples, fractions, names, shuffle: bool, save=None):
     return rows
 
 
+def run_engine(path, samples, fractions, names, save=None, max_new_tokens: int = 14):
+    """The engine's selections on independent DocumentStore notes (see the module docstring)."""
+    from promptcache import EngineConfig, PromptCache
+    from promptcache.rag import DocumentStore
+
+    torch.set_num_threads(1)
+    base = PromptCache.from_pretrained(path)
+    engines = {n: PromptCache(base.model, base.tokenizer, EngineConfig(recompute_selection=n)) for n in names}
+    rows = []
+    for si, sample in enumerate(samples):
+        q = f"Question: {sample['input']}"
+        ok = lambda text: int(sample["answer"] in text.replace(" ", ""))  # noqa: E731
+        stores = {}
+        for n, pc in engines.items():
+            stores[n] = DocumentStore(pc, independent=True)
+            for i, note in enumerate(sample["notes"]):
+                stores[n].add(f"n{i}", note)
+        ids = [f"n{i}" for i in range(len(sample["notes"]))]
+        layout = stores[names[0]].layout(q, ids, SYSTEM)
+        t = time.perf_counter()
+        with torch.inference_mode():
+            full_logits = base.model(input_ids=torch.tensor([layout.token_ids]), logits_to_keep=1).logits[0, -1]
+        full_ttft = time.perf_counter() - t
+        gen = base.model.generate(torch.tensor([layout.token_ids]), max_new_tokens=max_new_tokens, do_sample=False)
+        full_text = base.tokenizer.decode(gen[0, len(layout.token_ids):], skip_special_tokens=True)
+        common = dict(sample=sample["_id"], n=len(layout.token_ids))
+        rows.append(dict(common, selection="full", fraction=1.0, recomputed=1.0, extra=0, kl=0.0,
+                         correct=ok(full_text), seconds=full_ttft))
+        for n in names:
+            for f in ([0.0] if n == names[0] else []) + list(fractions):
+                res = stores[n].prefill(q, ids, SYSTEM, reserve=64, keep_cache=True, recompute=f)
+                logits = res.logits.clone()
+                text = engines[n].generate_from(lambda reserve, res=res: res, max_new_tokens=max_new_tokens).text
+                cand = sum(len(stores[n].get(d).token_ids) for d in ids)
+                rows.append(dict(common, selection="none" if f == 0 else n, fraction=f,
+                                 recomputed=round(res.recomputed_tokens / cand, 4), extra=0,
+                                 kl=kl_divergence(full_logits, logits), correct=ok(text), seconds=res.ttft))
+        done = [r for r in rows if r["sample"] == sample["_id"]]
+        print(f"[{si}] " + " ".join(f"{r['selection']}@{r['fraction']}:{r['correct']}" for r in done), flush=True)
+        if save is not None:
+            save(rows)
+    return rows
+
+
 def summarize(rows):
     keys = sorted({(r["selection"], r["fraction"]) for r in rows})
     full = statistics.mean(r["correct"] for r in rows if r["selection"] == "full")
@@ -152,6 +202,8 @@ def main(argv=None):
     ap.add_argument("--out", type=Path, default=RESULTS)
     ap.add_argument("--figures", type=Path, default=HERE / "figures")
     ap.add_argument("--tag", default="")
+    ap.add_argument("--impl", choices=("reference", "engine"), default="reference",
+                    help="reference: recompute_reference.py's selections; engine: the engine's (EngineConfig)")
     ap.add_argument("--combine", type=Path, nargs="+", default=None,
                     help="only summarize and plot these per-sample CSVs (runs split with --first)")
     args = ap.parse_args(argv)
@@ -163,9 +215,21 @@ def main(argv=None):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = ensure_smollm2()
+    samples = retrieval_samples(args.first + args.samples, seed=11)[args.first:]
+    if args.impl == "engine":
+        from promptcache.engine.recompute import SELECTIONS as ENGINE_SELECTIONS
+
+        names = [n for n in args.selections if n in ENGINE_SELECTIONS] or list(ENGINE_SELECTIONS)
+        stem = f"selection_engine{args.tag}"
+        rows = run_engine(path, samples, args.fractions, names, save=lambda rows: write_csv(f"{stem}.csv", rows, args.out))
+        summary = summarize(rows)
+        for s in summary:
+            print(s)
+        write_csv(f"{stem}_summary.csv", summary, args.figures)
+        print("wrote", plot(summary, args.figures / f"{stem}.png", f"SmolLM2-135M, engine, {len(samples)} questions"))
+        return rows, summary
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     tok = AutoTokenizer.from_pretrained(path)
-    samples = retrieval_samples(args.first + args.samples, seed=11)[args.first:]
     print(f"recompute=1.0 vs plain forward: max |dlogit| {check_exact(model, build_prompt(tok, samples[0])[0]):.2e}")
     stem = f"selection_study{args.tag}"
     rows = run(model, tok, samples, args.fractions, args.selections, args.shuffle,

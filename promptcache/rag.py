@@ -1,26 +1,41 @@
-"""Retrieval-augmented generation on position-independent document modules.
+"""Retrieval-augmented generation: documents cached as chains (exact) or as independent modules.
 
-(About 300 lines: the document API, prompt planning, and persistence with the index checks the
-hardening issue asks for; persistence is the part to move out if it grows.)
+(About 400 lines: the document API, the two prompt plans, and persistence with the index checks
+the hardening issue asks for; persistence is the part to move out if it grows.)
 
     store = DocumentStore(pc, "docs.pcache")           # persisted; reopened with its states
     store.add("paris", "Paris is the capital of France ...", {"source": "wiki"})
     out = store.generate("What is Paris famous for?", doc_ids=["paris"], system="Answer briefly.")
 
-Each document is encoded once, alone (no context, positions from 0), and stored. At prompt time
-the chosen documents are placed contiguously in the given order after a cached prefix (BOS, the
-chat template's header, the system text, the user header); their keys are moved to their
-positions exactly (``models.relocate``), and only the question and the template's tail run
-through the model. The result equals the definition "each document encoded alone at its final
-positions, the question run on top"; it is *not* a plain prefill of the same text, because a
-document does not attend to the documents before it (the paper's independent modules).
-Works with any retriever: the caller passes document ids. Rotary and ALiBi models only
-(learned absolute positions cannot be moved; see ``models.relocate``).
+The prompt is written as the text would be: a cached prefix (BOS, the chat template's header,
+the system text, the user header), then each document followed by ``separator`` ("\n\n"),
+then the question and the template's tail. Two ways to reuse the documents' states:
 
-Keys come from ``promptcache.keys`` (``alone_key``: tokens encoded alone from position 0, salted
-by the namespace), so documents and the prefix live in the engine's store beside schema modules.
+* **Chains (default, exact).** A request's documents are cached as a chain (RAGCache's knowledge
+  tree): each document's states are computed after the prefix and the documents before it in that
+  request, and stored under ``hash(parent key, document digest, start position, separator)``. A
+  later request whose leading documents match reuses them; the rest (and the question) run in one
+  forward and are added to the tree. The answer equals a plain prefill of the same tokens
+  (``res.exact``). Chain states live in the engine's store under its budgets and LRU; they are not
+  persisted (a reopened store rebuilds them on first use). ``canonical_order=True`` sorts a
+  request's documents by id first, so requests retrieving the same set in any order share a chain.
+  Works with every supported family (nothing is relocated).
+* **Independent** (``independent=True``, the paper's position-independent modules). Each document
+  is encoded once, alone (no context, positions from 0), stored and persisted; at prompt time it is
+  moved to its position exactly (``models.relocate``); the separators and the question run through
+  the model. Cheapest to reuse (any subset, any order), but a document never sees the documents
+  before it, which costs answers: on SmolLM2-135M-Instruct, 8 notes, "what is the code for X"
+  (eval/README.md "Quality"), full prefill answered 0.60 and independent documents 0.15 at
+  ``recompute=0`` (issue 11's measurement, 8 glued documents); with the notes encoded
+  independently the best selection measured keeps 0.30 at ``recompute=0.3`` against 0.58 for full
+  prefill (64 questions). ``recompute=r`` (the engine's selective recompute) is the quality knob.
+  Rotary and ALiBi models only (learned absolute positions cannot be moved).
 
-Persistence (``path``), all written atomically (``fsutil``)::
+Works with any retriever: the caller passes document ids. Keys come from ``promptcache.keys``
+(``alone_key``, salted by the namespace), so documents and the prefix live in the engine's store
+beside schema modules.
+
+Persistence (``path``; independent states, written atomically with ``fsutil``)::
 
     index.json                  {"format_version": 2, "model": {fingerprint}, "model_digest": str,
                                  "tokenizer": str, "documents": [{"id": str, "text": str,
@@ -29,6 +44,8 @@ Persistence (``path``), all written atomically (``fsutil``)::
     docs/<digest[:32]>.safetensors   one state "kv" [L, 2, H, n, D] in the codec format
                                  (portable key, model digest, checksum in its header)
 
+A store with a ``path`` encodes and persists every document's independent states (in both modes,
+so a folder serves either); an in-memory chain store encodes nothing at ``add``.
 Reopening checks every field of the index (a wrong type, a null or a missing field is a
 ``DocumentStoreError`` naming the file, the document and the field; nothing is changed), the
 model and tokenizer (refused naming the part unless ``reencode=True``), and registers each file
@@ -39,6 +56,7 @@ rewrites its file.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import threading
@@ -50,6 +68,7 @@ import torch
 
 from .engine import Generation, PrefillResult, PromptCache
 from .errors import PromptCacheError
+from .engine.recompute import check_fraction, recompute_request
 from .fsutil import atomic_write
 from .keys import PORTABLE, alone_key, model_digest, token_digest
 from .layout import PromptLayout, Span
@@ -88,10 +107,20 @@ class Document:
 
 
 class DocumentStore:
+    """Documents for RAG prompts; see the module docstring. ``independent``: position-independent
+    documents (the paper's modules, ``recompute`` is their quality knob) instead of exact chains;
+    ``canonical_order``: chains order a request's documents by id; ``separator``: text after each
+    document."""
+
     def __init__(self, pc: PromptCache, path: str | Path | None = None, namespace: str | None = None,
-                 reencode: bool = False):
-        check_relocatable(pc.adapter)
+                 reencode: bool = False, *, independent: bool = False, canonical_order: bool = False,
+                 separator: str = "\n\n"):
+        if independent:
+            check_relocatable(pc.adapter)
         self.pc, self.namespace = pc, pc.config.namespace_for(namespace)
+        self.independent, self.canonical_order = bool(independent), bool(canonical_order)
+        self.separator = separator
+        self._sep = tuple(pc.tok.encode(separator)) if separator else ()
         self.path = Path(path) if path is not None else None
         self._docs: dict[str, Document] = {}
         self._sums: dict[str, str] = {}  # document digest -> sha256 of its stored states
@@ -101,8 +130,8 @@ class DocumentStore:
 
     # -- documents -------------------------------------------------------------------------------
     def add(self, doc_id: str, text: str, metadata: dict | None = None) -> Document:
-        """Encode a document once (alone, from position 0), store and persist it. Re-adding an
-        id replaces it; identical text is encoded once."""
+        """Register a document (independent or persisted stores encode it once, alone, from
+        position 0, and persist it). Re-adding an id replaces it; identical text is encoded once."""
         if not isinstance(doc_id, str) or not doc_id:
             raise ValueError(f"a document id must be a non-empty string, got {doc_id!r}")
         ids = self.pc.tok.encode(text)
@@ -111,7 +140,7 @@ class DocumentStore:
         digest = token_digest(ids)
         doc = Document(doc_id, text, dict(metadata or {}), len(ids), digest, tuple(ids))
         key = self._key(ids)
-        if key not in self.pc.store:
+        if (self.independent or self.path is not None) and key not in self.pc.store:
             kv = self.pc.encode_span(ids)
             self.pc.store.put(key, kv)
             if self.path is not None:
@@ -141,29 +170,40 @@ class DocumentStore:
 
     # -- prompts ---------------------------------------------------------------------------------
     def layout(self, question: str, doc_ids: list[str], system: str | None = None) -> PromptLayout:
-        """Spans of the prompt: cached prefix, documents at their positions, new question."""
-        return self._plan(question, doc_ids, system)[0]
+        """Spans of the prompt in order: cached prefix, documents (and separators) at their
+        positions, new question."""
+        return self._layout(question, self._order(doc_ids), system)[0]
 
     def prefill(self, question: str, doc_ids: list[str], system: str | None = None, reserve: int = 0,
-                keep_cache: bool = False) -> PrefillResult:
+                keep_cache: bool = False, *, recompute: float | None = None) -> PrefillResult:
+        """Next-token logits after the prompt. ``recompute`` (independent stores; None: the engine's
+        ``config.recompute``): fraction of the documents' tokens computed afresh in the prompt's
+        context (1.0 equals a plain prefill). Chains are exact and ignore it."""
         t0 = time.perf_counter()
-        layout, cached, hits = self._plan(question, doc_ids, system, with_states=True)
+        r = self.pc.recompute_fraction(recompute)
+        docs = self._order(doc_ids)
+        if not self.independent:
+            return self._prefill_chain(question, docs, system, reserve, keep_cache, t0)
+        layout, n_prefix = self._layout(question, docs, system)
+        cached, hits = self._independent_states(layout)
         new = [s for s in layout.spans if s.kind == "new"]
+        req = recompute_request(layout, n_prefix, r, self.pc.config.recompute_selection, False) if r > 0 else None
         return self.pc.run_spliced(cached, [t for s in new for t in s.token_ids],
                                    [p for s in new for p in s.position_ids], max(layout.position_ids), t0,
-                                   reserve, keep_cache, layout=layout, hit_tiers=hits)
+                                   reserve, keep_cache, layout=layout, hit_tiers=hits, recompute=req)
 
     def generate(self, question: str, doc_ids: list[str], system: str | None = None,
-                 max_new_tokens: int = 64, **sampling) -> Generation:
-        """Answer ``question`` with the documents ``doc_ids`` in that order (any retriever's ids)."""
-        return self.pc.generate_from(
-            lambda reserve: self.prefill(question, doc_ids, system, reserve, keep_cache=True),
-            max_new_tokens, **sampling)
+                 max_new_tokens: int = 64, *, recompute: float | None = None, **sampling) -> Generation:
+        """Answer ``question`` with the documents ``doc_ids`` (any retriever's ids; in that order
+        unless ``canonical_order``)."""
+        return self.stream(question, doc_ids, system, max_new_tokens, recompute=recompute, **sampling).run()
 
     def stream(self, question: str, doc_ids: list[str], system: str | None = None, max_new_tokens: int = 64,
-               **sampling):
+               *, recompute: float | None = None, **sampling):
+        if recompute is not None:
+            check_fraction(recompute)  # before any work
         return self.pc.stream_from(
-            lambda reserve: self.prefill(question, doc_ids, system, reserve, keep_cache=True),
+            lambda reserve: self.prefill(question, doc_ids, system, reserve, keep_cache=True, recompute=recompute),
             max_new_tokens, **sampling)
 
     # -- internals -------------------------------------------------------------------------------
@@ -175,13 +215,23 @@ class DocumentStore:
                 f"unknown document id '{doc_id}' (the store has {len(self._docs)} documents: {known or 'none'})")
         return doc
 
+    def _order(self, doc_ids: list[str]) -> list[Document]:
+        docs = [self._get(d) for d in doc_ids]
+        return sorted(docs, key=lambda d: d.id) if self.canonical_order and not self.independent else docs
+
     def _key(self, token_ids, namespace: str | None = None) -> str:
         """Store key of tokens encoded alone from position 0 (``namespace``: this store's)."""
         return alone_key(token_ids, self.pc.model_key, self.namespace if namespace is None else namespace)
 
-    def _plan(self, question: str, doc_ids: list[str], system: str | None, with_states: bool = False):
-        """(layout, cached states for run_spliced, tier hits)."""
-        docs = [self._get(d) for d in doc_ids]
+    def _chain_key(self, parent: str, doc: Document, start: int) -> str:
+        """Key of ``doc`` + separator encoded after the chain ``parent`` at positions start..."""
+        h = hashlib.sha256(f"promptcache-chain-v1|{parent}|{doc.digest}|{start}|".encode())
+        h.update(token_digest(self._sep).encode())
+        return f"chain:{h.hexdigest()}"
+
+    def _layout(self, question: str, docs: list[Document], system: str | None) -> tuple[PromptLayout, int]:
+        """(layout, prefix tokens). Chains: each document span holds the document and its
+        separator; independent: the separator is a new span after each document."""
         tok = self.pc.tok
         roles = ["system", "user"] if system else ["user"]
         glue = tok.render_roles(roles, add_generation_prompt=True)
@@ -191,30 +241,76 @@ class DocumentStore:
         spans = [Span("cached", "(prefix)", tuple(prefix), tuple(range(len(prefix))), "glue")] if prefix else []
         pos = len(prefix)
         for d in docs:
-            spans.append(Span("cached", f"doc:{d.id}", d.token_ids, tuple(range(pos, pos + d.n_tokens)), "module"))
-            pos += d.n_tokens
-        q = tok.encode(("\n" if docs else "") + question) + tok.encode(glue[-1])
+            ids = d.token_ids if self.independent else d.token_ids + self._sep
+            spans.append(Span("cached", f"doc:{d.id}", ids, tuple(range(pos, pos + len(ids))), "module"))
+            pos += len(ids)
+            if self.independent and self._sep:
+                spans.append(Span("new", "(separator)", self._sep, tuple(range(pos, pos + len(self._sep))), "text"))
+                pos += len(self._sep)
+        q = tok.encode(question) + tok.encode(glue[-1])
         spans.append(Span("new", "(question)", tuple(q), tuple(range(pos, pos + len(q))), "text"))
-        layout = PromptLayout(spans, None)
-        if not with_states:
-            return layout, None, None
-        cached, hits = [], {}
-        device = self.pc.device
-        if prefix:
-            key = self._key(prefix)
-            if key not in self.pc.store:
-                self.pc.store.put(key, self.pc.encode_span(prefix))
-            kv, tier = self.pc.store.get(key)
-            hits[tier] = hits.get(tier, 0) + 1
-            cached.append((key, kv, torch.arange(len(prefix), device=device)))
-        for d, span in zip(docs, spans[1 if prefix else 0 :]):
-            key = self._key(d.token_ids)
+        return PromptLayout(spans, None), len(prefix)
+
+    def _prefix_state(self, layout: PromptLayout, cached: list, hits: dict) -> None:
+        first = layout.spans[0]
+        if first.name != "(prefix)":
+            return
+        key = self._key(first.token_ids)
+        if key not in self.pc.store:
+            self.pc.store.put(key, self.pc.encode_span(list(first.token_ids)))
+        kv, tier = self.pc.store.get(key)
+        hits[tier] = hits.get(tier, 0) + 1
+        cached.append((key, kv, torch.arange(len(first.token_ids), device=self.pc.device)))
+
+    def _independent_states(self, layout: PromptLayout):
+        """(cached states for run_spliced, tier hits): the prefix, each document moved to its start."""
+        cached, hits, device = [], {}, self.pc.device
+        self._prefix_state(layout, cached, hits)
+        for span in (s for s in layout.spans if s.name.startswith("doc:")):
+            key = self._key(span.token_ids)
+            if key not in self.pc.store:  # added to a chain store, or evicted: encode it alone again
+                self.pc.store.put(key, self.pc.encode_span(list(span.token_ids)))
             kv, tier = self.pc.store.get(key)
             hits[tier] = hits.get(tier, 0) + 1
             start = span.position_ids[0]
             moved = (lambda kv=kv, start=start: relocate(self.pc.adapter, kv, start)) if start else kv
-            cached.append((f"{key}@{start}", moved, torch.arange(start, start + d.n_tokens, device=device)))
-        return layout, cached, hits
+            cached.append((f"{key}@{start}", moved, torch.arange(start, start + len(span), device=device)))
+        return cached, hits
+
+    def _prefill_chain(self, question: str, docs: list[Document], system: str | None, reserve: int,
+                       keep_cache: bool, t0: float) -> PrefillResult:
+        """Reuse the longest stored chain of the request's leading documents; run the rest and the
+        question in one forward (a plain prefill's continuation) and store the new links."""
+        layout, _ = self._layout(question, docs, system)
+        cached, hits = [], {}
+        self._prefix_state(layout, cached, hits)
+        spans = [s for s in layout.spans if s.name.startswith("doc:")]
+        parent = cached[0][0] if cached else f"root:{self.pc.model_key}:{self.namespace}"
+        links, matched = [], 0  # links: (chain key, token count) of the documents to compute and add
+        for d, span in zip(docs, spans):
+            key = self._chain_key(parent, d, span.position_ids[0])
+            if not links and key in self.pc.store:
+                kv, tier = self.pc.store.get(key)
+                hits[tier] = hits.get(tier, 0) + 1
+                cached.append((key, kv, torch.tensor(span.position_ids, device=self.pc.device)))
+                matched += 1
+            else:
+                links.append((key, len(span)))
+            parent = key
+        run = spans[matched:] + [layout.spans[-1]]
+        ran = PromptLayout([Span("new", s.name, s.token_ids, s.position_ids, s.source) if s in run else s
+                            for s in layout.spans], None)  # what ran: the unmatched documents are new
+        res = self.pc.run_spliced(cached, [t for s in run for t in s.token_ids],
+                                  [p for s in run for p in s.position_ids], max(layout.position_ids), t0,
+                                  reserve, keep_cache or bool(links), layout=ran, hit_tiers=hits, exact=True)
+        if links:
+            off = sum(len(pos) for *_, pos in cached)
+            for key, n in links:
+                self.pc.store.put(key, res.cache.read(off, n))
+                off += n
+            if not keep_cache:
+                self.pc.release(res)
+        return res
 
     def _write_states(self, doc: Document, kv: torch.Tensor) -> None:
         """Write (or rewrite) a document's states file: one state "kv" with its portable key."""

@@ -5,6 +5,9 @@ Decisions:
     ``cache="false"`` modules, chat glue) at their position IDs.
   * A prompt with no new tokens recomputes its last cached token as a new token (its stored entry
     is left out), so next-token logits reflect exactly what the prompt imports.
+  * ``n_exact``: the leading cached tokens (prompt order) whose stored states are those of a plain
+    prefill (each span encoded after exactly the spans before it, positions 0..); selective
+    recompute (``recompute.py``) never chooses them.
 """
 
 from __future__ import annotations
@@ -26,6 +29,8 @@ class Assembly:
     max_position: int  # the prompt's largest position ID
     hit_tiers: dict[str, int]  # cached spans served per store tier
     exact: bool  # the assembled state equals a plain prefill of the same tokens
+    n_exact: int = 0  # leading cached tokens already exact (not recompute candidates)
+    moved_last: bool = False  # no new token: the last cached token runs as the new one
 
 
 def assemble(layout: PromptLayout, entry: EncodedSchema | None, store) -> Assembly:
@@ -40,6 +45,7 @@ def assemble(layout: PromptLayout, entry: EncodedSchema | None, store) -> Assemb
         cached.append((key, kv, entry.positions[s.schema_index], s.schema_index))
     new_ids = [t for s in new_spans for t in s.token_ids]
     new_pos = [p for s in new_spans for p in s.position_ids]
+    moved_last = not new_ids
     if not new_ids:  # recompute the last cached token so there are logits to return
         last = cached_spans[-1]
         new_ids, new_pos = [last.token_ids[-1]], [last.position_ids[-1]]
@@ -47,7 +53,22 @@ def assemble(layout: PromptLayout, entry: EncodedSchema | None, store) -> Assemb
         cached[-1] = (key + "[:-1]", kv[:, :, :, :-1], pos[:-1], idx)
     exact = _is_exact(cached_spans, new_spans, entry, [idx for *_, idx in cached])
     return Assembly(cached=[(k, kv, pos) for k, kv, pos, _ in cached], new_ids=new_ids, new_pos=new_pos,
-                    max_position=max(layout.position_ids), hit_tiers=dict(hits), exact=exact)
+                    max_position=max(layout.position_ids), hit_tiers=dict(hits), exact=exact,
+                    n_exact=_leading_exact(layout, entry), moved_last=moved_last)
+
+
+def _leading_exact(layout: PromptLayout, entry: EncodedSchema | None) -> int:
+    """Tokens of the leading cached spans (prompt order) encoded after exactly the spans before
+    them at positions 0..: their states are a plain prefill's."""
+    seen: list[int] = []
+    n = 0
+    for s in layout.spans:
+        if s.kind != "cached" or entry.contexts.get(s.schema_index) != tuple(seen) \
+                or list(s.position_ids) != list(range(n, n + len(s.position_ids))):
+            break
+        seen.append(s.schema_index)
+        n += len(s.position_ids)
+    return n
 
 
 def _is_exact(cached_spans: list[Span], new_spans: list[Span], entry: EncodedSchema | None,

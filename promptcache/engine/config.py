@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from ..errors import ConfigError
 from ..store import StoreConfig
+from .recompute import check_selection
 
 __all__ = ["EngineConfig", "check_namespace"]
 
@@ -38,6 +39,7 @@ class EngineConfig:
     namespace: str = "default"  # cache namespace (salt): states are never shared across namespaces
     kv_dtype: str | None = None  # stored module states: None = the model's dtype, or "bfloat16" / "float16" / "float32"
     recompute: float = 0.0  # default fraction of a prompt's cached tokens computed afresh (0: the paper's exact reuse)
+    recompute_selection: str = "qattn"  # which cached tokens recompute chooses (engine/recompute.py SELECTIONS)
     remote: str | None = None  # shared tier below disk: "redis://[:password@]host:port/db" (None: this process only)
     remote_policy: str = "through"  # publish to ``remote`` every new state ("through") or what memory evicts ("on_evict")
 
@@ -51,6 +53,7 @@ class EngineConfig:
             raise ConfigError(f"EngineConfig.kv_dtype must be one of {', '.join(map(str, KV_DTYPES))}, got {self.kv_dtype!r}")
         if not (isinstance(self.recompute, (int, float)) and 0.0 <= self.recompute <= 1.0):
             raise ConfigError(f"EngineConfig.recompute must be a fraction in [0, 1], got {self.recompute!r}")
+        check_selection(self.recompute_selection)
         if self.remote is not None and not str(self.remote).startswith(("redis://", "rediss://", "unix://")):
             raise ConfigError(f"EngineConfig.remote must be a redis:// URL, got {self.remote!r}")
         self.store_config()  # validates the store's fields (remote_policy) now, not when the engine starts

@@ -36,6 +36,7 @@ from ..tokens import as_span_tokenizer
 from .assemble import assemble
 from .config import EngineConfig
 from .encoder import Progress, SchemaEncoder
+from .recompute import RecomputeRequest, check_fraction, recompute_request
 from .registry import EncodedSchema, SchemaRegistry
 from .results import Generation, PrefillResult
 from .runner import ModelRunner
@@ -152,14 +153,19 @@ class PromptCache:
         return layout_prompt(tree, schema, self.tok, max_positions=self.adapter.max_positions)
 
     def prefill(self, prompt: str | Path | Prompt, reserve: int = 0, keep_cache: bool = False,
-                namespace: str | None = None) -> PrefillResult:
+                namespace: str | None = None, *, recompute: float | None = None) -> PrefillResult:
         """Assemble the prompt's cache and run its new tokens: next-token logits and statistics.
 
         ``keep_cache=True`` hands the assembled cache to the caller (``result.cache``, with room
         for ``reserve`` more tokens); call ``release(result)`` when done so it can be reused.
         A stored state that vanished (shared tier down, evicted) or fails verification is
-        re-encoded with the schema's other missing states and the plan retried once (a warning)."""
+        re-encoded with the schema's other missing states and the plan retried once (a warning).
+
+        ``recompute``: fraction of the drifted cached tokens computed afresh in the prompt's own
+        context (None: ``config.recompute``; see ``engine/recompute.py``); 1.0 equals a plain
+        forward over the prompt's tokens in prompt order at the layout's positions."""
         t0 = time.perf_counter()
+        r = self.recompute_fraction(recompute)
         layout = self.layout(prompt, namespace)
         entry = self.schema(layout.schema.name, namespace) if layout.schema is not None else None
         try:
@@ -170,20 +176,29 @@ class PromptCache:
             log.warning("schema '%s': a stored state cannot be used (%s); re-encoding what is missing", entry.name, e)
             self._ensure_states(entry.layout, entry.keys, fetch=True)
             plan = assemble(layout, entry, self.store)
+        req = recompute_request(layout, plan.n_exact, r, self.config.recompute_selection, plan.moved_last) \
+            if r > 0 else None
         return self.runner.prefill_spliced(plan.cached, plan.new_ids, plan.new_pos, plan.max_position, t0, reserve,
-                                           keep_cache, exact=plan.exact, layout=layout, hit_tiers=plan.hit_tiers)
+                                           keep_cache, exact=plan.exact, layout=layout, hit_tiers=plan.hit_tiers,
+                                           recompute=req)
+
+    def recompute_fraction(self, recompute: float | None) -> float:
+        """The fraction a call uses: ``None`` means ``config.recompute``; else checked to be in [0, 1]."""
+        return self.config.recompute if recompute is None else check_fraction(recompute)
 
     def run_spliced(self, cached: list[tuple[str, torch.Tensor, torch.Tensor]], new_ids: list[int],
                     new_pos: list[int], max_position: int, t0: float | None = None, reserve: int = 0,
                     keep_cache: bool = False, *, layout: PromptLayout | None = None,
-                    hit_tiers: dict[str, int] | None = None) -> PrefillResult:
+                    hit_tiers: dict[str, int] | None = None, exact: bool = False,
+                    recompute: RecomputeRequest | None = None) -> PrefillResult:
         """The splice itself: stored states (content key, kv [L, 2, H, n, D], positions [n]) placed
         in order, then ``new_ids`` run at ``new_pos`` on top; ``max_position`` is the largest
         position of the prompt (generation continues after it). Used by the RAG store, which
-        passes its ``layout`` and ``hit_tiers`` for the result. ``exact`` is False: the caller
-        knows nothing of encoding contexts here."""
+        passes its ``layout`` and ``hit_tiers`` for the result. ``exact``: the caller vouches that
+        the states equal a plain prefill (the RAG store's chains); ``recompute``: a request from
+        ``recompute.recompute_request``."""
         return self.runner.prefill_spliced(cached, new_ids, new_pos, max_position, t0, reserve, keep_cache,
-                                           layout=layout, hit_tiers=hit_tiers)
+                                           layout=layout, hit_tiers=hit_tiers, exact=exact, recompute=recompute)
 
     def prefill_baseline(self, prompt, namespace: str | None = None) -> PrefillResult:
         """Full prefill of the prompt's tokens (prompt order, positions 0..n-1), stock model path."""
@@ -206,18 +221,22 @@ class PromptCache:
 
     # -- generation ------------------------------------------------------------------------------
     def generate(self, prompt, params: SamplingParams | None = None, *, use_cache: bool = True,
-                 namespace: str | None = None, **sampling_kwargs) -> Generation:
+                 namespace: str | None = None, recompute: float | None = None, **sampling_kwargs) -> Generation:
         """Generate text after the prompt. ``params`` and/or keywords (``max_new_tokens``,
         ``temperature``, ``top_p``, ``top_k``, ``repetition_penalty``, ``stop``, ``seed``) set the
         sampling. ``use_cache=False`` is the baseline: the same tokens in prompt order at
-        contiguous positions, one plain prefill with the ordinary KV cache."""
-        return self.stream(prompt, params, use_cache=use_cache, namespace=namespace, **sampling_kwargs).run()
+        contiguous positions, one plain prefill with the ordinary KV cache. ``recompute``: as in
+        ``prefill``."""
+        return self.stream(prompt, params, use_cache=use_cache, namespace=namespace, recompute=recompute,
+                           **sampling_kwargs).run()
 
     def stream(self, prompt, params: SamplingParams | None = None, *, use_cache: bool = True,
-               namespace: str | None = None, **sampling_kwargs) -> GenerationStream:
+               namespace: str | None = None, recompute: float | None = None, **sampling_kwargs) -> GenerationStream:
         """Text pieces as they are decoded (same arguments as ``generate``); after the loop,
         ``.result`` holds the Generation with its statistics."""
-        start = functools.partial(self._start, prompt, use_cache=use_cache, namespace=namespace)
+        self.recompute_fraction(recompute)  # validates before any work
+        start = functools.partial(self._start, prompt, use_cache=use_cache, namespace=namespace,
+                                  recompute=recompute)
         return self.stream_from(start, params, **sampling_kwargs)
 
     def generate_from(self, start: Start, params: SamplingParams | None = None, **sampling_kwargs) -> Generation:
@@ -229,7 +248,8 @@ class PromptCache:
         params = sampling_params(params, **sampling_kwargs)  # validates before any work
         return GenerationStream(self.runner, self.tokenizer, start, params)
 
-    def _start(self, prompt, reserve: int, use_cache: bool, namespace: str | None = None) -> PrefillResult:
+    def _start(self, prompt, reserve: int, use_cache: bool, namespace: str | None = None,
+               recompute: float | None = None) -> PrefillResult:
         if use_cache:
-            return self.prefill(prompt, reserve, keep_cache=True, namespace=namespace)
+            return self.prefill(prompt, reserve, keep_cache=True, namespace=namespace, recompute=recompute)
         return self.prefill_baseline(prompt, namespace)

@@ -43,6 +43,7 @@ class PrefillResult:
     layout: PromptLayout | None = None
     cache: object = field(default=None, repr=False)  # kept only with keep_cache=True (SpliceCache or a stock Cache)
     next_position: int = 0  # position ID of the first generated token
+    recomputed_tokens: int = 0  # cached tokens whose states were computed afresh (selective recompute)
 
     @property
     def prompt_tokens(self) -> int:

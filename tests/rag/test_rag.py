@@ -1,4 +1,5 @@
-"""The RAG document store: add, persist, reload, generate; exact against its definition."""
+"""The RAG document store: add, persist, reload, generate. Independent documents are exact against
+their definition; chains (the default) against a plain forward (``test_chains.py``)."""
 
 from __future__ import annotations
 
@@ -41,38 +42,46 @@ def definition_logits(store, question, doc_ids, system):
         kv_parts.append(pc.encode_span(pc.tok.encode(DOCS[d]), span.position_ids[0]))
         positions += list(span.position_ids)
     kv = torch.cat(kv_parts, dim=3)
+    new = [s for s in layout if s.kind == "new"]  # separators and the question, run together on top
     from promptcache.cache import SpliceCache
 
     cache = SpliceCache(pc.spec, kv.shape[3] + 64)
     cache.write(0, kv, torch.tensor(positions))
     cache.set_length(kv.shape[3])
-    q = next(s for s in layout if s.kind == "new")
-    return pc.adapter.forward(torch.tensor([q.token_ids]), torch.tensor([q.position_ids]), cache)[0]
+    ids = [t for s in new for t in s.token_ids]
+    pos = [p for s in new for p in s.position_ids]
+    return pc.adapter.forward(torch.tensor([ids]), torch.tensor([pos]), cache)[0]
 
 
 @pytest.mark.parametrize("family", ["llama", "gpt_neox", "bloom"])
-def test_generate_equals_definition(family):
-    store = make_store(family)
+def test_independent_generate_equals_definition(family):
+    store = make_store(family, independent=True)
     for k, v in DOCS.items():
         store.add(k, v, {"lang": "en"})
     for doc_ids, system in ((["tokyo", "paris"], "Answer briefly."), (["rome"], None), ([], "Be kind.")):
         res = store.prefill("What is famous there?", doc_ids, system)
         ref = definition_logits(store, "What is famous there?", doc_ids, system)
         assert torch.max(torch.abs(res.logits - ref)).item() <= 1e-4, (family, doc_ids)
-        assert res.new_tokens < 20 and res.cached_tokens > 10 * len(doc_ids)
+        assert res.new_tokens < 20 + 2 * len(doc_ids) and res.cached_tokens > 10 * len(doc_ids)
     out = store.generate("What is famous there?", ["tokyo", "paris"], system="Answer briefly.", max_new_tokens=8)
     assert len(out.token_ids) >= 1 and out.cached_tokens > 30
     assert "".join(store.stream("What is famous there?", ["tokyo", "paris"], system="Answer briefly.",
                                 max_new_tokens=8)) == out.text
 
 
-def test_documents_are_placed_contiguously_in_the_given_order():
-    store = make_store()
+@pytest.mark.parametrize("independent", [False, True])
+def test_documents_are_placed_contiguously_in_the_given_order_and_separated(independent):
+    store = make_store(independent=independent)
     for k, v in DOCS.items():
         store.add(k, v)
     layout = store.layout("Q?", ["rome", "paris"], "S.")
     spans = list(layout)
-    assert [s.name for s in spans] == ["(prefix)", "doc:rome", "doc:paris", "(question)"]
+    names = ["(prefix)", "doc:rome", "doc:paris", "(question)"]
+    if independent:
+        names = ["(prefix)", "doc:rome", "(separator)", "doc:paris", "(separator)", "(question)"]
+    assert [s.name for s in spans] == names
+    text = store.pc.tokenizer.decode(layout.token_ids)
+    assert DOCS["rome"] + "\n\n" + DOCS["paris"] + "\n\nQ?" in text  # written as text, never glued
     for a, b in zip(spans, spans[1:]):
         assert b.position_ids[0] == a.position_ids[-1] + 1
 
@@ -87,13 +96,13 @@ def test_unknown_document_id_is_a_clear_error():
 
 
 def test_persist_and_reload(tmp_path):
-    store = make_store(path=tmp_path / "docs")
+    store = make_store(path=tmp_path / "docs", independent=True)
     for k, v in DOCS.items():
         store.add(k, v, {"n": len(v)})
     ref = store.prefill("Where?", ["paris", "rome"], "S.").logits
     index = json.loads((tmp_path / "docs" / "index.json").read_text())
     assert [d["id"] for d in index["documents"]] == list(DOCS)
-    reopened = make_store(path=tmp_path / "docs")  # a fresh engine: states come from disk
+    reopened = make_store(path=tmp_path / "docs", independent=True)  # a fresh engine: states come from disk
     assert reopened.ids() == list(DOCS) and reopened.get("paris").metadata == {"n": len(DOCS["paris"])}
     res = reopened.prefill("Where?", ["paris", "rome"], "S.")
     assert "disk" in res.hit_tiers
@@ -120,13 +129,14 @@ def test_corrupted_document_states_are_never_used(tmp_path):
     data[-8] ^= 0xFF
     f.write_bytes(bytes(data))
     with pytest.raises(StoreError, match="checksum mismatch"):
-        make_store(path=tmp_path / "c").prefill("Q?", ["paris"])
+        make_store(path=tmp_path / "c", independent=True).prefill("Q?", ["paris"])
 
 
-def test_learned_position_models_are_refused():
+def test_learned_position_models_are_refused_for_independent_documents():
     for family in ("gpt2", "opt"):
         with pytest.raises(UnsupportedModelError, match="learned"):
-            make_store(family)
+            make_store(family, independent=True)
+        make_store(family)  # chains move nothing: every family
 
 
 INDEX_DAMAGE = [
@@ -168,12 +178,12 @@ def test_damaged_index_is_a_clear_error_naming_file_and_field(tmp_path, damage, 
 def test_documents_and_schema_modules_share_one_key_scheme():
     from promptcache.keys import alone_key
 
-    store = make_store()
+    store = make_store(independent=True)
     store.add("paris", DOCS["paris"])
     ids = store.pc.tok.encode(DOCS["paris"])
     key = alone_key(ids, store.pc.model_key, store.namespace)
     assert key in store.pc.store and torch.equal(store.pc.store.get(key)[0], store.pc.encode_span(ids))
-    other = DocumentStore(store.pc, namespace="tenant-b")
+    other = DocumentStore(store.pc, namespace="tenant-b", independent=True)
     other.add("paris", DOCS["paris"])
     assert alone_key(ids, store.pc.model_key, "tenant-b") in store.pc.store and key != alone_key(
         ids, store.pc.model_key, "tenant-b")

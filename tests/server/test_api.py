@@ -112,6 +112,7 @@ def test_pml_prompt_through_extra_body(oai):
 def test_documents_through_extra_body(oai, pc, docs):
     msgs = [{"role": "system", "content": "Answer from the documents."},
             {"role": "user", "content": "Which city has red gates?"}]
+    docs.prefill("Which city has red gates?", ["kyoto", "lisbon"], "Answer from the documents.")  # chain cached
     r = ask(oai, msgs, max_tokens=5, extra_body={"documents": ["kyoto", "lisbon"]})
     expected = docs.generate("Which city has red gates?", ["kyoto", "lisbon"], system="Answer from the documents.",
                              max_new_tokens=5)

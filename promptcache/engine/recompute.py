@@ -1,0 +1,215 @@
+"""Selective recompute: a fraction of a prompt's reused states computed afresh in its own context.
+
+The knob (``recompute=r`` on ``PromptCache.prefill/generate/stream`` and ``DocumentStore``): of
+the prompt's *drifted* cached tokens (``RecomputeRequest.candidates``: cached tokens whose stored
+states are not already those of a plain prefill; the leading cached spans encoded after exactly
+the spans before them are not candidates) ``round(r * len(candidates))`` are chosen by a
+selection, then ONE forward runs the chosen cached tokens (written in place at their slots with
+``write_slots``) followed by the new tokens, with a causal-by-prompt-order mask: every query sees
+every slot whose token comes at or before it in prompt order, cached (stale) or recomputed.
+``r = 1.0`` therefore equals a plain forward over the prompt's tokens in prompt order at the
+layout's positions. When nothing is chosen the ordinary splice runs (the paper's definition).
+
+Selections (``SELECTIONS``, by name; ``DEFAULT_SELECTION`` chosen by measurement, see
+eval/README.md "Quality"): each is ``(scores | None, request, budget) -> slots``. Question-aware
+selections need the question's attention over the reused cache (``NEEDS_SCORES``): one extra
+forward of the new tokens over the assembled cache in eager attention with hooks that capture
+the attention probabilities (``question_attention``); it costs about one r=0 prefill of the new
+tokens more in TTFT.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from ..layout import PromptLayout
+
+__all__ = ["DEFAULT_SELECTION", "NEEDS_SCORES", "RecomputeRequest", "SELECTIONS", "check_fraction",
+           "check_selection", "recompute_request", "run_recompute"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class RecomputeRequest:
+    fraction: float  # r in [0, 1]
+    selection: str  # a name in SELECTIONS
+    slot_order: list[int]  # [n_cached]: prompt index (0..n-1) of the token at each cached slot
+    slot_ids: list[int]  # [n_cached]: token id at each cached slot
+    slot_pos: list[int]  # [n_cached]: position id at each cached slot
+    new_order: list[int]  # [T]: prompt index of each new token, in input order
+    candidates: list[int]  # cached slots a selection may choose (ascending)
+    spans: list[tuple[int, int]]  # cached slot ranges [a, b) of the candidate spans (documents, modules)
+
+    @property
+    def budget(self) -> int:
+        return round(self.fraction * len(self.candidates))
+
+
+def check_fraction(r, where: str = "recompute") -> float:
+    if isinstance(r, bool) or not isinstance(r, (int, float)) or not 0.0 <= float(r) <= 1.0:
+        raise ValueError(f"{where} must be a fraction in [0, 1], got {r!r}")
+    return float(r)
+
+
+def check_selection(name: str) -> str:
+    if name not in SELECTIONS:
+        raise ValueError(f"unknown recompute selection {name!r} (known: {', '.join(SELECTIONS)})")
+    return name
+
+
+def recompute_request(layout: PromptLayout, n_exact: int, fraction: float, selection: str,
+                      moved_last: bool) -> RecomputeRequest:
+    """The request for a prompt laid out as ``layout`` (spans in prompt order, cached spans at slots
+    0.. in that order, new tokens after them): ``n_exact`` leading cached tokens are already exact
+    (not candidates); ``moved_last``: the prompt had no new token, so its last cached token runs as
+    the new one (assemble's rule)."""
+    slot_order, slot_ids, slot_pos, new_order, spans, i, slot = [], [], [], [], [], 0, 0
+    for s in layout.spans:
+        n = len(s.token_ids)
+        if s.kind == "cached":
+            slot_order += range(i, i + n)
+            slot_ids += s.token_ids
+            slot_pos += s.position_ids
+            if slot + n > n_exact:
+                spans.append((max(slot, n_exact), slot + n))
+            slot += n
+        else:
+            new_order += range(i, i + n)
+        i += n
+    if moved_last:
+        new_order = [slot_order.pop()]
+        del slot_ids[-1], slot_pos[-1]
+        spans = [(a, min(b, len(slot_order))) for a, b in spans if min(b, len(slot_order)) > a]
+    cand = list(range(min(n_exact, len(slot_order)), len(slot_order)))
+    return RecomputeRequest(fraction=fraction, selection=check_selection(selection), slot_order=slot_order,
+                            slot_ids=slot_ids, slot_pos=slot_pos, new_order=new_order, candidates=cand, spans=spans)
+
+
+# -- question attention ---------------------------------------------------------------------------
+@contextlib.contextmanager
+def _eager(model):
+    """Eager attention for one forward (sdpa returns no probabilities); restored afterwards.
+    ``set_attn_implementation`` is transformers' public switch (it updates every sub-config)."""
+    old = getattr(model.config, "_attn_implementation", None) or "eager"
+    if old == "eager":
+        yield
+        return
+    model.set_attn_implementation("eager")
+    try:
+        yield
+    finally:
+        model.set_attn_implementation(old)
+
+
+def question_attention(model, run: Callable[[], object], n_cached: int) -> torch.Tensor | None:
+    """Attention probabilities the new tokens pay each cached slot, summed over heads and queries,
+    per layer: [L, n_cached]. ``run`` does the forward of the new tokens over the assembled cache.
+    None when the model's attention modules return no probabilities (then selections fall back)."""
+    got: list[torch.Tensor] = []
+
+    def hook(_mod, _args, out):
+        if isinstance(out, tuple) and len(out) > 1 and isinstance(out[1], torch.Tensor) and out[1].dim() == 4:
+            got.append(out[1][..., :n_cached].float().sum(dim=(0, 1, 2)))  # [B, H, T, kv] -> [n_cached]
+
+    mods = [m for m in model.modules() if type(m).__name__.endswith("Attention")]
+    handles = [m.register_forward_hook(hook) for m in mods]
+    try:
+        with _eager(model):
+            run()
+    finally:
+        for h in handles:
+            h.remove()
+    if not got:
+        return None
+    return torch.stack(got)
+
+
+# -- selections: (scores [n_cached] | None, request, budget) -> cached slots [<= budget] ------------
+def _top(scores: torch.Tensor, slots: list[int], k: int) -> list[int]:
+    """The ``k`` slots with the highest score, earlier slot first among equals."""
+    s = scores[torch.tensor(slots, dtype=torch.long)]
+    order = torch.sort(s, descending=True, stable=True).indices[:k]
+    return sorted(slots[int(i)] for i in order)
+
+
+def tail(scores, req: RecomputeRequest, k: int) -> list[int]:
+    """The last ``k`` candidates: everything before them reused, what follows exact given them."""
+    return req.candidates[len(req.candidates) - k:] if k else []
+
+
+def qattn(scores, req: RecomputeRequest, k: int) -> list[int]:
+    """A3 / ProphetKV-like: the candidates the question attends to most over the reused state."""
+    return _top(scores, req.candidates, k) if scores is not None else tail(None, req, k)
+
+
+def qattn_module(scores, req: RecomputeRequest, k: int) -> list[int]:
+    """Whole spans (modules, documents) ranked by the question's mean attention per token; the
+    budget fills spans in rank order, the last one partly (its first tokens)."""
+    if scores is None:
+        return tail(None, req, k)
+    mass = [float(scores[a:b].mean()) for a, b in req.spans]
+    out, left = [], k
+    for i in sorted(range(len(mass)), key=lambda i: (-mass[i], i)):
+        if left <= 0:
+            break
+        a, b = req.spans[i]
+        take = min(left, b - a)
+        out += range(a, a + take)
+        left -= take
+    return sorted(out)
+
+
+def qattn_mix(scores, req: RecomputeRequest, k: int) -> list[int]:
+    """Whole spans ranked by mean question attention (late layers) while they fit in the budget,
+    then the rest of the budget by token-level question attention over the remaining candidates."""
+    if scores is None:
+        return tail(None, req, k)
+    mass = [float(scores[a:b].mean()) for a, b in req.spans]
+    out, left = [], k
+    for i in sorted(range(len(mass)), key=lambda i: (-mass[i], i)):
+        a, b = req.spans[i]
+        if b - a <= left:
+            out += range(a, b)
+            left -= b - a
+    rest = sorted(set(req.candidates) - set(out))
+    return sorted(out + (_top(scores, rest, left) if left and rest else []))
+
+
+SELECTIONS: dict[str, Callable] = {"tail": tail, "qattn": qattn, "qattn_module": qattn_module, "qattn_mix": qattn_mix}
+NEEDS_SCORES = frozenset({"qattn", "qattn_module", "qattn_mix"})
+LATE_LAYERS = frozenset({"qattn_mix"})  # scored over the second half of the layers (the others: all)
+DEFAULT_SELECTION = "qattn"  # eval/README.md "Quality": the best measured at r=0.3 on 64 questions
+
+
+# -- the forward --------------------------------------------------------------------------------------
+def run_recompute(adapter, model, cache, req: RecomputeRequest, new_ids: list[int],
+                  new_pos: list[int]) -> tuple[torch.Tensor, int]:
+    """On an assembled ``cache`` (cached spans at slots 0..n_cached-1, length n_cached), recompute
+    the selected cached slots and run the new tokens. Returns (last-token logits [V], number of
+    cached tokens recomputed). With nothing selected: the ordinary splice forward."""
+    n_cached, t = len(req.slot_order), len(new_ids)
+    device = cache.buf.device
+    ids = torch.tensor([new_ids], dtype=torch.long, device=device)  # [1, T]
+    pos = torch.tensor([new_pos], dtype=torch.long, device=device)  # [1, T]
+    k = min(req.budget, len(req.candidates))
+    if k == 0:
+        return adapter.forward(ids, pos, cache)[0], 0
+    scores = None
+    if req.selection in NEEDS_SCORES:  # question over the reused state; appends the new tokens' states
+        per_layer = question_attention(model, lambda: adapter.forward(ids, pos, cache), n_cached)  # [L, n_cached]
+        if per_layer is not None:
+            scores = per_layer[per_layer.shape[0] // 2 if req.selection in LATE_LAYERS else 0 :].sum(0)
+    chosen = SELECTIONS[req.selection](scores, req, k)
+    # inputs in prompt order: chosen cached tokens and the new tokens (the last prompt token is new)
+    rows = sorted([(req.slot_order[s], req.slot_ids[s], req.slot_pos[s], s) for s in chosen]
+                  + [(o, tid, p, n_cached + j) for j, (o, tid, p) in enumerate(zip(req.new_order, new_ids, new_pos))])
+    order = torch.tensor(req.slot_order + req.new_order, device=device)  # [kv_len]: prompt index per slot
+    q = torch.tensor([r[0] for r in rows], device=device)
+    mask = (order[None, :] <= q[:, None])[None, None]  # [1, 1, Q, kv_len], True = attend
+    logits = adapter.forward(torch.tensor([[r[1] for r in rows]], device=device),
+                             torch.tensor([[r[2] for r in rows]], device=device), cache,
+                             write_slots=torch.tensor([r[3] for r in rows], device=device), attention_mask=mask)
+    return logits[0], len(chosen)

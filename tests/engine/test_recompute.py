@@ -1,0 +1,103 @@
+"""Selective recompute through the engine (``PromptCache.prefill(..., recompute=r)``, issue 11).
+
+``recompute=1.0`` must equal a plain forward over the prompt's tokens in prompt order at the
+layout's position IDs, for every family (float32, <= 1e-4), on prompts whose reused states
+drift: independently encoded modules (unions) and imports with gaps and text between them.
+Partial recompute reports what it did and is not called exact; recompute=0 is the paper's splice.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from oracle import plain_logits_at
+from promptcache import EngineConfig, PromptCache
+from promptcache.engine.recompute import SELECTIONS
+from tiny import FAMILIES, make_model, make_tokenizer
+
+TOL = 1e-4
+
+SCHEMA = """<schema name="s">
+  <system>You are a travel planner.</system>
+  <user>
+    <module name="a">Paris is the capital of France, famous for museums.</module>
+    <union><module name="b">Tokyo is a huge city in Japan with temples.</module></union>
+    <union><module name="c">Keep it cheap. Highlight the food.</module></union>
+    <module name="d">The quick brown fox jumps over the lazy dog.</module>
+  </user>
+</schema>"""
+
+GAPPED = '<prompt schema="s"><a/> Plan a trip. <c/><d/> Answer in one short paragraph.</prompt>'
+UNIONS = '<prompt schema="s"><a/><b/><c/><d/><user>Which city has temples?</user></prompt>'
+NO_NEW = '<prompt schema="s"><b/><c/></prompt>'
+
+
+def _engine(family: str, **cfg) -> PromptCache:
+    name, _, attn = family.partition(":")
+    pc = PromptCache(make_model(name, attn=attn or None), make_tokenizer(), EngineConfig(**cfg))
+    pc.add_schema(SCHEMA)
+    return pc
+
+
+@pytest.mark.parametrize("family", FAMILIES + ["llama:eager"])
+@pytest.mark.parametrize("prompt", [GAPPED, UNIONS, NO_NEW])
+def test_recompute_all_equals_plain_forward(family, prompt):
+    pc = _engine(family)
+    layout = pc.layout(prompt)
+    ref = plain_logits_at(pc.model, layout.token_ids, layout.position_ids)
+    naive = pc.prefill(prompt)
+    res = pc.prefill(prompt, recompute=1.0)
+    assert torch.max(torch.abs(res.logits - ref)).item() <= TOL
+    assert torch.max(torch.abs(naive.logits - ref)).item() > TOL, "the test prompt must drift without recompute"
+    assert 0 < res.recomputed_tokens <= res.cached_tokens
+    contiguous = list(layout.position_ids) == list(range(len(layout.position_ids)))
+    assert res.exact == contiguous and not naive.exact
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_decoding_after_recompute_all_follows_the_plain_forward(family):
+    pc = _engine(family)
+    layout = pc.layout(UNIONS)
+    got = pc.generate(UNIONS, max_new_tokens=4, recompute=1.0).token_ids
+    ids, pos, want = list(layout.token_ids), list(layout.position_ids), []
+    for _ in range(4):
+        nxt = int(torch.argmax(plain_logits_at(pc.model, ids, pos)))
+        want.append(nxt)
+        ids, pos = ids + [nxt], pos + [pos[-1] + 1]
+    assert got == want
+
+
+@pytest.mark.parametrize("selection", sorted(SELECTIONS))
+def test_partial_recompute_reports_its_count_and_is_not_exact(selection):
+    pc = _engine("llama", recompute_selection=selection)
+    full = pc.prefill(UNIONS, recompute=1.0).recomputed_tokens  # every drifted cached token
+    res = pc.prefill(UNIONS, recompute=0.5)
+    assert res.recomputed_tokens == round(0.5 * full) and not res.exact
+    ref = plain_logits_at(pc.model, pc.layout(UNIONS).token_ids, pc.layout(UNIONS).position_ids)
+    naive = pc.prefill(UNIONS)
+    assert torch.max(torch.abs(res.logits - naive.logits)).item() > TOL  # it changed the state
+    assert torch.max(torch.abs(res.logits - ref)).item() > TOL
+
+
+def test_exact_prompts_have_nothing_to_recompute_and_zero_is_the_default():
+    pc = _engine("llama", recompute=0.3)  # EngineConfig.recompute applies when a call passes None
+    prefix = '<prompt schema="s"><a/><user>Hi</user></prompt>'
+    res = pc.prefill(prefix)
+    assert res.exact and res.recomputed_tokens == 0
+    assert pc.prefill(UNIONS).recomputed_tokens > 0
+    assert pc.prefill(UNIONS, recompute=0.0).recomputed_tokens == 0
+
+
+@pytest.mark.parametrize("bad", [-0.1, 1.5, "0.3", True])
+def test_bad_fraction_is_a_clear_error(bad):
+    pc = _engine("llama")
+    with pytest.raises(ValueError, match="recompute must be a fraction"):
+        pc.prefill(UNIONS, recompute=bad)
+    with pytest.raises(ValueError, match="recompute must be a fraction"):
+        pc.generate(UNIONS, recompute=bad)
+
+
+def test_unknown_selection_is_refused():
+    with pytest.raises(ValueError, match="unknown recompute selection 'nope'"):
+        EngineConfig(recompute_selection="nope")

@@ -1,0 +1,26 @@
+"""eval/bench_rag.py runs end to end on a tiny stream (smoke: hit rates, not timings)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "eval"))
+
+import bench_rag  # noqa: E402
+
+
+def test_workload_is_zipf_and_distinct():
+    reqs = bench_rag.workload(docs=20, queries=200, k=4, s=1.0)
+    assert all(len(set(r)) == 4 for r in reqs)
+    counts = sorted((sum(d in r for r in reqs) for d in {d for r in reqs for d in r}), reverse=True)
+    assert counts[0] > 3 * counts[-1]  # popular documents recur far more often
+
+
+def test_bench_rag_smoke(tmp_path):
+    rows = bench_rag.main(["--model", "embedded:demo", "--docs", "6", "--queries", "5", "--doc-tokens", "16",
+                           "--threads", "1", "--out", str(tmp_path)])
+    by = {r["mode"]: r for r in rows}
+    assert set(by) == set(bench_rag.MODES) and (tmp_path / "bench_rag.csv").is_file()
+    assert by["no_cache"]["token_hit_rate"] == 0.0
+    assert 0.0 < by["exact"]["token_hit_rate"] < by["independent"]["token_hit_rate"] <= 1.0

@@ -1,0 +1,99 @@
+"""DocumentStore chains (the default): each document's states computed after the documents before
+it in the request (RAGCache's knowledge tree). Answers equal a plain forward of the same tokens;
+a later request reuses its matching leading documents; ``canonical_order`` shares more; and
+independent documents with ``recompute=1.0`` equal a plain forward too."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from oracle import plain_logits_at
+from promptcache import PromptCache
+from promptcache.rag import DocumentStore
+from tiny import make_model, make_tokenizer
+
+TOL = 1e-4
+DOCS = {
+    "paris": "Paris is the capital of France, famous for museums and cafes.",
+    "tokyo": "Tokyo is a huge city in Japan with temples, food markets and fast trains.",
+    "rome": "Rome is an old city with a famous tower and quiet gardens.",
+    "oslo": "Oslo sits at the end of a fjord; winters are long and dark.",
+}
+Q, SYS = "What is famous there?", "Answer briefly."
+
+
+def make_store(family="llama", **kw):
+    store = DocumentStore(PromptCache(make_model(family), make_tokenizer()), **kw)
+    for k, v in DOCS.items():
+        store.add(k, v)
+    return store
+
+
+def plain(store, doc_ids, system=SYS):
+    layout = store.layout(Q, doc_ids, system)
+    return plain_logits_at(store.pc.model, layout.token_ids, layout.position_ids)
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2", "bloom", "qwen2"])
+def test_chain_answers_equal_a_plain_forward_and_are_reused(family):
+    store = make_store(family)
+    first = store.prefill(Q, ["tokyo", "paris"], SYS)
+    assert first.exact and torch.max(torch.abs(first.logits - plain(store, ["tokyo", "paris"]))).item() <= TOL
+    n_prefix = len(store.layout(Q, [], SYS).spans[0])
+    assert first.cached_tokens == n_prefix  # nothing of the documents was stored yet
+    again = store.prefill(Q, ["tokyo", "paris", "rome"], SYS)  # leading two reused, rome computed and added
+    assert again.exact and torch.max(torch.abs(again.logits - plain(store, ["tokyo", "paris", "rome"]))).item() <= TOL
+    two = sum(len(s) for s in store.layout(Q, ["tokyo", "paris"], SYS).spans[:3])
+    assert again.cached_tokens == two
+    third = store.prefill(Q, ["tokyo", "paris", "rome"], SYS)
+    assert third.new_tokens == len(store.layout(Q, [], SYS).spans[-1])  # only the question ran
+    assert torch.max(torch.abs(third.logits - again.logits)).item() <= TOL
+    other = store.prefill(Q, ["paris", "tokyo"], SYS)  # another order: another chain, still exact
+    assert other.cached_tokens == n_prefix
+    assert torch.max(torch.abs(other.logits - plain(store, ["paris", "tokyo"]))).item() <= TOL
+
+
+def test_chain_generation_follows_the_plain_forward():
+    store = make_store()
+    layout = store.layout(Q, ["rome", "oslo"], None)
+    got = store.generate(Q, ["rome", "oslo"], None, max_new_tokens=4).token_ids
+    store.generate(Q, ["rome", "oslo"], None, max_new_tokens=4)  # the cached chain decodes the same
+    ids, pos, want = list(layout.token_ids), list(layout.position_ids), []
+    for _ in range(4):
+        nxt = int(torch.argmax(plain_logits_at(store.pc.model, ids, pos)))
+        want.append(nxt)
+        ids, pos = ids + [nxt], pos + [pos[-1] + 1]
+    assert got == want
+    assert store.generate(Q, ["rome", "oslo"], None, max_new_tokens=4).token_ids == want
+
+
+def test_canonical_order_shares_a_chain_across_orders():
+    store = make_store(canonical_order=True)
+    store.prefill(Q, ["tokyo", "paris"], SYS)
+    res = store.prefill(Q, ["paris", "tokyo"], SYS)
+    assert [s.name for s in store.layout(Q, ["tokyo", "paris"], SYS).spans][1:3] == ["doc:paris", "doc:tokyo"]
+    assert res.new_tokens == len(store.layout(Q, [], SYS).spans[-1]) and res.exact
+    assert torch.max(torch.abs(res.logits - plain(store, ["paris", "tokyo"]))).item() <= TOL
+
+
+@pytest.mark.parametrize("family", ["llama", "bloom", "gpt_neox"])
+def test_independent_documents_with_full_recompute_equal_a_plain_forward(family):
+    store = make_store(family, independent=True)
+    ids = ["oslo", "tokyo", "paris"]
+    naive = store.prefill(Q, ids, SYS)
+    full = store.prefill(Q, ids, SYS, recompute=1.0)
+    ref = plain(store, ids)
+    assert torch.max(torch.abs(naive.logits - ref)).item() > TOL and not naive.exact
+    assert torch.max(torch.abs(full.logits - ref)).item() <= TOL and full.exact
+    assert full.recomputed_tokens == sum(len(store.get(d).token_ids) for d in ids)
+    half = store.prefill(Q, ids, SYS, recompute=0.5)
+    assert half.recomputed_tokens == round(0.5 * full.recomputed_tokens) and not half.exact
+    text = store.generate(Q, ids, SYS, max_new_tokens=3, recompute=1.0).token_ids
+    assert text[0] == int(torch.argmax(ref))
+
+
+def test_bad_recompute_is_refused_before_any_work():
+    store = make_store(independent=True)
+    with pytest.raises(ValueError, match="recompute must be a fraction"):
+        store.generate(Q, ["paris"], recompute=2.0)
