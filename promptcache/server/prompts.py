@@ -9,8 +9,9 @@ Three ways in, all validated before anything is queued (so nothing is half-serve
     refused with 400 naming ``documents``.
 
 Decisions: ``messages`` content parts must be text (others: 400); ``developer`` is ``system``;
-``recompute`` is validated ([0, 1]); 0 is accepted (nothing to recompute), anything above is
-refused with 400 "not supported yet" until the engine has selective recompute. Without
+``recompute`` is validated ([0, 1]) and passed to the engine for ``pml`` and ``documents`` prompts
+(selective recompute of their drifted cached tokens); plain messages are served from exact prefix
+blocks, which have nothing to recompute, so it changes nothing there. Without
 ``max_tokens``, chat generates up to 256 tokens (fewer if the context ends first) and completions
 16 (OpenAI's default). A prompt plus ``max_tokens`` past the model's context is a 400.
 """
@@ -105,7 +106,8 @@ class Planner:
         except PMLError as e:
             raise APIError(400, f"bad PML prompt: {e}", "pml") from None
         sampling = self._sampling(req, max(layout.position_ids) + 1, max_tokens, default, "pml")
-        return Plan(lambda reserve: self.pc.prefill(tree, reserve, keep_cache=True, namespace=ns),
+        r = req.recompute
+        return Plan(lambda reserve: self.pc.prefill(tree, reserve, keep_cache=True, namespace=ns, recompute=r),
                     len(layout.token_ids), sampling)
 
     def _documents(self, req: ChatRequest, msgs: list[dict], ns: str, max_tokens) -> Plan:
@@ -124,7 +126,8 @@ class Planner:
                            "documents", "document_not_found")
         layout = store.layout(question, ids, system)
         sampling = self._sampling(req, max(layout.position_ids) + 1, max_tokens, CHAT_DEFAULT_MAX_TOKENS, "messages")
-        return Plan(lambda reserve: store.prefill(question, ids, system, reserve, keep_cache=True),
+        r = req.recompute
+        return Plan(lambda reserve: store.prefill(question, ids, system, reserve, keep_cache=True, recompute=r),
                     len(layout.token_ids), sampling)
 
     def _sampling(self, req: BaseRequest, length: int, max_tokens, default: int, param: str) -> Sampling:
@@ -148,9 +151,6 @@ def _check_common(req: BaseRequest) -> None:
         v = getattr(req, name, None)
         if v is not None and v < 1:
             raise APIError(400, f"{name} must be >= 1, got {v}", name)
-    if req.recompute:  # validated to [0, 1] by the model; 0 means none
-        raise APIError(400, f"recompute={req.recompute} is not supported yet by this engine "
-                            "(selective recompute is not implemented; send 0 or leave it out)", "recompute")
 
 
 def _text(m, i: int) -> str:

@@ -74,13 +74,21 @@ def test_documents_errors(oai):
     assert e.value.body["param"] == "documents"
 
 
-def test_recompute_is_validated_then_refused(oai):
+def test_recompute_is_validated_then_passed_to_the_engine(oai, pc, monkeypatch):
     with pytest.raises(openai.BadRequestError) as e:
         oai.chat.completions.create(model=MODEL, messages=MSGS, extra_body={"recompute": 1.5})
     assert e.value.body["param"] == "recompute"
-    with pytest.raises(openai.BadRequestError) as e:
-        oai.chat.completions.create(model=MODEL, messages=MSGS, extra_body={"recompute": 0.3})
-    assert "not supported yet" in e.value.body["message"]
+    seen = []
+    real = type(pc).prefill
+
+    def spy(self, *args, **kwargs):
+        seen.append(kwargs.get("recompute"))
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(type(pc), "prefill", spy)
+    pml = '<prompt schema="travel"><trip days="3" travelers="two"/><tokyo/><user>Food?</user></prompt>'
+    ok = oai.chat.completions.create(model=MODEL, messages=[], max_tokens=2, extra_body={"pml": pml, "recompute": 0.3})
+    assert ok.usage.completion_tokens == 2 and seen == [0.3]
     ok = oai.chat.completions.create(model=MODEL, messages=MSGS, max_tokens=2, extra_body={"recompute": 0.0})
     assert ok.usage.completion_tokens == 2
 
