@@ -187,8 +187,18 @@ class SpliceCache(Cache):
         pos[:, : self.capacity] = self.positions
         self.buf, self.positions = buf, pos
 
+    def free(self) -> None:
+        """Drop the buffer now. Layers point back at their cache (a reference cycle), so without
+        this a dropped cache's buffer lives until the cycle collector runs. Unusable afterwards."""
+        self.buf = self.buf.new_empty((0,) * self.buf.dim())
+        self.positions = self.positions.new_empty((self.batch, 0))
+        self.resident = {}
+        self.set_length(0)
+
     def write(self, off: int, kv: torch.Tensor, positions: torch.Tensor, row: int = 0) -> None:
-        """Copy a stored span kv [L, 2, H, n, D] into slots [off, off + n) of batch row ``row``."""
+        """Copy a stored span kv [L, 2, H, n, D] (any float dtype: converted while copying, so
+        states stored in bfloat16/float16 land in the model's dtype with no extra copy) into slots
+        [off, off + n) of batch row ``row``."""
         n = kv.shape[3]
         self.ensure_capacity(off + n)
         self.buf[:, :, row, :, off : off + n].copy_(kv, non_blocking=True)
@@ -346,11 +356,13 @@ class CachePool:
         with self._lock:
             self._free.append(cache)
             while len(self._free) > self.max_free:
-                self._free.pop(0)
+                self._free.pop(0).free()
 
     def clear(self) -> None:
         """Drop every free buffer (the next prompt allocates and copies everything)."""
         with self._lock:
+            for c in self._free:
+                c.free()
             self._free.clear()
 
     def forget_residents(self) -> None:

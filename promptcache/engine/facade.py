@@ -53,10 +53,10 @@ class PromptCache:
         self.tokenizer = tokenizer
         self.tok = as_span_tokenizer(tokenizer)
         device = torch.device(self.config.device) if self.config.device else None
-        self.runner = ModelRunner(model, tokenizer, device)
+        self.runner = ModelRunner(model, tokenizer, device, self.config.kv_dtype)
         self.model, self.adapter, self.spec, self.device = model, self.runner.adapter, self.runner.spec, self.runner.device
         self.store = build_store(self.device, self.config.store_config())
-        self.registry = SchemaRegistry(model, tokenizer, self.spec.bytes_per_token, self.device)
+        self.registry = SchemaRegistry(model, tokenizer, self.runner.stored_spec.bytes_per_token, self.device)
         self.encoder = SchemaEncoder(self.runner, self.config.encode_chunk, self.config.encode_batch_bytes,
                                      self.tok.pad_id)
 
@@ -93,8 +93,8 @@ class PromptCache:
         keys = self.registry.content_keys(layout, ns)
         missing = [i for i, k in keys.items() if k not in self.store]
         states = self.encoder.encode(layout, progress) if missing else {}
-        for i in missing:
-            self.store.put(keys[i], states[i])
+        for i in missing:  # stored in kv_dtype (the encoder already gives it; .to is then a no-op)
+            self.store.put(keys[i], states[i].to(self.runner.stored_spec.dtype))
         return self.register_schema(layout, keys, ns, time.perf_counter() - t0)
 
     def register_schema(self, layout: SchemaLayout, keys: dict[int, str], namespace: str,
@@ -111,12 +111,14 @@ class PromptCache:
         return compiled.compile_schema(self, schema, out_dir, progress, namespace, source_name)
 
     def load_compiled(self, path: str | Path, schema: str | Path | None = None, recompile: bool = False,
-                      namespace: str | None = None, verify: bool = False) -> EncodedSchema:
+                      namespace: str | None = None, verify: bool = False, convert: bool = False) -> EncodedSchema:
         """Register a compiled schema; its states stay on disk (memory-mapped, checksummed) until
         used. ``schema``: the schema source, to check the artifact was compiled from it.
         A mismatch (model, tokenizer, schema text) is refused unless ``recompile``; ``verify``
-        reads and checks every state now instead of on first use."""
-        return compiled.load_compiled(self, path, schema, recompile, namespace, verify)
+        reads and checks every state now instead of on first use. An artifact stored in another
+        dtype than this engine's ``kv_dtype`` is refused unless ``convert``: its states are then
+        read, checked and converted into memory now (no recompile)."""
+        return compiled.load_compiled(self, path, schema, recompile, namespace, verify, convert)
 
     def encode_span(self, token_ids: list[int], start: int = 0) -> torch.Tensor:
         """States of tokens encoded alone (no context) at positions start..: [L, 2, H, n, D]."""
