@@ -105,7 +105,7 @@ def load_compiled(pc: "PromptCache", path, schema=None, recompile=False, namespa
     if verify:
         for k in keys.values():
             pc.store.get(k)
-    return pc.register_schema(layout, keys, ns, time.perf_counter() - t0)
+    return pc.register_schema(layout, keys, ns, time.perf_counter() - t0, place=verify)
 
 
 def _embedded_schema_intact(manifest: dict) -> bool:

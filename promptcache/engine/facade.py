@@ -98,11 +98,15 @@ class PromptCache:
         return self.register_schema(layout, keys, ns, time.perf_counter() - t0)
 
     def register_schema(self, layout: SchemaLayout, keys: dict[int, str], namespace: str,
-                        seconds: float) -> EncodedSchema:
+                        seconds: float, place: bool = True) -> EncodedSchema:
         """Make a schema whose states are in ``store`` under ``keys`` usable by prompts (``add_schema``
-        and ``load_compiled`` end here)."""
+        and ``load_compiled`` end here). ``place``: copy the default pass's states into a prewarmed
+        assembly buffer now (CPU), so the first prompt finds them in place; False leaves states
+        that are still on disk unread (a lazily loaded artifact)."""
         entry = self.registry.register(layout, keys, namespace, seconds)
-        self.runner.prewarm(layout.end + 64)
+        stored = [(keys[i], functools.partial(lambda k: self.store.get(k)[0], keys[i]), entry.positions[i])
+                  for i in entry.default_order()] if place else []
+        self.runner.prewarm(layout.end + 64, stored)
         return entry
 
     def compile(self, schema: str | Path, out_dir: str | Path, progress: Progress | None = None,

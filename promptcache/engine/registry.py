@@ -29,7 +29,7 @@ class EncodedSchema:
     positions: dict[int, torch.Tensor]  # span -> its position IDs [n] on the engine's device
     contexts: dict[int, tuple[int, ...]]  # span -> the spans before it in its encoding pass
     namespace: str
-    bytes_per_token: int
+    bytes_per_token: int  # of the stored dtype (EngineConfig.kv_dtype, else the model's)
     encode_seconds: float = 0.0
 
     @property
@@ -42,7 +42,15 @@ class EncodedSchema:
 
     @property
     def stored_bytes(self) -> int:
+        """Bytes of this schema's stored states in the stored dtype (``kv_dtype``)."""
         return self.stored_tokens * self.bytes_per_token
+
+    def default_order(self) -> list[int]:
+        """Stored spans of the default encoding pass (every union as its scaffold) in schema order:
+        the cached spans of a prompt that imports everything, as they are placed in its cache."""
+        scaffold = {u.index: u.scaffold for u in self.layout.unions.values()}
+        return [s.index for s in self.layout.spans
+                if s.index in self.keys and all(scaffold[u] == m for u, m in s.choices)]
 
 
 class SchemaRegistry:

@@ -123,10 +123,12 @@ class ModelRunner:
         """Keep the buffers, forget what they hold: the next prompt copies every stored span."""
         self.pool.forget_residents()
 
-    def prewarm(self, capacity: int) -> None:
-        """On CPU, have a touched buffer of ``capacity`` slots (fresh memory faults page by page)."""
+    def prewarm(self, capacity: int, spans: list[CachedSpan] = ()) -> None:
+        """On CPU, have a touched buffer of ``capacity`` slots (fresh memory faults page by page)
+        holding ``spans`` at slots 0.. in order, so a fresh process's first prompt that imports
+        them in that order copies nothing (the copy is paid here, once, at registration)."""
         if self.device.type == "cpu":
-            self.pool.prewarm(capacity)
+            self.pool.prewarm(capacity, spans)
 
     def sync(self) -> None:
         if self.device.type == "cuda":
