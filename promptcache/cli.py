@@ -319,16 +319,20 @@ def validate(files, model):
 @click.option("--schema-tokens", default=2000, show_default=True)
 @click.option("--new-tokens", default=32, show_default=True)
 @click.option("--repeats", default=10, show_default=True)
+@click.option("--kv-dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default=None,
+              help="dtype module states are stored in (default: the model's)")
 @_guard
-def bench(model, device, dtype, schema_tokens, new_tokens, repeats):
+def bench(model, device, dtype, schema_tokens, new_tokens, repeats, kv_dtype):
     """Time to first token: full prefill vs Prompt Cache vs the limit (one process, ratios).
 
-    The limit is the forward of the new tokens alone on a ready, assembled cache. The default
-    model is a random-weight Llama of realistic width (8 layers, hidden 1024, vocab 32000).
+    The limit is the forward of the new tokens alone on an already assembled, preallocated cache,
+    logits for the last token only. The default model is a random-weight Llama of realistic
+    width (8 layers, hidden 1024, vocab 32000).
     """
     from . import bench as benchmark
+    from .engine import EngineConfig
 
-    pc = _load_engine(model, device, dtype)
+    pc = _load_engine(model, device, dtype, EngineConfig(kv_dtype=kv_dtype))
     click.echo("\n".join(benchmark.run(pc, schema_tokens, new_tokens, repeats).lines()))
 
 
