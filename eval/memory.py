@@ -293,7 +293,9 @@ def resident_rows(args) -> list[dict]:
             out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
             r = json.loads(out.strip().splitlines()[-1])
             theory = r["model_bytes"] + r["states"]
-            r.update(theory=theory, encode_vs_theory=round(r["after_encode_no_buffer"] / theory, 3),
+            engine = r["after_encode_no_buffer"] - r["after_load"]  # what encoding left resident
+            r.update(theory=theory, engine_over_states=round(engine / r["states"], 3),
+                     encode_vs_theory=round(r["after_encode_no_buffer"] / theory, 3),
                      encode_with_buffer_vs_theory=round(r["after_encode"] / theory, 3),
                      prompt_vs_theory=round(r["prompt_peak"] / (theory + r["cache"] + r["forward"]), 3))
             rows.append(r)
@@ -303,14 +305,15 @@ def resident_rows(args) -> list[dict]:
 def print_resident(rows: list[dict]) -> None:
     mib = lambda b: f"{b / MIB:8.1f}"  # noqa: E731
     print("\nresident MiB above the process's start (torch imported), fresh process per row:")
-    print(f"  {'tokens':>6s} {'stored':>9s} {'model':>8s} {'states':>8s} {'encoded':>8s} {'+buffer':>8s} "
-          f"{'x theory':>8s} {'prompt':>8s} {'cache':>8s} {'fwd':>8s} {'x theory':>8s}")
+    print(f"  {'tokens':>6s} {'stored':>9s} {'model':>8s} {'loaded':>8s} {'states':>8s} {'encoded':>8s} "
+          f"{'+buffer':>8s} {'x theory':>8s} {'prompt':>8s} {'cache':>8s} {'fwd':>8s} {'x theory':>8s}")
     for r in rows:
-        print(f"  {r['tokens']:6d} {r['kv_dtype']:>9s} {mib(r['model_bytes'])} {mib(r['states'])} "
-              f"{mib(r['after_encode_no_buffer'])} {mib(r['after_encode'])} {r['encode_vs_theory']:8.3f} "
+        print(f"  {r['tokens']:6d} {r['kv_dtype']:>9s} {mib(r['model_bytes'])} {mib(r['after_load'])} "
+              f"{mib(r['states'])} {mib(r['after_encode_no_buffer'])} {mib(r['after_encode'])} "
+              f"{r['encode_vs_theory']:8.3f} "
               f"{mib(r['prompt_peak'])} {mib(r['cache'])} {mib(r['forward'])} {r['prompt_vs_theory']:8.3f}")
     print("  theory after encoding: model + states (target <= 1.15x, without the prewarmed first-prompt buffer);"
-          " a prompt: + its cache + one forward")
+          " a prompt: + its cache + one forward; 'loaded': resident after loading the model (imports included)")
 
 
 def parse_args(argv):
