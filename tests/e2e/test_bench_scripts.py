@@ -43,7 +43,7 @@ def test_bench_encode_compares_encoding_with_a_plain_prefill(tmp_path, capsys):
     rows = load("bench_encode").main(["--model", "embedded", "--tokens", "120", "--members", "3", "--repeats", "1",
                                       "--kv-dtype", "bfloat16", "--out", str(tmp_path)])
     (r,) = rows
-    assert r["tokens_run"] > r["stored_tokens"] > 0  # union members re-run the documents after the union
+    assert r["tokens_run"] >= r["stored_tokens"] > 0  # union members re-run (and store) the documents after the union
     assert r["encode_s"] > 0 and r["plain_prefill_s"] > 0 and r["kv_dtype"] == "bfloat16"
     assert (tmp_path / "encode.csv").exists() and "one plain prefill" in capsys.readouterr().out
 
