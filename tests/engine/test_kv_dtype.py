@@ -3,7 +3,8 @@
 Bytes per cached token are the theory for the stored dtype in memory, on disk (spill files) and
 in compiled artifacts; artifacts record the dtype and refuse another engine's unless converted;
 a bfloat16-stored prompt's logits stay close to float32 storage (not an exactness test: the
-float32 exactness tests run with kv_dtype=None and are unchanged).
+float32 exactness tests run with kv_dtype=None and are unchanged). Also: the first prompt finds the
+schema's default pass already placed at registration.
 """
 
 from __future__ import annotations
@@ -118,3 +119,18 @@ def test_float32_default_unchanged_by_kv_dtype_float32():
     a.add_schema(SCHEMA)
     b.add_schema(SCHEMA)
     assert torch.equal(a.prefill(PROMPT).logits, b.prefill(PROMPT).logits)
+
+
+@pytest.mark.parametrize("kv_dtype", [None, "bfloat16"])
+def test_first_prompt_finds_its_modules_in_place(kv_dtype):
+    """Registration places the default pass in the prewarmed buffer (CPU): the first prompt of a
+    fresh engine that imports modules in schema order copies nothing, and its logits are those
+    of a prompt whose modules were copied."""
+    pc = engine(kv_dtype)
+    pc.add_schema(SCHEMA)
+    prompt = '<prompt schema="s"><plan days="3"/><paris/> Highlight the food.</prompt>'
+    first = pc.prefill(prompt)
+    assert first.bytes_copied == 0 and first.cached_tokens > 0
+    pc.forget_placement()
+    copied = pc.prefill(prompt)
+    assert copied.bytes_copied > 0 and torch.equal(first.logits, copied.logits)
