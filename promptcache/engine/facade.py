@@ -95,14 +95,17 @@ class PromptCache:
         states = self.encoder.encode(layout, progress) if missing else {}
         for i in missing:  # stored in kv_dtype (the encoder already gives it; .to is then a no-op)
             self.store.put(keys[i], states[i].to(self.runner.stored_spec.dtype))
-        return self.register_schema(layout, keys, ns, time.perf_counter() - t0)
+        # placed now only when every state was just encoded (in memory): states held by another
+        # tier (disk, a remote store) are fetched by the first prompt that needs them, not here
+        seconds = time.perf_counter() - t0
+        return self.register_schema(layout, keys, ns, seconds, place=len(missing) == len(keys))
 
     def register_schema(self, layout: SchemaLayout, keys: dict[int, str], namespace: str,
                         seconds: float, place: bool = True) -> EncodedSchema:
         """Make a schema whose states are in ``store`` under ``keys`` usable by prompts (``add_schema``
         and ``load_compiled`` end here). ``place``: copy the default pass's states into a prewarmed
         assembly buffer now (CPU), so the first prompt finds them in place; False leaves states
-        that are still on disk unread (a lazily loaded artifact)."""
+        held by another tier unread (a lazily loaded artifact, states in a remote store)."""
         entry = self.registry.register(layout, keys, namespace, seconds)
         stored = [(keys[i], functools.partial(lambda k: self.store.get(k)[0], keys[i]), entry.positions[i])
                   for i in entry.default_order()] if place else []
