@@ -11,7 +11,14 @@
    with full prefill; and the size on disk of the compiled artifact (``PromptCache.compile``, or
    the stored tensors saved with safetensors where the engine has no compile).
 
-Writes memory_bytes_per_token.csv and memory_peaks.csv to ``--out``.
+3. Resident memory against theory (``--resident 2048 8192``, off by default; one fresh subprocess per schema size
+   and stored dtype): the process's resident set before the model (torch imported), after
+   loading it, after encoding a schema (with the engine's prewarmed first-prompt buffer, and
+   without it: ``clear_buffers``), and the peak of a prompt. Theory: model parameters + stored
+   states (+15% allowed) after encoding; a prompt's peak may add its assembled cache and one
+   forward's activations (measured alone: the forward of the new tokens on a ready cache).
+
+Writes memory_bytes_per_token.csv, memory_peaks.csv and memory_resident.csv to ``--out``.
 """
 
 from __future__ import annotations
@@ -19,7 +26,9 @@ from __future__ import annotations
 import argparse
 import ctypes
 import gc
+import json
 import re
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -238,6 +247,75 @@ def peak_rows(args) -> list[dict]:
     return rows
 
 
+# -- resident memory vs theory ---------------------------------------------------------------------
+def _rss() -> int:
+    gc.collect()
+    _malloc_trim()
+    return (_status_kib("VmRSS") or 0) * 1024
+
+
+def resident_one(model_name: str, tokens: int, kv_dtype: str | None, new_tokens: int = 32) -> dict:
+    """In this (fresh) process: resident bytes at each step, and the theory they are held to."""
+    from promptcache.engine import EngineConfig
+
+    base = _rss()
+    model, tok = load_model(model_name, device="cpu", dtype="float32")
+    model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    loaded = _rss()
+    pc = PromptCache(model, tok, EngineConfig(kv_dtype=kv_dtype))
+    schema, prompt = build_study(tok, tokens, new_tokens)
+    entry = pc.add_schema(schema)
+    states = sum(t.numel() * t.element_size() for t in stored_states(pc, entry).values())
+    encoded = _rss()
+    pc.clear_buffers()
+    states_only = _rss()
+    with Peak() as p:
+        res = pc.prefill(prompt, keep_cache=True)
+    cache = res.cache.buf.numel() * res.cache.buf.element_size()
+    new = res.layout.new
+    ids = torch.tensor([[t for s in new for t in s.token_ids]])
+    pos = torch.tensor([[q for s in new for q in s.position_ids]])
+    with Peak() as f:  # one forward's activations alone, on the ready cache
+        res.cache.set_length(res.cached_tokens)
+        pc.adapter.forward(ids, pos, res.cache)
+    pc.release(res)
+    return dict(model=model_name, tokens=entry.stored_tokens, kv_dtype=kv_dtype or "model", base=base,
+                model_bytes=model_bytes, states=states, after_load=loaded - base, after_encode=encoded - base,
+                after_encode_no_buffer=states_only - base, prompt_peak=states_only - base + (p.host or 0),
+                cache=cache, forward=f.host or 0)
+
+
+def resident_rows(args) -> list[dict]:
+    rows = []
+    for tokens in args.resident:
+        for kv in ("", "bfloat16"):
+            cmd = [sys.executable, __file__, "--resident-one", str(tokens), kv, "--model", args.model]
+            out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+            r = json.loads(out.strip().splitlines()[-1])
+            theory = r["model_bytes"] + r["states"]
+            engine = r["after_encode_no_buffer"] - r["after_load"]  # what encoding left resident
+            r.update(theory=theory, engine_over_states=round(engine / r["states"], 3),
+                     encode_vs_theory=round(r["after_encode_no_buffer"] / theory, 3),
+                     encode_with_buffer_vs_theory=round(r["after_encode"] / theory, 3),
+                     prompt_vs_theory=round(r["prompt_peak"] / (theory + r["cache"] + r["forward"]), 3))
+            rows.append(r)
+    return rows
+
+
+def print_resident(rows: list[dict]) -> None:
+    mib = lambda b: f"{b / MIB:8.1f}"  # noqa: E731
+    print("\nresident MiB above the process's start (torch imported), fresh process per row:")
+    print(f"  {'tokens':>6s} {'stored':>9s} {'model':>8s} {'loaded':>8s} {'states':>8s} {'encoded':>8s} "
+          f"{'+buffer':>8s} {'x theory':>8s} {'prompt':>8s} {'cache':>8s} {'fwd':>8s} {'x theory':>8s}")
+    for r in rows:
+        print(f"  {r['tokens']:6d} {r['kv_dtype']:>9s} {mib(r['model_bytes'])} {mib(r['after_load'])} "
+              f"{mib(r['states'])} {mib(r['after_encode_no_buffer'])} {mib(r['after_encode'])} "
+              f"{r['encode_vs_theory']:8.3f} "
+              f"{mib(r['prompt_peak'])} {mib(r['cache'])} {mib(r['forward'])} {r['prompt_vs_theory']:8.3f}")
+    print("  theory after encoding: model + states (target <= 1.15x, without the prewarmed first-prompt buffer);"
+          " a prompt: + its cache + one forward; 'loaded': resident after loading the model (imports included)")
+
+
 def parse_args(argv):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_model_args(ap, "embedded:bench")
@@ -245,11 +323,23 @@ def parse_args(argv):
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--config-tokens", type=int, default=64, help="schema tokens for the per-config study")
     ap.add_argument("--out", type=Path, default=RESULTS)
+    ap.add_argument("--resident", type=int, nargs="*", default=[],
+                    help="schema sizes for the resident-vs-theory study, e.g. 2048 8192 (default: skipped)")
+    ap.add_argument("--resident-one", nargs=2, metavar=("TOKENS", "KV_DTYPE"), help=argparse.SUPPRESS)
+    ap.add_argument("--skip-peaks", action="store_true", help="only the resident study")
     return ap.parse_args(argv)
 
 
 def main(argv=None) -> tuple[list[dict], list[dict]]:
     args = parse_args(argv)
+    if args.resident_one:
+        print(json.dumps(resident_one(args.model, int(args.resident_one[0]), args.resident_one[1] or None)))
+        return [], []
+    if args.skip_peaks:
+        rows = resident_rows(args)
+        print_resident(rows)
+        print(f"wrote {write_csv('memory_resident.csv', rows, args.out)}")
+        return [], rows
     per_token = bytes_per_token_rows(args.config_tokens)
     print(f"{'model':14s} {'attn':4s} {'dtype':9s} {'L':>3s} {'kvH':>3s} {'hd':>4s} {'theory B/tok':>13s} "
           f"{'measured':>10s} {'MiB/1k tok':>10s}")
@@ -267,6 +357,10 @@ def main(argv=None) -> tuple[list[dict], list[dict]]:
     a = write_csv("memory_bytes_per_token.csv", per_token, args.out)
     b = write_csv("memory_peaks.csv", peaks, args.out)
     print(f"wrote {a} and {b}")
+    if args.resident:
+        rows = resident_rows(args)
+        print_resident(rows)
+        print(f"wrote {write_csv('memory_resident.csv', rows, args.out)}")
     return per_token, peaks
 
 

@@ -17,7 +17,9 @@ one model:
   pc_device_inplace  the same prompt again: modules already in place in the reused buffer
   pc_host   Prompt Cache with ``EngineConfig(device_budget=0)`` (states in host memory), if the
             engine has that option
-  limit     the forward of the new tokens alone on a ready, assembled cache
+  limit     the true limit: the forward of the new tokens alone on an already assembled,
+            preallocated cache computing logits for the last token only (no concatenation, no
+            copy, no store lookup); pc/limit is what assembling a prompt costs on top
 
 Writes ttft.csv, ttft_exponents.csv and ttft.png to ``--out``; prints medians and ratios.
 """

@@ -187,8 +187,18 @@ class SpliceCache(Cache):
         pos[:, : self.capacity] = self.positions
         self.buf, self.positions = buf, pos
 
+    def free(self) -> None:
+        """Drop the buffer now. Layers point back at their cache (a reference cycle), so without
+        this a dropped cache's buffer lives until the cycle collector runs. Unusable afterwards."""
+        self.buf = self.buf.new_empty((0,) * self.buf.dim())
+        self.positions = self.positions.new_empty((self.batch, 0))
+        self.resident = {}
+        self.set_length(0)
+
     def write(self, off: int, kv: torch.Tensor, positions: torch.Tensor, row: int = 0) -> None:
-        """Copy a stored span kv [L, 2, H, n, D] into slots [off, off + n) of batch row ``row``."""
+        """Copy a stored span kv [L, 2, H, n, D] (any float dtype: converted while copying, so
+        states stored in bfloat16/float16 land in the model's dtype with no extra copy) into slots
+        [off, off + n) of batch row ``row``."""
         n = kv.shape[3]
         self.ensure_capacity(off + n)
         self.buf[:, :, row, :, off : off + n].copy_(kv, non_blocking=True)
@@ -330,27 +340,36 @@ class CachePool:
         cache.resident = {}
         return cache
 
-    def prewarm(self, capacity: int) -> None:
+    def prewarm(self, capacity: int, spans: list[tuple[object, object, torch.Tensor]] = ()) -> None:
         """Have a free buffer of at least ``capacity`` slots with its pages already touched, so the
-        first prompt does not pay for faulting in fresh memory (tens of ms per 100 MiB on CPU)."""
+        first prompt does not pay for faulting in fresh memory (tens of ms per 100 MiB on CPU).
+        ``spans`` (as for ``SpliceCache.place``) are placed in it at slots 0.. in order: a first
+        prompt importing them in that order copies nothing."""
         capacity = -(-capacity // self.granule) * self.granule
         with self._lock:
-            if any(c.capacity >= capacity for c in self._free):
-                return
-        cache = SpliceCache(self.spec, capacity, device=self.device, pin=self.pin)
-        cache.buf.zero_()
-        cache.resident = {}
+            fits = [c for c in self._free if c.capacity >= capacity]
+            cache = max(fits, key=lambda c: c.resident_match([(k, len(p)) for k, _, p in spans])) if fits else None
+            if cache is not None:
+                self._free.remove(cache)
+        if cache is None:
+            cache = SpliceCache(self.spec, capacity, device=self.device, pin=self.pin)
+            cache.buf.zero_()
+            cache.resident = {}
+        if spans:
+            cache.place(spans)
         self.release(cache)
 
     def release(self, cache: SpliceCache) -> None:
         with self._lock:
             self._free.append(cache)
             while len(self._free) > self.max_free:
-                self._free.pop(0)
+                self._free.pop(0).free()
 
     def clear(self) -> None:
         """Drop every free buffer (the next prompt allocates and copies everything)."""
         with self._lock:
+            for c in self._free:
+                c.free()
             self._free.clear()
 
     def forget_residents(self) -> None:

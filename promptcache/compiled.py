@@ -8,6 +8,12 @@ refused at load. Registering replaces any stale entry for the same keys: after a
 artifact was refused (and its states dropped from every local tier), loading a good one works.
 Compiling also publishes the states to the store's shared tiers (``EngineConfig(remote=...)``):
 under their namespace keys, what replicas running ``add_schema`` look up.
+
+Dtype: an artifact records the dtype its states are stored in (the engine's ``kv_dtype``, else
+the model's). Loading into an engine that stores another dtype is refused unless
+``convert=True``: then every state is read from the file (checked against the manifest in the
+file's dtype), converted to the engine's stored dtype and put in the store's memory now; the
+artifact stays as it is on disk.
 """
 
 from __future__ import annotations
@@ -29,10 +35,14 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+_FLOAT_DTYPES = ("float32", "bfloat16", "float16")  # stored dtypes convert=True converts between
+
 
 def kv_spec_record(pc: "PromptCache") -> dict:
-    return {"layers": pc.spec.layers, "kv_heads": pc.spec.kv_heads, "head_dim": pc.spec.head_dim,
-            "dtype": str(pc.spec.dtype).removeprefix("torch.")}
+    """The stored states' shape and dtype (the engine's stored dtype, which kv_dtype sets)."""
+    spec = pc.runner.stored_spec
+    return {"layers": spec.layers, "kv_heads": spec.kv_heads, "head_dim": spec.head_dim,
+            "dtype": str(spec.dtype).removeprefix("torch.")}
 
 
 def compile_schema(pc: "PromptCache", schema, out_dir, progress=None, namespace=None, source_name=None) -> Path:
@@ -49,13 +59,20 @@ def compile_schema(pc: "PromptCache", schema, out_dir, progress=None, namespace=
 
 
 def load_compiled(pc: "PromptCache", path, schema=None, recompile=False, namespace=None,
-                  verify=False) -> "EncodedSchema":
+                  verify=False, convert=False) -> "EncodedSchema":
     t0 = time.perf_counter()
     try:
         manifest, opened = read_manifest(path)
         digest = parse_schema(schema).digest if schema is not None else None
         problems = mismatches(manifest, pc.model_fingerprint, pc.tokenizer_fingerprint, digest)
-        if manifest.get("kv_spec") != kv_spec_record(pc):
+        stored, now = manifest.get("kv_spec"), kv_spec_record(pc)
+        file_dtype = stored.get("dtype") if isinstance(stored, dict) else None
+        only_dtype = isinstance(stored, dict) and stored != now and {**stored, "dtype": now["dtype"]} == now
+        if only_dtype and file_dtype in _FLOAT_DTYPES:
+            if not convert:
+                problems.append(f"states are stored in {file_dtype}, this engine stores {now['dtype']} "
+                                "(kv_dtype): load with convert=True to convert them, or recompile")
+        elif stored != now:
             problems.append(f"KV shape or dtype differs (compiled: {manifest.get('kv_spec')}, "
                             f"now: {kv_spec_record(pc)})")
     except ArtifactError:
@@ -82,11 +99,17 @@ def load_compiled(pc: "PromptCache", path, schema=None, recompile=False, namespa
         raise ArtifactError(f"compiled schema {path}: the tokenizer lays the schema out differently now")
     ns = pc.config.namespace_for(namespace)
     keys = content_keys(layout, pc.model_key, ns)
-    pc.store.register_file(opened.path, _entries(pc, layout, keys, manifest, opened), opened)
+    entries = _entries(pc, layout, keys, manifest, opened, file_dtype)
+    if file_dtype != kv_spec_record(pc)["dtype"]:  # convert=True (refused above otherwise)
+        _convert_into_store(pc, entries, opened)
+        log.info("compiled schema %s: converted %d states from %s to %s", path, len(entries), file_dtype,
+                 kv_spec_record(pc)["dtype"])
+        return pc.register_schema(layout, keys, ns, time.perf_counter() - t0)
+    pc.store.register_file(opened.path, entries, opened)
     if verify:
         for k in keys.values():
             pc.store.get(k)
-    return pc.register_schema(layout, keys, ns, time.perf_counter() - t0)
+    return pc.register_schema(layout, keys, ns, time.perf_counter() - t0, place=verify)
 
 
 def _embedded_schema_intact(manifest: dict) -> bool:
@@ -100,12 +123,24 @@ def _embedded_schema_intact(manifest: dict) -> bool:
         return False
 
 
+def _convert_into_store(pc: "PromptCache", entries: dict[str, tuple[str, StateInfo, int]],
+                        opened: StatesFile) -> None:
+    """Read every state (checksummed), convert it to the engine's stored dtype, put it in the store."""
+    dtype = pc.runner.stored_spec.dtype
+    for key, (name, expect, _) in entries.items():
+        try:
+            kv = opened.read(name, expect)
+        except CodecError as e:
+            raise ArtifactError(f"compiled schema {opened.path.parent}: {e}") from None
+        pc.store.put(key, kv.to(dtype))
+
+
 def _entries(pc: "PromptCache", layout: SchemaLayout, keys: dict[int, str], manifest: dict,
-             opened: StatesFile) -> dict[str, tuple[str, StateInfo, int]]:
-    """Store key -> (tensor name, what it must be, bytes); refuses a state that is not that."""
+             opened: StatesFile, dtype: str) -> dict[str, tuple[str, StateInfo, int]]:
+    """Store key -> (tensor name, what it must be, bytes); refuses a state that is not that.
+    ``dtype``: the dtype the artifact records for its states."""
     portable = content_keys(layout, pc.model_key, PORTABLE)
     sums, spec, digest = manifest["states"]["sha256"], pc.spec, model_digest(pc.model_key)
-    dtype = str(spec.dtype).removeprefix("torch.")
     entries = {}
     for i, key in keys.items():
         name = f"span_{i}"

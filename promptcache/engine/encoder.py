@@ -7,10 +7,17 @@ prefix's states are reused, exactly (attention is causal), and only the rest is 
     later pass never reads slots an earlier one overwrote);
   * or batched with passes that share the prefix and start at the same position (members of one
     union), right-padded: padding comes after every real token, so causal attention never sees it.
+
+Memory: states come out in the runner's stored dtype (``stored_spec.dtype``): one copy per span
+out of the encoding buffer, converting as it copies. The encoding buffers are dropped before
+``encode`` returns and, on glibc, freed pages go back to the OS (``malloc_trim``): a process
+that encoded a schema holds its stored states, not the buffers they were computed in.
 """
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import logging
 from dataclasses import dataclass
 from typing import Callable
@@ -41,6 +48,7 @@ class SchemaEncoder:
     def __init__(self, runner: ModelRunner, chunk: int = 2048, batch_bytes: int = 256 << 20, pad_id: int = 0):
         self.runner, self.adapter, self.spec, self.device = runner, runner.adapter, runner.spec, runner.device
         self.chunk, self.batch_bytes, self.pad_id = chunk, batch_bytes, pad_id
+        self.out_dtype = runner.stored_spec.dtype  # states leave the encoder in the stored dtype
 
     def encode(self, layout: SchemaLayout, progress: Progress | None = None) -> dict[int, torch.Tensor]:
         """Stored span index -> key/value states [L, 2, H, n, D] on the engine's device."""
@@ -74,7 +82,7 @@ class SchemaEncoder:
         self._run_chunked(ids, pos, cache, tick)
         where = {i: offsets[k] for k, i in enumerate(default_seq[:need])}
         for t in default_targets:
-            out[t] = cache.read(where[t], len(spans[t].token_ids))
+            out[t] = self._read(cache, where[t], len(spans[t].token_ids))
         batched, single = self._group(jobs)
         for group in batched:
             self._run_batch(group, cache, spans, out)
@@ -84,6 +92,8 @@ class SchemaEncoder:
             self._forward([job.ids], [job.pos], cache)
             self._collect(job, cache, 0, spans, out)
             tick(len(job.ids))
+        cache.free()
+        release_free_memory(self.device)
         log.info("encoded schema '%s': %d passes, %d tokens run", layout.name, len(jobs) + 1, total)
         return out
 
@@ -93,7 +103,9 @@ class SchemaEncoder:
         self.adapter.check_limits(pos[-1] if pos else 0, len(ids))
         cache = SpliceCache(self.spec, len(ids), device=self.device)
         self._run_chunked(ids, pos, cache)
-        return cache.read(0, len(ids))
+        kv = cache.read(0, len(ids))  # the model's dtype: callers store what they are given
+        cache.free()
+        return kv
 
     def _run_chunked(self, ids: list[int], pos: list[int], cache: SpliceCache, tick=None) -> None:
         """One sequence through the model in chunks of ``self.chunk`` tokens (exact: causal)."""
@@ -130,19 +142,45 @@ class SchemaEncoder:
         self._forward(ids, pos, cache)
         for row, job in enumerate(group):
             self._collect(job, cache, row, spans, out)
+        cache.free()
 
     def _collect(self, job: _Job, cache: SpliceCache, row: int, spans, out) -> None:
         off = job.prefix_tokens
         for i in job.pass_.spans[job.prefix :]:
             n = len(spans[i].token_ids)
             if i in job.pass_.targets:
-                out[i] = cache.read(off, n, row)
+                out[i] = self._read(cache, off, n, row)
             off += n
+
+    def _read(self, cache: SpliceCache, off: int, n: int, row: int = 0) -> torch.Tensor:
+        """Slots [off, off + n) of ``row`` as a new contiguous [L, 2, H, n, D] in the stored dtype (one copy)."""
+        view = cache.buf[:, :, row, :, off : off + n]
+        out = torch.empty(view.shape, dtype=self.out_dtype, device=view.device)
+        return out.copy_(view)
 
     def _forward(self, ids: list[list[int]], pos: list[list[int]], cache: SpliceCache) -> None:
         ids_t = torch.tensor(ids, dtype=torch.long, device=self.device)
         pos_t = torch.tensor(pos, dtype=torch.long, device=self.device)
         self.runner.forward(ids_t, pos_t, cache)
+
+
+def _libc():
+    name = ctypes.util.find_library("c")
+    try:
+        return ctypes.CDLL(name) if name else None
+    except OSError:
+        return None
+
+
+_LIBC = _libc()
+
+
+def release_free_memory(device: torch.device) -> None:
+    """Give freed heap pages back to the OS (glibc ``malloc_trim``; a no-op elsewhere and on GPU).
+    Without it freed encoding buffers and per-forward activations stay resident in glibc's arenas."""
+    trim = getattr(_LIBC, "malloc_trim", None)
+    if device.type == "cpu" and trim is not None:
+        trim(0)
 
 
 def _common_prefix(a, b) -> int:

@@ -58,10 +58,10 @@ class PromptCache:
         self.tokenizer = tokenizer
         self.tok = as_span_tokenizer(tokenizer)
         device = torch.device(self.config.device) if self.config.device else None
-        self.runner = ModelRunner(model, tokenizer, device)
+        self.runner = ModelRunner(model, tokenizer, device, self.config.kv_dtype)
         self.model, self.adapter, self.spec, self.device = model, self.runner.adapter, self.runner.spec, self.runner.device
         self.store = build_store(self.device, self.config.store_config())
-        self.registry = SchemaRegistry(model, tokenizer, self.spec.bytes_per_token, self.device)
+        self.registry = SchemaRegistry(model, tokenizer, self.runner.stored_spec.bytes_per_token, self.device)
         self.encoder = SchemaEncoder(self.runner, self.config.encode_chunk, self.config.encode_batch_bytes,
                                      self.tok.pad_id)
 
@@ -99,25 +99,34 @@ class PromptCache:
                                allow_src_root=allow_src_root)
         ns = self.config.namespace_for(namespace)
         keys = self.registry.content_keys(layout, ns)
-        self._ensure_states(layout, keys, progress or progress_for(f"encoding {layout.name}"))
-        return self.register_schema(layout, keys, ns, time.perf_counter() - t0)
+        encoded = self._ensure_states(layout, keys, progress or progress_for(f"encoding {layout.name}"))
+        # placed now only when every state was just encoded (in memory): states held by another
+        # tier (disk, a remote store) are fetched by the first prompt that needs them, not here
+        seconds = time.perf_counter() - t0
+        return self.register_schema(layout, keys, ns, seconds, place=len(encoded) == len(set(keys.values())))
 
     def _ensure_states(self, layout: SchemaLayout, keys: dict[int, str], progress: Progress | None = None,
-                       fetch: bool = False) -> None:
+                       fetch: bool = False) -> list[str]:
         """Encode the states no tier holds (local, or shared: fetched on first use, or now with
         ``fetch``); with a shared tier, two processes missing the same states encode them once
         (``TieredStore.ensure``)."""
-        def encode() -> dict[str, torch.Tensor]:
-            return {keys[i]: kv for i, kv in self.encoder.encode(layout, progress).items()}
+        dtype = self.runner.stored_spec.dtype  # kv_dtype (the encoder already gives it; .to is then a no-op)
 
-        self.store.ensure(keys.values(), encode, fetch)
+        def encode() -> dict[str, torch.Tensor]:
+            return {keys[i]: kv.to(dtype) for i, kv in self.encoder.encode(layout, progress).items()}
+
+        return self.store.ensure(keys.values(), encode, fetch)
 
     def register_schema(self, layout: SchemaLayout, keys: dict[int, str], namespace: str,
-                        seconds: float) -> EncodedSchema:
+                        seconds: float, place: bool = True) -> EncodedSchema:
         """Make a schema whose states are in ``store`` under ``keys`` usable by prompts (``add_schema``
-        and ``load_compiled`` end here)."""
+        and ``load_compiled`` end here). ``place``: copy the default pass's states into a prewarmed
+        assembly buffer now (CPU), so the first prompt finds them in place; False leaves states
+        held by another tier unread (a lazily loaded artifact, states in a remote store)."""
         entry = self.registry.register(layout, keys, namespace, seconds)
-        self.runner.prewarm(layout.end + 64)
+        stored = [(keys[i], functools.partial(lambda k: self.store.get(k)[0], keys[i]), entry.positions[i])
+                  for i in entry.default_order()] if place else []
+        self.runner.prewarm(layout.end + 64, stored)
         return entry
 
     def compile(self, schema: str | Path, out_dir: str | Path, progress: Progress | None = None,
@@ -126,12 +135,14 @@ class PromptCache:
         return compiled.compile_schema(self, schema, out_dir, progress, namespace, source_name)
 
     def load_compiled(self, path: str | Path, schema: str | Path | None = None, recompile: bool = False,
-                      namespace: str | None = None, verify: bool = False) -> EncodedSchema:
+                      namespace: str | None = None, verify: bool = False, convert: bool = False) -> EncodedSchema:
         """Register a compiled schema; its states stay on disk (memory-mapped, checksummed) until
         used. ``schema``: the schema source, to check the artifact was compiled from it.
         A mismatch (model, tokenizer, schema text) is refused unless ``recompile``; ``verify``
-        reads and checks every state now instead of on first use."""
-        return compiled.load_compiled(self, path, schema, recompile, namespace, verify)
+        reads and checks every state now instead of on first use. An artifact stored in another
+        dtype than this engine's ``kv_dtype`` is refused unless ``convert``: its states are then
+        read, checked and converted into memory now (no recompile)."""
+        return compiled.load_compiled(self, path, schema, recompile, namespace, verify, convert)
 
     def encode_span(self, token_ids: list[int], start: int = 0) -> torch.Tensor:
         """States of tokens encoded alone (no context) at positions start..: [L, 2, H, n, D]."""

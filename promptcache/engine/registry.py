@@ -29,7 +29,7 @@ class EncodedSchema:
     positions: dict[int, torch.Tensor]  # span -> its position IDs [n] on the engine's device
     contexts: dict[int, tuple[int, ...]]  # span -> the spans before it in its encoding pass
     namespace: str
-    bytes_per_token: int
+    bytes_per_token: int  # of the stored dtype (EngineConfig.kv_dtype, else the model's)
     encode_seconds: float = 0.0
 
     @property
@@ -42,6 +42,7 @@ class EncodedSchema:
 
     @property
     def stored_bytes(self) -> int:
+        """Bytes of this schema's stored states in the stored dtype (``kv_dtype``)."""
         return self.stored_tokens * self.bytes_per_token
 
     def __repr__(self) -> str:  # counts, not the layout (whose repr runs to tens of thousands of characters)
@@ -50,6 +51,13 @@ class EncodedSchema:
                 f"modules={len(self.layout.modules)}, {n_unions} union{'' if n_unions == 1 else 's'}, "
                 f"stored_tokens={self.stored_tokens}, stored_bytes={self.stored_bytes}, "
                 f"encode_seconds={self.encode_seconds:.2f})")
+
+    def default_order(self) -> list[int]:
+        """Stored spans of the default encoding pass (every union as its scaffold) in schema order:
+        the cached spans of a prompt that imports everything, as they are placed in its cache."""
+        scaffold = {u.index: u.scaffold for u in self.layout.unions.values()}
+        return [s.index for s in self.layout.spans
+                if s.index in self.keys and all(scaffold[u] == m for u, m in s.choices)]
 
 
 class SchemaRegistry:

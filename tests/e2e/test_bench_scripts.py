@@ -28,3 +28,30 @@ def test_bench_engine_runs(capsys):
                                "--repeats", "1"])
     out = capsys.readouterr().out
     assert "the limit" in out and "stored bytes per token" in out
+
+
+def test_bench_engine_reports_first_prompt_encode_ratio_and_stored_dtype(capsys):
+    load("bench_engine").main(["--model", "embedded", "--schema-tokens", "120", "--new-tokens", "4",
+                               "--repeats", "1"])
+    out = capsys.readouterr().out
+    assert "first prompt of a fresh engine" in out and "one plain prefill of its tokens" in out
+    assert "stored bytes per token (float32)" in out and "+0.00%)" in out
+    assert "preallocated cache, last-token logits" in out
+
+
+def test_bench_encode_compares_encoding_with_a_plain_prefill(tmp_path, capsys):
+    rows = load("bench_encode").main(["--model", "embedded", "--tokens", "120", "--members", "3", "--repeats", "1",
+                                      "--kv-dtype", "bfloat16", "--out", str(tmp_path)])
+    (r,) = rows
+    assert r["tokens_run"] >= r["stored_tokens"] > 0  # union members re-run (and store) the documents after the union
+    assert r["encode_s"] > 0 and r["plain_prefill_s"] > 0 and r["kv_dtype"] == "bfloat16"
+    assert (tmp_path / "encode.csv").exists() and "one plain prefill" in capsys.readouterr().out
+
+
+def test_memory_resident_study_reports_theory(tmp_path):
+    per_token, rows = load("memory").main(["--model", "embedded", "--skip-peaks", "--resident", "96",
+                                           "--out", str(tmp_path)])
+    assert [r["kv_dtype"] for r in rows] == ["model", "bfloat16"]
+    model_row, half = rows
+    assert half["states"] * 2 == model_row["states"]  # bfloat16 stores half the bytes
+    assert all(r["theory"] == r["model_bytes"] + r["states"] and r["after_encode"] > 0 for r in rows)
