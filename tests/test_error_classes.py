@@ -16,7 +16,7 @@ import promptcache
 from promptcache import ConfigError, PMLError, PromptCacheError
 
 ROOT = Path(__file__).resolve().parents[1]
-ENVIRONMENT = {"SourceFileError", "ModelNotFoundError", "OfflineError", "DeviceError", "QueueFull"}
+ENVIRONMENT = {"SourceFileError", "ModelNotFoundError", "OfflineError", "DeviceError", "QueueFull", "EnvironmentProblem"}
 
 
 def defined_exceptions() -> dict[str, type]:

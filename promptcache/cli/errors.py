@@ -13,10 +13,12 @@ import sys
 
 import click
 
+from ..errors import PromptCacheError
+
 __all__ = ["EnvironmentProblem", "exit_code", "guard", "message"]
 
 
-class EnvironmentProblem(click.ClickException):
+class EnvironmentProblem(PromptCacheError, click.ClickException):
     """Something about this machine, found by the CLI itself (``--device cuda`` without CUDA)."""
 
     exit_code = 2

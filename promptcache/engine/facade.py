@@ -100,10 +100,13 @@ class PromptCache:
         ns = self.config.namespace_for(namespace)
         keys = self.registry.content_keys(layout, ns)
         encoded = self._ensure_states(layout, keys, progress or progress_for(f"encoding {layout.name}"))
-        # placed now only when every state was just encoded (in memory): states held by another
-        # tier (disk, a remote store) are fetched by the first prompt that needs them, not here
+        # placed now only when every state was just encoded and still sits in memory: states held
+        # by another tier (disk, a remote store) are fetched by the first prompt that needs them,
+        # and reading them here would promote them and churn tight memory budgets
         seconds = time.perf_counter() - t0
-        return self.register_schema(layout, keys, ns, seconds, place=len(encoded) == len(set(keys.values())))
+        in_memory = all(self.store.tier_of(k) in ("device", "host") for k in keys.values())
+        return self.register_schema(layout, keys, ns, seconds,
+                                    place=in_memory and len(encoded) == len(set(keys.values())))
 
     def _ensure_states(self, layout: SchemaLayout, keys: dict[int, str], progress: Progress | None = None,
                        fetch: bool = False) -> list[str]:

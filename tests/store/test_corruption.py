@@ -164,7 +164,7 @@ DOCS = {"paris": "Paris is the capital of France, famous for museums.", "rome": 
 
 def test_document_store_corruption_is_refused_then_repaired(tmp_path):
     pc = PromptCache(make_model("llama", 0), make_tokenizer())
-    store = DocumentStore(pc, tmp_path / "d")
+    store = DocumentStore(pc, tmp_path / "d", independent=True)
     for k, v in DOCS.items():
         store.add(k, v)
     ref = store.prefill("Q?", ["paris", "rome"], "S.").logits
@@ -178,18 +178,18 @@ def test_document_store_corruption_is_refused_then_repaired(tmp_path):
         buf[off] ^= 0xFF
         f.write_bytes(bytes(buf))
         try:
-            res = DocumentStore(fresh, tmp_path / "d").prefill("Q?", ["paris", "rome"], "S.")
+            res = DocumentStore(fresh, tmp_path / "d", independent=True).prefill("Q?", ["paris", "rome"], "S.")
             results.append("same" if torch.allclose(res.logits, ref, atol=1e-6) else "WRONG")
         except (StoreError, DocumentStoreError):
             results.append("refused")
     assert "WRONG" not in results and results.count("refused") == len(results)
     # the file is still corrupted: re-adding the document repairs it in the same engine
-    reopened = DocumentStore(fresh, tmp_path / "d")
+    reopened = DocumentStore(fresh, tmp_path / "d", independent=True)
     with pytest.raises(StoreError):
         reopened.prefill("Q?", ["paris", "rome"], "S.")
     for k, v in DOCS.items():
         reopened.add(k, v)
     assert torch.allclose(reopened.prefill("Q?", ["paris", "rome"], "S.").logits, ref, atol=1e-6)
     third = PromptCache(make_model("llama", 0), make_tokenizer())
-    res = DocumentStore(third, tmp_path / "d").prefill("Q?", ["paris", "rome"], "S.")
+    res = DocumentStore(third, tmp_path / "d", independent=True).prefill("Q?", ["paris", "rome"], "S.")
     assert torch.allclose(res.logits, ref, atol=1e-6) and "disk" in res.hit_tiers  # the file was rewritten
