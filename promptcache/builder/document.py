@@ -7,11 +7,11 @@ from __future__ import annotations
 import copy
 import hashlib
 import os
-import secrets
 from pathlib import Path
 
 from lxml import etree
 
+from ..fsutil import atomic_write
 from ..pml import nodes as N
 from ..pml.whitespace import normalize_whitespace
 from ..pml.rules import check_imported_once, check_not_empty, check_roles_only, check_scope_names
@@ -41,23 +41,9 @@ class _Document:
         return self.to_pml()
 
     def save(self, path: str | os.PathLike) -> Path:
-        """Write ``to_pml()`` to ``path`` atomically (a temporary file in the same folder, then a
-        rename), creating missing folders. Returns the path."""
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        data = self.to_pml().encode("utf-8")
-        tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # mode as umask allows
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            tmp.unlink(missing_ok=True)
-            raise
-        return path
+        """Write ``to_pml()`` to ``path`` atomically (``fsutil.atomic_write``: temporary file in the
+        same folder, fsync, rename, fsync of the folder), creating missing folders. Returns the path."""
+        return atomic_write(path, self.to_pml())
 
     def _tree_children(self, roles: type) -> list:
         """A normalized copy of the children: adjacent texts joined into runs (the indentation
