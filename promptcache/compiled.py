@@ -21,8 +21,6 @@ from __future__ import annotations
 import logging
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
-
 from .artifact import (ArtifactError, intact, layout_record, materialize_schema, materialized, mismatches,
                        read_manifest, schema_sources, write_artifact)
 from .keys import PORTABLE, content_keys, model_digest
@@ -30,8 +28,8 @@ from .layout import SchemaLayout, layout_schema
 from .pml import PMLError, parse_schema
 from .store.codec import CodecError, StateInfo, StatesFile
 
-if TYPE_CHECKING:
-    from .engine import EncodedSchema, PromptCache
+# ``pc`` below is a ``promptcache.engine.PromptCache``; it is not imported, even for type checking,
+# so the engine (which calls this module) and this module never import each other.
 
 log = logging.getLogger(__name__)
 
