@@ -17,7 +17,7 @@ SPECIALS = ["<unk>", "<pad>", "<s>", "</s>", "<|system|>", "<|user|>", "<|assist
 
 
 def corpus(root: Path):
-    for pattern in ("README.md", "schemas/**/*", "examples/**/*", "promptcache/**/*.py", "../shared/*.md"):
+    for pattern in ("README.md", "schemas/**/*", "examples/**/*", "promptcache/**/*.py", "docs/*.md"):
         for p in sorted(root.glob(pattern)):
             if p.is_file() and p.suffix in (".md", ".xml", ".py", ".txt"):
                 yield p.read_text(encoding="utf-8", errors="ignore")
