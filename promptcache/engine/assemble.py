@@ -5,9 +5,10 @@ Decisions:
     ``cache="false"`` modules, chat glue) at their position IDs.
   * A prompt with no new tokens recomputes its last cached token as a new token (its stored entry
     is left out), so next-token logits reflect exactly what the prompt imports.
-  * ``n_exact``: the leading cached tokens (prompt order) whose stored states are those of a plain
-    prefill (each span encoded after exactly the spans before it, positions 0..); selective
-    recompute (``recompute.py``) never chooses them.
+  * ``leading_exact``: the leading cached tokens (prompt order) whose stored states are those of a
+    plain prefill (each span encoded after exactly the spans before it, positions 0..); selective
+    recompute (``recompute.py``) never chooses them. Computed only for prompts that recompute, so
+    the ordinary splice pays nothing for it.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from dataclasses import dataclass
 from ..layout import PromptLayout, Span
 from .registry import EncodedSchema
 
-__all__ = ["Assembly", "assemble"]
+__all__ = ["Assembly", "assemble", "leading_exact"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -29,7 +30,6 @@ class Assembly:
     max_position: int  # the prompt's largest position ID
     hit_tiers: dict[str, int]  # cached spans served per store tier
     exact: bool  # the assembled state equals a plain prefill of the same tokens
-    n_exact: int = 0  # leading cached tokens already exact (not recompute candidates)
     moved_last: bool = False  # no new token: the last cached token runs as the new one
 
 
@@ -54,10 +54,10 @@ def assemble(layout: PromptLayout, entry: EncodedSchema | None, store) -> Assemb
     exact = _is_exact(cached_spans, new_spans, entry, [idx for *_, idx in cached])
     return Assembly(cached=[(k, kv, pos) for k, kv, pos, _ in cached], new_ids=new_ids, new_pos=new_pos,
                     max_position=max(layout.position_ids), hit_tiers=dict(hits), exact=exact,
-                    n_exact=_leading_exact(layout, entry), moved_last=moved_last)
+                    moved_last=moved_last)
 
 
-def _leading_exact(layout: PromptLayout, entry: EncodedSchema | None) -> int:
+def leading_exact(layout: PromptLayout, entry: EncodedSchema | None) -> int:
     """Tokens of the leading cached spans (prompt order) encoded after exactly the spans before
     them at positions 0..: their states are a plain prefill's."""
     seen: list[int] = []

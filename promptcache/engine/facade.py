@@ -33,7 +33,7 @@ from ..pml.nodes import Prompt
 from ..progress import progress_for
 from ..store import StoreError, build_store
 from ..tokens import as_span_tokenizer
-from .assemble import assemble
+from .assemble import assemble, leading_exact
 from .config import EngineConfig
 from .encoder import Progress, SchemaEncoder
 from .recompute import RecomputeRequest, check_fraction, recompute_request
@@ -190,8 +190,10 @@ class PromptCache:
             log.warning("schema '%s': a stored state cannot be used (%s); re-encoding what is missing", entry.name, e)
             self._ensure_states(entry.layout, entry.keys, fetch=True)
             plan = assemble(layout, entry, self.store)
-        req = recompute_request(layout, plan.n_exact, r, self.config.recompute_selection, plan.moved_last) \
-            if r > 0 else None
+        req = None
+        if r > 0:  # the ordinary splice skips this walk over the layout
+            req = recompute_request(layout, leading_exact(layout, entry), r, self.config.recompute_selection,
+                                    plan.moved_last)
         return self.runner.prefill_spliced(plan.cached, plan.new_ids, plan.new_pos, plan.max_position, t0, reserve,
                                            keep_cache, exact=plan.exact, layout=layout, hit_tiers=plan.hit_tiers,
                                            recompute=req)
