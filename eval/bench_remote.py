@@ -36,7 +36,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from common import RESULTS, add_model_args, forget_placement, write_csv  # noqa: E402
+from common import RESULTS, add_model_args, forget_placement, write_csv, pyplot  # noqa: E402
 
 MODES = ("encode", "remote", "disk")
 
@@ -122,13 +122,8 @@ def run_child(args, mode: str, work: Path) -> dict:
 
 
 def plot(rows: list[dict], path: Path) -> bool:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("note: matplotlib is not installed (pip install matplotlib): no PNG written")
+    plt = pyplot()
+    if plt is None:
         return False
     fig, ax = plt.subplots(figsize=(6, 3.6))
     bars = ax.bar([r["mode"] for r in rows], [r["ttft_s"] for r in rows], color=["#c44", "#48c", "#4a4"])

@@ -1,4 +1,4 @@
-"""Shared helpers for the benchmarks: deterministic text, timing, CSV output."""
+"""Shared helpers for the benchmarks: deterministic text, timing, CSV output, plotting."""
 
 from __future__ import annotations
 
@@ -80,3 +80,16 @@ def add_model_args(ap, model: str = "embedded:bench") -> None:
     ap.add_argument("--model", default=model, help="Hugging Face id, local directory, or embedded[:bench]")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", default="float32", help="float32, bfloat16 or float16")
+
+
+def pyplot():
+    """matplotlib's pyplot on the Agg backend, or None (with a note) when matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("note: matplotlib is not installed (pip install matplotlib): no PNG written")
+        return None
+    return plt

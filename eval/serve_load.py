@@ -30,7 +30,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS, text_of_tokens  # noqa: E402
+from common import RESULTS, text_of_tokens, pyplot  # noqa: E402
 
 
 def start_server(app):
@@ -132,13 +132,8 @@ def write_csv(path: Path, rows: list[dict]) -> None:
 
 
 def plot(path: Path, turns: list[dict], thr: list[dict]) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib missing: no PNG")
+    plt = pyplot()
+    if plt is None:
         return
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
     for mode in ("reuse", "no_reuse"):

@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS, add_model_args, forget_placement, interleaved_medians, text_of_tokens, write_csv  # noqa: E402
+from common import RESULTS, add_model_args, forget_placement, interleaved_medians, text_of_tokens, write_csv, pyplot  # noqa: E402
 from metrics import loglog_slope  # noqa: E402
 
 from promptcache import PromptCache  # noqa: E402
@@ -230,13 +230,8 @@ def exponents(rows: list[dict], fit_from: int) -> list[dict]:
 
 
 def plot(rows: list[dict], path: Path) -> bool:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("note: matplotlib is not installed (pip install matplotlib): no PNG written")
+    plt = pyplot()
+    if plt is None:
         return False
     fractions = sorted({r["fraction"] for r in rows})
     fig, axes = plt.subplots(1, len(fractions), figsize=(5 * len(fractions), 4.2), squeeze=False)
