@@ -115,6 +115,20 @@ def alone_key(token_ids, model_key: str, namespace: str, start: int = 0) -> str:
     return _finish(h, len(token_ids))
 
 
+def chain_root(model_key: str, namespace: str) -> str:
+    """The parent of the first link of a chain (``chain_key``): names the model and namespace."""
+    return _hasher("promptcache-chain-v1", model_key, namespace).hexdigest()
+
+
+def chain_key(parent: str, token_ids, start: int) -> str:
+    """Key of ``token_ids`` at positions start..start+n-1 encoded right after the chain ending in
+    ``parent`` (a ``chain_root`` or another chain key, which already salts model and namespace):
+    server prefix blocks and RAG document chains."""
+    h = hashlib.sha256(f"promptcache-link-v1\0{parent}\0".encode())
+    _add_span(h, token_ids, start, start + len(token_ids))
+    return _finish(h, len(token_ids))
+
+
 def token_digest(token_ids) -> str:
     """sha256 of token IDs (int64): names a document's states file."""
     return hashlib.sha256(array("q", token_ids).tobytes()).hexdigest()

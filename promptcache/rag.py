@@ -56,7 +56,6 @@ rewrites its file.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import threading
@@ -70,9 +69,10 @@ from .engine import Generation, PrefillResult, PromptCache
 from .errors import PromptCacheError
 from .engine.recompute import check_fraction, recompute_request
 from .fsutil import atomic_write
-from .keys import PORTABLE, alone_key, model_digest, token_digest
+from .keys import PORTABLE, alone_key, chain_key, chain_root, model_digest, token_digest
 from .layout import PromptLayout, Span
 from .models.relocate import check_relocatable, relocate
+from .store import StoreError
 from .store.codec import StateInfo, write_file
 
 log = logging.getLogger(__name__)
@@ -223,12 +223,6 @@ class DocumentStore:
         """Store key of tokens encoded alone from position 0 (``namespace``: this store's)."""
         return alone_key(token_ids, self.pc.model_key, self.namespace if namespace is None else namespace)
 
-    def _chain_key(self, parent: str, doc: Document, start: int) -> str:
-        """Key of ``doc`` + separator encoded after the chain ``parent`` at positions start..."""
-        h = hashlib.sha256(f"promptcache-chain-v1|{parent}|{doc.digest}|{start}|".encode())
-        h.update(token_digest(self._sep).encode())
-        return f"chain:{h.hexdigest()}"
-
     def _layout(self, question: str, docs: list[Document], system: str | None) -> tuple[PromptLayout, int]:
         """(layout, prefix tokens). Chains: each document span holds the document and its
         separator; independent: the separator is a new span after each document."""
@@ -285,12 +279,18 @@ class DocumentStore:
         cached, hits = [], {}
         self._prefix_state(layout, cached, hits)
         spans = [s for s in layout.spans if s.name.startswith("doc:")]
-        parent = cached[0][0] if cached else f"root:{self.pc.model_key}:{self.namespace}"
+        parent = cached[0][0] if cached else chain_root(self.pc.model_key, self.namespace)
         links, matched = [], 0  # links: (chain key, token count) of the documents to compute and add
         for d, span in zip(docs, spans):
-            key = self._chain_key(parent, d, span.position_ids[0])
-            if not links and key in self.pc.store:
-                kv, tier = self.pc.store.get(key)
+            key = chain_key(parent, span.token_ids, span.position_ids[0])  # the document + separator
+            found = None
+            if not links:  # still on the stored part of the chain: one lookup (a miss ends it)
+                try:
+                    found = self.pc.store.get(key)
+                except StoreError:
+                    pass
+            if found is not None:
+                kv, tier = found
                 hits[tier] = hits.get(tier, 0) + 1
                 cached.append((key, kv, torch.tensor(span.position_ids, device=self.pc.device)))
                 matched += 1

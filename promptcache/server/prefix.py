@@ -17,14 +17,13 @@ full blocks recomputes its last block.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import time
-from array import array
 from typing import Callable
 
 import torch
 
+from ..keys import chain_key, chain_root
 from ..store import StoreError
 
 log = logging.getLogger(__name__)
@@ -44,12 +43,9 @@ class PrefixCache:
 
     def keys(self, ids: list[int], namespace: str) -> list[str]:
         """Chained keys of the full blocks of ``ids`` (len(ids) // block_size of them)."""
-        b, parent, out = self.block_size, f"promptcache-prefix-v1\0{namespace}", []
+        b, parent, out = self.block_size, chain_root(self.pc.model_key, namespace), []
         for i in range(len(ids) // b):
-            h = hashlib.sha256(parent.encode())
-            h.update(f"\0{self.pc.model_key}\0".encode())
-            h.update(array("q", ids[i * b : (i + 1) * b]).tobytes())
-            parent = h.hexdigest()
+            parent = chain_key(parent, ids[i * b : (i + 1) * b], i * b)
             out.append(parent)
         return out
 
@@ -72,18 +68,15 @@ class PrefixCache:
         b, keys = self.block_size, self.keys(ids, namespace)
         m, cached, hits = 0, [], {}
         for key in keys[: (len(ids) - 1) // b]:
-            if key not in self.pc.store:
-                break
             try:
-                kv, tier = self.pc.store.get(key)  # kv: [L, 2, H, B, D]
-            except StoreError:  # evicted with no disk copy between the check and the read: the chain ends here
+                kv, tier = self.pc.store.get(key)  # kv: [L, 2, H, B, D]; one lookup, no separate membership test
+            except StoreError:  # not stored (or no longer): the chain ends here
                 break
             hits[tier] = hits.get(tier, 0) + 1
             cached.append((key, kv, torch.arange(m * b, (m + 1) * b, device=self.pc.device)))
             m += 1
         res = self.pc.run_spliced(cached, ids[m * b :], list(range(m * b, len(ids))), len(ids) - 1, t0,
-                                  reserve, keep_cache=True)
-        res.exact, res.hit_tiers = True, hits
+                                  reserve, keep_cache=True, exact=True, hit_tiers=hits)
         for i in range(m, len(keys)):  # cache slot == position: the kept cache holds the prompt in order
             if keys[i] not in self.pc.store:
                 self.pc.store.put(keys[i], res.cache.read(i * b, b))
