@@ -87,6 +87,7 @@ class SpliceLayer(CacheLayerMixin):
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         """Store new states [B, H, T, D]; return keys and values over the filled slots [B, H, n, D]."""
+        self.owner.wait_layer(self.index)  # this layer's stored spans may still be arriving (overlap)
         pending = self.owner.pending
         if pending is None:  # hot path: append after the filled slots
             t = key_states.shape[-2]
@@ -155,9 +156,12 @@ def _unsupported(what: str):
 class SpliceCache(Cache):
     """All layers' states in one buffer; ``positions[b, s]`` is the position ID of slot ``s``."""
 
-    def __init__(self, spec: KVSpec, capacity: int, batch: int = 1, device="cpu", pin: bool = False):
+    def __init__(self, spec: KVSpec, capacity: int, batch: int = 1, device="cpu", pin: bool = False,
+                 overlap: bool = True):
         shape = (spec.layers, 2, batch, spec.kv_heads, max(capacity, 1), spec.head_dim)
-        self.spec, self.batch = spec, batch
+        self.spec, self.batch, self.overlap = spec, batch, overlap
+        self.copy_stream = None  # CUDA only: the side stream host spans are copied on, layer by layer
+        self.layer_ready: list | None = None  # CUDA events: layer l's copies are done (None: nothing pending)
         self.buf = torch.empty(shape, dtype=spec.dtype, device=device, pin_memory=pin)
         self.positions = torch.zeros((batch, shape[4]), dtype=torch.long, device=device)
         self.pending: tuple[torch.Tensor, int] | None = None  # (slots [T] | [B, T], kv_len) during a slot write
@@ -180,6 +184,7 @@ class SpliceCache(Cache):
     def ensure_capacity(self, n: int) -> None:
         if n <= self.capacity:
             return
+        self.sync()
         grown = max(n, self.capacity + self.capacity // 2)
         buf = self.buf.new_empty(self.buf.shape[:4] + (grown,) + self.buf.shape[5:])
         buf[..., : self.capacity, :] = self.buf
@@ -190,6 +195,7 @@ class SpliceCache(Cache):
     def free(self) -> None:
         """Drop the buffer now. Layers point back at their cache (a reference cycle), so without
         this a dropped cache's buffer lives until the cycle collector runs. Unusable afterwards."""
+        self.sync()
         self.buf = self.buf.new_empty((0,) * self.buf.dim())
         self.positions = self.positions.new_empty((self.batch, 0))
         self.resident = {}
@@ -218,23 +224,74 @@ class SpliceCache(Cache):
     def place(self, spans: list[tuple[object, object, torch.Tensor]]) -> int:
         """Put stored spans (key, kv [L, 2, H, n, D], positions [n]) at slots 0.. in order, copying
         only those not already resident at their slot; set the length. Returns bytes copied.
-        ``kv`` may be a zero-argument callable, called only when the span must be copied."""
+        ``kv`` may be a zero-argument callable, called only when the span must be copied.
+
+        On a GPU, spans held in host memory are copied on a side stream one layer at a time, and
+        layer ``l`` of the next forward waits only for layer ``l``'s copies (``wait_layer``): the
+        host-to-device copies overlap the forward's compute instead of preceding all of it."""
         old, new, off, copied = self.resident or {}, {}, 0, 0
         self.resident = {}  # until placement completes, nothing in this buffer is trusted
+        from_host = []  # (off, kv) copied layer by layer on the side stream
         for key, kv, pos in spans:
             n = len(pos)
             if old.get(off) != (key, n):
                 kv = kv() if callable(kv) else kv
-                self.write(off, kv, pos)
+                self.ensure_capacity(off + n)
+                if self.overlap and self.buf.is_cuda and not kv.is_cuda:
+                    from_host.append((off, kv))
+                    self.positions[0, off : off + n].copy_(pos, non_blocking=True)
+                else:
+                    self.write(off, kv, pos)
                 copied += kv.numel() * kv.element_size()
             new[off] = (key, n)
             off += n
+        if from_host:
+            self.copy_layers(from_host)
         self.resident = new
         self.set_length(off)
         return copied
 
+    def copy_layers(self, spans: list[tuple[int, torch.Tensor]]) -> None:
+        """Copy host spans (off, kv [L, 2, H, n, D]) into row 0, layer by layer, on the side stream;
+        record one event per layer. The side stream first waits for the compute stream, so nothing
+        still reading the buffer (an earlier prompt's forward) sees it change."""
+        device = self.buf.device
+        main = torch.cuda.current_stream(device)
+        if self.copy_stream is None:
+            self.copy_stream = torch.cuda.Stream(device)
+        stream = self.copy_stream
+        stream.wait_stream(main)
+        events = []
+        with torch.cuda.stream(stream):
+            for layer in range(self.spec.layers):
+                for off, kv in spans:
+                    dst = self.buf[layer, :, 0, :, off : off + kv.shape[3]]  # [2, H, n, D]
+                    src = kv[layer].to(device, non_blocking=True)  # in the stored dtype: upcast on the GPU
+                    dst.copy_(src)
+                event = torch.cuda.Event()
+                event.record(stream)
+                events.append(event)
+        self.layer_ready = events
+
+    def wait_layer(self, layer: int) -> None:
+        """Make the current stream wait until ``layer``'s overlapped copies are done (no-op otherwise)."""
+        ready = self.layer_ready
+        if ready is not None:
+            torch.cuda.current_stream(self.buf.device).wait_event(ready[layer])
+
+    def sync(self) -> None:
+        """Make the current stream wait for every pending overlapped copy; afterwards any use of
+        ``buf`` on it sees the placed spans. Called before the buffer is read, grown or freed."""
+        ready = self.layer_ready
+        if ready is not None:
+            main = torch.cuda.current_stream(self.buf.device)
+            for event in ready:
+                main.wait_event(event)
+            self.layer_ready = None
+
     def read(self, off: int, n: int, row: int = 0) -> torch.Tensor:
         """A copy of slots [off, off + n) of row ``row`` as [L, 2, H, n, D] (contiguous)."""
+        self.sync()
         return self.buf[:, :, row, :, off : off + n].contiguous()
 
     # -- positions of the next forward ------------------------------------------------------------
@@ -318,8 +375,8 @@ class CachePool:
 
     granule = 256  # slots; capacities are rounded up to a multiple
 
-    def __init__(self, spec: KVSpec, device, max_free: int = 2, pin: bool = False):
-        self.spec, self.device, self.max_free, self.pin = spec, device, max_free, pin
+    def __init__(self, spec: KVSpec, device, max_free: int = 2, pin: bool = False, overlap: bool = True):
+        self.spec, self.device, self.max_free, self.pin, self.overlap = spec, device, max_free, pin, overlap
         self._free: list[SpliceCache] = []
         self._lock = threading.Lock()
 
@@ -336,7 +393,7 @@ class CachePool:
                 self._free.remove(best)
                 best.ensure_capacity(capacity)  # growing keeps residents at their slots
                 return best
-        cache = SpliceCache(self.spec, capacity, device=self.device, pin=self.pin)
+        cache = SpliceCache(self.spec, capacity, device=self.device, pin=self.pin, overlap=self.overlap)
         cache.resident = {}
         return cache
 
@@ -352,7 +409,7 @@ class CachePool:
             if cache is not None:
                 self._free.remove(cache)
         if cache is None:
-            cache = SpliceCache(self.spec, capacity, device=self.device, pin=self.pin)
+            cache = SpliceCache(self.spec, capacity, device=self.device, pin=self.pin, overlap=self.overlap)
             cache.buf.zero_()
             cache.resident = {}
         if spans:

@@ -117,6 +117,7 @@ class DecodeBatch:
         k = src.length
         length = max(self.cache.length, k)
         self._grow(length + self._need([*self.members, req]) + 1)
+        src.sync()  # its placed spans may still be arriving on a side stream (GPU)
         self.cache.write(0, src.buf[:, :, 0, :, :k], src.positions[0, :k], row=row)
         self.valid[row] = False
         self.valid[row, :k] = True
@@ -143,6 +144,7 @@ class DecodeBatch:
                 spans.append((req, self.cache.buf[:, :, i].index_select(3, idx), self.cache.positions[i, idx]))
         for req in joining:
             src = req.prefill.cache
+            src.sync()
             spans.append((req, src.buf[:, :, 0, :, : src.length], src.positions[0, : src.length]))
         length = max(kv.shape[3] for _, kv, _ in spans)
         capacity = length + self._need([r for r, _, _ in spans]) + 1 + _SLACK

@@ -58,7 +58,7 @@ class PromptCache:
         self.tokenizer = tokenizer
         self.tok = as_span_tokenizer(tokenizer)
         device = torch.device(self.config.device) if self.config.device else None
-        self.runner = ModelRunner(model, tokenizer, device, self.config.kv_dtype)
+        self.runner = ModelRunner(model, tokenizer, device, self.config.kv_dtype, self.config.overlap_copies)
         self.model, self.adapter, self.spec, self.device = model, self.runner.adapter, self.runner.spec, self.runner.device
         self.store = build_store(self.device, self.config.store_config())
         self.registry = SchemaRegistry(model, tokenizer, self.runner.stored_spec.bytes_per_token, self.device)

@@ -41,7 +41,8 @@ def eos_ids(model, tokenizer) -> frozenset[int]:
 
 
 class ModelRunner:
-    def __init__(self, model, tokenizer, device: torch.device | None = None, kv_dtype: str | None = None):
+    def __init__(self, model, tokenizer, device: torch.device | None = None, kv_dtype: str | None = None,
+                 overlap_copies: bool = True):
         self.model = model.eval()
         self.adapter = get_adapter(model)
         self.spec = self.adapter.kv_spec()  # what the model computes in (the splice buffer)
@@ -49,7 +50,7 @@ class ModelRunner:
         self.stored_spec = KVSpec(self.spec.layers, self.spec.kv_heads, self.spec.head_dim, stored)  # the store
         self.device = device or next(model.parameters()).device
         self.lock = threading.RLock()  # one forward at a time per engine
-        self.pool = CachePool(self.spec, self.device)
+        self.pool = CachePool(self.spec, self.device, overlap=overlap_copies)
         self.eos_ids = eos_ids(model, tokenizer)
 
     # -- forwards ---------------------------------------------------------------------------------

@@ -1,8 +1,8 @@
 """Embedded models: random-weight Llama-shaped models built from shipped configs, no download.
 
 They are for demos, tests and benchmarks: their output is noise, but their shapes and speed are
-those of real models. Name them as ``embedded`` (= ``embedded:demo``) or ``embedded:bench``
-wherever a model id is taken.
+those of real models. Name them as ``embedded`` (= ``embedded:demo``), ``embedded:bench``
+or ``embedded:1b`` (Llama-3.2-1B's shape, for GPU benchmarks) wherever a model id is taken.
 """
 
 from __future__ import annotations
@@ -28,6 +28,10 @@ CONFIGS = {
     # the engine benchmark's model: realistic width (8 layers, hidden 1024, vocab 32000)
     "bench": dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=8, num_attention_heads=16,
                   num_key_value_heads=16, vocab_size=32000),
+    # GPU benchmarks: the shape of Llama-3.2-1B (16 layers, hidden 2048, 32 query / 8 KV heads of 64),
+    # with this tokenizer's vocabulary
+    "1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+               num_key_value_heads=8, vocab_size=32000),
 }
 
 
@@ -45,7 +49,7 @@ def embedded_tokenizer():
 
 
 def embedded_model(name: str = "demo", seed: int = 0, dtype: torch.dtype = torch.float32, device="cpu"):
-    """(model, tokenizer) for ``embedded[:demo|bench]``, weights drawn from ``seed``."""
+    """(model, tokenizer) for ``embedded[:demo|bench|1b]``, weights drawn from ``seed``."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     key = name.split(":", 1)[1] if ":" in name else "demo"
