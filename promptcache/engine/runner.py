@@ -42,7 +42,7 @@ def eos_ids(model, tokenizer) -> frozenset[int]:
 
 class ModelRunner:
     def __init__(self, model, tokenizer, device: torch.device | None = None, kv_dtype: str | None = None,
-                 overlap_copies: bool = True):
+                 overlap_copies: bool = False):
         self.model = model.eval()
         self.adapter = get_adapter(model)
         self.spec = self.adapter.kv_spec()  # what the model computes in (the splice buffer)
@@ -72,12 +72,14 @@ class ModelRunner:
         n_cached = sum(len(pos) for _, _, pos in cached)
         capacity = n_cached + len(new_ids) + reserve
         self.adapter.check_limits(max_position, capacity)
+        # before the spans are placed: a tensor built from a list on a GPU waits for the stream, which
+        # must not hold the (asynchronous) copies of the stored spans yet
+        ids = torch.tensor([new_ids], dtype=torch.long, device=self.device)  # [1, T]
+        pos = torch.tensor([new_pos], dtype=torch.long, device=self.device)  # [1, T]
         cache = self.pool.acquire(capacity, [(k, len(pos)) for k, _, pos in cached])
         try:
             copied = cache.place(cached)
             if recompute is None:
-                ids = torch.tensor([new_ids], dtype=torch.long, device=self.device)  # [1, T]
-                pos = torch.tensor([new_pos], dtype=torch.long, device=self.device)  # [1, T]
                 logits, redone = self.forward(ids, pos, cache)[0], 0  # [V]
             else:
                 with self.lock:
