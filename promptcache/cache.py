@@ -157,11 +157,12 @@ class SpliceCache(Cache):
     """All layers' states in one buffer; ``positions[b, s]`` is the position ID of slot ``s``."""
 
     def __init__(self, spec: KVSpec, capacity: int, batch: int = 1, device="cpu", pin: bool = False,
-                 overlap: bool = True):
+                 overlap: bool = False):
         shape = (spec.layers, 2, batch, spec.kv_heads, max(capacity, 1), spec.head_dim)
         self.spec, self.batch, self.overlap = spec, batch, overlap
         self.copy_stream = None  # CUDA only: the side stream host spans are copied on, layer by layer
         self.layer_ready: list | None = None  # CUDA events: layer l's copies are done (None: nothing pending)
+        self.copy_groups = 4  # overlapped copies go in this many groups of layers (fewer, larger copies)
         self.buf = torch.empty(shape, dtype=spec.dtype, device=device, pin_memory=pin)
         self.positions = torch.zeros((batch, shape[4]), dtype=torch.long, device=device)
         self.pending: tuple[torch.Tensor, int] | None = None  # (slots [T] | [B, T], kv_len) during a slot write
@@ -252,8 +253,9 @@ class SpliceCache(Cache):
         return copied
 
     def copy_layers(self, spans: list[tuple[int, torch.Tensor]]) -> None:
-        """Copy host spans (off, kv [L, 2, H, n, D]) into row 0, layer by layer, on the side stream;
-        record one event per layer. The side stream first waits for the compute stream, so nothing
+        """Copy host spans (off, kv [L, 2, H, n, D]) into row 0 on the side stream, in
+        ``copy_groups`` groups of layers (each group one copy per span: launching a copy costs CPU
+        time, so one per layer and span costs more than it hides); record one event per group. The side stream first waits for the compute stream, so nothing
         still reading the buffer (an earlier prompt's forward) sees it change."""
         device = self.buf.device
         main = torch.cuda.current_stream(device)
@@ -261,16 +263,20 @@ class SpliceCache(Cache):
             self.copy_stream = torch.cuda.Stream(device)
         stream = self.copy_stream
         stream.wait_stream(main)
+        layers = self.spec.layers
+        step = -(-layers // self.copy_groups)  # layers per group: one copy per span and group
         events = []
         with torch.cuda.stream(stream):
-            for layer in range(self.spec.layers):
+            for lo in range(0, layers, step):
                 for off, kv in spans:
-                    dst = self.buf[layer, :, 0, :, off : off + kv.shape[3]]  # [2, H, n, D]
-                    src = kv[layer].to(device, non_blocking=True)  # in the stored dtype: upcast on the GPU
-                    dst.copy_(src)
+                    dst = self.buf[lo : lo + step, :, 0, :, off : off + kv.shape[3]]  # [l, 2, H, n, D]
+                    if kv.dtype == dst.dtype:
+                        dst.copy_(kv[lo : lo + step], non_blocking=True)
+                    else:  # 16-bit stored states cross in their own dtype and are upcast on the GPU
+                        dst.copy_(kv[lo : lo + step].to(device, non_blocking=True))
                 event = torch.cuda.Event()
                 event.record(stream)
-                events.append(event)
+                events += [event] * min(step, layers - lo)
         self.layer_ready = events
 
     def wait_layer(self, layer: int) -> None:
@@ -375,7 +381,7 @@ class CachePool:
 
     granule = 256  # slots; capacities are rounded up to a multiple
 
-    def __init__(self, spec: KVSpec, device, max_free: int = 2, pin: bool = False, overlap: bool = True):
+    def __init__(self, spec: KVSpec, device, max_free: int = 2, pin: bool = False, overlap: bool = False):
         self.spec, self.device, self.max_free, self.pin, self.overlap = spec, device, max_free, pin, overlap
         self._free: list[SpliceCache] = []
         self._lock = threading.Lock()

@@ -36,7 +36,7 @@ _HELP = {
     "host_budget": "Host memory for stored states (size: 4GiB; default unbounded).",
     "spill_dir": "Folder for evicted states that have no artifact (default: a temp folder).",
     "pin_memory": "Pin host copies of states for fast device copies.",
-    "overlap_copies": "On a GPU, copy host-held states layer by layer beside the forward (off: all before it).",
+    "overlap_copies": "On a GPU, copy host-held states in layer groups beside the forward (helps GPU-bound forwards).",
     "namespace": "Cache namespace: states are never shared across namespaces.",
     "kv_dtype": "dtype of stored module states (default: the model's).",
     "recompute": "Fraction of cached tokens computed afresh per prompt, in [0, 1] (0: exact reuse).",

@@ -36,7 +36,7 @@ class EngineConfig:
     host_budget: int | None = None
     spill_dir: str | None = None  # evicted states with no artifact go here (default: a temp dir)
     pin_memory: bool = True
-    overlap_copies: bool = True  # on a GPU, copy host-held states layer by layer on a side stream, overlapping the forward
+    overlap_copies: bool = False  # on a GPU, copy host-held states in layer groups on a side stream beside the forward (pays off when the GPU, not the CPU, bounds the forward)
     namespace: str = "default"  # cache namespace (salt): states are never shared across namespaces
     kv_dtype: str | None = None  # stored module states: None = the model's dtype, or "bfloat16" / "float16" / "float32"
     recompute: float = 0.0  # default fraction of a prompt's cached tokens computed afresh (0: the paper's exact reuse)
