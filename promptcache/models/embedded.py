@@ -2,7 +2,7 @@
 
 They are for demos, tests and benchmarks: their output is noise, but their shapes and speed are
 those of real models. Name them as ``embedded`` (= ``embedded:demo``), ``embedded:bench``
-or ``embedded:1b`` (Llama-3.2-1B's shape, for GPU benchmarks) wherever a model id is taken.
+``embedded:1b`` or ``embedded:8b`` (the shapes of Llama-3.2-1B and Llama-3.1-8B, for GPU benchmarks) wherever a model id is taken.
 """
 
 from __future__ import annotations
@@ -32,6 +32,9 @@ CONFIGS = {
     # with this tokenizer's vocabulary
     "1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
                num_key_value_heads=8, vocab_size=32000),
+    # the shape of Llama-3.1-8B (32 layers, hidden 4096, 32 query / 8 KV heads): GPU only in practice
+    "8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+               num_key_value_heads=8, vocab_size=32000),
 }
 
 
@@ -49,7 +52,7 @@ def embedded_tokenizer():
 
 
 def embedded_model(name: str = "demo", seed: int = 0, dtype: torch.dtype = torch.float32, device="cpu"):
-    """(model, tokenizer) for ``embedded[:demo|bench|1b]``, weights drawn from ``seed``."""
+    """(model, tokenizer) for ``embedded[:demo|bench|1b|8b]``, weights drawn from ``seed``."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     key = name.split(":", 1)[1] if ":" in name else "demo"
@@ -58,6 +61,15 @@ def embedded_model(name: str = "demo", seed: int = 0, dtype: torch.dtype = torch
     config = LlamaConfig(**CONFIGS[key], max_position_embeddings=16384, bos_token_id=2, eos_token_id=3,
                          pad_token_id=1, tie_word_embeddings=False)
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(config).to(dtype=dtype, device=device).eval()
+    if torch.device(device).type == "cuda":  # built in place: an 8B model is not drawn on the CPU first
+        old = torch.get_default_dtype()
+        torch.set_default_dtype(dtype)
+        try:
+            with torch.device(device):
+                model = LlamaForCausalLM(config).eval()
+        finally:
+            torch.set_default_dtype(old)
+    else:
+        model = LlamaForCausalLM(config).to(dtype=dtype, device=device).eval()
     log.info("built embedded model '%s' with RANDOM weights (seed %d): its text is noise", name, seed)
     return model, embedded_tokenizer()
