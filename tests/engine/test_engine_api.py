@@ -12,7 +12,7 @@ from oracle import definition_state
 from promptcache import PMLError, PromptCache, layout_schema
 from promptcache.cache import SpliceCache
 from promptcache.models import UnsupportedModelError, get_adapter, supported_model_types
-from tiny import FAMILIES, make_model, make_tokenizer
+from tiny import FAMILIES, fresh_model, make_model, make_tokenizer
 
 SCHEMA = """<schema name="s">
   <system>You are a travel planner.</system>
@@ -240,7 +240,7 @@ def test_plain_prompt_without_schema(pc):
 def test_cuda_matches_cpu():
     cpu = PromptCache(make_model("llama"), make_tokenizer())
     cpu.add_schema(SCHEMA)
-    gpu = PromptCache(make_model("llama", seed=0).to("cuda"), make_tokenizer())
+    gpu = PromptCache(fresh_model("llama", seed=0).to("cuda"), make_tokenizer())  # not the shared cached model
     gpu.add_schema(SCHEMA)
     assert torch.allclose(gpu.prefill(PROMPT).logits.cpu(), cpu.prefill(PROMPT).logits, atol=1e-4)
     assert gpu.generate(PROMPT, max_new_tokens=8).token_ids == cpu.generate(PROMPT, max_new_tokens=8).token_ids
