@@ -29,7 +29,7 @@ from make_synthetic import retrieval_samples  # noqa: E402
 from metrics import kl_divergence  # noqa: E402
 from recompute_reference import blend, independent_kv  # noqa: E402
 from selection_study import build_prompt, correct  # noqa: E402
-from selections import _whole_notes, request  # noqa: E402
+from selections import whole_notes, request  # noqa: E402
 
 from promptcache.engine.recompute import match_order  # noqa: E402
 
@@ -69,7 +69,7 @@ def main(argv=None) -> list[dict]:
                    none=correct(blend(model, p, base, torch.empty(0, dtype=torch.long))[0], answer))
         for name, od in orders(best, ranked, m).items():
             for f in FRACTIONS:
-                logits, _ = blend(model, p, base, _whole_notes(p, od, round(f * c)))
+                logits, _ = blend(model, p, base, whole_notes(p, od, round(f * c)))
                 row[f"{name}@{f}"] = correct(logits, answer)
                 row[f"{name}@{f}_kl"] = round(kl_divergence(full[1], logits[1]), 4)
         after = p.candidates[p.candidates >= p.modules[best][0]]

@@ -118,7 +118,7 @@ def qattn_iter(model, p, base, budget, rounds: int = 2):
     return _top(s2, cand, budget), None, 2 * (p.suffix.numel()) + first.numel()
 
 
-def _whole_notes(p, order: list[int], budget: int, sink: int = 0) -> torch.Tensor:
+def whole_notes(p, order: list[int], budget: int, sink: int = 0) -> torch.Tensor:
     """The first ``sink`` tokens of every module, then whole modules in ``order`` while they fit,
     then the first tokens of the next one (the budget is always spent, never exceeded)."""
     out = [torch.arange(s, min(e, s + sink)) for s, e in p.modules] if sink else []
@@ -151,14 +151,14 @@ def qattn_note(model, p, base, budget, sink: int = 2, layers=slice(None), reduce
     reused state, recomputed entirely in rank order, plus the first ``sink`` tokens of every
     module (sink repair); the last module that does not fit gets its first tokens."""
     order = note_rank(model, p, base, layers, reduce)
-    return _whole_notes(p, order, budget, sink), None, p.suffix.numel()
+    return whole_notes(p, order, budget, sink), None, p.suffix.numel()
 
 
 def oracle_note(model, p, base, budget):
     """Diagnostic (reads ``p.target``): the module holding the answer first, whole, then the rest of
     the budget by question attention. The ceiling of any note-choosing selection."""
     order = [p.target] + [i for i in note_rank(model, p, base) if i != p.target]
-    return _whole_notes(p, order, budget), None, p.suffix.numel()
+    return whole_notes(p, order, budget), None, p.suffix.numel()
 
 
 def oracle_after(model, p, base, budget):
@@ -207,7 +207,7 @@ def qmatch(model, p, base, budget):
     modules; ties: the later module first). No forward pass to choose."""
     from promptcache.engine.recompute import match_order
 
-    return _whole_notes(p, match_order(request(p)), budget), None, 0
+    return whole_notes(p, match_order(request(p)), budget), None, 0
 
 
 SELECTIONS = {
