@@ -20,7 +20,8 @@ to the tokens run), the lowest and highest 1-minute load average seen. ``--basel
 every Nth request only (a plain prefill's cost does not depend on what ran before; the cached
 modes always run and time the whole stream, since each request changes what later ones reuse).
 ``chain_hit_rates`` gives the chains' token hit rate of a stream without a model (the ceiling on
-what reuse can save: at most 1 / (1 - hit rate) of prefill work). Writes ``bench_rag.csv`` to ``--out`` (default eval/results/).
+what reuse can save: at most 1 / (1 - hit rate) of prefill work). Writes ``bench_rag{--tag}.csv``
+to ``--out`` (default eval/results/).
 """
 
 from __future__ import annotations
@@ -138,8 +139,8 @@ def run(args) -> list[dict]:
             ttft[mode].append(res.ttft)
             hit[mode].append(res.cached_tokens / res.prompt_tokens)
         if args.progress and (qi + 1) % args.progress == 0:
-            print(f"{qi + 1} requests: " + " ".join(f"{m} {1e3 * statistics.mean(t):.0f} ms" for m, t in ttft.items() if t),
-                  flush=True)
+            means = " ".join(f"{m} {1e3 * statistics.mean(t):.0f} ms" for m, t in ttft.items() if t)
+            print(f"{qi + 1} requests: {means}", flush=True)
     if lock is not None:
         lock.release()
     rows = []
@@ -149,7 +150,8 @@ def run(args) -> list[dict]:
                          zipf=args.zipf, doc_tokens=args.doc_tokens, token_hit_rate=round(statistics.mean(h), 4),
                          mean_ttft_ms=round(1e3 * statistics.mean(t), 2), p90_ttft_ms=round(1e3 * p90(t), 2),
                          work_ceiling=round(1 / max(1e-9, 1 - statistics.mean(h)), 2),
-                         load_avg_1m_min=round(min(loads), 2), load_avg_1m_max=round(max(loads + [os.getloadavg()[0]]), 2)))
+                         load_avg_1m_min=round(min(loads), 2),
+                         load_avg_1m_max=round(max(loads + [os.getloadavg()[0]]), 2)))
         print(rows[-1], flush=True)
     base = next((r["mean_ttft_ms"] for r in rows if r["mode"] == "no_cache"), None)
     for r in rows:

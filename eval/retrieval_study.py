@@ -204,7 +204,8 @@ def read_rows(paths) -> list[dict]:
     """Per-sample rows from accuracy_retrieval.csv files (runs split by sample), typed back."""
     import csv
 
-    ints, floats = ("shuffled", "full_correct", "pc_correct"), ("recompute", "first_token_kl", "recomputed", "ttft_ratio")
+    ints = ("shuffled", "full_correct", "pc_correct")
+    floats = ("recompute", "first_token_kl", "recomputed", "ttft_ratio")
     rows = []
     for path in paths:
         with open(path) as f:
