@@ -165,6 +165,9 @@ def parse_args(argv):
     ap.add_argument("--max-new-tokens", type=int, default=24)
     ap.add_argument("--limit", type=int, default=None, help="first N samples only (retrieval: default 60)")
     ap.add_argument("--samples", type=int, default=4, help="synthetic samples per task (without --data)")
+    ap.add_argument("--first", type=int, default=0, help="retrieval task: skip the first N samples (split a run)")
+    ap.add_argument("--combine", nargs="+", default=None, help="retrieval task: summarize these per-sample CSVs only")
+    ap.add_argument("--threads", type=int, default=2, help="retrieval task: torch threads (1 on a loaded machine)")
     ap.add_argument("--out", type=Path, default=RESULTS)
     return ap.parse_args(argv)
 
@@ -195,9 +198,15 @@ def main_retrieval(args) -> tuple[list[dict], list[dict]]:
     import retrieval_study as rs
     from make_synthetic import retrieval_samples
 
-    torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
+    if args.combine:  # only summarize (and plot) the per-sample CSVs of runs split with --first
+        rows = rs.read_rows(args.combine)
+        summary = rs.summarize(rows)
+        write_csv("accuracy_retrieval_summary.csv", summary, args.out)
+        rs.plot(summary, Path(args.out) / "accuracy_retrieval.png")
+        return rows, summary
+    torch.set_num_threads(max(1, min(args.threads, torch.get_num_threads())))
     pc = PromptCache.from_pretrained(args.model, device=args.device, dtype=args.dtype)
-    samples = retrieval_samples(args.limit or 60, seed=11)
+    samples = retrieval_samples(args.first + (args.limit or 60), seed=11)[args.first:]
     recompute = rs.reference_recompute(args.selection) if args.recompute_impl == "reference" else rs.engine_recompute
     rows = rs.evaluate(pc, samples, args.modes or rs.MODES, args.recompute, args.max_new_tokens, recompute=recompute,
                        save=lambda rows: write_csv("accuracy_retrieval.csv", rows, args.out))

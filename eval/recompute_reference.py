@@ -38,6 +38,7 @@ class Prompt:
     ids: torch.Tensor
     modules: list[tuple[int, int]]
     forced: int = 0
+    target: int | None = None  # index in ``modules`` of the module holding the answer (oracle diagnostics only)
 
     @property
     def n(self) -> int:

@@ -68,22 +68,33 @@ class Request:
 
 
 def engine_answer(pc, req: Request, max_new_tokens: int, **kw) -> Answer:
-    res = req.prefill(pc, **kw)
+    """One prefill (its logits and TTFT), then greedy decoding on the cache it kept."""
+    res = req.prefill(pc, reserve=max_new_tokens + 1, keep_cache=True, **kw)
     logits, ttft = res.logits.clone(), res.ttft
     n_cached = max(res.cached_tokens, 1)
     rec = getattr(res, "recomputed_tokens", 0) / n_cached
-    return Answer(logits, req.generate(pc, max_new_tokens, **kw), ttft, rec)
+    text = pc.generate_from(lambda reserve: res, max_new_tokens=max_new_tokens).text
+    return Answer(logits, text, ttft, rec)
 
 
 def full_answer(pc, req: Request, max_new_tokens: int) -> Answer:
-    """Full prefill of the prompt's tokens at positions 0..n-1 (no cache)."""
+    """Full prefill of the prompt's tokens at positions 0..n-1 (no cache; timed), then greedy
+    decoding on its KV cache (the same tokens as ``model.generate(do_sample=False)``)."""
     ids = req.layout(pc).token_ids
-    t0 = time.perf_counter()
+    eos = pc.runner.eos_ids
     with torch.inference_mode():
+        t0 = time.perf_counter()
         out = pc.model(input_ids=torch.tensor([ids]), use_cache=True, logits_to_keep=1)
-    ttft = time.perf_counter() - t0
-    gen = pc.model.generate(torch.tensor([ids]), max_new_tokens=max_new_tokens, do_sample=False)
-    return Answer(out.logits[0, -1], pc.tokenizer.decode(gen[0, len(ids):], skip_special_tokens=True), ttft, 1.0)
+        ttft = time.perf_counter() - t0
+        first, past, gen = out.logits[0, -1].clone(), out.past_key_values, []
+        tok = int(first.argmax())
+        while True:
+            gen.append(tok)
+            if tok in eos or len(gen) >= max_new_tokens:
+                break
+            out = pc.model(input_ids=torch.tensor([[tok]]), past_key_values=past, use_cache=True)
+            past, tok = out.past_key_values, int(out.logits[0, -1].argmax())
+    return Answer(first, pc.tokenizer.decode(gen, skip_special_tokens=True), ttft, 1.0)
 
 
 def reference_recompute(selection: str = "qattn") -> Callable:
@@ -162,8 +173,9 @@ def build(pc, mode: str, sample: dict, index: int, shuffled: bool, rng: random.R
 def evaluate(pc, samples, modes, fractions, max_new_tokens: int, recompute: Callable, log=print,
              save: Callable | None = None) -> list[dict]:
     """Every sample in every mode; ``save(rows)`` after each sample (a run stopped early keeps them)."""
-    rows, rng = [], random.Random(0)
+    rows = []
     for i, sample in enumerate(samples):
+        rng = random.Random(sample["_id"])  # the same shuffles however a run is split
         for mode in modes:
             for shuffled in (False, True):
                 req = build(pc, mode, sample, i, shuffled, rng)
@@ -185,6 +197,20 @@ def evaluate(pc, samples, modes, fractions, max_new_tokens: int, recompute: Call
                                  f"{r['full_correct']}{r['pc_correct']}" for r in rows if r["sample"] == sample["_id"]))
         if save is not None:
             save(rows)
+    return rows
+
+
+def read_rows(paths) -> list[dict]:
+    """Per-sample rows from accuracy_retrieval.csv files (runs split by sample), typed back."""
+    import csv
+
+    ints = ("shuffled", "full_correct", "pc_correct")
+    floats = ("recompute", "first_token_kl", "recomputed", "ttft_ratio")
+    rows = []
+    for path in paths:
+        with open(path) as f:
+            for r in csv.DictReader(f):
+                rows.append({**r, **{k: int(r[k]) for k in ints}, **{k: float(r[k]) for k in floats}})
     return rows
 
 

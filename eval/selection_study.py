@@ -55,7 +55,9 @@ def build_prompt(tok, sample: dict, order: list[int] | None = None) -> tuple[Pro
     ids += enc(f"Question: {sample['input']}<|im_end|>\n<|im_start|>assistant\n"
                f"The access code for the {colour} door is")
     answer = enc(f" {sample['answer']}")  # ' ', then one token per digit
-    return Prompt(torch.tensor(ids + answer[:-1]), mods, forced=len(answer) - 1), answer
+    order = list(order or range(len(sample["notes"])))
+    return Prompt(torch.tensor(ids + answer[:-1]), mods, forced=len(answer) - 1,
+                  target=order.index(sample["target"])), answer
 
 
 def correct(logits: torch.Tensor, answer: list[int]) -> int:

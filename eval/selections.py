@@ -118,9 +118,104 @@ def qattn_iter(model, p, base, budget, rounds: int = 2):
     return _top(s2, cand, budget), None, 2 * (p.suffix.numel()) + first.numel()
 
 
+def whole_notes(p, order: list[int], budget: int, sink: int = 0) -> torch.Tensor:
+    """The first ``sink`` tokens of every module, then whole modules in ``order`` while they fit,
+    then the first tokens of the next one (the budget is always spent, never exceeded)."""
+    out = [torch.arange(s, min(e, s + sink)) for s, e in p.modules] if sink else []
+    chosen = set(torch.cat(out).tolist()) if out else set()
+    for i in order:
+        if len(chosen) >= budget:
+            break
+        s, e = p.modules[i]
+        for t in range(s, e):
+            if len(chosen) >= budget:
+                break
+            chosen.add(t)
+    return torch.tensor(sorted(chosen)[:budget] if len(chosen) > budget else sorted(chosen), dtype=torch.long)
+
+
+def note_rank(model, p, base, layers=slice(None), reduce: str = "sum") -> list[int]:
+    """Modules ranked by the question's attention over the reused state (sum or max over a module's
+    tokens), highest first."""
+    s = question_attention(model, p, base, layers)
+    cand = p.candidates
+    mass = []
+    for s0, e0 in p.modules:
+        v = s[(cand >= s0) & (cand < e0)]
+        mass.append(float(v.sum() if reduce == "sum" else v.max()))
+    return sorted(range(len(mass)), key=lambda i: (-mass[i], i))
+
+
+def qattn_note(model, p, base, budget, sink: int = 2, layers=slice(None), reduce: str = "sum"):
+    """Whole notes chosen by the question: modules ranked by the question's attention mass over the
+    reused state, recomputed entirely in rank order, plus the first ``sink`` tokens of every
+    module (sink repair); the last module that does not fit gets its first tokens."""
+    order = note_rank(model, p, base, layers, reduce)
+    return whole_notes(p, order, budget, sink), None, p.suffix.numel()
+
+
+def oracle_note(model, p, base, budget):
+    """Diagnostic (reads ``p.target``): the module holding the answer first, whole, then the rest of
+    the budget by question attention. The ceiling of any note-choosing selection."""
+    order = [p.target] + [i for i in note_rank(model, p, base) if i != p.target]
+    return whole_notes(p, order, budget), None, p.suffix.numel()
+
+
+def oracle_after(model, p, base, budget):
+    """Diagnostic: the answer's module and every module after it (the budget is ignored): are
+    stale modules before the answer harmless?"""
+    s0 = p.modules[p.target][0]
+    return p.candidates[p.candidates >= s0], None, 0
+
+
+def cacheblend_iter(model, p, base, budget, until: int = 4):
+    """CacheBlend proper, iterated: every module token is computed afresh at layer 0; after each
+    layer up to ``until`` the set shrinks geometrically towards ``budget``, keeping the tokens
+    with the largest K+V deviation from the cached state at that layer; the ``budget`` survivors
+    go through the remaining layers."""
+    cand = set(p.candidates.tolist())
+    c = len(cand)
+
+    def narrow(li, active, fresh):
+        if li > until - 1:
+            return torch.ones(active.numel(), dtype=torch.bool)
+        size = budget if li == until - 1 else round(c * (budget / max(c, 1)) ** ((li + 1) / until))
+        k, v = fresh
+        dev = ((k - base[li][0][:, :, active]).norm(dim=-1) + (v - base[li][1][:, :, active]).norm(dim=-1)).sum((0, 1))
+        is_cand = torch.tensor([int(a) in cand for a in active])
+        dev = torch.where(is_cand, dev, torch.full_like(dev, -1.0))
+        keep = ~is_cand
+        keep[torch.sort(dev, descending=True, stable=True).indices[:size]] = True
+        return keep
+    return p.candidates, narrow, 0
+
+
+def request(p):
+    """The engine's ``RecomputeRequest`` for a reference prompt: the modules as spans, the suffix
+    (the question, never the forced answer) as the new tokens."""
+    from promptcache.engine.recompute import RecomputeRequest
+
+    ids = p.ids.tolist()
+    return RecomputeRequest(fraction=0.0, selection="qmatch", slot_order=list(range(p.n)), slot_ids=ids,
+                            slot_pos=list(range(p.n)), new_order=[], candidates=p.candidates.tolist(),
+                            spans=list(p.modules), new_ids=[ids[i] for i in p.suffix.tolist()])
+
+
+def qmatch(model, p, base, budget):
+    """The engine's default (``promptcache.engine.recompute.qmatch``) on a reference prompt: whole
+    modules in ``match_order`` (by BM25 idf of the question's token ids over the prompt's own
+    modules; ties: the later module first). No forward pass to choose."""
+    from promptcache.engine.recompute import match_order
+
+    return whole_notes(p, match_order(request(p)), budget), None, 0
+
+
 SELECTIONS = {
     "none": none, "epic": epic, "tail": tail, "cacheblend": cacheblend, "qattn": qattn,
     "qattn_last": lambda m, p, b, k: qattn(m, p, b, k, last=1),
     "qattn_late": lambda m, p, b, k: qattn(m, p, b, k, layers=slice(15, None)),
     "qattn_bound": qattn_bound, "qattn_module": qattn_module, "qattn_iter": qattn_iter,
+    "qattn_note": qattn_note, "qattn_note_max": lambda m, p, b, k: qattn_note(m, p, b, k, reduce="max"),
+    "qattn_note_late": lambda m, p, b, k: qattn_note(m, p, b, k, layers=slice(15, None)),
+    "cacheblend_iter": cacheblend_iter, "oracle_note": oracle_note, "oracle_after": oracle_after, "qmatch": qmatch,
 }

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from ..errors import ConfigError
 from ..store import StoreConfig
-from .recompute import check_selection
+from .recompute import DEFAULT_SELECTION, check_selection
 
 __all__ = ["EngineConfig", "check_namespace"]
 
@@ -40,7 +40,7 @@ class EngineConfig:
     namespace: str = "default"  # cache namespace (salt): states are never shared across namespaces
     kv_dtype: str | None = None  # stored module states: None = the model's dtype, or "bfloat16" / "float16" / "float32"
     recompute: float = 0.0  # default fraction of a prompt's cached tokens computed afresh (0: the paper's exact reuse)
-    recompute_selection: str = "qattn"  # which cached tokens recompute chooses (engine/recompute.py SELECTIONS)
+    recompute_selection: str = DEFAULT_SELECTION  # which cached tokens recompute chooses (engine/recompute.py SELECTIONS)
     remote: str | None = None  # shared tier below disk: "redis://[:password@]host:port/db" (None: this process only)
     remote_policy: str = "through"  # publish to ``remote`` every new state ("through") or what memory evicts ("on_evict")
 

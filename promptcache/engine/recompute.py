@@ -21,6 +21,7 @@ tokens more in TTFT.
 from __future__ import annotations
 
 import contextlib
+import math
 from dataclasses import dataclass
 from typing import Callable
 
@@ -42,6 +43,7 @@ class RecomputeRequest:
     new_order: list[int]  # [T]: prompt index of each new token, in input order
     candidates: list[int]  # cached slots a selection may choose (ascending)
     spans: list[tuple[int, int]]  # cached slot ranges [a, b) of the candidate spans (documents, modules)
+    new_ids: list[int] = ()  # [T]: token id of each new token, in input order (the question, for qmatch)
 
     @property
     def budget(self) -> int:
@@ -66,7 +68,7 @@ def recompute_request(layout: PromptLayout, n_exact: int, fraction: float, selec
     0.. in that order, new tokens after them): ``n_exact`` leading cached tokens are already exact
     (not candidates); ``moved_last``: the prompt had no new token, so its last cached token runs as
     the new one (assemble's rule)."""
-    slot_order, slot_ids, slot_pos, new_order, spans, i, slot = [], [], [], [], [], 0, 0
+    slot_order, slot_ids, slot_pos, new_order, new_ids, spans, i, slot = [], [], [], [], [], [], 0, 0
     for s in layout.spans:
         n = len(s.token_ids)
         if s.kind == "cached":
@@ -78,14 +80,16 @@ def recompute_request(layout: PromptLayout, n_exact: int, fraction: float, selec
             slot += n
         else:
             new_order += range(i, i + n)
+            new_ids += s.token_ids
         i += n
     if moved_last:
-        new_order = [slot_order.pop()]
+        new_order, new_ids = [slot_order.pop()], [slot_ids[-1]]
         del slot_ids[-1], slot_pos[-1]
         spans = [(a, min(b, len(slot_order))) for a, b in spans if min(b, len(slot_order)) > a]
     cand = list(range(min(n_exact, len(slot_order)), len(slot_order)))
     return RecomputeRequest(fraction=fraction, selection=check_selection(selection), slot_order=slot_order,
-                            slot_ids=slot_ids, slot_pos=slot_pos, new_order=new_order, candidates=cand, spans=spans)
+                            slot_ids=slot_ids, slot_pos=slot_pos, new_order=new_order, candidates=cand, spans=spans,
+                            new_ids=new_ids)
 
 
 # -- question attention ---------------------------------------------------------------------------
@@ -178,10 +182,54 @@ def qattn_mix(scores, req: RecomputeRequest, k: int) -> list[int]:
     return sorted(out + (_top(scores, rest, left) if left and rest else []))
 
 
-SELECTIONS: dict[str, Callable] = {"tail": tail, "qattn": qattn, "qattn_module": qattn_module, "qattn_mix": qattn_mix}
+def match_scores(req: RecomputeRequest) -> list[float]:
+    """Per candidate span, how well it matches the new tokens (the question): BM25's idf summed
+    over the distinct new token ids the span holds, the document frequency counted over the
+    prompt's own candidate spans. A token every span holds ("the", "code") weighs almost nothing;
+    one only the answer's span holds (the colour, a name) weighs most. Token ids, no tokenizer."""
+    sets = [set(req.slot_ids[a:b]) for a, b in req.spans]
+    m, q = len(sets), set(req.new_ids)
+    df: dict[int, int] = {}
+    for st in sets:
+        for t in st & q:
+            df[t] = df.get(t, 0) + 1
+    idf = {t: math.log((m - d + 0.5) / (d + 0.5) + 1.0) for t, d in df.items()}
+    return [sum(idf[t] for t in st & q) for st in sets]
+
+
+def match_order(req: RecomputeRequest) -> list[int]:
+    """Span indices in the order ``qmatch`` recomputes them: by ``match_scores``, best first; among
+    equal scores the later span first (the spans that do not match at all are then taken from the
+    end, like ``tail``). On the retrieval task the best-matching span is the answer's span in 24
+    of 24 pilot questions (eval/README.md "Quality")."""
+    score = match_scores(req)
+    return sorted(range(len(score)), key=lambda i: (-score[i], -i))
+
+
+def qmatch(scores, req: RecomputeRequest, k: int) -> list[int]:
+    """Whole spans chosen by the question's words, in ``match_order``: each recomputed entirely,
+    the first one that does not fit gets its first tokens. Needs no extra forward (the ranking
+    reads token ids only), so it costs only the recomputed tokens."""
+    if not req.spans:
+        return tail(None, req, k)
+    out: list[int] = []
+    for i in match_order(req):
+        a, b = req.spans[i]
+        take = min(k - len(out), b - a)
+        out += range(a, a + take)
+        if len(out) >= k:
+            break
+    if len(out) < k:  # spans cover fewer slots than the budget (cannot happen: spans = candidates)
+        rest = [c for c in req.candidates if c not in set(out)]
+        out += rest[len(rest) - (k - len(out)):]
+    return sorted(out)
+
+
+SELECTIONS: dict[str, Callable] = {"tail": tail, "qattn": qattn, "qattn_module": qattn_module, "qattn_mix": qattn_mix,
+                                   "qmatch": qmatch}
 NEEDS_SCORES = frozenset({"qattn", "qattn_module", "qattn_mix"})
 LATE_LAYERS = frozenset({"qattn_mix"})  # scored over the second half of the layers (the others: all)
-DEFAULT_SELECTION = "qattn"  # eval/README.md "Quality": the best measured at r=0.3 on 64 questions
+DEFAULT_SELECTION = "qmatch"  # eval/README.md "Quality": the best in the issue-11 pilots, and the cheapest
 
 
 # -- the forward --------------------------------------------------------------------------------------

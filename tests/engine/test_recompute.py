@@ -101,3 +101,46 @@ def test_bad_fraction_is_a_clear_error(bad):
 def test_unknown_selection_is_refused():
     with pytest.raises(ValueError, match="unknown recompute selection 'nope'"):
         EngineConfig(recompute_selection="nope")
+
+
+def _request(spans_ids: list[list[int]], question: list[int], fraction: float):
+    from promptcache.engine.recompute import RecomputeRequest
+
+    ids = [t for s in spans_ids for t in s]
+    spans, at = [], 0
+    for s in spans_ids:
+        spans.append((at, at + len(s)))
+        at += len(s)
+    n = len(ids)
+    return RecomputeRequest(fraction=fraction, selection="qmatch", slot_order=list(range(n)), slot_ids=ids,
+                            slot_pos=list(range(n)), new_order=list(range(n, n + len(question))),
+                            candidates=list(range(n)), spans=spans, new_ids=question)
+
+
+def test_qmatch_recomputes_the_span_that_holds_the_questions_rare_words_first():
+    from promptcache.engine.recompute import match_scores, qmatch
+
+    # 4 spans sharing the words 1, 2 ("the", "code"); only span 2 holds 7 ("green"), asked for
+    spans = [[1, 2, 3, 10], [1, 2, 4, 11], [1, 2, 7, 12], [1, 2, 5, 13]]
+    req = _request(spans, question=[1, 2, 7, 99], fraction=0.25)
+    score = match_scores(req)
+    assert score.index(max(score)) == 2 and score[0] == score[1] == score[3] < score[2]
+    assert qmatch(None, req, req.budget) == [8, 9, 10, 11]  # exactly span 2
+    # a larger budget: span 2 whole, then the later spans first among equals (span 3), never more than k
+    assert qmatch(None, req, 6) == [8, 9, 10, 11, 12, 13]
+
+
+def test_qmatch_through_the_engine_picks_the_union_the_question_names():
+    from promptcache.engine.recompute import qmatch, recompute_request
+
+    pc = _engine("llama", recompute_selection="qmatch")
+    layout = pc.layout(UNIONS)  # "Which city has temples?": only module b mentions temples
+    req = recompute_request(layout, 0, 0.3, "qmatch", False)
+    slot, b = 0, None
+    for s in (s for s in layout.spans if s.kind == "cached"):
+        if s.name.endswith("b"):
+            b = list(range(slot, slot + len(s)))
+        slot += len(s)
+    assert qmatch(None, req, len(b)) == b
+    res = pc.prefill(UNIONS, recompute=0.3)
+    assert 0 < res.recomputed_tokens <= res.cached_tokens and not res.exact
