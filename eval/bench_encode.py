@@ -1,6 +1,6 @@
 """Encoding cost: encoding a schema vs one plain prefill of the same number of tokens.
 
-    python eval/bench_encode.py [--model embedded:bench] [--tokens 2048 8192] [--members 4] [--repeats 2]
+    python eval/bench_encode.py [--model embedded:bench] [--tokens 2048 8192] [--members 4] [--repeats 2] [--threads 1]
 
 The schema: a system prompt, documents, and a union of ``--members`` alternatives (each about
 5% of the schema) in the middle, so encoding runs the default pass in chunks and then the union's
@@ -22,6 +22,8 @@ import statistics
 import sys
 import time
 from pathlib import Path
+
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import RESULTS, add_model_args, write_csv  # noqa: E402
@@ -90,8 +92,11 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--members", type=int, default=4)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--kv-dtype", default=None, choices=["float32", "bfloat16", "float16"])
+    ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     ap.add_argument("--out", type=Path, default=RESULTS)
     args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     model, tok = load_model(args.model, device=args.device, dtype=args.dtype)
     rows = []
     for n in args.tokens:

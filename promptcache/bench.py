@@ -4,17 +4,23 @@ One process, one model, one prompt: full prefill (ordinary KV cache) vs Prompt C
 (the first prompt of a fresh engine; fresh buffer; reused buffer, every module copied; modules
 already in place) vs the true limit: the forward of the new tokens alone on an already assembled,
 preallocated cache, computing logits for the last token only (no concatenation, no copy).
-Medians after a warm-up. Encoding is timed against one plain prefill of the same tokens.
+Medians after a warm-up, every method timed once per round (round-robin: a shared machine's
+load drifts over seconds, and ratios of methods timed side by side hold where block timings do
+not). Encoding is timed against one plain prefill of the same tokens.
 
 The first prompt of a fresh engine (a new ``PromptCache`` on the same loaded model, which
 encodes the schema and then serves the prompt once) finds its modules already in place: the
 engine places the schema's default pass into a prewarmed buffer at registration (on CPU), so
-that prompt pays the forward and the planning, not a copy of every module.
+that prompt pays the forward and the planning, not a copy of every module. A fresh *process*
+is measured by ``fresh_first_prompt`` (``eval/bench_engine.py --fresh-processes N``): the first
+prompt of a process that has loaded the model and encoded the schema, against the limit timed
+right after it in the same process.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import random
 import statistics
 import time
@@ -99,6 +105,7 @@ class BenchResult:
     theory_bytes_per_token: int
     encode_plain_s: float = 0.0  # one plain prefill of the schema's tokens (what encoding is held to)
     kv_dtype: str = "float32"
+    load_avg: float = 0.0  # the 1-minute load average when the timings ended (0 where unknown)
 
     def lines(self) -> list[str]:
         out = [f"{self.cached_tokens} cached + {self.new_tokens} new tokens; schema encoded once in "
@@ -117,7 +124,8 @@ class BenchResult:
                 f"  copying every module: {self.bytes_copied_all / 2**20:.1f} MiB",
                 f"stored bytes per token ({self.kv_dtype}): {self.bytes_per_token:.0f} "
                 f"(theory {self.theory_bytes_per_token}, "
-                f"{100 * (self.bytes_per_token / self.theory_bytes_per_token - 1):+.2f}%)"]
+                f"{100 * (self.bytes_per_token / self.theory_bytes_per_token - 1):+.2f}%)",
+                f"load average at the end of the timings: {self.load_avg:.2f}"]
         return out
 
 
@@ -130,10 +138,69 @@ def first_prompt(pc, schema: str, prompt: str) -> float:
     return ttft
 
 
+class _Limit:
+    """The true limit for one prompt: the forward of its new tokens on a kept, assembled cache
+    (length reset to the cached part before each call), last-token logits only."""
+
+    def __init__(self, pc, prompt: str):
+        self.pc, self.kept = pc, pc.prefill(prompt, keep_cache=True)
+        new = self.kept.layout.new
+        self.ids = torch.tensor([[t for s in new for t in s.token_ids]], device=pc.device)
+        self.pos = torch.tensor([[p for s in new for p in s.position_ids]], device=pc.device)
+
+    def __call__(self) -> None:
+        self.kept.cache.set_length(self.kept.cached_tokens)
+        self.pc.adapter.forward(self.ids, self.pos, self.kept.cache)
+        if self.pc.device.type == "cuda":
+            torch.cuda.synchronize(self.pc.device)
+
+    def close(self) -> None:
+        self.pc.release(self.kept)
+
+
+def fresh_first_prompt(pc, schema_tokens: int, new_tokens: int = 32, limits: int = 5) -> dict:
+    """For a brand-new engine (call it first thing in a fresh process): encode the bench schema,
+    time the engine's very first prompt, then the limit ``limits`` times and the same prompt again
+    (modules in place), alternating. Seconds; ``limit_s`` and ``inplace_s`` are medians."""
+    entry = pc.add_schema(build_schema(pc.tokenizer, schema_tokens))
+    prompt = build_prompt(pc, 8, new_tokens)
+    res = pc.prefill(prompt)
+    limit, lim, again = _Limit(pc, prompt), [], []
+    for _ in range(limits):
+        lim.append(_timed(limit))
+        again.append(pc.prefill(prompt).ttft)
+    limit.close()
+    return dict(cached_tokens=entry.stored_tokens, first_s=res.ttft, first_bytes_copied=res.bytes_copied,
+                limit_s=statistics.median(lim), inplace_s=statistics.median(again))
+
+
+def _timed(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def round_robin(methods: dict[str, Callable[[], object]], rounds: int, only: dict[str, int] | None = None,
+                say: Callable[[str], None] = lambda step: None) -> dict[str, float]:
+    """Median seconds per method, timed one call of each per round (so slow drifts of a shared
+    machine's load hit every method alike). ``only[name] = k``: that method in the first k rounds."""
+    times: dict[str, list[float]] = {name: [] for name in methods}
+    for r in range(rounds):
+        say(f"round {r + 1}/{rounds}")
+        for name, fn in methods.items():
+            if r < (only or {}).get(name, rounds):
+                times[name].append(_timed(fn))
+    return {name: statistics.median(ts) for name, ts in times.items()}
+
+
 def run(pc, schema_tokens: int = 2000, new_tokens: int = 32, repeats: int = 10,
-        announce: Callable[[str], None] | None = None) -> BenchResult:
+        announce: Callable[[str], None] | None = None, fresh_engines: int = 1) -> BenchResult:
     """Benchmark a PromptCache (its model and tokenizer) on a synthetic schema. ``announce(step)``
-    is called as each step starts (default: an INFO log line), so long runs are never silent."""
+    is called as each step starts (default: an INFO log line), so long runs are never silent.
+
+    After a warm-up, every method is timed once per round, round-robin, ``repeats`` rounds
+    (full prefill in the first ``max(3, repeats // 3)``, the first prompt of a fresh engine in
+    the first ``fresh_engines``: each of those encodes the schema again, untimed); medians."""
     say = announce or (lambda step: log.info("bench: %s", step))
     say(f"encoding a {schema_tokens}-token schema")
     schema = build_schema(pc.tokenizer, schema_tokens)
@@ -143,10 +210,8 @@ def run(pc, schema_tokens: int = 2000, new_tokens: int = 32, repeats: int = 10,
     schema_ids = [t for i in entry.default_order() for t in entry.layout.spans[i].token_ids]
     encode_plain_s = median_time(lambda: pc.runner.prefill_plain(schema_ids), repeats=1, warmup=0)
     prompt = build_prompt(pc, 8, new_tokens)
-    say("timing the first prompt of a fresh engine")
-    t_first = first_prompt(pc, schema, prompt)
     first = pc.prefill(prompt)
-    sync = torch.cuda.synchronize if pc.device.type == "cuda" else (lambda: None)
+    limit = _Limit(pc, prompt)  # its buffer is held outside the pool for the whole run
 
     def cold():
         pc.clear_buffers()
@@ -156,31 +221,27 @@ def run(pc, schema_tokens: int = 2000, new_tokens: int = 32, repeats: int = 10,
         pc.forget_placement()
         return pc.prefill(prompt)
 
-    say(f"timing full prefill ({max(3, repeats // 3)} repeats)")
-    full = median_time(lambda: pc.prefill_baseline(prompt), repeats=max(3, repeats // 3))
-    say(f"timing Prompt Cache, fresh buffer ({repeats} repeats)")
-    t_cold = median_time(cold, repeats)
-    say(f"timing Prompt Cache, reused buffer ({repeats} repeats)")
-    t_copy = median_time(copy_all, repeats)
+    firsts: list[float] = []
+    methods = {"first": lambda: firsts.append(first_prompt(pc, schema, prompt)),
+               "full": lambda: pc.prefill_baseline(prompt), "cold": cold, "copy": copy_all,
+               "inplace": lambda: pc.prefill(prompt), "limit": limit}
+    say("warm-up")
+    for name in ("full", "cold", "copy", "inplace", "limit"):
+        methods[name]()
+    say(f"timing {repeats} rounds, round-robin (full prefill in {max(3, repeats // 3)}, "
+        f"a fresh engine's first prompt in {fresh_engines})")
+    t = round_robin(methods, repeats, {"full": max(3, repeats // 3), "first": fresh_engines}, say)
     copied = copy_all().bytes_copied
-    say(f"timing Prompt Cache, modules in place ({repeats} repeats)")
-    t_in = median_time(lambda: pc.prefill(prompt), repeats)
-    kept = pc.prefill(prompt, keep_cache=True)
-    new = kept.layout.new
-    ids = torch.tensor([[t for s in new for t in s.token_ids]], device=pc.device)
-    pos = torch.tensor([[p for s in new for p in s.position_ids]], device=pc.device)
-
-    def limit():
-        kept.cache.set_length(first.cached_tokens)
-        pc.adapter.forward(ids, pos, kept.cache)
-        sync()
-
-    say(f"timing the limit ({repeats} repeats)")
-    t_limit = median_time(limit, repeats)
-    pc.release(kept)
+    limit.close()
     t_layout = median_time(lambda: pc.layout(prompt), repeats)
     stored = [pc.store.get(k)[0] for k in entry.keys.values()]
-    measured = sum(t.numel() * t.element_size() for t in stored) / entry.stored_tokens  # what the store holds
-    return BenchResult(first.cached_tokens, first.new_tokens, encode_s, full, t_first, t_cold, t_copy, t_in,
-                       t_limit, t_layout, copied, measured, entry.bytes_per_token, encode_plain_s,
-                       str(pc.runner.stored_spec.dtype).removeprefix("torch."))
+    measured = sum(x.numel() * x.element_size() for x in stored) / entry.stored_tokens  # what the store holds
+    return BenchResult(first.cached_tokens, first.new_tokens, encode_s, t["full"], statistics.median(firsts),
+                       t["cold"], t["copy"], t["inplace"], t["limit"], t_layout, copied, measured,
+                       entry.bytes_per_token, encode_plain_s, str(pc.runner.stored_spec.dtype).removeprefix("torch."),
+                       load_avg())
+
+
+def load_avg() -> float:
+    """The 1-minute load average (0.0 where the OS has none)."""
+    return round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else 0.0
