@@ -142,8 +142,7 @@ class DocumentStore:
         doc = Document(doc_id, text, dict(metadata or {}), len(ids), digest, tuple(ids))
         key = self._key(ids)
         if (self.independent or self.path is not None) and key not in self.pc.store:
-            kv = self.pc.encode_span(ids)
-            self.pc.store.put(key, kv)
+            kv = self._put(key, self.pc.encode_span(ids))
             if self.path is not None:
                 self._write_states(doc, kv)
         with self._lock:
@@ -252,7 +251,7 @@ class DocumentStore:
             return
         key = self._key(first.token_ids)
         if key not in self.pc.store:
-            self.pc.store.put(key, self.pc.encode_span(list(first.token_ids)))
+            self._put(key, self.pc.encode_span(list(first.token_ids)))
         kv, tier = self.pc.store.get(key)
         hits[tier] = hits.get(tier, 0) + 1
         cached.append((key, kv, torch.arange(len(first.token_ids), device=self.pc.device)))
@@ -264,7 +263,7 @@ class DocumentStore:
         for span in (s for s in layout.spans if s.name.startswith("doc:")):
             key = self._key(span.token_ids)
             if key not in self.pc.store:  # added to a chain store, or evicted: encode it alone again
-                self.pc.store.put(key, self.pc.encode_span(list(span.token_ids)))
+                self._put(key, self.pc.encode_span(list(span.token_ids)))
             kv, tier = self.pc.store.get(key)
             hits[tier] = hits.get(tier, 0) + 1
             start = span.position_ids[0]
@@ -307,11 +306,18 @@ class DocumentStore:
         if links:
             off = sum(len(pos) for *_, pos in cached)
             for key, n in links:
-                self.pc.store.put(key, res.cache.read(off, n))
+                self._put(key, res.cache.read(off, n))
                 off += n
             if not keep_cache:
                 self.pc.release(res)
         return res
+
+    def _put(self, key: str, kv: torch.Tensor) -> torch.Tensor:
+        """Store a document's states in the engine's stored dtype (``EngineConfig.kv_dtype``, like
+        schema modules; the splice buffer upcasts them); returns what was stored."""
+        kv = kv.to(self.pc.runner.stored_spec.dtype)
+        self.pc.store.put(key, kv)
+        return kv
 
     def _write_states(self, doc: Document, kv: torch.Tensor) -> None:
         """Write (or rewrite) a document's states file: one state "kv" with its portable key."""
@@ -356,7 +362,7 @@ class DocumentStore:
             for d in docs:
                 self.add(d["id"], d["text"], d["metadata"])
             return
-        opened, spec = {}, self.pc.spec
+        opened, spec = {}, self.pc.runner.stored_spec  # states are persisted in the stored dtype
         for d in docs:  # check everything first: on an error nothing is registered
             ids = tuple(self.pc.tok.encode(d["text"]))
             doc = Document(d["id"], d["text"], d["metadata"], len(ids), d["digest"], ids)

@@ -97,3 +97,25 @@ def test_bad_recompute_is_refused_before_any_work():
     store = make_store(independent=True)
     with pytest.raises(ValueError, match="recompute must be a fraction"):
         store.generate(Q, ["paris"], recompute=2.0)
+
+
+@pytest.mark.parametrize("independent", [False, True], ids=["chains", "independent"])
+def test_documents_are_stored_in_kv_dtype(tmp_path, independent):
+    from promptcache.engine import EngineConfig
+
+    def engine(kv_dtype):
+        return PromptCache(make_model("llama"), make_tokenizer(), EngineConfig(kv_dtype=kv_dtype))
+
+    ref = DocumentStore(engine(None), path=tmp_path / "ref", independent=independent)  # the same states kept
+    half = DocumentStore(engine("bfloat16"), path=tmp_path / "docs", independent=independent)
+    for k, v in DOCS.items():
+        ref.add(k, v)
+        half.add(k, v)
+    for _ in range(2):  # the second time chains reuse what the first stored
+        got, want = half.prefill(Q, ["tokyo", "paris"], SYS), ref.prefill(Q, ["tokyo", "paris"], SYS)
+        diff = torch.max(torch.abs(got.logits - want.logits)).item()
+        assert 0 < diff < 0.05 * want.logits.abs().max().item()  # rounded states, not exact; close (as for schemas)
+    held = lambda store: sum(store.pc.store.usage().values())  # noqa: E731
+    assert held(half) > 0 and 2 * held(half) == held(ref)  # every state in bfloat16: half the bytes
+    reopened = DocumentStore(engine("bfloat16"), path=tmp_path / "docs", independent=independent)
+    assert torch.equal(reopened.prefill(Q, ["tokyo", "paris"], SYS).logits, half.prefill(Q, ["tokyo", "paris"], SYS).logits)
