@@ -118,4 +118,10 @@ def test_documents_are_stored_in_kv_dtype(tmp_path, independent):
     held = lambda store: sum(store.pc.store.usage().values())  # noqa: E731
     assert held(half) > 0 and 2 * held(half) == held(ref)  # every state in bfloat16: half the bytes
     reopened = DocumentStore(engine("bfloat16"), path=tmp_path / "docs", independent=independent)
-    assert torch.equal(reopened.prefill(Q, ["tokyo", "paris"], SYS).logits, half.prefill(Q, ["tokyo", "paris"], SYS).logits)
+    if independent:  # the persisted bfloat16 states are read back as they were stored
+        assert torch.equal(reopened.prefill(Q, ["tokyo", "paris"], SYS).logits,
+                           half.prefill(Q, ["tokyo", "paris"], SYS).logits)
+    else:  # chains live in memory only: a reopened store computes the documents again (only the prefix is reused)
+        res = reopened.prefill(Q, ["tokyo", "paris"], SYS)
+        assert res.cached_tokens == len(reopened.layout(Q, [], SYS).spans[0])
+        assert torch.max(torch.abs(res.logits - want.logits)).item() < 0.05 * want.logits.abs().max().item()
