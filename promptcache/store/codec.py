@@ -21,6 +21,9 @@ each state is read through this handle (``verified``); the handle is the unit of
 per process". ``encode`` / ``decode`` are the same format as bytes (a remote tier's values):
 ``decode`` returns a view of the value's memory (no copy), and ``Digest`` computes a state's
 checksum while the value arrives (``decode`` then compares it instead of hashing the data again).
+
+Over 300 lines on purpose: the writer, the two readers (bytes, file) and the streaming checksum
+must agree byte for byte on one format and read best side by side.
 """
 
 from __future__ import annotations

@@ -30,8 +30,8 @@ dropped write for ``put``. After a connection failure the tier stays quiet for a
 (doubling from ``retry_after[0]`` to ``retry_after[1]`` seconds), then the client reconnects by
 itself. Eviction is Redis's (``maxmemory-policy allkeys-lru``, optional ``ttl``).
 
-Over 250 lines on purpose: key layout, failure handling and the lock are one protocol over
-Redis and read best together.
+Over 300 lines on purpose: key layout, reads, failure handling and the lock are one protocol
+over Redis and read best together (the wire format of direct reads is ``resp.py``'s).
 """
 
 from __future__ import annotations
