@@ -17,7 +17,7 @@ the cost of getting the states):
   disk     load_compiled(artifact) + prefill (states read from the memory-mapped file)
 Modes run round-robin, so machine load falls on all of them alike; medians are reported.
 Writes remote.csv and remote.png to ``--out``; prints the ratios (target: remote >= 10x faster
-than encode on CPU).
+than encode on CPU) and the machine's load average before and after (``load_1m`` in the CSV).
 """
 
 from __future__ import annotations
@@ -157,6 +157,7 @@ def main(argv=None) -> None:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
         server, args.remote = start_redis(port), f"redis://127.0.0.1:{port}/0"
+    load_before = os.getloadavg()[0]
     try:
         with tempfile.TemporaryDirectory(prefix="bench-remote-") as tmp:
             sizes = prepare(args, Path(tmp))
@@ -168,6 +169,7 @@ def main(argv=None) -> None:
         if server is not None:
             server.kill()
             server.wait()
+    load = f"{load_before:.1f}-{os.getloadavg()[0]:.1f}"
     bad = [r for r in runs["remote"] if set(r["hit_tiers"]) != {"remote"} or r["errors"]]
     if bad:
         raise SystemExit(f"the remote runs did not take every state from Redis: {bad}")
@@ -176,7 +178,7 @@ def main(argv=None) -> None:
              "states_s": round(statistics.median(r["states_s"] for r in runs[m]), 4),
              "local_prefill_s": round(statistics.median(r["local_s"] for r in runs[m]), 4),
              "acquire_s": round(statistics.median(r["ttft_s"] - r["local_s"] for r in runs[m]), 4),
-             "bytes_moved": runs[m][0]["bytes"], "repeats": args.repeats} for m in MODES]
+             "bytes_moved": runs[m][0]["bytes"], "repeats": args.repeats, "load_1m": load} for m in MODES]
     path = write_csv("remote.csv", rows, args.out)
     plot(rows, Path(args.out) / "remote.png")
     t = {r["mode"]: r["ttft_s"] for r in rows}
@@ -190,7 +192,7 @@ def main(argv=None) -> None:
           f"{rows[0]['local_prefill_s']:.2f} s): encode {a['encode']:.2f} s, remote {a['remote']:.2f} s, "
           f"disk {a['disk']:.2f} s: remote {a['encode'] / max(a['remote'], 1e-6):.1f}x faster than encoding")
     print(f"state bytes {sizes['state_bytes'] / 2**20:.1f} MiB; in Redis {sizes['redis_bytes'] / 2**20:.1f} MiB; "
-          f"artifact {sizes['artifact_bytes'] / 2**20:.1f} MiB; written {path}")
+          f"artifact {sizes['artifact_bytes'] / 2**20:.1f} MiB; load average (1 min) {load}; written {path}")
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 """A tier over a byte store shared by other processes (a remote key-value service), through the codec.
 
 A subclass implements ``read`` / ``write`` / ``delete`` / ``exists`` of raw values (a Redis tier:
-GET / SET / DEL / EXISTS, see ``remote.py``). Values are ``codec.encode`` output of one state
+GET / SET / DEL / EXISTS, see ``remote.py``), and may override ``read_hashed`` to hash a value
+while it arrives (``codec.Digest``). Values are ``codec.encode`` output of one state
 named "kv", so a value carries its content key, dtype, shape and a checksum over all of them and
 the data, and is verified on every fetch exactly like a disk state (a fetched state is promoted
 to a local tier, so fetches are rare).
@@ -49,8 +50,15 @@ class ByteTier(Tier):
         self._stats_lock = threading.Lock()
 
     @abstractmethod
-    def read(self, key: str) -> bytes | None:
-        """The raw value, or None (absent, or the service unavailable)."""
+    def read(self, key: str) -> bytes | torch.Tensor | None:
+        """The raw value (bytes-like, or a 1-D uint8 tensor), or None (absent, or the service
+        unavailable)."""
+
+    def read_hashed(self, key: str, name: str) -> tuple[bytes | torch.Tensor, codec.Digest | None] | None:
+        """The raw value and, when the subclass hashed it as it arrived, the ``codec.Digest`` of
+        its state ``name`` (then decoding does not hash the data again); None as for ``read``."""
+        blob = self.read(key)
+        return None if blob is None else (blob, None)
 
     @abstractmethod
     def write(self, key: str, value: bytes) -> bool:
@@ -76,16 +84,16 @@ class ByteTier(Tier):
     # -- the Tier interface -----------------------------------------------------------------------
     def get(self, key: str) -> torch.Tensor | None:
         """The verified state, or None (absent, unavailable, or bad: a bad value is deleted)."""
-        blob = self.read(key)
+        got = self.read_hashed(key, "kv")
         kv = None
-        if blob is not None:
+        if got is not None:
             try:
-                kv = codec.decode(blob, "kv", codec.StateInfo(key))
+                kv = codec.decode(got[0], "kv", codec.StateInfo(key), got[1])
             except codec.CodecError as e:
                 self.bad_value(key, str(e))
         self.count("hits" if kv is not None else "misses")
         if kv is not None:
-            self.count("bytes_in", len(blob))
+            self.count("bytes_in", got[0].numel() if isinstance(got[0], torch.Tensor) else memoryview(got[0]).nbytes)
         return kv
 
     def put(self, key: str, kv: torch.Tensor) -> None:

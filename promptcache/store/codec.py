@@ -18,20 +18,25 @@ what it needs (``StateInfo``: key, and where known dtype, shape, model, checksum
 ``StatesFile`` reads a file lazily (memory-mapped): ``check`` compares the header with the
 expectation (no data read), ``read`` returns a tensor and verifies its checksum the first time
 each state is read through this handle (``verified``); the handle is the unit of "verified once
-per process". ``encode`` / ``decode`` are the same format as bytes (a remote tier's values).
+per process". ``encode`` / ``decode`` are the same format as bytes (a remote tier's values):
+``decode`` returns a view of the value's memory (no copy), and ``Digest`` computes a state's
+checksum while the value arrives (``decode`` then compares it instead of hashing the data again).
+
+Over 300 lines on purpose: the writer, the two readers (bytes, file) and the streaming checksum
+must agree byte for byte on one format and read best side by side.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import math
 import struct
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
 from ..fsutil import atomic_write
@@ -42,6 +47,7 @@ MAX_HEADER = 64 << 20  # bytes; a longer header is corruption, not a states file
 _DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
            torch.int64: "I64", torch.int32: "I32", torch.int8: "I8", torch.uint8: "U8"}
 _BY_NAME = {str(k).removeprefix("torch."): v for k, v in _DTYPES.items()}
+_BY_CODE = {v: k for k, v in _DTYPES.items()}
 
 
 class CodecError(StoreError):
@@ -91,16 +97,128 @@ def encode(states: dict[str, tuple[str, torch.Tensor]], model: str = "",
     return st_save(tensors, metadata=meta), {n: r["sha256"] for n, r in records.items()}
 
 
-def decode(blob: bytes, name: str, expect: StateInfo) -> torch.Tensor:
-    """The state ``name`` of an encoded byte string, verified against its checksum and ``expect``."""
-    header = parse_header(blob[:8], lambda n: blob[8 : 8 + n], len(blob), "value")
+def decode(blob, name: str, expect: StateInfo, digest: "Digest | None" = None) -> torch.Tensor:
+    """The state ``name`` of an encoded value, verified against its checksum and ``expect``.
+
+    ``blob``: bytes-like, or a uint8 tensor. The state is a view into ``blob`` when that is a
+    tensor or a writable buffer (no copy: it keeps ``blob`` alive), a copy of read-only bytes.
+    ``digest``: a ``Digest`` fed the value as it arrived; when it covered exactly this state
+    (same header fields, same data range) its checksum is compared and the data is not read again.
+    """
+    buf = _as_uint8(blob)
+    first8 = _bytes(buf, 0, 8)
+    header = parse_header(first8, lambda n: _bytes(buf, 8, 8 + n), buf.numel(), "value")
     recorded = _check(header, name, expect, "value")
-    try:
-        kv = st_load(blob)[name]
-    except Exception as e:
-        raise CodecError(f"state '{name}' in value: unreadable ({e})") from None
-    _verify(kv, name, recorded, "value")
+    start = data_start(first8)
+    kv = _tensor(buf, header[name], name, start)
+    span = (start + _offsets(header[name])[0], start + _offsets(header[name])[1])
+    if digest is not None and digest.covers(_prefix(recorded), span):
+        if digest.hexdigest() != recorded["checksum"]:
+            raise CodecError(f"checksum mismatch for state '{name}' in value: the data is corrupted")
+    else:
+        _verify(kv, name, recorded, "value")
     return kv
+
+
+class Digest:
+    """The checksum of state ``name`` of an encoded value, computed while the value's bytes land
+    in order in ``buf`` (a memoryview): ``update(start, end)`` as each range arrives, so hashing
+    overlaps the network wait. Its header is parsed as soon as it has arrived; anything unexpected
+    (an unreadable header, bytes out of order) just leaves it unfinished, and ``decode`` then
+    verifies the data itself (and reports what is wrong)."""
+
+    def __init__(self, buf: memoryview, name: str):
+        self.buf, self.name = buf, name
+        self.seen = 0  # bytes [0, seen) of buf have arrived
+        self.prefix: bytes | None = None  # what the checksum covers before the data
+        self.span: tuple[int, int] | None = None  # the state's data in buf
+        self.hashed = 0  # bytes of the data hashed so far
+        self.failed = False
+        self.sha = hashlib.sha256()
+
+    def update(self, start: int, end: int) -> None:
+        if self.failed or start != self.seen:
+            self.failed = True
+            return
+        self.seen = end
+        if self.span is None and not self.start():
+            return
+        a, b = self.span
+        lo, hi = a + self.hashed, min(end, b)
+        if hi > lo:
+            self.sha.update(self.buf[lo:hi])
+            self.hashed = hi - a
+
+    def start(self) -> bool:
+        """Parse the header once it has arrived; False while it has not (or cannot be parsed)."""
+        if self.seen < 8:
+            return False
+        first8 = bytes(self.buf[:8])
+        start = data_start(first8)
+        if self.seen < start:
+            return False
+        try:
+            header = parse_header(first8, lambda k: bytes(self.buf[8 : 8 + k]), len(self.buf), "value")
+            rec = _check(header, self.name, StateInfo(None), "value")
+            a, b = _offsets(header[self.name])
+        except CodecError:
+            self.failed = True
+            return False
+        self.prefix, self.span = _prefix(rec), (start + a, start + b)
+        self.sha.update(self.prefix)
+        return True
+
+    def covers(self, prefix: bytes, span: tuple[int, int]) -> bool:
+        """Whether the whole state with this checksum prefix and data range was hashed."""
+        return (not self.failed and self.prefix == prefix and self.span == span
+                and self.hashed == span[1] - span[0])
+
+    def hexdigest(self) -> str:
+        return self.sha.hexdigest()
+
+
+def data_start(first8: bytes) -> int:
+    """Where the tensor data begins in an encoded value whose first 8 bytes are ``first8`` (after the
+    header's length and the header)."""
+    return 8 + struct.unpack("<Q", first8)[0]
+
+
+def _prefix(rec: dict) -> bytes:
+    return describe(rec["name"], rec["dtype"], rec["shape"], rec["key"], rec["model"]) + b"\0"
+
+
+def _as_uint8(blob) -> torch.Tensor:
+    if isinstance(blob, torch.Tensor):
+        if blob.dtype != torch.uint8 or blob.dim() != 1 or blob.device.type != "cpu":
+            raise TypeError(f"codec.decode: a tensor value must be 1-D uint8 on the CPU, got {blob.dtype} "
+                            f"{tuple(blob.shape)} on {blob.device}")
+        return blob
+    view = memoryview(blob).cast("B")
+    if view.readonly:
+        view = memoryview(bytearray(view))  # torch needs writable memory; the old path copied too
+    return torch.frombuffer(view, dtype=torch.uint8) if len(view) else torch.empty(0, dtype=torch.uint8)
+
+
+def _bytes(buf: torch.Tensor, a: int, b: int) -> bytes:
+    return buf[a:b].numpy().tobytes()
+
+
+def _tensor(buf: torch.Tensor, entry: dict, name: str, start: int) -> torch.Tensor:
+    """The state of header entry ``entry`` as a view of ``buf``, whose data begin at ``start`` (its
+    dtype and shape checked against its byte range)."""
+    a, b = _offsets(entry)
+    dtype, shape = _BY_CODE.get(entry.get("dtype")), entry.get("shape")
+    if dtype is None or not (isinstance(shape, list) and all(isinstance(d, int) and d >= 0 for d in shape)):
+        raise CodecError(f"state '{name}' in value: unreadable (dtype {entry.get('dtype')!r}, shape {shape!r})")
+    size = math.prod(shape) * dtype.itemsize
+    start += a
+    if b - a != size or a < 0 or start % dtype.itemsize:
+        raise CodecError(f"state '{name}' in value: unreadable ({b - a} bytes at offset {a} for {entry['dtype']} "
+                         f"{shape})")
+    try:
+        return buf[start : start + size].view(dtype).view(shape)
+    except RuntimeError as e:
+        raise CodecError(f"state '{name}' in value: unreadable ({e})") from None
 
 
 def parse_header(first8: bytes, read, total: int, where: str) -> dict:

@@ -12,8 +12,11 @@ version ``v2`` (the codec's format; values of another version are never read):
 
 Writes: the chunks go in one pipeline; the header is written LAST, only after every chunk was
 acknowledged, so a reader that finds a header never sees a half-written value. Reads take the
-header, then every chunk in one pipeline; a missing chunk, a length that differs from the
-header's or a value the codec refuses is deleted and reported as a miss, never returned.
+header, then every chunk in one pipeline, on a pooled connection of ``resp.py`` that receives
+the chunks straight into one buffer of the header's size while ``codec.Digest`` hashes what has
+arrived (no copies; the checksum pass overlaps the transfer); the state is a view of that buffer.
+A missing chunk, a length that differs from the header's or a value the codec refuses is
+deleted and reported as a miss, never returned.
 
 ``{K}`` is a Redis Cluster hash tag: only the text in braces is hashed to pick the key's slot,
 so the chunks, header and lock of one state live on one shard. One pipeline then reads or writes
@@ -27,8 +30,8 @@ dropped write for ``put``. After a connection failure the tier stays quiet for a
 (doubling from ``retry_after[0]`` to ``retry_after[1]`` seconds), then the client reconnects by
 itself. Eviction is Redis's (``maxmemory-policy allkeys-lru``, optional ``ttl``).
 
-Over 250 lines on purpose: key layout, failure handling and the lock are one protocol over
-Redis and read best together.
+Over 300 lines on purpose: key layout, reads, failure handling and the lock are one protocol
+over Redis and read best together (the wire format of direct reads is ``resp.py``'s).
 """
 
 from __future__ import annotations
@@ -43,10 +46,13 @@ from typing import Callable, Iterable, Iterator
 from urllib.parse import urlsplit
 
 import redis
+import torch
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
+from . import codec
 from .bytetier import ByteTier
+from .resp import BulkConnection, supports
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +61,7 @@ SCHEMES = ("redis", "rediss", "unix", "valkey", "valkeys")
 
 _LUA_RELEASE = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) end return 0"
 _FAILED = object()  # what _call returns when Redis failed or is in back-off
+MAX_CHUNK = 512 << 20  # Redis's largest string (proto-max-bulk-len): a header claiming more per chunk lies
 
 
 class RedisTier(ByteTier):
@@ -65,12 +72,15 @@ class RedisTier(ByteTier):
     (publish what this process's memory tiers evict). ``ttl``: seconds a stored state lives
     (None: until Redis evicts it). ``lock_ttl``: expiry of the encoding lock, and how long a
     waiter waits for another process's encoding. Timeouts are seconds; ``retry_after`` is the
-    back-off (first, longest) after a connection failure. Thread-safe.
+    back-off (first, longest) after a connection failure. ``direct_reads``: values are read by
+    ``resp.BulkConnection`` straight into their final buffer (False, or a TLS URL: through
+    redis-py, one more copy per chunk). Thread-safe.
     """
 
     def __init__(self, url: str, write_policy: str = "through", chunk_bytes: int = 8 << 20,
                  ttl: float | None = None, lock_ttl: float = 60.0, connect_timeout: float = 0.5,
-                 timeout: float = 2.0, retry_after: tuple[float, float] = (1.0, 5.0), poll: float = 0.05):
+                 timeout: float = 2.0, retry_after: tuple[float, float] = (1.0, 5.0), poll: float = 0.05,
+                 direct_reads: bool = True):
         super().__init__("remote", write_policy)
         if chunk_bytes < 1 or (ttl is not None and ttl <= 0) or lock_ttl <= 0 or connect_timeout <= 0 or timeout <= 0:
             raise ValueError(f"RedisTier: chunk_bytes, ttl, lock_ttl, connect_timeout and timeout must be > 0, got "
@@ -90,17 +100,23 @@ class RedisTier(ByteTier):
         self._r = redis.Redis.from_url(url, socket_connect_timeout=connect_timeout, socket_timeout=timeout,
                                        retry=Retry(NoBackoff(), 0), health_check_interval=0)
         self._release = self._r.register_script(_LUA_RELEASE)
+        self._url, self._timeouts, self._bulk = url, (connect_timeout, timeout), direct_reads and supports(url)
+        self._pool: list[BulkConnection] = []  # idle connections for reads (resp.py); TLS: none, redis-py reads
         self._lock = threading.Lock()
         self._down_until = 0.0  # time.monotonic() before which Redis is not tried
         self._backoff = retry_after[0]
         self._warned: set[str] = set()  # failure kinds warned about during the current outage
 
     # -- the ByteTier interface -------------------------------------------------------------------
-    def read(self, key: str) -> bytes | None:
-        value = self._call(lambda r: self._read(r, key), "read")
+    def read(self, key: str) -> torch.Tensor | None:
+        got = self.read_hashed(key, None)
+        return None if got is None else got[0]
+
+    def read_hashed(self, key: str, name: str | None) -> tuple[torch.Tensor, codec.Digest | None] | None:
+        value = self._call(lambda r: self._read(r, key, name), "read")
         if isinstance(value, str):  # what is wrong with the stored value
             self.bad_value(key, value)
-        return value if isinstance(value, bytes) else None
+        return value if isinstance(value, tuple) else None
 
     def write(self, key: str, value: bytes) -> bool:
         return self._call(lambda r: self._write(r, key, value), "write") is True
@@ -149,31 +165,70 @@ class RedisTier(ByteTier):
     def close(self) -> None:
         """Close this tier's connections (a later call reconnects)."""
         self._r.close()
+        with self._lock:
+            pool, self._pool = self._pool, []
+        for conn in pool:
+            conn.close()
 
     # -- Redis operations (may raise; _call turns failures into misses) ---------------------------
     def _k(self, key: str, part: str | int) -> str:
         return f"{PREFIX}:{{{key}}}:{part}"  # {key}: Redis Cluster hash tag, one shard per state
 
-    def _read(self, r: redis.Redis, key: str) -> bytes | str | None:
-        """The value, None when absent, or what is wrong with it (a str)."""
-        raw = r.get(self._k(key, "h"))
+    def _read(self, r: redis.Redis, key: str, name: str | None) -> tuple | str | None:
+        """(value as a uint8 tensor, Digest of state ``name`` or None), None when absent, or what
+        is wrong with the value (a str). The chunks land in one buffer, hashed as they arrive."""
+        conn = self._take() if self._bulk else None
+        try:
+            out = self._fetch(r, conn, key, name)
+        except BaseException:
+            if conn is not None:
+                conn.close()
+            raise
+        if conn is not None:
+            with self._lock:
+                self._pool.append(conn)
+        return out
+
+    def _fetch(self, r: redis.Redis, conn: BulkConnection | None, key: str, name: str | None) -> tuple | str | None:
+        raw = conn.get(self._k(key, "h")) if conn is not None else r.get(self._k(key, "h"))
         if raw is None:
             return None
         try:
             head = json.loads(raw)
             n, total = int(head["chunks"]), int(head["bytes"])
-        except (ValueError, KeyError, TypeError):
+            if n < 1 or total < 0 or total > n * MAX_CHUNK:
+                raise ValueError
+            buf = torch.empty(total, dtype=torch.uint8)
+        except (ValueError, KeyError, TypeError, RuntimeError):  # RuntimeError: no memory for that size
             return "unreadable header"
-        pipe = r.pipeline(transaction=False)
-        for i in range(n):
-            pipe.get(self._k(key, i))
-        chunks = pipe.execute()
-        if any(c is None for c in chunks):
-            return f"{sum(c is None for c in chunks)} of {n} chunks missing"
-        value = b"".join(chunks)
-        if len(value) != total:
-            return f"{len(value)} bytes, header says {total}"
-        return value  # the codec verifies it (ByteTier.get)
+        view = memoryview(buf.numpy()) if total else memoryview(bytearray())
+        digest = codec.Digest(view, name) if name is not None else None
+        keys = [self._k(key, i) for i in range(n)]
+        on_data = digest.update if digest is not None else None
+        if conn is not None:
+            missing, size = conn.get_into(keys, view, on_data)
+        else:  # TLS: through redis-py, one copy per chunk into the buffer
+            missing, size = 0, 0
+            for chunk in _pipelined_gets(r, keys):
+                if chunk is None:
+                    missing += 1
+                    continue
+                if size + len(chunk) <= total:
+                    view[size : size + len(chunk)] = chunk
+                    if on_data is not None:
+                        on_data(size, size + len(chunk))
+                size += len(chunk)
+        if missing:
+            return f"{missing} of {n} chunks missing"
+        if size != total:
+            return f"{size} bytes, header says {total}"
+        return buf, digest  # the codec verifies it (ByteTier.get)
+
+    def _take(self) -> BulkConnection:
+        with self._lock:
+            if self._pool:
+                return self._pool.pop()
+        return BulkConnection(self._url, self._timeouts[0], self._timeouts[1])
 
     def _write(self, r: redis.Redis, key: str, value: bytes) -> bool:
         view, size = memoryview(value), self.chunk_bytes
@@ -260,3 +315,10 @@ class RedisTier(ByteTier):
             was, self._warned = self._warned, set()
             self._backoff, self._down_until = self.retry_after[0], 0.0
         log.info("shared tier %s reachable again (after %s)", self.where, ", ".join(sorted(was)))
+
+
+def _pipelined_gets(r: redis.Redis, keys: list[str]) -> list[bytes | None]:
+    pipe = r.pipeline(transaction=False)
+    for k in keys:
+        pipe.get(k)
+    return pipe.execute()

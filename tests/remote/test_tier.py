@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import threading
+import time
 
 import pytest
 import torch
@@ -28,9 +29,10 @@ def chunk_keys(client, key: str) -> list[bytes]:
     return sorted(k for k in client.keys(f"{PREFIX}:{{{key}}}:*") if not k.endswith((b":h", b":lock")))
 
 
+@pytest.mark.parametrize("direct", [True, False], ids=["direct", "redis-py"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_round_trip_is_bit_identical(redis_server, dtype):
-    tier, kv = RedisTier(redis_server.url), state(dtype=dtype)
+def test_round_trip_is_bit_identical(redis_server, dtype, direct):
+    tier, kv = RedisTier(redis_server.url, direct_reads=direct), state(dtype=dtype)
     assert tier.get(KEY) is None and KEY not in tier
     tier.put(KEY, kv)
     got = tier.get(KEY)
@@ -88,9 +90,21 @@ def _forged_header(client, key):  # length consistent, but the value is no state
     client.set(f"{PREFIX}:{{{key}}}:h", json.dumps({"chunks": 1, "bytes": len(value)}))
 
 
-@pytest.mark.parametrize("damage", [_corrupt_chunk, _truncate_chunk, _drop_chunk, _bad_header, _forged_header])
-def test_bad_value_is_deleted_and_reported_as_a_miss(redis_server, caplog, damage):
-    tier = RedisTier(redis_server.url, chunk_bytes=4096)
+def _longer_chunk(client, key):  # more bytes than the header says
+    k = chunk_keys(client, key)[0]
+    client.set(k, client.get(k) + b"x" * 5000)
+
+
+def _lying_header(client, key):  # claims more bytes than its chunks could hold: nothing is allocated for it
+    n = len(chunk_keys(client, key))
+    client.set(f"{PREFIX}:{{{key}}}:h", json.dumps({"chunks": n, "bytes": 1 << 40}))
+
+
+@pytest.mark.parametrize("direct", [True, False], ids=["direct", "redis-py"])
+@pytest.mark.parametrize("damage", [_corrupt_chunk, _truncate_chunk, _drop_chunk, _bad_header, _forged_header,
+                                    _longer_chunk, _lying_header])
+def test_bad_value_is_deleted_and_reported_as_a_miss(redis_server, caplog, damage, direct):
+    tier = RedisTier(redis_server.url, chunk_bytes=4096, direct_reads=direct)
     tier.put(KEY, state())
     client = redis_server.client()
     damage(client, KEY)
@@ -101,6 +115,30 @@ def test_bad_value_is_deleted_and_reported_as_a_miss(redis_server, caplog, damag
     assert client.keys(f"{PREFIX}:*") == []  # deleted: header and every chunk
     tier.put(KEY, state())  # re-published (re-encoded) afterwards, it serves again
     assert torch.equal(tier.get(KEY), state())
+
+
+def test_fetch_is_hashed_as_it_arrives_and_the_state_is_a_view_of_the_buffer(redis_server):
+    tier, kv = RedisTier(redis_server.url, chunk_bytes=64 << 10), state(n=2000)
+    tier.put(KEY, kv)
+    blob, digest = tier.read_hashed(KEY, "kv")
+    assert digest.hashed == kv.numel() * 4 and not digest.failed  # every data byte hashed on arrival
+    got = codec.decode(blob, "kv", codec.StateInfo(KEY), digest)
+    assert torch.equal(got, kv)
+    start = blob.untyped_storage().data_ptr()
+    assert start <= got.data_ptr() < start + blob.numel()  # no copy: the state lives in the fetch buffer
+    digest.sha.update(b"x")  # the digest is what decode compares: a wrong one is refused
+    with pytest.raises(codec.CodecError, match="checksum mismatch"):
+        codec.decode(blob, "kv", codec.StateInfo(KEY), digest)
+
+
+def test_a_dropped_connection_is_replaced(redis_server):
+    tier = RedisTier(redis_server.url, retry_after=(0.05, 0.05))
+    tier.put(KEY, state())
+    assert torch.equal(tier.get(KEY), state())
+    assert redis_server.client().client_kill_filter(_type="normal", skipme=True) >= 1  # the pooled connection
+    assert tier.get(KEY) is None and tier.stats["errors"] == 1  # it fails once: a miss, then back-off
+    time.sleep(0.1)
+    assert torch.equal(tier.get(KEY), state())  # a new connection
 
 
 def test_value_stored_under_another_key_is_refused(redis_server):
