@@ -7,8 +7,9 @@ one ``copy_``. Nothing is concatenated. A forward writes its new tokens either a
 filled slot (the default, the hot path) or at slots the caller names (``slot_write``: tokens in
 the middle of an assembled cache are recomputed in place, selective recompute).
 
-This file is over 300 lines because the cache, its transformers layer contract and the
-buffer pool share one buffer layout; splitting them would spread that layout over three files.
+This file is over 300 lines because the cache, its transformers layer contract, the buffer pool
+and the GPU's overlapped copies (a side stream whose per-layer events ``SpliceLayer.update``
+waits on) share one buffer layout; splitting them would spread that layout over four files.
 """
 
 from __future__ import annotations
