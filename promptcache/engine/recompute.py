@@ -149,21 +149,25 @@ def qattn(scores, req: RecomputeRequest, k: int) -> list[int]:
     return _top(scores, req.candidates, k) if scores is not None else tail(None, req, k)
 
 
+def _fill(req: RecomputeRequest, order, k: int) -> list[int]:
+    """Up to ``k`` slots: whole candidate spans taken in ``order`` (span indices), the first that
+    does not fit gets its first tokens. The spans cover the candidates, so ``k`` slots are found."""
+    out: list[int] = []
+    for i in order:
+        if len(out) >= k:
+            break
+        a, b = req.spans[i]
+        out += range(a, a + min(k - len(out), b - a))
+    return sorted(out)
+
+
 def qattn_module(scores, req: RecomputeRequest, k: int) -> list[int]:
     """Whole spans (modules, documents) ranked by the question's mean attention per token; the
     budget fills spans in rank order, the last one partly (its first tokens)."""
     if scores is None:
         return tail(None, req, k)
     mass = [float(scores[a:b].mean()) for a, b in req.spans]
-    out, left = [], k
-    for i in sorted(range(len(mass)), key=lambda i: (-mass[i], i)):
-        if left <= 0:
-            break
-        a, b = req.spans[i]
-        take = min(left, b - a)
-        out += range(a, a + take)
-        left -= take
-    return sorted(out)
+    return _fill(req, sorted(range(len(mass)), key=lambda i: (-mass[i], i)), k)
 
 
 def qattn_mix(scores, req: RecomputeRequest, k: int) -> list[int]:
@@ -212,17 +216,7 @@ def qmatch(scores, req: RecomputeRequest, k: int) -> list[int]:
     reads token ids only), so it costs only the recomputed tokens."""
     if not req.spans:
         return tail(None, req, k)
-    out: list[int] = []
-    for i in match_order(req):
-        a, b = req.spans[i]
-        take = min(k - len(out), b - a)
-        out += range(a, a + take)
-        if len(out) >= k:
-            break
-    if len(out) < k:  # spans cover fewer slots than the budget (cannot happen: spans = candidates)
-        rest = [c for c in req.candidates if c not in set(out)]
-        out += rest[len(rest) - (k - len(out)):]
-    return sorted(out)
+    return _fill(req, match_order(req), k)
 
 
 SELECTIONS: dict[str, Callable] = {"tail": tail, "qattn": qattn, "qattn_module": qattn_module, "qattn_mix": qattn_mix,
@@ -233,15 +227,15 @@ DEFAULT_SELECTION = "qmatch"  # eval/README.md "Quality": the best in the issue-
 
 
 # -- the forward --------------------------------------------------------------------------------------
-def run_recompute(adapter, model, cache, req: RecomputeRequest, new_ids: list[int],
-                  new_pos: list[int]) -> tuple[torch.Tensor, int]:
+def run_recompute(adapter, model, cache, req: RecomputeRequest, new_ids: list[int], new_pos: list[int],
+                  ids: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, int]:
     """On an assembled ``cache`` (cached spans at slots 0..n_cached-1, length n_cached), recompute
-    the selected cached slots and run the new tokens. Returns (last-token logits [V], number of
-    cached tokens recomputed). With nothing selected: the ordinary splice forward."""
-    n_cached, t = len(req.slot_order), len(new_ids)
+    the selected cached slots and run the new tokens (``ids``/``pos``: ``new_ids``/``new_pos`` as
+    [1, T] tensors on the cache's device, built by the caller before placing the spans). Returns
+    (last-token logits [V], number of cached tokens recomputed). With nothing selected: the
+    ordinary splice forward."""
+    n_cached = len(req.slot_order)
     device = cache.buf.device
-    ids = torch.tensor([new_ids], dtype=torch.long, device=device)  # [1, T]
-    pos = torch.tensor([new_pos], dtype=torch.long, device=device)  # [1, T]
     k = min(req.budget, len(req.candidates))
     if k == 0:
         return adapter.forward(ids, pos, cache)[0], 0

@@ -69,21 +69,22 @@ class ModelRunner:
         ``recompute``: also compute a selection of the cached tokens afresh (``recompute.py``);
         with every candidate recomputed and the layout's positions 0..n-1 the result is exact."""
         t0 = time.perf_counter() if t0 is None else t0
-        n_cached = sum(len(pos) for _, _, pos in cached)
+        n_cached = sum(len(p) for _, _, p in cached)
         capacity = n_cached + len(new_ids) + reserve
         self.adapter.check_limits(max_position, capacity)
         # before the spans are placed: a tensor built from a list on a GPU waits for the stream, which
         # must not hold the (asynchronous) copies of the stored spans yet
         ids = torch.tensor([new_ids], dtype=torch.long, device=self.device)  # [1, T]
         pos = torch.tensor([new_pos], dtype=torch.long, device=self.device)  # [1, T]
-        cache = self.pool.acquire(capacity, [(k, len(pos)) for k, _, pos in cached])
+        cache = self.pool.acquire(capacity, [(k, len(p)) for k, _, p in cached])
         try:
             copied = cache.place(cached)
             if recompute is None:
                 logits, redone = self.forward(ids, pos, cache)[0], 0  # [V]
             else:
                 with self.lock:
-                    logits, redone = run_recompute(self.adapter, self.model, cache, recompute, new_ids, new_pos)
+                    logits, redone = run_recompute(self.adapter, self.model, cache, recompute, new_ids, new_pos,
+                                                   ids, pos)
             self.sync()
         except BaseException:
             self.pool.release(cache)
