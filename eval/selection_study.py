@@ -224,24 +224,24 @@ def main(argv=None):
         names = [n for n in args.selections if n in ENGINE_SELECTIONS] or list(ENGINE_SELECTIONS)
         stem = f"selection_engine{args.tag}"
         rows = run_engine(path, samples, args.fractions, names, save=lambda rows: write_csv(f"{stem}.csv", rows, args.out))
-        summary = summarize(rows)
-        for s in summary:
-            print(s)
-        write_csv(f"{stem}_summary.csv", summary, args.figures)
-        print("wrote", plot(summary, args.figures / f"{stem}.png", f"SmolLM2-135M, engine, {len(samples)} questions"))
-        return rows, summary
+        return rows, report(rows, args.figures, stem, f"SmolLM2-135M, engine, {len(samples)} questions")
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     tok = AutoTokenizer.from_pretrained(path)
     print(f"recompute=1.0 vs plain forward: max |dlogit| {check_exact(model, build_prompt(tok, samples[0])[0]):.2e}")
     stem = f"selection_study{args.tag}"
     rows = run(model, tok, samples, args.fractions, args.selections, args.shuffle,
                save=lambda rows: write_csv(f"{stem}.csv", rows, args.out))
+    return rows, report(rows, args.figures, stem, f"SmolLM2-135M, {len(samples)} questions")
+
+
+def report(rows: list[dict], figures: Path, stem: str, title: str) -> list[dict]:
+    """Print the per-selection summary, write it as ``{stem}_summary.csv`` and its plot; return it."""
     summary = summarize(rows)
     for s in summary:
         print(s)
-    write_csv(f"{stem}_summary.csv", summary, args.figures)
-    print("wrote", plot(summary, args.figures / f"{stem}.png", f"SmolLM2-135M, {len(samples)} questions"))
-    return rows, summary
+    write_csv(f"{stem}_summary.csv", summary, figures)
+    print("wrote", plot(summary, figures / f"{stem}.png", title))
+    return summary
 
 
 if __name__ == "__main__":
