@@ -228,9 +228,9 @@ class SpliceCache(Cache):
         only those not already resident at their slot; set the length. Returns bytes copied.
         ``kv`` may be a zero-argument callable, called only when the span must be copied.
 
-        On a GPU, spans held in host memory are copied on a side stream one layer at a time, and
-        layer ``l`` of the next forward waits only for layer ``l``'s copies (``wait_layer``): the
-        host-to-device copies overlap the forward's compute instead of preceding all of it."""
+        With ``overlap`` on a GPU, spans held in host memory are copied on a side stream in groups
+        of layers, and layer ``l`` of the next forward waits only for its group's copies
+        (``wait_layer``); otherwise every span is one asynchronous copy on the compute stream."""
         old, new, off, copied = self.resident or {}, {}, 0, 0
         self.resident = {}  # until placement completes, nothing in this buffer is trusted
         from_host = []  # (off, kv) copied layer by layer on the side stream
@@ -238,8 +238,8 @@ class SpliceCache(Cache):
             n = len(pos)
             if old.get(off) != (key, n):
                 kv = kv() if callable(kv) else kv
-                self.ensure_capacity(off + n)
                 if self.overlap and self.buf.is_cuda and not kv.is_cuda:
+                    self.ensure_capacity(off + n)  # (``write`` does this itself)
                     from_host.append((off, kv))
                     self.positions[0, off : off + n].copy_(pos, non_blocking=True)
                 else:
@@ -256,8 +256,9 @@ class SpliceCache(Cache):
     def copy_layers(self, spans: list[tuple[int, torch.Tensor]]) -> None:
         """Copy host spans (off, kv [L, 2, H, n, D]) into row 0 on the side stream, in
         ``copy_groups`` groups of layers (each group one copy per span: launching a copy costs CPU
-        time, so one per layer and span costs more than it hides); record one event per group. The side stream first waits for the compute stream, so nothing
-        still reading the buffer (an earlier prompt's forward) sees it change."""
+        time, so one per layer and span costs more than it hides); record one event per group.
+        The side stream first waits for the compute stream, so nothing still reading the buffer
+        (an earlier prompt's forward) sees it change."""
         device = self.buf.device
         main = torch.cuda.current_stream(device)
         if self.copy_stream is None:
