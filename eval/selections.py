@@ -201,13 +201,18 @@ def request(p):
                             spans=list(p.modules), new_ids=[ids[i] for i in p.suffix.tolist()])
 
 
-def qmatch(model, p, base, budget):
-    """The engine's default (``promptcache.engine.recompute.qmatch``) on a reference prompt: whole
-    modules in ``match_order`` (by BM25 idf of the question's token ids over the prompt's own
-    modules; ties: the later module first). No forward pass to choose."""
-    from promptcache.engine.recompute import match_order
+def _engine_selection(name: str):
+    """An engine selection (``promptcache.engine.recompute.SELECTIONS``) that reads token ids only,
+    on a reference prompt. No forward pass to choose."""
+    def run(model, p, base, budget):
+        from promptcache.engine.recompute import SELECTIONS as ENGINE
 
-    return whole_notes(p, match_order(request(p)), budget), None, 0
+        return torch.tensor(ENGINE[name](None, request(p), budget), dtype=torch.long), None, 0
+    return run
+
+
+# the engine's default (the named modules, then prompt order) and the third step's order (for the record)
+qmatch, qmatch_later = _engine_selection("qmatch"), _engine_selection("qmatch_later")
 
 
 SELECTIONS = {
@@ -218,4 +223,5 @@ SELECTIONS = {
     "qattn_note": qattn_note, "qattn_note_max": lambda m, p, b, k: qattn_note(m, p, b, k, reduce="max"),
     "qattn_note_late": lambda m, p, b, k: qattn_note(m, p, b, k, layers=slice(15, None)),
     "cacheblend_iter": cacheblend_iter, "oracle_note": oracle_note, "oracle_after": oracle_after, "qmatch": qmatch,
+    "qmatch_later": qmatch_later,
 }

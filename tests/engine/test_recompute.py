@@ -126,8 +126,26 @@ def test_qmatch_recomputes_the_span_that_holds_the_questions_rare_words_first():
     score = match_scores(req)
     assert score.index(max(score)) == 2 and score[0] == score[1] == score[3] < score[2]
     assert qmatch(None, req, req.budget) == [8, 9, 10, 11]  # exactly span 2
-    # a larger budget: span 2 whole, then the later spans first among equals (span 3), never more than k
-    assert qmatch(None, req, 6) == [8, 9, 10, 11, 12, 13]
+    # a larger budget: span 2 whole, then the other spans in prompt order (span 0 first), never more than k
+    assert qmatch(None, req, 6) == [0, 1, 8, 9, 10, 11]
+    assert qmatch(None, req, 12) == [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11]
+
+
+def test_qmatch_names_every_span_close_to_the_best_match_and_falls_back_to_prompt_order():
+    from promptcache.engine.recompute import named_spans, qmatch, qmatch_later
+
+    # spans 1 and 3 both hold the rare word 7: both named, the later first among equals
+    spans = [[1, 2, 3], [1, 7, 4], [1, 2, 5], [1, 7, 8]]
+    req = _request(spans, question=[1, 7], fraction=0.5)
+    assert named_spans(req) == [3, 1]
+    # asked for 8 too, only span 3 holds it: span 1 scores under half of span 3's and is not named
+    assert named_spans(_request(spans, question=[1, 7, 8], fraction=0.5)) == [3]
+    assert qmatch(None, req, 6) == [3, 4, 5, 9, 10, 11]
+    assert qmatch(None, req, 7) == [0, 3, 4, 5, 9, 10, 11]  # then span 0's first token
+    assert qmatch_later(None, req, 7) == [3, 4, 5, 6, 9, 10, 11]  # the old order: then the later span 2
+    # a question that matches nothing names nothing: the budget grows from the first span
+    none = _request(spans, question=[42], fraction=0.5)
+    assert named_spans(none) == [] and qmatch(None, none, 4) == [0, 1, 2, 3]
 
 
 def test_qmatch_through_the_engine_picks_the_union_the_question_names():
