@@ -5,9 +5,10 @@
 ``--docs`` documents of about ``--doc-tokens`` tokens; ``--queries`` requests, each retrieving
 ``--k`` distinct documents drawn with Zipf(``--zipf``) popularity (document ids are shuffled
 against popularity, so ``canonical_order``, which sorts by id, is not handed the popular ones
-first), in the retriever's order (random per request). Modes, each on its own engine (host store
-budget ``--budget-gib``, LRU), the requests interleaved across modes (request i through every
-mode, then i + 1: load from other processes falls on all alike):
+first), in the retriever's order (random per request), behind a one-line system prompt
+(``--system-tokens N`` makes it N tokens longer, as applications' instructions are). Modes, each
+on its own engine (host store budget ``--budget-gib``, LRU), the requests interleaved across modes
+(request i through every mode, then i + 1: load from other processes falls on all alike):
 
 * ``no_cache``: the stock model over the prompt's tokens (``prefill_baseline``-equivalent);
 * ``exact``: ``DocumentStore`` chains (the default): exact, reused when leading documents match;
@@ -108,6 +109,7 @@ def run(args) -> list[dict]:
     torch.set_num_threads(max(1, min(args.threads, torch.get_num_threads())))
     model, tok = load_model(args.model, device=args.device, dtype=args.dtype)
     texts = {f"d{i:03d}": text_of_tokens(tok, args.doc_tokens, seed=i) for i in range(args.docs)}
+    system = SYSTEM if not args.system_tokens else SYSTEM + " " + text_of_tokens(tok, args.system_tokens, seed=-1)
     requests = workload(args.docs, args.queries, args.k, args.zipf)
     budget = int(args.budget_gib * 2**30)
     stores = {}
@@ -129,13 +131,13 @@ def run(args) -> list[dict]:
             if mode == "no_cache":
                 if qi % args.baseline_every:  # its cost does not depend on the stream's history
                     continue
-                layout = store.layout(question, ids, SYSTEM)
+                layout = store.layout(question, ids, system)
                 t0 = time.perf_counter()
                 store.pc.runner.prefill_plain(layout.token_ids, t0)
                 ttft[mode].append(time.perf_counter() - t0)
                 hit[mode].append(0.0)
                 continue
-            res = store.prefill(question, ids, SYSTEM)
+            res = store.prefill(question, ids, system)
             ttft[mode].append(res.ttft)
             hit[mode].append(res.cached_tokens / res.prompt_tokens)
         if args.progress and (qi + 1) % args.progress == 0:
@@ -147,7 +149,8 @@ def run(args) -> list[dict]:
     for mode in args.modes:
         h, t = hit[mode], ttft[mode]
         rows.append(dict(mode=mode, model=args.model, docs=args.docs, queries=args.queries, timed=len(t), k=args.k,
-                         zipf=args.zipf, doc_tokens=args.doc_tokens, token_hit_rate=round(statistics.mean(h), 4),
+                         zipf=args.zipf, doc_tokens=args.doc_tokens, system_tokens=args.system_tokens,
+                         token_hit_rate=round(statistics.mean(h), 4),
                          mean_ttft_ms=round(1e3 * statistics.mean(t), 2), p90_ttft_ms=round(1e3 * p90(t), 2),
                          work_ceiling=round(1 / max(1e-9, 1 - statistics.mean(h)), 2),
                          load_avg_1m_min=round(min(loads), 2),
@@ -167,6 +170,9 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--zipf", type=float, default=1.0)
     ap.add_argument("--doc-tokens", type=int, default=64)
+    ap.add_argument("--system-tokens", type=int, default=0,
+                    help="a system prompt this many tokens longer than the one-line default (a shared prefix every "
+                         "request carries, as applications' instructions do: the cached modes reuse it, no_cache runs it)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--lock", default=None, help="flock this file while timing (e.g. /tmp/measure.lock)")
     ap.add_argument("--lock-every", type=int, default=100, help="with --lock: release it between chunks of N requests")
