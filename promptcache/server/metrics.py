@@ -29,9 +29,9 @@ class Metrics:
         Gauge("promptcache_prefix_blocks_stored", "prefix blocks put into the store",
               registry=r).set_function(lambda: prefix_cache.blocks_stored)
         Gauge("promptcache_decode_forwards", "forwards run for decoding (a batched step counts once)",
-              registry=r).set_function(lambda: getattr(getattr(backend, "scheduler", None), "decode_forwards", 0))
+              registry=r).set_function(lambda: backend.scheduler.decode_forwards)
         Gauge("promptcache_decode_tokens", "tokens decoded by those forwards (tokens / forwards: mean batch)",
-              registry=r).set_function(lambda: getattr(getattr(backend, "scheduler", None), "decode_tokens", 0))
+              registry=r).set_function(lambda: backend.scheduler.decode_tokens)
         usage = Gauge("promptcache_store_bytes", "bytes of stored states per tier", ["tier"], registry=r)
         for tier in store.usage():
             usage.labels(tier).set_function(lambda t=tier: store.usage().get(t, 0))

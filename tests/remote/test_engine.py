@@ -171,8 +171,11 @@ def test_server_metrics_count_remote_hits_and_errors(redis_server, embedded):
     redis_server.stop()
     pc.store.shared[0].exists("x" * 64)  # one failure
 
-    class Idle:
+    class Idle:  # a backend (and prefix cache) with nothing running
         in_flight = blocks_stored = 0
+
+        class scheduler:
+            decode_forwards = decode_tokens = 0
 
     text = Metrics(Idle(), Idle(), pc.store).render().decode()
     assert f"promptcache_remote_hits_total {float(hits)}" in text
