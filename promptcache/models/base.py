@@ -39,7 +39,6 @@ log = logging.getLogger(__name__)
 __all__ = ["Adapter", "KVSpec", "UnsupportedModelError"]
 
 
-
 def attention_kernels(device: torch.device):
     """The SDPA kernels a spliced forward may use: on CUDA every backend but cuDNN's, which builds
     an execution plan for each new (query, key) shape and stride: measured on an H100, ~80 ms on

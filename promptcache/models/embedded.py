@@ -1,8 +1,9 @@
 """Embedded models: random-weight Llama-shaped models built from shipped configs, no download.
 
 They are for demos, tests and benchmarks: their output is noise, but their shapes and speed are
-those of real models. Name them as ``embedded`` (= ``embedded:demo``), ``embedded:bench``
-``embedded:1b`` or ``embedded:8b`` (the shapes of Llama-3.2-1B and Llama-3.1-8B, for GPU benchmarks) wherever a model id is taken.
+those of real models. Name them as ``embedded`` (= ``embedded:demo``), ``embedded:bench``,
+``embedded:1b`` or ``embedded:8b`` (the shapes of Llama-3.2-1B and Llama-3.1-8B, for GPU
+benchmarks) wherever a model id is taken.
 """
 
 from __future__ import annotations

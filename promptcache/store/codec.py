@@ -111,7 +111,8 @@ def decode(blob, name: str, expect: StateInfo, digest: "Digest | None" = None) -
     recorded = _check(header, name, expect, "value")
     start = data_start(first8)
     kv = _tensor(buf, header[name], name, start)
-    span = (start + _offsets(header[name])[0], start + _offsets(header[name])[1])
+    a, b = _offsets(header[name])
+    span = (start + a, start + b)
     if digest is not None and digest.covers(_prefix(recorded), span):
         if digest.hexdigest() != recorded["checksum"]:
             raise CodecError(f"checksum mismatch for state '{name}' in value: the data is corrupted")
