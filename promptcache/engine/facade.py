@@ -36,6 +36,7 @@ from ..tokens import as_span_tokenizer
 from .assemble import assemble, leading_exact
 from .config import EngineConfig
 from .encoder import Progress, SchemaEncoder
+from .plan import PrefillPlan, Segment
 from .recompute import RecomputeRequest, check_fraction, recompute_request
 from .registry import EncodedSchema, SchemaRegistry
 from .results import Generation, PrefillResult
@@ -197,6 +198,28 @@ class PromptCache:
         return self.runner.prefill_spliced(plan.cached, plan.new_ids, plan.new_pos, plan.max_position, t0, reserve,
                                            keep_cache, exact=plan.exact, layout=layout, hit_tiers=plan.hit_tiers,
                                            recompute=req)
+
+    def plan(self, prompt: str | Path | Prompt, namespace: str | None = None, *,
+             recompute: float | None = None) -> PrefillPlan | None:
+        """The prompt as a ``PrefillPlan`` for the serving scheduler: its stored states (read in
+        place from the store's tensors, or promoted into the KV pool) and its new tokens. None
+        when the prompt recomputes part of its cached states (``recompute`` > 0): those are
+        assembled in a private buffer (``prefill``), which the scheduler copies into the pool."""
+        if self.recompute_fraction(recompute) > 0:
+            return None
+        layout = self.layout(prompt, namespace)
+        entry = self.schema(layout.schema.name, namespace) if layout.schema is not None else None
+        try:
+            a = assemble(layout, entry, self.store)
+        except StoreError as e:  # as in ``prefill``: re-encode what vanished, once
+            if entry is None:
+                raise
+            log.warning("schema '%s': a stored state cannot be used (%s); re-encoding what is missing", entry.name, e)
+            self._ensure_states(entry.layout, entry.keys, fetch=True)
+            a = assemble(layout, entry, self.store)
+        segments = [Segment(key, kv, pos) for key, kv, pos in a.cached]
+        return PrefillPlan(segments=segments, new_ids=a.new_ids, new_pos=a.new_pos, max_position=a.max_position,
+                           exact=a.exact, layout=layout, hit_tiers=a.hit_tiers)
 
     def recompute_fraction(self, recompute: float | None) -> float:
         """The fraction a call uses: ``None`` means ``config.recompute``; else checked to be in [0, 1]."""

@@ -1,9 +1,13 @@
 """``Request``: one generation's state as the scheduler steps it (waiting -> running -> finished).
 
-``start(reserve)`` is any callable returning a ``PrefillResult`` that holds its cache with room
-for ``reserve`` more tokens: ``PromptCache.prefill(keep_cache=True)``, the baseline prefill, or
-the RAG store's. The cache belongs to the request from its prefill until it finishes; the
-scheduler gives it back then, however it finishes (stop, length, cancel, error).
+A request is data: sampling settings and one way to its prefill. Either ``start(reserve)``, any
+callable returning a ``PrefillResult`` that holds its cache with room for ``reserve`` more tokens
+(``PromptCache.prefill(keep_cache=True)``, the baseline prefill, the RAG store's): the cache
+belongs to the request from its prefill until it finishes, and the scheduler gives it back then,
+however it finishes (stop, length, cancel, error). Or ``plan(pool) -> PrefillPlan`` (``plan.py``),
+which only ``ServingScheduler`` runs: the states it names are read in place from the KV pool.
+``paused``: the reader of its output stopped reading; the serving scheduler skips its decode
+steps until it is cleared.
 """
 
 from __future__ import annotations
@@ -28,9 +32,12 @@ class Status(enum.Enum):
 
 
 class Request:
-    def __init__(self, start: Callable[[int], PrefillResult], params: SamplingParams, tokenizer):
+    def __init__(self, start: Callable[[int], PrefillResult] | None, params: SamplingParams, tokenizer, *,
+                 plan: Callable[[object], object] | None = None):
+        if (start is None) == (plan is None):
+            raise ValueError("a request needs exactly one of start (a prefill callable) and plan")
         self.id = next(_ids)
-        self.start, self.params = start, params
+        self.start, self.plan, self.params = start, plan, params
         self.sampler = Sampler(params)
         self.text = TextStream(tokenizer, params.stop)
         self.status = Status.WAITING
@@ -41,6 +48,7 @@ class Request:
         self.position = 0  # position ID of ``pending``
         self.finish_reason: str | None = None
         self.cancel_requested = False
+        self.paused = False
         self.error: BaseException | None = None  # set when a step failed for this request (it is finished then)
 
     @property

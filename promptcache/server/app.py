@@ -10,8 +10,9 @@ request is in the engine's namespace (``pc.config.namespace``) and no key is che
 A request is validated and planned (``prompts.Planner``) before it is queued; a streaming
 answer starts only after its prompt ran, so an error before that is a plain HTTP error with its
 status; an error after it (rare: the engine failing mid-decode) ends the stream with an
-``error`` event. A client that disconnects cancels its request: at once when streaming, within
-``DISCONNECT_POLL_S`` otherwise.
+``error`` event. A client that disconnects cancels its request at once, whether it is queued,
+prefilling or decoding (the server listens for the disconnect while it waits; the scheduler frees
+the request's blocks at its next step).
 """
 
 from __future__ import annotations
@@ -29,36 +30,38 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 
 from . import protocol as P
-from .backend import Backend, QueueFull
+from .backend import Backend, QueueFull, ServingConfig
 from .metrics import CONTENT_TYPE_LATEST, Metrics
 from .prefix import DEFAULT_BLOCK_SIZE, PrefixCache
 from .prompts import Planner
 
 log = logging.getLogger(__name__)
 
-DISCONNECT_POLL_S = 1.0  # a non-streaming request checks this often whether its client is still there
-
-
 def create_app(pc, *, api_keys: dict[str, str] | None = None, documents=None, max_queue: int = 64,
-               model_name: str = "promptcache", block_size: int = DEFAULT_BLOCK_SIZE) -> FastAPI:
+               model_name: str = "promptcache", block_size: int = DEFAULT_BLOCK_SIZE,
+               serving: ServingConfig | None = None, drain_timeout: float = 10.0) -> FastAPI:
     """An app serving ``pc`` (a PromptCache).
 
     ``api_keys``: key -> namespace (None: no keys, one namespace). ``documents``: a DocumentStore
     (served to requests of its namespace) or a dict namespace -> DocumentStore. ``max_queue``:
-    requests admitted at once; one more is answered 503. ``block_size``: tokens per prefix block.
+    requests admitted at once; one more is answered 503. ``block_size``: tokens per prefix block
+    (and KV pool block). ``serving``: the serving core's pool and budgets. ``drain_timeout``:
+    seconds running requests may go on at shutdown before they are cancelled.
     """
+    serving = serving or ServingConfig()
+    serving = ServingConfig(**{**serving.__dict__, "block_size": block_size})
     prefix = PrefixCache(pc, block_size)
     if documents is not None and not isinstance(documents, dict):
         documents = {documents.namespace: documents}
     planner = Planner(pc, prefix, documents)
-    backend = Backend(pc, max_queue)
+    backend = Backend(pc, max_queue, config=serving, spill=prefix.spill)
     metrics = Metrics(backend, prefix, pc.store)
     backend.on_finish = lambda job, how: metrics.finished.labels(how).inc()
 
     @asynccontextmanager
     async def lifespan(app):
         yield
-        backend.close()
+        await asyncio.get_running_loop().run_in_executor(None, backend.close, drain_timeout)
 
     app = FastAPI(title="promptcache", lifespan=lifespan)
     app.state.backend, app.state.prefix, app.state.metrics = backend, prefix, metrics
@@ -100,16 +103,23 @@ def create_app(pc, *, api_keys: dict[str, str] | None = None, documents=None, ma
 
     async def serve(request: Request, req, plan, chat: bool):
         try:
-            job = backend.submit(plan.start, plan.sampling)
+            job = backend.submit(plan.start, plan.sampling, plan.plan)
         except QueueFull as e:
             raise P.APIError(503, f"the server is busy: {e}; retry later") from None
         except ValueError as e:  # sampling settings the engine refuses (SamplingParams names the field)
             raise P.APIError(400, str(e)) from None
+        watcher = asyncio.create_task(_watch_disconnect(request, job, backend))
+        kind = None
         try:
             kind, res = await job.events.get()  # the prompt ran (or failed) before any answer starts
         except asyncio.CancelledError:
             backend.cancel(job)
             raise
+        finally:
+            if req.stream or kind != "prefilled":  # a stream's response listens for the disconnect itself
+                watcher.cancel()
+        if kind == "error" and isinstance(res, asyncio.CancelledError):  # the client went away while queued
+            return Response(status_code=499)
         if kind == "error":
             raise P.APIError(500, f"the engine failed: {res}")
         metrics.ttft.observe(time.perf_counter() - job.submitted)
@@ -126,30 +136,24 @@ def create_app(pc, *, api_keys: dict[str, str] | None = None, documents=None, ma
             include = bool(req.stream_options and req.stream_options.include_usage)
             return StreamingResponse(_sse(job, backend, rid, req.model, chat, include, finish),
                                      media_type="text/event-stream")
-        text, checked = [], time.monotonic()
+        text = []
         try:
             while True:
-                try:
-                    kind, value = await asyncio.wait_for(job.events.get(), DISCONNECT_POLL_S)
-                except TimeoutError:
-                    kind = None
-                if time.monotonic() - checked >= DISCONNECT_POLL_S:
-                    checked = time.monotonic()
-                    if await request.is_disconnected():  # the client gave up waiting: stop decoding
-                        backend.cancel(job)
-                        return Response(status_code=499)
-                if kind is None:
-                    continue
+                kind, value = await job.events.get()
                 if kind == "text":
                     text.append(value)
                 elif kind == "done":
                     reason, use = finish(value)
                     break
+                elif isinstance(value, asyncio.CancelledError):  # the client went away (the watcher cancelled)
+                    return Response(status_code=499)
                 else:
                     raise P.APIError(500, f"the engine failed: {value}")
         except asyncio.CancelledError:
             backend.cancel(job)
             raise
+        finally:
+            watcher.cancel()
         make = P.chat_response if chat else P.completion_response
         return make(rid, req.model, "".join(text), reason, use)
 
@@ -180,6 +184,17 @@ def create_app(pc, *, api_keys: dict[str, str] | None = None, documents=None, ma
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     return app
+
+
+async def _watch_disconnect(request: Request, job, backend) -> None:
+    """Cancel ``job`` the moment its client disconnects (the body is read: the next ASGI message
+    is the disconnect). Runs while the handler waits, so a queued or prefilling request whose
+    client left is freed at the scheduler's next step."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            backend.cancel(job)
+            return
 
 
 async def _sse(job, backend, rid, model, chat, include_usage, finish):

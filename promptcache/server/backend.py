@@ -1,23 +1,27 @@
-"""The seam between the HTTP layer and the engine: one worker thread steps one shared ``Scheduler``.
+"""The seam between the HTTP layer and the engine: one worker thread steps one scheduler.
 
-Requests arrive as ``Job``s (a ``start(reserve) -> PrefillResult`` callable and sampling
-settings), each wrapping an engine ``Request``. The worker adds arriving requests to the
-scheduler and calls ``step()`` while there is work: a step is the prefill of one waiting request
-or ONE batched decode forward of every running one (continuous batching, see
-``promptcache/engine/batch.py``), so no request waits for another's whole generation. A prefill
-holds up the others' decoding for its duration (chunked prefill would fix that; not done).
-Each step's outcome goes back to the request's asyncio loop as an event:
+The scheduler is the serving scheduler (``engine/serving.py``) over one KV pool when the model's
+attention can read the pool (``paged_refusal``): every step is ONE forward that decodes a token
+for each running request and prefills the next chunk of arriving prompts within a token budget,
+and shared states are read in place. Otherwise (ALiBi families, sliding windows) it is the older
+``Scheduler``, whose prefills run whole and whose requests copy their states (logged once).
+
+Requests arrive as ``Job``s (a plan for the pool and/or a private ``start(reserve)``, and
+sampling settings), each wrapping an engine ``Request``. Each step's outcome goes back to the
+request's asyncio loop as an event:
 
     ("prefilled", PrefillResult)  after the prompt ran (usage, TTFT)
     ("text", str)                 a decoded text piece
-    ("done", Generation)          finished; the cache (or batch row) is free again
+    ("done", Generation)          finished; its blocks (or cache) are free again
     ("error", Exception)          failed; nothing more follows
 
-Capacity: at most ``max_queue`` jobs are admitted at once (decoding or waiting for their
-prefill); ``submit`` raises ``QueueFull`` beyond that (the server answers 503). ``cancel``
-(a client went away) asks the scheduler to stop the request at its next step, which frees its
-cache or batch row. A step that fails marks the requests it concerned (``Request.error``): those
-get an error event, the others go on.
+Capacity: at most ``max_queue`` jobs are admitted at once (decoding or waiting); ``submit`` raises
+``QueueFull`` beyond that (the server answers 503); the pool admits what fits, the rest waits.
+``cancel`` (a client went away) stops the request at the next step, which frees its blocks,
+whether it is queued, prefilling or decoding. Backpressure: a job whose reader leaves more than
+``max_unread`` events unread is paused (no decode steps) until the reader catches up, and
+cancelled after ``pause_timeout`` seconds paused. ``close(timeout)`` drains: running requests
+go on for up to ``timeout`` seconds, then whatever is left is cancelled.
 """
 
 from __future__ import annotations
@@ -31,6 +35,9 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from ..engine import Request, SamplingParams, Scheduler
+from ..engine.kvpool import KVPool
+from ..engine.paged import paged_refusal
+from ..engine.serving import ServingScheduler
 from ..errors import PromptCacheError
 
 log = logging.getLogger(__name__)
@@ -56,6 +63,18 @@ class Sampling:
 
 
 @dataclass
+class ServingConfig:
+    """The serving core's settings (``promptcache serve`` options of the same names)."""
+
+    kv_pool_tokens: int = 32768  # KV pool size in tokens (host memory on CPU: pages are touched only when used)
+    block_size: int = 16  # tokens per pool block (and per prefix-reuse block)
+    max_num_batched_tokens: int = 512  # tokens one step may run (decode rows + prefill chunks)
+    max_num_seqs: int = 256  # requests running at once (the rest wait)
+    max_unread: int = 256  # unread events before a stream's request is paused
+    pause_timeout: float = 30.0  # seconds a paused request waits for its reader before it is cancelled
+
+
+@dataclass
 class Job:
     start: Callable[[int], object]  # start(reserve) -> PrefillResult holding its cache
     sampling: Sampling
@@ -64,6 +83,8 @@ class Job:
     request: Request | None = None  # the engine request, stepped by the worker's scheduler
     cancelled: bool = False
     submitted: float = field(default_factory=time.perf_counter)
+    reported: bool = False  # "prefilled" was sent
+    paused_since: float | None = None
 
     def emit(self, kind: str, value) -> None:
         try:
@@ -75,12 +96,22 @@ class Job:
 class Backend:
     """Owns the engine's scheduler; ``submit`` from the event loop, events back through ``job.events``."""
 
-    def __init__(self, pc, max_queue: int = 64, on_finish: Callable[[Job, str], None] | None = None):
+    def __init__(self, pc, max_queue: int = 64, on_finish: Callable[[Job, str], None] | None = None,
+                 config: ServingConfig | None = None, spill: Callable | None = None, paged: bool = True):
         if max_queue < 1:
             raise ValueError(f"max_queue must be >= 1, got {max_queue}")
-        self.pc, self.max_queue = pc, max_queue
+        self.pc, self.max_queue, self.config = pc, max_queue, config or ServingConfig()
         self.on_finish = on_finish or (lambda job, how: None)  # how: "done", "error", "cancelled"
-        self.scheduler = Scheduler(pc.runner)  # stepped by the worker thread only
+        self.refusal = paged_refusal(pc.runner) if paged else "the paged pool was turned off"
+        self.pool: KVPool | None = None
+        if self.refusal is None:
+            c = self.config
+            self.pool = KVPool(pc.runner.spec, pc.device, c.kv_pool_tokens, c.block_size, spill)
+            self.scheduler = ServingScheduler(pc.runner, self.pool, c.max_num_batched_tokens, c.max_num_seqs,
+                                              on_publish=_write_through(pc.store))
+        else:
+            log.info("serving without the KV pool (each request assembles its own buffer): %s", self.refusal)
+            self.scheduler = Scheduler(pc.runner)  # stepped by the worker thread only
         self._incoming: deque[Job] = deque()
         self._jobs: dict[int, Job] = {}  # request id -> job, admitted and not finished (worker thread)
         self._in_flight = 0
@@ -93,18 +124,22 @@ class Backend:
     def in_flight(self) -> int:
         return self._in_flight
 
-    def submit(self, start: Callable[[int], object], sampling: Sampling) -> Job:
-        """Queue a request; call from the event loop. Raises QueueFull when at capacity, ValueError
-        for sampling settings the engine refuses."""
+    @property
+    def paged(self) -> bool:
+        return self.pool is not None
+
+    def submit(self, start: Callable[[int], object], sampling: Sampling, plan: Callable | None = None) -> Job:
+        """Queue a request; call from the event loop. ``plan(pool) -> PrefillPlan`` is used when the
+        backend serves from the pool, ``start`` otherwise. Raises QueueFull when at capacity,
+        ValueError for sampling settings the engine refuses."""
         job = Job(start, sampling, asyncio.get_running_loop(), asyncio.Queue())
-
-        def start_and_report(reserve: int):
-            res = job.start(reserve)
-            job.emit("prefilled", res)
-            return res
-
-        job.request = Request(start_and_report, sampling.params(), self.pc.tokenizer)
+        if self.paged and plan is not None:
+            job.request = Request(None, sampling.params(), self.pc.tokenizer, plan=plan)
+        else:
+            job.request = Request(start, sampling.params(), self.pc.tokenizer)
         with self._cv:
+            if self._deadline is not None:
+                raise QueueFull("the server is shutting down")
             if self._in_flight >= self.max_queue:
                 raise QueueFull(f"{self._in_flight} requests in flight, the queue holds {self.max_queue}")
             self._in_flight += 1
@@ -120,23 +155,38 @@ class Backend:
             self._cv.notify()
 
     def close(self, timeout: float = 10.0) -> None:
+        """Drain: running and queued requests go on for up to ``timeout`` seconds, then the rest
+        are cancelled and the worker stops."""
+        with self._cv:
+            self._deadline = time.monotonic() + timeout
+            self._cv.notify()
+        self._thread.join(timeout + 5.0)
         with self._cv:
             self._running = False
             self._cv.notify()
-        self._thread.join(timeout)
+        self._thread.join(5.0)
 
     # -- worker thread ---------------------------------------------------------------------------
+    _deadline: float | None = None  # set by close(): drain until then
+
     def _run(self) -> None:
         while True:
             with self._cv:
                 while self._running and not self._incoming and not self.scheduler.has_work:
+                    if self._deadline is not None:
+                        self._running = False
+                        break
                     self._cv.wait()
-                if not self._running:
+                if not self._running or (self._deadline is not None and time.monotonic() > self._deadline):
                     break
                 while self._incoming:
                     job = self._incoming.popleft()
                     self._jobs[job.request.id] = job
                     self.scheduler.add(job.request)
+            if self._backpressure():  # every running request is paused: nothing to step
+                with self._cv:
+                    self._cv.wait(0.05)
+                continue
             self._step()
         with self._cv:
             while self._incoming:
@@ -152,6 +202,27 @@ class Backend:
             for job in list(self._jobs.values()):
                 self._finish(job, "cancelled")
 
+    def _backpressure(self) -> bool:
+        """Pause jobs whose readers fell behind, cancel those paused too long; True when nothing
+        but paused requests is left to step."""
+        if not self.paged:
+            return False
+        now, limit, active = time.monotonic(), self.config.max_unread, False
+        for job in self._jobs.values():
+            req = job.request
+            req.paused = job.events.qsize() > limit
+            if req.paused:
+                job.paused_since = job.paused_since or now
+                if now - job.paused_since > self.config.pause_timeout:
+                    log.info("request %d: its reader left %d events unread for %.0f s; cancelled",
+                             req.id, job.events.qsize(), now - job.paused_since)
+                    req.cancel()
+                    active = True
+            else:
+                job.paused_since = None
+                active = active or not req.finished
+        return bool(self._jobs) and not active and not self.scheduler.waiting
+
     def _step(self) -> None:
         try:
             outs = self.scheduler.step()
@@ -163,6 +234,9 @@ class Backend:
             job = self._jobs.get(out.request_id)
             if job is None:
                 continue
+            if not job.reported and job.request.prefill is not None:
+                job.reported = True
+                job.emit("prefilled", job.request.prefill)
             if out.text:
                 job.emit("text", out.text)
             if out.finished:
@@ -185,6 +259,15 @@ class Backend:
             job.emit("done", req.generation())
             self._finish(job, "done")
 
+    @property
+    def published_blocks(self) -> int:
+        """Blocks finished requests shared in the pool (0 without a pool)."""
+        return self.scheduler.published_blocks if self.paged else 0
+
+    def stats(self) -> dict[str, int]:
+        """The pool's block counts (empty without a pool)."""
+        return self.pool.stats() if self.pool is not None else {}
+
     def _finish(self, job: Job, how: str) -> None:
         self._jobs.pop(job.request.id, None)
         with self._cv:
@@ -192,3 +275,18 @@ class Backend:
         if how == "cancelled":
             job.emit("error", asyncio.CancelledError())
         self.on_finish(job, how)
+
+
+def _write_through(store):
+    """``on_publish`` for a store with shared write-through tiers: each block a request publishes
+    is written there too, so other replicas find it (None: no such tier)."""
+    tiers = [t for t in store.shared if t.write_policy == "through"]
+    if not tiers:
+        return None
+
+    def publish(key, kv):
+        data = kv.clone()
+        for tier in tiers:
+            tier.put(key, data)
+
+    return publish

@@ -72,8 +72,19 @@ def load_documents(pc, folder: Path, namespace: str):
 @click.option("--port", default=8000, show_default=True, type=int)
 @click.option("--api-key-file", type=click.Path(exists=True, dir_okay=False), default=None,
               help="Lines 'KEY NAMESPACE'; keys map to cache namespaces (tenants).")
-@click.option("--max-queue", default=64, show_default=True, type=int, help="Requests admitted at once (503 beyond).")
-@click.option("--block-size", default=64, show_default=True, type=int, help="Tokens per prefix-reuse block.")
+@click.option("--max-queue", default=256, show_default=True, type=int, help="Requests admitted at once (503 beyond).")
+@click.option("--block-size", default=16, show_default=True, type=int,
+              help="Tokens per KV pool block and prefix-reuse block.")
+@click.option("--kv-pool-tokens", default=32768, show_default=True, type=int,
+              help="KV pool size in tokens: running requests' own tokens and shared blocks; a request waits "
+                   "for room instead of running out of memory (CPU: pages are used only when written).")
+@click.option("--max-num-batched-tokens", default=512, show_default=True, type=int,
+              help="Tokens one engine step may run: a token per decoding request plus prefill chunks "
+                   "(a long prompt delays the others' next tokens by one chunk's forward).")
+@click.option("--max-num-seqs", default=256, show_default=True, type=int,
+              help="Requests running at once; the rest wait in arrival order.")
+@click.option("--drain-timeout", default=10.0, show_default=True, type=float,
+              help="Seconds running requests may finish at shutdown (SIGTERM, Ctrl-C) before they are cancelled.")
 @click.option("--model-name", default=None, help="The model id clients send (default: --model).")
 @click.option("--cache-gb", default=4.0, show_default=True, type=float,
               help="Memory for stored states (prefix blocks, schemas, documents) in GiB; the least recently "
@@ -81,7 +92,8 @@ def load_documents(pc, folder: Path, namespace: str):
                    "variables or config keys) override it per tier.")
 @guard
 def serve(model, device, dtype, engine, config_file, src_root, schemas, compiled, documents, host, port,
-          api_key_file, max_queue, block_size, model_name, cache_gb):
+          api_key_file, max_queue, block_size, kv_pool_tokens, max_num_batched_tokens, max_num_seqs, drain_timeout,
+          model_name, cache_gb):
     """Serve an OpenAI-compatible API (chat, completions, models, health, metrics) that reuses
     attention states across requests. Needs the 'serve' extra."""
     try:
@@ -91,6 +103,7 @@ def serve(model, device, dtype, engine, config_file, src_root, schemas, compiled
     from ..cli.common import load_engine
     from ..progress import progress_for
     from .app import create_app
+    from .backend import ServingConfig
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:
@@ -112,8 +125,11 @@ def serve(model, device, dtype, engine, config_file, src_root, schemas, compiled
         if documents:
             click.echo(f"Loading documents from {documents} (namespace '{ns}') ...", err=True)
             docs[ns] = load_documents(pc, Path(documents), ns)
+    serving = ServingConfig(kv_pool_tokens=kv_pool_tokens, block_size=block_size,
+                            max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs)
     app = create_app(pc, api_keys=keys, documents=docs or None, max_queue=max_queue,
-                     model_name=model_name or model, block_size=block_size)
+                     model_name=model_name or model, block_size=block_size, serving=serving,
+                     drain_timeout=drain_timeout)
     if keys is None:
         click.echo("No --api-key-file: no keys are checked and every client shares one namespace; "
                    f"{'binding ' + host + ' (this machine only)' if host in LOOPBACK else 'WARNING: ' + host + ' is reachable by others'}.",
@@ -122,5 +138,7 @@ def serve(model, device, dtype, engine, config_file, src_root, schemas, compiled
         click.echo(f"{len(keys)} API keys in {len(namespaces)} namespaces.", err=True)
     click.echo(f"Ready: http://{host}:{port}/v1 (model '{model_name or model}'); Ctrl-C stops.", err=True)
     sys.stderr.flush()
-    uvicorn.run(app, host=host, port=port, log_level="warning")
+    # uvicorn waits for open connections this long at shutdown (a stalled stream included), then the
+    # app's shutdown drains the engine for the same time
+    uvicorn.run(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=drain_timeout)
     click.echo("Stopped.", err=True)

@@ -26,12 +26,16 @@ class Metrics:
                               buckets=(.005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30), registry=r)
         Gauge("promptcache_requests_in_flight", "requests admitted and not finished",
               registry=r).set_function(lambda: backend.in_flight)
-        Gauge("promptcache_prefix_blocks_stored", "prefix blocks put into the store",
-              registry=r).set_function(lambda: prefix_cache.blocks_stored)
+        Gauge("promptcache_prefix_blocks_stored", "prefix blocks stored (shared in the KV pool or put into the store)",
+              registry=r).set_function(lambda: prefix_cache.blocks_stored + backend.published_blocks)
         Gauge("promptcache_decode_forwards", "forwards run for decoding (a batched step counts once)",
               registry=r).set_function(lambda: backend.scheduler.decode_forwards)
         Gauge("promptcache_decode_tokens", "tokens decoded by those forwards (tokens / forwards: mean batch)",
               registry=r).set_function(lambda: backend.scheduler.decode_tokens)
+        for name, doc in (("blocks", "KV pool blocks"), ("free", "free KV pool blocks"),
+                          ("entries", "shared KV pool entries (prefix blocks, promoted modules)")):
+            Gauge(f"promptcache_kv_pool_{name}", doc, registry=r).set_function(
+                lambda n=name: backend.stats().get(n, 0))
         usage = Gauge("promptcache_store_bytes", "bytes of stored states per tier", ["tier"], registry=r)
         for tier in store.usage():
             usage.labels(tier).set_function(lambda t=tier: store.usage().get(t, 0))

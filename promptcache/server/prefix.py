@@ -1,18 +1,18 @@
 """Automatic prefix reuse for plain token prompts (vLLM-style automatic prefix caching).
 
-A prompt's tokens are cut into blocks of ``block_size`` tokens from position 0. Block i's key
-chains the key of block i-1 with block i's token IDs, the namespace and the model
-(``pc.model_key``): equal keys mean an equal token prefix, so a stored block's states (computed
-at positions [i*B, (i+1)*B) after exactly that prefix) are what a plain prefill computes there.
-Blocks live in the engine's tiered store (``pc.store``) under its budgets and LRU, beside the
-schema modules.
+A prompt's tokens are cut into blocks of ``block_size`` tokens from position 0, keyed as a chain
+(``engine.chains.ChainPlanner``): equal keys mean an equal token prefix, so a stored block's
+states are what a plain prefill computes there, and reuse is exact up to float rounding.
 
-Serving a prompt: the longest chain of stored blocks that prefixes it is placed (positions
-contiguous from 0), the remaining tokens run on top (``pc.run_spliced``), then the prompt's full
-blocks not stored yet are read from the kept cache and stored. The state equals a plain prefill
-(causal attention; the same tokens at the same positions), so reuse is exact up to float
-rounding. At least one token always runs, so there are logits: a prompt made only of stored
-full blocks recomputes its last block.
+Two ways to serve a prompt, picked by the backend:
+  * ``plan(ids, namespace)`` (the serving scheduler, every model whose attention can read the KV
+    pool): blocks live in the pool, shared in place by every request that matches them; a
+    finished request's prompt and answer blocks join them; blocks the pool evicts go down the
+    store's tiers (``spill``) and come back on use.
+  * ``prefill(ids, namespace, reserve)`` (the older per-request path, models the pool cannot
+    serve): the longest chain of stored blocks is copied into a private buffer, the rest runs on
+    top, and the prompt's new full blocks are read back and stored in ``pc.store``.
+At least one token always runs, so there are logits.
 """
 
 from __future__ import annotations
@@ -23,31 +23,37 @@ from typing import Callable
 
 import torch
 
-from ..keys import chain_key, chain_root
+from ..engine.chains import ChainPlanner
 from ..store import StoreError
 
 log = logging.getLogger(__name__)
 
-DEFAULT_BLOCK_SIZE = 64
+DEFAULT_BLOCK_SIZE = 16
 
 
 class PrefixCache:
-    """Hash-chained token blocks over ``pc.store``; ``start(ids, namespace)`` plugs into
-    ``pc.stream_from``. Thread-safe as far as the store is (blocks are immutable once stored)."""
+    """Hash-chained token blocks; ``plan`` for the serving scheduler, ``starter`` for the older
+    path. Thread-safe as far as the store is (blocks are immutable once stored)."""
 
     def __init__(self, pc, block_size: int = DEFAULT_BLOCK_SIZE):
-        if block_size < 1:
-            raise ValueError(f"block_size must be >= 1 token, got {block_size}")
         self.pc, self.block_size = pc, block_size
+        self.chains = ChainPlanner(pc.store, pc.model_key, block_size)
         self.blocks_stored = 0  # blocks this cache put into the store (a counter for /metrics)
 
     def keys(self, ids: list[int], namespace: str) -> list[str]:
         """Chained keys of the full blocks of ``ids`` (len(ids) // block_size of them)."""
-        b, parent, out = self.block_size, chain_root(self.pc.model_key, namespace), []
-        for i in range(len(ids) // b):
-            parent = chain_key(parent, ids[i * b : (i + 1) * b], i * b)
-            out.append(parent)
-        return out
+        return self.chains.keys(ids, namespace)
+
+    def plan(self, ids: list[int], namespace: str):
+        """``plan(pool) -> PrefillPlan`` for the serving scheduler."""
+        if not ids:
+            raise ValueError("a prompt needs at least one token")
+        return lambda pool: self.chains.plan(ids, namespace, pool)
+
+    def spill(self, key: str, kv: torch.Tensor) -> None:
+        """A block the pool evicts goes down the store's tiers (and comes back from there)."""
+        self.pc.store.put(key, kv)
+        self.blocks_stored += 1
 
     def match(self, ids: list[int], namespace: str) -> int:
         """Number of leading blocks of ``ids`` already stored (at most (len(ids) - 1) // B, so

@@ -1,4 +1,9 @@
-"""Requests -> what the engine runs: ``Plan(start, prompt_tokens, sampling)``, or an APIError.
+"""Requests -> what the engine runs: ``Plan(start, prompt_tokens, sampling, plan)``, or an APIError.
+
+``plan`` (``plan(pool) -> PrefillPlan``) is how the serving scheduler runs a prompt, reading
+stored states in place from the KV pool; ``start`` (``start(reserve) -> PrefillResult``) is the
+private-buffer prefill, used for prompts that recompute part of their states (``recompute`` >
+0, independent documents) and on models the pool cannot serve. The backend picks.
 
 Three ways in, all validated before anything is queued (so nothing is half-served):
   * plain chat messages / completion prompts -> token IDs (the tokenizer's chat template with
@@ -34,6 +39,7 @@ class Plan:
     start: Callable[[int], object]  # start(reserve) -> PrefillResult
     prompt_tokens: int
     sampling: Sampling
+    plan: Callable[[object], object] | None = None  # plan(pool) -> PrefillPlan (None: start only)
 
 
 class Planner:
@@ -92,7 +98,7 @@ class Planner:
     # -- the three paths -------------------------------------------------------------------------
     def _tokens(self, ids, req: BaseRequest, ns: str, max_tokens, default: int, param: str) -> Plan:
         sampling = self._sampling(req, len(ids), max_tokens, default, param)
-        return Plan(self.prefix.starter(ids, ns), len(ids), sampling)
+        return Plan(self.prefix.starter(ids, ns), len(ids), sampling, self.prefix.plan(ids, ns))
 
     def _pml(self, req: BaseRequest, ns: str, max_tokens, default: int) -> Plan:
         try:
@@ -107,8 +113,9 @@ class Planner:
             raise APIError(400, f"bad PML prompt: {e}", "pml") from None
         sampling = self._sampling(req, max(layout.position_ids) + 1, max_tokens, default, "pml")
         r = req.recompute
+        paged = None if self.pc.recompute_fraction(r) > 0 else (lambda pool: self.pc.plan(tree, ns, recompute=r))
         return Plan(lambda reserve: self.pc.prefill(tree, reserve, keep_cache=True, namespace=ns, recompute=r),
-                    len(layout.token_ids), sampling)
+                    len(layout.token_ids), sampling, paged)
 
     def _documents(self, req: ChatRequest, msgs: list[dict], ns: str, max_tokens) -> Plan:
         store = self.documents.get(ns)
@@ -127,8 +134,11 @@ class Planner:
         layout = store.layout(question, ids, system)
         sampling = self._sampling(req, max(layout.position_ids) + 1, max_tokens, CHAT_DEFAULT_MAX_TOKENS, "messages")
         r = req.recompute
+        # chain documents are a token prompt at positions 0..n-1 (exact; chains ignore recompute):
+        # planned as a token chain, so their blocks are shared through the pool like any prefix
+        paged = None if store.independent else self.prefix.plan(list(layout.token_ids), ns)
         return Plan(lambda reserve: store.prefill(question, ids, system, reserve, keep_cache=True, recompute=r),
-                    len(layout.token_ids), sampling)
+                    len(layout.token_ids), sampling, paged)
 
     def _sampling(self, req: BaseRequest, length: int, max_tokens, default: int, param: str) -> Sampling:
         room = None if self.context is None else self.context - length

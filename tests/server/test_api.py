@@ -112,9 +112,14 @@ def test_pml_prompt_through_extra_body(oai):
 def test_documents_through_extra_body(oai, pc, docs):
     msgs = [{"role": "system", "content": "Answer from the documents."},
             {"role": "user", "content": "Which city has red gates?"}]
-    docs.prefill("Which city has red gates?", ["kyoto", "lisbon"], "Answer from the documents.")  # chain cached
-    r = ask(oai, msgs, max_tokens=5, extra_body={"documents": ["kyoto", "lisbon"]})
     expected = docs.generate("Which city has red gates?", ["kyoto", "lisbon"], system="Answer from the documents.",
                              max_new_tokens=5)
-    assert r.choices[0].message.content == expected.text
-    assert r.usage.prompt_tokens_details.cached_tokens == expected.cached_tokens > 0
+    first = ask(oai, msgs, max_tokens=5, extra_body={"documents": ["kyoto", "lisbon"]})
+    r = ask(oai, msgs, max_tokens=5, extra_body={"documents": ["kyoto", "lisbon"]})
+    assert first.choices[0].message.content == r.choices[0].message.content == expected.text
+    # the server plans chain documents as a token chain in its KV pool: the second request reuses
+    # every full block of the first (all but the last token must run)
+    block = 16  # the server's default block size
+    prompt = r.usage.prompt_tokens
+    assert prompt == expected.cached_tokens + expected.new_tokens
+    assert r.usage.prompt_tokens_details.cached_tokens == (prompt - 1) // block * block > 0

@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 import functools
 
+import pytest
+
 from promptcache.server.backend import Backend, Sampling
 
 PROMPT = "<prompt><user>Tell me about bicycles and their wheels.</user></prompt>"
@@ -20,9 +22,18 @@ async def drain(job) -> list[tuple[str, object]]:
             return events
 
 
-def test_a_failing_request_gets_an_error_and_the_others_finish(pc):
+def idle(backend) -> bool:
+    """Nothing running, nothing held: every pool block free (paged) or no batch row (older path)."""
+    if backend.paged:
+        return not backend.scheduler.running and backend.pool.free_blocks == backend.pool.num_blocks
+    return not backend.scheduler.batch.members
+
+
+@pytest.mark.parametrize("paged", [True, False], ids=["pool", "private"])
+def test_a_failing_request_gets_an_error_and_the_others_finish(pc, paged):
     outcomes = []
-    backend = Backend(pc, max_queue=8, on_finish=lambda job, how: outcomes.append(how))
+    backend = Backend(pc, max_queue=8, on_finish=lambda job, how: outcomes.append(how), paged=paged)
+    assert backend.paged == paged
 
     def broken(reserve):
         raise RuntimeError("no such prompt")
@@ -44,11 +55,11 @@ def test_a_failing_request_gets_an_error_and_the_others_finish(pc):
         assert "".join(v for k, v in events if k == "text") == expected.text
         assert events[-1][1].token_ids == expected.token_ids
     assert sorted(outcomes) == ["done"] * 3 + ["error"] and backend.in_flight == 0
-    assert not backend.scheduler.has_work and not backend.scheduler.batch.members
+    assert not backend.scheduler.has_work and idle(backend)
 
 
 def test_cancel_frees_the_batch_row(pc):
-    backend = Backend(pc, max_queue=8)
+    backend = Backend(pc, max_queue=8, paged=False)  # the older path's decode batch
 
     async def main():
         long = [backend.submit(functools.partial(pc.prefill, PROMPT, keep_cache=True), Sampling(400, 0.0))

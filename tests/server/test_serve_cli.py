@@ -76,7 +76,7 @@ def test_no_key_file_binds_loopback_and_says_so(monkeypatch):
     monkeypatch.setattr(uvicorn, "run", lambda app, **kw: calls.append(kw))
     out = CliRunner().invoke(serve, ["--model", "embedded", "--port", "9"])
     assert out.exit_code == 0, out.output
-    assert calls == [{"host": "127.0.0.1", "port": 9, "log_level": "warning"}]
+    assert calls == [{"host": "127.0.0.1", "port": 9, "log_level": "warning", "timeout_graceful_shutdown": 10.0}]
     assert "No --api-key-file" in out.output and "127.0.0.1 (this machine only)" in out.output
 
 

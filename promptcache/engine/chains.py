@@ -1,0 +1,67 @@
+"""``ChainPlanner``: token prompts at positions 0..n-1 as chains of fixed-size blocks.
+
+Block i of a prompt holds tokens [i*B, (i+1)*B); its key chains the key of block i-1 with block
+i's token IDs (``keys.chain_key``), rooted in the model and the namespace (``chain_root``): equal
+keys mean an equal token prefix, so a stored block's states are what a plain prefill computes
+there and reuse is exact. The server's automatic prefix reuse and its ``documents`` prompts in
+chain mode both plan through it.
+
+``plan(ids, namespace, pool)`` matches the longest chain of leading blocks held by the KV pool
+(read in place) or by the store's tiers (promoted into the pool on admission), leaves at least
+one token to run (there must be logits), and names how the request's own full blocks are keyed
+when it finishes (``PrefillPlan.publish``): the prompt's remaining blocks and then its answer's,
+so the next turn of a chat, which repeats both, finds them.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import torch
+
+from ..keys import chain_key, chain_root
+from ..store import StoreError
+from .plan import PrefillPlan, Segment
+
+__all__ = ["ChainPlanner"]
+
+
+class ChainPlanner:
+    def __init__(self, store, model_key: str, block_size: int = 16):
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1 token, got {block_size}")
+        self.store, self.model_key, self.block_size = store, model_key, block_size
+
+    def keys(self, ids: list[int], namespace: str, parent: str | None = None, start: int = 0) -> list[str]:
+        """Chained keys of the full blocks of ``ids``, whose first token is at position ``start``
+        (a multiple of the block size) after the chain ending in ``parent`` (None: the root)."""
+        b, out = self.block_size, []
+        parent = parent or chain_root(self.model_key, namespace)
+        for i in range(len(ids) // b):
+            parent = chain_key(parent, ids[i * b : (i + 1) * b], start + i * b)
+            out.append(parent)
+        return out
+
+    def plan(self, ids: list[int], namespace: str, pool) -> PrefillPlan:
+        """The prompt's plan over ``pool`` (a ``KVPool``; membership tests only) and the store."""
+        if not ids:
+            raise ValueError("a prompt needs at least one token")
+        b, keys = self.block_size, self.keys(ids, namespace)
+        segments, hits = [], Counter()
+        for i, key in enumerate(keys[: (len(ids) - 1) // b]):
+            pos = torch.arange(i * b, (i + 1) * b)
+            if key in pool:
+                segments.append(Segment(key, None, pos, promote=True))
+                hits["pool"] += 1
+                continue
+            try:
+                kv, tier = self.store.get(key)  # [L, 2, H, B, D]
+            except StoreError:  # not stored (or no longer): the chain ends here
+                break
+            segments.append(Segment(key, kv, pos, promote=True))
+            hits[tier] += 1
+        m = len(segments) * b
+        parent = keys[len(segments) - 1] if segments else None
+        return PrefillPlan(segments=segments, new_ids=list(ids[m:]), new_pos=list(range(m, len(ids))),
+                           max_position=len(ids) - 1, exact=True, hit_tiers=dict(hits),
+                           publish=lambda own: self.keys(own, namespace, parent, m))

@@ -1,0 +1,212 @@
+"""``KVPool``: one preallocated pool of fixed-size KV blocks that running requests reference.
+
+Layout: ``buf[layer, 0|1, kv_head, slot, head_dim]`` with ``slot = block * block_size + i``
+(0 = keys, 1 = values). Pages of a CPU pool are touched only when written, so a large pool
+costs resident memory only for the blocks in use.
+
+Ownership. A block is free, owned by one running request (its new and generated tokens), or
+owned by a *shared entry*: states several requests may read in place, found by content key
+(a chain block key or a module span key). An entry counts the requests reading it (``refs``);
+an entry nobody reads is *idle* and stays in the pool, in LRU order, until its blocks are
+needed: then it is evicted, and ``spill(key, kv)`` (when given) hands its states down to the
+store's tiers first, so a later request finds them there and they are promoted back on use.
+
+Allocation prefers one contiguous run of blocks (a request's own tokens then form one run, and
+attention reads a run as one view); when no run is long enough it takes the lowest free blocks.
+Nothing here is thread-safe: the serving scheduler's one thread owns the pool.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from ..cache import KVSpec
+from ..errors import PromptCacheError
+
+log = logging.getLogger(__name__)
+
+__all__ = ["KVPool", "PoolFull", "SharedEntry", "runs"]
+
+
+class PoolFull(PromptCacheError, RuntimeError):
+    """A request needs more blocks than the whole pool holds (it could never be admitted)."""
+
+    exit_code = 2
+
+
+@dataclass(eq=False)
+class SharedEntry:
+    key: str
+    blocks: list[int]  # in token order
+    n: int  # tokens held (the last block may be partial)
+    positions: torch.Tensor  # [n] position IDs of the entry's tokens
+    refs: int = 0  # requests reading it now
+    views: list[torch.Tensor] = field(default_factory=list)  # runs as [L, 2, H, k, D] views
+
+
+def runs(blocks: list[int]) -> list[tuple[int, int]]:
+    """Maximal runs of consecutive block ids as (first block, count), in order."""
+    out: list[list[int]] = []
+    for b in blocks:
+        if out and out[-1][0] + out[-1][1] == b:
+            out[-1][1] += 1
+        else:
+            out.append([b, 1])
+    return [(a, k) for a, k in out]
+
+
+class KVPool:
+    def __init__(self, spec: KVSpec, device, tokens: int, block_size: int = 16,
+                 spill: Callable[[str, torch.Tensor], None] | None = None):
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1 token, got {block_size}")
+        if tokens < block_size:
+            raise ValueError(f"the pool must hold at least one block ({block_size} tokens), got {tokens}")
+        self.spec, self.block_size, self.spill = spec, block_size, spill
+        self.num_blocks = tokens // block_size
+        shape = (spec.layers, 2, spec.kv_heads, self.num_blocks * block_size, spec.head_dim)
+        self.buf = torch.empty(shape, dtype=spec.dtype, device=device)  # untouched pages cost nothing on CPU
+        self._free: list[int] = list(range(self.num_blocks))  # sorted
+        self._entries: dict[str, SharedEntry] = {}
+        self._idle: OrderedDict[str, SharedEntry] = OrderedDict()  # refs == 0, least recently used first
+        self.evictions = 0
+
+    # -- capacity ---------------------------------------------------------------------------------
+    def blocks_for(self, tokens: int) -> int:
+        return -(-tokens // self.block_size)
+
+    @property
+    def free_blocks(self) -> int:
+        """Blocks free now (not counting idle entries' blocks, which eviction can free)."""
+        return len(self._free)
+
+    @property
+    def available_blocks(self) -> int:
+        """Blocks an allocation could get: free ones plus those of idle entries."""
+        return len(self._free) + sum(len(e.blocks) for e in self._idle.values())
+
+    @property
+    def used_blocks(self) -> int:
+        return self.num_blocks - len(self._free)
+
+    def allocate(self, count: int) -> list[int] | None:
+        """``count`` blocks for a request (None: not available even after evicting idle entries)."""
+        if count > self.num_blocks:
+            raise PoolFull(f"{count} blocks of {self.block_size} tokens are needed, the KV pool holds "
+                           f"{self.num_blocks} ({self.num_blocks * self.block_size} tokens); raise the pool size")
+        if count > self.available_blocks:
+            return None
+        while len(self._free) < count:
+            self._evict_one()
+        return self._take(count)
+
+    def free(self, blocks: list[int]) -> None:
+        """Give a request's own blocks back."""
+        if blocks:
+            self._free = sorted(self._free + list(blocks))
+
+    def _take(self, count: int) -> list[int]:
+        free, start, run = self._free, 0, 0
+        for i, b in enumerate(free):  # first run of ``count`` consecutive ids
+            run = run + 1 if i and free[i - 1] == b - 1 else 1
+            if run == count:
+                start = i - count + 1
+                break
+        else:
+            start = 0  # fragmented: the lowest free blocks
+        taken = free[start : start + count]
+        del free[start : start + count]
+        return taken
+
+    # -- views ------------------------------------------------------------------------------------
+    def views(self, blocks: list[int], n: int) -> list[torch.Tensor]:
+        """The first ``n`` tokens of ``blocks`` as [L, 2, H, k, D] views, one per contiguous run."""
+        out, left, bs = [], n, self.block_size
+        for first, count in runs(blocks):
+            k = min(left, count * bs)
+            if k <= 0:
+                break
+            out.append(self.buf[:, :, :, first * bs : first * bs + k])
+            left -= k
+        return out
+
+    def slots(self, blocks: list[int], start: int, end: int) -> torch.Tensor:
+        """Pool slots of tokens [start, end) of a block list: LongTensor [end - start]."""
+        idx = torch.arange(start, end)
+        table = torch.tensor(blocks, dtype=torch.long)
+        return (table[idx // self.block_size] * self.block_size + idx % self.block_size).to(self.buf.device)
+
+    def write(self, blocks: list[int], start: int, kv: torch.Tensor) -> None:
+        """Copy states kv [L, 2, H, n, D] into tokens [start, start + n) of ``blocks``."""
+        n, off, bs = kv.shape[3], 0, self.block_size
+        for first, count in runs(blocks):
+            lo, hi = first * bs, (first + count) * bs  # slots of this run; token index of lo = off
+            a, b = max(start, off), min(start + n, off + count * bs)
+            if a < b:
+                self.buf[:, :, :, lo + a - off : lo + b - off].copy_(kv[:, :, :, a - start : b - start],
+                                                                     non_blocking=True)
+            off += hi - lo
+
+    # -- shared entries ---------------------------------------------------------------------------
+    def __contains__(self, key: str) -> bool:
+        return key in self._entries
+
+    def acquire(self, key: str) -> SharedEntry | None:
+        """The entry under ``key``, now read by one more request (None: not in the pool)."""
+        e = self._entries.get(key)
+        if e is not None:
+            e.refs += 1
+            self._idle.pop(key, None)
+        return e
+
+    def release(self, entry: SharedEntry) -> None:
+        """One reader fewer; an entry nobody reads becomes idle (most recently used)."""
+        assert entry.refs > 0, entry.key
+        entry.refs -= 1
+        if entry.refs == 0 and self._entries.get(entry.key) is entry:
+            self._idle[entry.key] = entry
+
+    def publish(self, key: str, blocks: list[int], n: int, positions: torch.Tensor) -> SharedEntry | None:
+        """Make ``blocks`` (a request's own, holding ``n`` tokens) a shared entry; it starts idle.
+        Returns None (and the caller keeps the blocks) when the key is already present."""
+        if key in self._entries:
+            return None
+        e = SharedEntry(key, list(blocks), n, positions, views=self.views(blocks, n))
+        self._entries[key] = self._idle[key] = e
+        return e
+
+    def promote(self, key: str, kv: torch.Tensor, positions: torch.Tensor) -> SharedEntry | None:
+        """Copy stored states kv [L, 2, H, n, D] into new blocks as an entry read by one request
+        (None: no room now)."""
+        blocks = self.allocate(self.blocks_for(kv.shape[3]))
+        if blocks is None:
+            return None
+        self.write(blocks, 0, kv)
+        e = SharedEntry(key, blocks, kv.shape[3], positions, refs=1, views=self.views(blocks, kv.shape[3]))
+        self._entries[key] = e
+        return e
+
+    def _evict_one(self) -> None:
+        key, e = self._idle.popitem(last=False)
+        del self._entries[key]
+        if self.spill is not None:
+            try:
+                self.spill(key, torch.cat(e.views, dim=3) if len(e.views) > 1 else e.views[0].clone())
+            except Exception as err:  # noqa: BLE001 - a failed spill loses a cache entry, never an answer
+                log.warning("KV pool: spilling %s failed (%s); its states are dropped", key, err)
+        self.free(e.blocks)
+        self.evictions += 1
+
+    def clear_idle(self) -> None:
+        """Evict every idle entry (tests, benchmarks)."""
+        while self._idle:
+            self._evict_one()
+
+    def stats(self) -> dict[str, int]:
+        return {"blocks": self.num_blocks, "free": len(self._free), "entries": len(self._entries),
+                "idle_entries": len(self._idle), "evictions": self.evictions}

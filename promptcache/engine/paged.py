@@ -1,0 +1,270 @@
+"""One packed forward over several requests whose states live in a ``KVPool``, read in place.
+
+A step packs every scheduled request's new tokens into one sequence ``[1, N]`` (decode rows one
+token each, prefill chunks several) and runs the stock model once. Attention goes through a
+function registered with transformers' ``AttentionInterface`` (``"promptcache_paged"``, set on
+the model's config for this forward only, under the runner's lock): the model computes queries,
+rotates them at our position IDs, hands new keys/values to ``PagedCache.update`` (which writes
+them into the requests' own pool slots) and calls the function, which attends each request's
+queries to:
+
+  * its **shared segments**: stored states read in place ([L, 2, H, n, D] views: pool runs or a
+    store tier's own tensors). A segment several requests share is read ONCE for all of them
+    (their queries stacked into one matrix product: cascade attention); and
+  * its **own tokens** (earlier chunks, generated tokens and this step's tokens, causal among
+    the new ones), from its pool slots. Decode rows are batched: their own keys (a few dozen
+    per request) are gathered into one padded tensor, the only copy on the hot path.
+
+Partial results are merged by log-sum-exp in float32, which is exact algebra: the result equals
+attention over the concatenated keys up to float rounding. Segments keep their position IDs (the
+keys were rotated when they were computed), so Prompt Cache's gaps, unions and parameters need
+nothing here. ``paged_refusal`` says why a model cannot run this way (ALiBi, sliding windows, or
+a self-check against the stock forward that fails); the server then keeps the older path.
+"""
+
+from __future__ import annotations
+
+import math
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+from transformers import AttentionInterface
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from .kvpool import KVPool
+
+__all__ = ["PagedRow", "paged_forward", "paged_refusal", "ATTENTION_NAME"]
+
+ATTENTION_NAME = "promptcache_paged"
+
+
+@dataclass(eq=False)
+class PagedRow:
+    """One request's part of a step: ``ids``/``pos`` its t new tokens; ``shared``: (key, view
+    [L, 2, H, n, D]) segments it reads before its own tokens; ``own``: pool slots of its own
+    tokens so far INCLUDING these t (the last t are written by this step); ``logits``: whether
+    the step returns logits of its last token."""
+
+    ids: list[int]
+    pos: list[int]
+    shared: list[tuple[str, torch.Tensor]]
+    own: torch.Tensor  # LongTensor [done + t] of pool slots
+    logits: bool = True
+
+
+@dataclass
+class _Plan:
+    """Per-step index structures, built once and read by every layer."""
+
+    pool: KVPool
+    scale: float | None
+    segments: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # (view, query idx [m])
+    decode_q: torch.Tensor | None = None  # [B] packed query index of each decode row
+    decode_slots: torch.Tensor | None = None  # [B, K] own slots (padded)
+    decode_valid: torch.Tensor | None = None  # [B, K] bool
+    prefills: list[tuple[int, int, torch.Tensor, int]] = field(default_factory=list)  # (q0, q1, own slots, done)
+
+
+def _build_plan(pool: KVPool, rows: list[PagedRow], scale: float | None) -> _Plan:
+    plan, dev = _Plan(pool, scale), pool.buf.device
+    by_key: dict[str, tuple[torch.Tensor, list[int]]] = {}
+    decodes, off = [], 0
+    for row in rows:
+        t = len(row.ids)
+        for key, view in row.shared:
+            by_key.setdefault(key, (view, []))[1].extend(range(off, off + t))
+        if t == 1:
+            decodes.append((off, row.own))
+        else:
+            plan.prefills.append((off, off + t, row.own, len(row.own) - t))
+        off += t
+    plan.segments = [(v, torch.tensor(q, dtype=torch.long, device=dev)) for v, q in by_key.values()]
+    if decodes:
+        width = max(len(s) for _, s in decodes)
+        slots = torch.zeros((len(decodes), width), dtype=torch.long, device=dev)
+        valid = torch.zeros((len(decodes), width), dtype=torch.bool, device=dev)
+        for i, (_, s) in enumerate(decodes):
+            slots[i, : len(s)] = s
+            valid[i, : len(s)] = True
+        plan.decode_q = torch.tensor([q for q, _ in decodes], dtype=torch.long, device=dev)
+        plan.decode_slots, plan.decode_valid = slots, valid
+    return plan
+
+
+def _merge(out, lse, idx, o, l) -> None:
+    """Fold a partial result (o [Hk, G, m, D], lse l [Hk, G, m]) for queries ``idx`` into the
+    running (out [Hk, G, N, D], lse [Hk, G, N]), all float32."""
+    old = lse[:, :, idx]
+    new = torch.logaddexp(old, l)
+    out[:, :, idx] = out[:, :, idx] * torch.exp(old - new)[..., None] + o * torch.exp(l - new)[..., None]
+    lse[:, :, idx] = new
+
+
+def _attend(q, k, v, mask=None):
+    """q [..., m, D] against k, v [..., n, D] (float32; q already scaled); mask broadcastable to
+    [..., m, n] (True = attend). Returns (out [..., m, D], lse [..., m])."""
+    s = q @ k.transpose(-1, -2)
+    if mask is not None:
+        s = s.masked_fill(~mask, float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)
+    return torch.exp(s - lse[..., None]) @ v, lse
+
+
+def paged_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, pc_plan=None, **kwargs):
+    """The registered attention: query [1, Hq, N, D] (new keys/values are already in the pool).
+    Returns ([1, N, Hq, D], None) as transformers' attention functions do."""
+    if pc_plan is None:
+        raise RuntimeError("promptcache_paged attention called without a step plan (a model that does not pass "
+                           "its keyword arguments to attention)")
+    plan: _Plan = pc_plan
+    layer = module.layer_idx
+    _, hq, n, d = query.shape
+    kbuf, vbuf = plan.pool.buf[layer, 0], plan.pool.buf[layer, 1]  # [Hk, S, D]
+    hk = kbuf.shape[0]
+    g = hq // hk
+    scale = plan.scale if plan.scale is not None else (scaling if scaling is not None else 1 / math.sqrt(d))
+    q = (query[0].float() * scale).view(hk, g, n, d)  # q head h reads kv head h // g
+    out = torch.zeros((hk, g, n, d), dtype=torch.float32, device=query.device)
+    lse = torch.full((hk, g, n), float("-inf"), dtype=torch.float32, device=query.device)
+    for view, idx in plan.segments:  # shared segments: read once for every query that needs them
+        o, l = _attend(q[:, :, idx].reshape(hk, -1, d), view[layer, 0].float(), view[layer, 1].float())
+        _merge(out, lse, idx, o.view(hk, g, -1, d), l.view(hk, g, -1))
+    if plan.decode_q is not None:  # decode rows: own keys gathered, [Hk, B, K, D]
+        ks, vs = kbuf[:, plan.decode_slots].float(), vbuf[:, plan.decode_slots].float()
+        qd = q[:, :, plan.decode_q].permute(0, 2, 1, 3)  # [Hk, B, G, D]
+        o, l = _attend(qd, ks, vs, plan.decode_valid[None, :, None, :])
+        _merge(out, lse, plan.decode_q, o.permute(0, 2, 1, 3), l.permute(0, 2, 1))
+    for q0, q1, own, done in plan.prefills:  # prefill chunks: own keys, causal among the new ones
+        t = q1 - q0
+        ks, vs = _slots(kbuf, own).float(), _slots(vbuf, own).float()  # [Hk, done + t, D]
+        causal = torch.ones((t, done + t), dtype=torch.bool, device=query.device).tril(done)
+        idx = torch.arange(q0, q1, device=query.device)
+        o, l = _attend(q[:, :, q0:q1], ks[:, None], vs[:, None], causal)
+        _merge(out, lse, idx, o, l)
+    return out.view(hq, n, d).transpose(0, 1)[None].to(query.dtype), None
+
+
+def _slots(buf: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """buf [H, S, D] at ``slots``: a view when they are one ascending run, else a gather."""
+    first, k = int(slots[0]), slots.numel()
+    if int(slots[-1]) == first + k - 1 and (k < 3 or bool((slots[1:] - slots[:-1] == 1).all())):
+        return buf[:, first : first + k]
+    return buf[:, slots]
+
+
+AttentionInterface.register(ATTENTION_NAME, paged_attention)
+
+
+class _PagedLayer(CacheLayerMixin):
+    """Writes a step's new keys/values [1, H, N, D] into their pool slots; attention reads the pool."""
+
+    is_sliding = False
+    is_compileable = False
+
+    def __init__(self, pool: KVPool, index: int, slots: torch.Tensor):  # no super().__init__: nothing to hold
+        self.pool, self.index, self.slots = pool, index, slots
+        self.is_initialized = True
+
+    def lazy_initialization(self, key_states, value_states) -> None:
+        pass
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        buf = self.pool.buf
+        buf[self.index, 0].index_copy_(1, self.slots, key_states[0].to(buf.dtype))
+        buf[self.index, 1].index_copy_(1, self.slots, value_states[0].to(buf.dtype))
+        return key_states, value_states
+
+    def get_seq_length(self) -> int:
+        return 0
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return query_length, 0
+
+    def get_max_length(self) -> int:
+        return -1
+
+    get_max_cache_shape = get_max_length
+
+
+class PagedCache(Cache):
+    """The ``past_key_values`` of a paged step: only the slots its new tokens go to."""
+
+    def __init__(self, pool: KVPool, slots: torch.Tensor):
+        super().__init__(layers=[_PagedLayer(pool, i, slots) for i in range(pool.spec.layers)])
+
+
+@contextmanager
+def _attention_swapped(model):
+    config = model.config
+    old = config._attn_implementation  # the attribute transformers documents for the implementation
+    config._attn_implementation = ATTENTION_NAME
+    try:
+        yield
+    finally:
+        config._attn_implementation = old
+
+
+@torch.inference_mode()
+def paged_forward(runner, pool: KVPool, rows: list[PagedRow]) -> torch.Tensor:
+    """One forward of every row's new tokens; logits [k, V] of the rows with ``logits`` set, in order."""
+    dev = pool.buf.device
+    ids = torch.tensor([[t for r in rows for t in r.ids]], dtype=torch.long, device=dev)  # [1, N]
+    pos = torch.tensor([[p for r in rows for p in r.pos]], dtype=torch.long, device=dev)  # [1, N]
+    write = torch.cat([r.own[len(r.own) - len(r.ids):] for r in rows]).to(dev)  # [N]
+    ends, off = [], 0
+    for r in rows:
+        off += len(r.ids)
+        if r.logits:
+            ends.append(off - 1)
+    keep = torch.tensor(ends, dtype=torch.long, device=dev)
+    plan = _build_plan(pool, rows, None)
+    kwargs = {"position_ids": pos} if runner.adapter.passes_position_ids else {}
+    with runner.lock, _attention_swapped(runner.model):
+        out = runner.model(input_ids=ids, past_key_values=PagedCache(pool, write), use_cache=True,
+                           logits_to_keep=keep, pc_plan=plan, **kwargs)
+    return out.logits[0]
+
+
+def paged_refusal(runner) -> str | None:
+    """Why this runner's model cannot serve from the paged pool (None: it can). Checks the
+    family (rotary or learned positions, no sliding window), then compares a paged forward with
+    the stock one: a prompt split into a shared segment, an earlier chunk and a last chunk, and a
+    decode row beside it, against the stock model's logits."""
+    adapter = runner.adapter
+    if adapter.positional == "alibi":
+        return "ALiBi models build their bias inside the model from key indices (paged attention not verified)"
+    if adapter.max_entries() is not None:
+        return "sliding-window attention is not implemented by the paged attention"
+    try:
+        diff, tol = _self_check(runner)
+    except Exception as e:  # noqa: BLE001 - any failure means: not this way
+        return f"the paged forward failed its self-check ({type(e).__name__}: {e})"
+    if not diff <= tol:
+        return f"the paged forward differs from the stock forward by {diff:.3g} (tolerance {tol:.3g})"
+    return None
+
+
+def _self_check(runner) -> tuple[float, float]:
+    model, spec, dev = runner.model, runner.spec, runner.device
+    vocab = model.get_input_embeddings().num_embeddings
+    n = 11
+    ids = ((torch.arange(n) * 7 + 5) % vocab).tolist()
+    with torch.inference_mode():
+        stock = model(input_ids=torch.tensor([ids], device=dev), use_cache=False).logits[0].float()  # [n, V]
+    pool = KVPool(spec, dev, tokens=64, block_size=4)
+    shared = pool.allocate(1)  # tokens 0..3 as a shared segment
+    own_a, own_b = pool.allocate(3), pool.allocate(2)
+    rows = [PagedRow(ids[:4], list(range(4)), [], pool.slots(shared, 0, 4), logits=False)]
+    paged_forward(runner, pool, rows)
+    seg = [("s", pool.views(shared, 4)[0])]
+    first = [PagedRow(ids[4:7], list(range(4, 7)), seg, pool.slots(own_a, 0, 3)),
+             PagedRow(ids[4:5], [4], seg, pool.slots(own_b, 0, 1))]
+    got1 = paged_forward(runner, pool, first).float()
+    second = [PagedRow(ids[7:], list(range(7, n)), seg, pool.slots(own_a, 0, n - 4)),
+              PagedRow(ids[5:6], [5], seg, pool.slots(own_b, 0, 2))]
+    got2 = paged_forward(runner, pool, second).float()
+    want = torch.stack([stock[6], stock[4], stock[n - 1], stock[5]])
+    got = torch.cat([got1, got2])
+    tol = max(1e-4, 16 * torch.finfo(spec.dtype).eps) * max(1.0, want.abs().max().item())
+    return (got - want).abs().max().item(), tol

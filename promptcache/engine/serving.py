@@ -1,0 +1,359 @@
+"""``ServingScheduler``: many requests over one ``KVPool``, one packed forward per step.
+
+    sched = ServingScheduler(runner, pool, token_budget=512)
+    sched.add(request)                 # Request(plan=..., params=...)
+    while sched.has_work:
+        for out in sched.step(): ...   # StepOutput, as from ``Scheduler``
+
+A step (1) finishes what was cancelled, freeing its blocks; (2) admits waiting requests in
+arrival order while the pool can give each its own blocks (``admit``); (3) schedules one token
+for every running request that decodes and, with the budget left (``token_budget`` tokens a
+step in all), the next chunk of each request still prefilling (chunked prefill: a long prompt
+delays the others' next tokens by one chunk's forward, not its whole prefill); (4) runs ONE
+forward (``paged.paged_forward``) and samples where a row produced logits.
+
+Admission and memory. A request is admitted when its shared states are in the pool (or read
+in place) and ``blocks_for(new tokens + max_new_tokens)`` own blocks can be allocated (idle
+shared entries are evicted for them, spilled down the store's tiers); otherwise it waits, and
+nothing runs out of memory. Reserving the generation's blocks up front means a running request
+never needs preemption. A request that could not fit even into an empty pool fails with
+``PoolFull``. Prefill writes straight into the request's own blocks (no reserve-then-copy).
+
+Plans. A request carries ``plan(pool) -> PrefillPlan`` (``plan.py``), called once, at
+admission, on this thread (the pool is not thread-safe), or a ``start(reserve) ->
+PrefillResult`` for prompts assembled in a private buffer (selective recompute, independent
+documents): that prefill runs whole, and its states are copied into the request's own blocks
+(the one copy left, paid only by those prompts). A finished chain request publishes its full
+own blocks (prompt and answer) as shared entries, so the next turn of a chat reuses them.
+
+Paused requests (``Request.paused``: the client stopped reading) are left out of decode steps
+until resumed. ``step()`` is not thread-safe: one thread drives it (the server's worker).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from .kvpool import KVPool, PoolFull, SharedEntry
+from .paged import PagedRow, paged_forward
+from .plan import PrefillPlan
+from .request import Request, Status
+from .results import PrefillResult
+from .runner import ModelRunner
+from .scheduler import StepOutput
+
+log = logging.getLogger(__name__)
+
+__all__ = ["ServingScheduler"]
+
+MIN_CHUNK = 16  # prefill tokens a step runs even when decode rows use up the budget
+
+
+@dataclass(eq=False)
+class _Seq:
+    """A running request's serving state."""
+
+    req: Request
+    plan: PrefillPlan
+    entries: list[SharedEntry]  # pool entries it reads (released when it finishes)
+    shared: list[tuple[str, torch.Tensor]]  # (cascade key, view [L, 2, H, n, D]) in KV order
+    blocks: list[int]  # its own blocks
+    own_pos: list[int] = field(default_factory=list)  # positions of its own tokens in the pool
+    done: int = 0  # own tokens whose states are in the pool
+    admitted: float = field(default_factory=time.perf_counter)
+    bytes_copied: int = 0
+
+    @property
+    def prefilling(self) -> bool:
+        return self.done < len(self.plan.new_ids)
+
+
+class ServingScheduler:
+    def __init__(self, runner: ModelRunner, pool: KVPool, token_budget: int = 512, max_running: int = 256,
+                 on_publish=None):
+        if token_budget < 1 or max_running < 1:
+            raise ValueError(f"token_budget and max_running must be >= 1, got {token_budget}, {max_running}")
+        self.runner, self.pool = runner, pool
+        self.token_budget, self.max_running = token_budget, max_running
+        self.on_publish = on_publish  # (key, kv view [L, 2, H, n, D]) for each block a request published
+        self.waiting: deque[Request] = deque()
+        self.running: list[_Seq] = []
+        self.steps = 0
+        self.decode_forwards = 0  # forwards that decoded at least one token
+        self.decode_tokens = 0  # tokens they decoded (decode_tokens / decode_forwards: mean batch size)
+        self.prefill_tokens = 0
+        self.published_blocks = 0  # own blocks finished requests shared under chain keys
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def add(self, request: Request) -> None:
+        if request.status is not Status.WAITING:
+            raise ValueError(f"request {request.id} is {request.status.value}; only a new request can be added")
+        self.waiting.append(request)
+
+    def step(self) -> list[StepOutput]:
+        outs = self._cancel()
+        outs += self._admit()
+        seqs, rows = self._schedule()
+        if rows:
+            outs += self._run(seqs, rows)
+        self.steps += 1
+        return outs
+
+    # -- cancellation -----------------------------------------------------------------------------
+    def _cancel(self) -> list[StepOutput]:
+        outs = []
+        for req in [r for r in self.waiting if r.cancel_requested]:
+            self.waiting.remove(req)
+            outs.append(self._ended(req, "cancelled"))
+        for seq in [s for s in self.running if s.req.cancel_requested]:
+            self._release(seq, publish=False)
+            outs.append(self._ended(seq.req, "cancelled"))
+        return outs
+
+    def _ended(self, req: Request, reason: str) -> StepOutput:
+        req.finish_reason, req.status = reason, Status.FINISHED
+        return StepOutput(request_id=req.id, token_id=None, text="", finished=True, finish_reason=reason)
+
+    # -- admission --------------------------------------------------------------------------------
+    def _admit(self) -> list[StepOutput]:
+        outs = []
+        while self.waiting and len(self.running) < self.max_running:
+            req = self.waiting[0]
+            try:
+                seq = self._admit_one(req)
+            except Exception as e:  # noqa: BLE001 - this request fails; the others go on
+                self.waiting.popleft()
+                req.error, req.finish_reason, req.status = e, "cancelled", Status.FINISHED
+                outs.append(StepOutput(request_id=req.id, token_id=None, text="", finished=True,
+                                       finish_reason="cancelled"))
+                continue
+            if seq is None:
+                break  # no room now: it waits for running requests to finish (arrival order kept)
+            self.waiting.popleft()
+            self.running.append(seq)
+            if not seq.prefilling:  # a private prefill ran whole: its first token now
+                outs.append(self._first_token(seq, seq.req.prefill))
+                if seq.req.start is not None:
+                    break  # one whole prefill per step keeps the others' decoding going
+        return outs
+
+    def _admit_one(self, req: Request) -> _Seq | None:
+        if req.plan is None:
+            return self._admit_private(req)
+        plan = req.plan(self.pool)
+        entries, shared, copied = self._resolve(plan)
+        if shared is None:
+            return self._no_room(req, entries, plan.cached_tokens)
+        blocks = self.pool.allocate(self.pool.blocks_for(len(plan.new_ids) + req.params.max_new_tokens))
+        if blocks is None:
+            return self._no_room(req, entries, plan.cached_tokens)
+        return _Seq(req, plan, entries, shared, blocks, bytes_copied=copied)
+
+    def _no_room(self, req: Request, entries: list[SharedEntry], cached: int):
+        for e in entries:
+            self.pool.release(e)
+        if not self.running:  # nothing will free blocks: it can never fit
+            raise PoolFull(f"request {req.id} needs more KV blocks than the pool has free with nothing running "
+                           f"({cached} cached tokens, {self.pool.num_blocks} blocks of {self.pool.block_size}); "
+                           "raise the pool size")
+        return None
+
+    def _resolve(self, plan: PrefillPlan):
+        """Pin the plan's segments: pool entries acquired, states on another device or dtype
+        promoted into the pool, the rest read in place. Returns (entries, shared views, bytes
+        copied); shared is None when promotion found no room."""
+        pool, copied = self.pool, 0
+        held = [pool.acquire(seg.key) for seg in plan.segments]  # first: pinned before anything is evicted
+        entries = [e for e in held if e is not None]
+        for i, seg in enumerate(plan.segments):
+            if held[i] is None and seg.kv is None:
+                raise RuntimeError(f"plan segment {seg.key} is neither in the pool nor given")
+            if held[i] is None and (seg.promote or not _in_place(seg.kv, pool)):
+                held[i] = pool.promote(seg.key, seg.kv, seg.positions)
+                if held[i] is None:
+                    return entries, None, copied
+                entries.append(held[i])
+                copied += seg.kv.numel() * seg.kv.element_size()
+        shared: list[tuple[str, torch.Tensor]] = []
+        chain: list[SharedEntry] = []  # consecutive full pool entries: coalesced into runs
+        for seg, entry in zip(plan.segments, held):
+            if entry is None:  # read in place from the store's tensor
+                shared += self._runs(chain)
+                chain = []
+                shared.append((seg.key, seg.kv))
+                continue
+            chain.append(entry)
+            if entry.n != len(entry.blocks) * pool.block_size:  # partial: ends a run
+                shared += self._runs(chain)
+                chain = []
+        shared += self._runs(chain)
+        return entries, shared, copied
+
+    def _runs(self, chain: list[SharedEntry]) -> list[tuple[str, torch.Tensor]]:
+        if not chain:
+            return []
+        blocks = [b for e in chain for b in e.blocks]
+        views, out, slot = self.pool.views(blocks, sum(e.n for e in chain)), [], 0
+        for v in views:
+            start = blocks[slot // self.pool.block_size] * self.pool.block_size
+            out.append((f"pool:{start}:{v.shape[3]}", v))
+            slot += v.shape[3]
+        return out
+
+    def _admit_private(self, req: Request) -> _Seq | None:
+        """A prompt assembled in its own buffer: run it whole, copy its states into own blocks."""
+        res = req.start(0)
+        cache = res.cache
+        n = cache.length
+        blocks = self.pool.allocate(self.pool.blocks_for(n + req.params.max_new_tokens))
+        if blocks is None:  # prefilled for nothing; it runs again when there is room
+            self.runner.release(cache)
+            res.cache = None
+            if not self.running:
+                raise PoolFull(f"request {req.id} needs {self.pool.blocks_for(n + req.params.max_new_tokens)} "
+                               f"KV blocks, the pool has {self.pool.available_blocks}")
+            return None
+        cache.sync()
+        self.pool.write(blocks, 0, cache.buf[:, :, 0, :, :n])  # [L, 2, H, n, D]
+        own_pos = cache.positions[0, :n].tolist()
+        self.runner.release(cache)
+        res.cache = None
+        plan = PrefillPlan(segments=[], new_ids=[0] * n, new_pos=own_pos, max_position=res.next_position - 1,
+                           exact=res.exact, layout=res.layout)
+        seq = _Seq(req, plan, [], [], blocks, own_pos=list(own_pos), done=n,
+                   bytes_copied=res.bytes_copied + n * self.pool.spec.bytes_per_token)
+        req.prefill = res
+        return seq
+
+    # -- one step ---------------------------------------------------------------------------------
+    def _schedule(self) -> tuple[list[_Seq], list[PagedRow]]:
+        decodes = [s for s in self.running if not s.prefilling and not s.req.paused and s.req.pending is not None]
+        seqs, rows = [], []
+        for s in decodes:
+            s.own_pos.append(s.req.position)
+            rows.append(PagedRow([s.req.pending], [s.req.position], s.shared,
+                                 self.pool.slots(s.blocks, 0, s.done + 1)))
+            seqs.append(s)
+        budget = max(self.token_budget - len(rows), MIN_CHUNK)
+        for s in self.running:
+            if budget <= 0:
+                break
+            if not s.prefilling:
+                continue
+            lo = s.done
+            hi = min(len(s.plan.new_ids), lo + budget)
+            budget -= hi - lo
+            s.own_pos.extend(s.plan.new_pos[lo:hi])
+            rows.append(PagedRow(s.plan.new_ids[lo:hi], s.plan.new_pos[lo:hi], s.shared,
+                                 self.pool.slots(s.blocks, 0, hi), logits=hi == len(s.plan.new_ids)))
+            seqs.append(s)
+        return seqs, rows
+
+    def _run(self, seqs: list[_Seq], rows: list[PagedRow]) -> list[StepOutput]:
+        try:
+            logits = paged_forward(self.runner, self.pool, rows)  # [k, V]
+        except BaseException as e:
+            for s in seqs:
+                s.req.error = e
+                self._release(s, publish=False)
+                s.req.finish_reason, s.req.status = "cancelled", Status.FINISHED
+            raise
+        outs, k = [], 0
+        decoded = 0
+        for s, row in zip(seqs, rows):
+            was_prefill = s.prefilling
+            s.done += len(row.ids)
+            if not row.logits:
+                self.prefill_tokens += len(row.ids)
+                continue
+            lg = logits[k]
+            k += 1
+            if was_prefill:
+                self.prefill_tokens += len(row.ids)
+                outs.append(self._guard(s, lambda: self._first_token(s, self._prefill_result(s, lg))))
+            else:
+                decoded += 1
+                s.req.position += 1
+                outs.append(self._guard(s, lambda: self._sample(s, lg)))
+        if decoded:
+            self.decode_forwards += 1
+            self.decode_tokens += decoded
+        return outs
+
+    def _prefill_result(self, seq: _Seq, logits: torch.Tensor) -> PrefillResult:
+        plan = seq.plan
+        if self.runner.device.type == "cuda":
+            torch.cuda.synchronize(self.runner.device)
+        return PrefillResult(logits=logits, ttft=time.perf_counter() - seq.admitted, cached_tokens=plan.cached_tokens,
+                             new_tokens=len(plan.new_ids), exact=plan.exact, bytes_copied=seq.bytes_copied,
+                             hit_tiers=dict(plan.hit_tiers), layout=plan.layout, next_position=plan.max_position + 1)
+
+    def _first_token(self, seq: _Seq, res: PrefillResult) -> StepOutput:
+        req = seq.req
+        req.begin(res)
+        if req.params.max_new_tokens == 0:
+            self._release(seq, publish=True)
+            return self._ended(req, "length")
+        return self._sample(seq, res.logits)
+
+    def _guard(self, seq: _Seq, fn):
+        try:
+            return fn()
+        except BaseException as e:
+            seq.req.error = e
+            self._release(seq, publish=False)
+            seq.req.finish_reason, seq.req.status = "cancelled", Status.FINISHED
+            raise
+
+    def _sample(self, seq: _Seq, logits: torch.Tensor) -> StepOutput:
+        req = seq.req
+        token = req.sampler.sample(logits, req.context)
+        piece = req.accept(token, self.runner.eos_ids)
+        if req.finish_reason is not None:
+            self._release(seq, publish=True)
+            req.status = Status.FINISHED
+        return StepOutput(request_id=req.id, token_id=token, text=piece, finished=req.finished,
+                          finish_reason=req.finish_reason)
+
+    # -- finishing --------------------------------------------------------------------------------
+    def _release(self, seq: _Seq, publish: bool) -> None:
+        if seq in self.running:
+            self.running.remove(seq)
+        blocks = seq.blocks
+        if publish and seq.plan.publish is not None:
+            blocks = self._publish(seq)
+        self.pool.free(blocks)
+        seq.blocks = []
+        for e in seq.entries:
+            self.pool.release(e)
+        seq.entries = []
+
+    def _publish(self, seq: _Seq) -> list[int]:
+        """Share the request's full own blocks under their chain keys; returns the blocks it still owns."""
+        ran = seq.plan.new_ids + seq.req.token_ids[: max(seq.done - len(seq.plan.new_ids), 0)]
+        keys = seq.plan.publish(ran[: seq.done])
+        bs, keep = self.pool.block_size, []
+        for j, b in enumerate(seq.blocks):
+            if j < len(keys):
+                pos = torch.tensor(seq.own_pos[j * bs : (j + 1) * bs], dtype=torch.long)
+                entry = self.pool.publish(keys[j], [b], bs, pos)
+                if entry is not None:
+                    self.published_blocks += 1
+                    if self.on_publish is not None:
+                        self.on_publish(keys[j], entry.views[0])
+                    continue
+            keep.append(b)
+        return keep
+
+
+def _in_place(kv: torch.Tensor, pool: KVPool) -> bool:
+    """Stored states attention can read where they are (the pool's device and dtype)."""
+    return kv.device == pool.buf.device and kv.dtype == pool.buf.dtype
