@@ -80,3 +80,32 @@ def test_cancel_frees_the_batch_row(pc):
     finally:
         backend.close()
     assert backend.in_flight == 0 and not backend.scheduler.batch.members
+
+
+def test_a_reader_that_stops_reading_is_paused_then_cancelled(pc):
+    from promptcache.server.backend import ServingConfig
+
+    outcomes = []
+    config = ServingConfig(max_unread=4, pause_timeout=0.5)
+    backend = Backend(pc, max_queue=8, on_finish=lambda job, how: outcomes.append(how), config=config)
+
+    async def main():
+        stalled = backend.submit(functools.partial(pc.prefill, PROMPT, keep_cache=True), Sampling(400, 0.0),
+                                 lambda pool: pc.plan(PROMPT))
+        reading = backend.submit(functools.partial(pc.prefill, PROMPT, keep_cache=True), Sampling(30, 0.0),
+                                 lambda pool: pc.plan(PROMPT))
+        events = await drain(reading)  # the other request is not held up by the stalled one
+        assert events[-1][0] == "done" and len(events[-1][1].token_ids) == 30
+        for _ in range(200):
+            if stalled.request.finished:
+                break
+            await asyncio.sleep(0.05)
+        assert stalled.request.finish_reason == "cancelled"
+        assert len(stalled.request.token_ids) < 4 + 8  # paused after a few unread events, then dropped
+        return stalled
+
+    try:
+        asyncio.run(main())
+    finally:
+        backend.close()
+    assert sorted(outcomes) == ["cancelled", "done"] and idle(backend)
