@@ -21,7 +21,8 @@ Capacity: at most ``max_queue`` jobs are admitted at once (decoding or waiting);
 whether it is queued, prefilling or decoding. Backpressure: a job whose reader leaves more than
 ``max_unread`` events unread is paused (no decode steps) until the reader catches up, and
 cancelled after ``pause_timeout`` seconds paused. ``close(timeout)`` drains: running requests
-go on for up to ``timeout`` seconds, then whatever is left is cancelled.
+go on for up to ``timeout`` seconds, then whatever is left is cancelled, and the pool's shared
+blocks are handed down to the store (so a store that persists keeps them across a restart).
 """
 
 from __future__ import annotations
@@ -165,6 +166,8 @@ class Backend:
             self._running = False
             self._cv.notify()
         self._thread.join(5.0)
+        if self.pool is not None and not self._thread.is_alive():
+            self.pool.clear_idle()  # shared blocks go down the store's tiers (persisted where the store persists)
 
     # -- worker thread ---------------------------------------------------------------------------
     _deadline: float | None = None  # set by close(): drain until then
