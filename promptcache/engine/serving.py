@@ -5,12 +5,18 @@
     while sched.has_work:
         for out in sched.step(): ...   # StepOutput, as from ``Scheduler``
 
-A step (1) finishes what was cancelled, freeing its blocks; (2) admits waiting requests in
-arrival order while the pool can give each its own blocks (``admit``); (3) schedules one token
-for every running request that decodes and, with the budget left (``token_budget`` tokens a
-step in all), the next chunk of each request still prefilling (chunked prefill: a long prompt
-delays the others' next tokens by one chunk's forward, not its whole prefill); (4) runs ONE
-forward (``paged.paged_forward``) and samples where a row produced logits.
+A step (1) finishes what was cancelled, freeing its blocks; (2) schedules one token for every
+running request that decodes and, with the budget left (``token_budget`` tokens a step in all),
+the next chunk of each request still prefilling (chunked prefill: a long prompt delays the
+others' next tokens by one chunk's forward, not its whole prefill); (3) admits waiting requests
+in arrival order while budget is left, each with a first chunk; (4) runs ONE forward
+(``paged.paged_forward``), shares the full blocks that forward completed, and samples where a
+row produced logits.
+
+A request is planned when it is admitted, so it finds the blocks that requests before it shared
+up to that step: requests arriving together behind one new system prompt compute it once (the
+first computes it chunk by chunk; a later one whose next block is still being computed waits
+for it instead of computing it again).
 
 Admission and memory. A request is admitted when its shared states are in the pool (or read
 in place) and ``blocks_for(new tokens + max_new_tokens)`` own blocks can be allocated (idle
@@ -23,8 +29,9 @@ Plans. A request carries ``plan(pool) -> PrefillPlan`` (``plan.py``), called onc
 admission, on this thread (the pool is not thread-safe), or a ``start(reserve) ->
 PrefillResult`` for prompts assembled in a private buffer (selective recompute, independent
 documents): that prefill runs whole, and its states are copied into the request's own blocks
-(the one copy left, paid only by those prompts). A finished chain request publishes its full
-own blocks (prompt and answer) as shared entries, so the next turn of a chat reuses them.
+(the one copy left, paid only by those prompts). A chain request shares each of its own blocks
+(prompt, then answer) as soon as the block is full, so concurrent requests and the next turn of
+a chat reuse them.
 
 Paused requests (``Request.paused``: the client stopped reading) are left out of decode steps
 until resumed. ``step()`` is not thread-safe: one thread drives it (the server's worker).
@@ -62,11 +69,17 @@ class _Seq:
     plan: PrefillPlan
     entries: list[SharedEntry]  # pool entries it reads (released when it finishes)
     shared: list[tuple[str, torch.Tensor]]  # (cascade key, view [L, 2, H, n, D]) in KV order
-    blocks: list[int]  # its own blocks
-    own_pos: list[int] = field(default_factory=list)  # positions of its own tokens in the pool
-    done: int = 0  # own tokens whose states are in the pool
+    blocks: list[int]  # its own blocks, in token order (published ones included: they address its slots)
+    own_ids: list[int] = field(default_factory=list)  # tokens whose states are in its own slots, in order
+    own_pos: list[int] = field(default_factory=list)  # their positions
+    published: int = 0  # leading own blocks shared under chain keys (no longer freed by it)
+    publishing: bool = True  # False once a block's key was already shared by another request
     admitted: float = field(default_factory=time.perf_counter)
     bytes_copied: int = 0
+
+    @property
+    def done(self) -> int:
+        return len(self.own_ids)
 
     @property
     def prefilling(self) -> bool:
@@ -87,7 +100,7 @@ class ServingScheduler:
         self.decode_forwards = 0  # forwards that decoded at least one token
         self.decode_tokens = 0  # tokens they decoded (decode_tokens / decode_forwards: mean batch size)
         self.prefill_tokens = 0
-        self.published_blocks = 0  # own blocks finished requests shared under chain keys
+        self.published_blocks = 0  # own blocks requests shared under chain keys
 
     @property
     def has_work(self) -> bool:
@@ -100,8 +113,8 @@ class ServingScheduler:
 
     def step(self) -> list[StepOutput]:
         outs = self._cancel()
-        outs += self._admit()
-        seqs, rows = self._schedule()
+        seqs, rows, budget = self._schedule()
+        outs += self._admit(seqs, rows, budget)
         if rows:
             outs += self._run(seqs, rows)
         self.steps += 1
@@ -114,7 +127,7 @@ class ServingScheduler:
             self.waiting.remove(req)
             outs.append(self._ended(req, "cancelled"))
         for seq in [s for s in self.running if s.req.cancel_requested]:
-            self._release(seq, publish=False)
+            self._release(seq)
             outs.append(self._ended(seq.req, "cancelled"))
         return outs
 
@@ -122,33 +135,88 @@ class ServingScheduler:
         req.finish_reason, req.status = reason, Status.FINISHED
         return StepOutput(request_id=req.id, token_id=None, text="", finished=True, finish_reason=reason)
 
+    # -- scheduling -------------------------------------------------------------------------------
+    def _schedule(self) -> tuple[list[_Seq], list[PagedRow], int]:
+        """Decode rows of the running requests, then the next chunk of those still prefilling;
+        and the budget left for new requests (prefill gets at least ``MIN_CHUNK`` a step)."""
+        seqs, rows = [], []
+        for s in self.running:
+            if not s.prefilling and not s.req.paused and s.req.pending is not None:
+                rows.append(self._row(s, [s.req.pending], [s.req.position], True))
+                seqs.append(s)
+        budget = max(self.token_budget - len(rows), MIN_CHUNK)
+        for s in self.running:
+            if budget <= 0:
+                break
+            if s.prefilling:
+                row = self._chunk(s, budget)
+                budget -= len(row.ids)
+                rows.append(row)
+                seqs.append(s)
+        return seqs, rows, max(budget, 0)
+
+    def _row(self, s: _Seq, ids: list[int], pos: list[int], logits: bool) -> PagedRow:
+        s.own_ids.extend(ids)  # their states are written by this step's forward
+        s.own_pos.extend(pos)
+        return PagedRow(ids, pos, s.shared, self.pool.slots(s.blocks, 0, s.done), logits=logits)
+
+    def _chunk(self, s: _Seq, budget: int) -> PagedRow:
+        lo = s.done
+        hi = min(len(s.plan.new_ids), lo + budget)
+        return self._row(s, s.plan.new_ids[lo:hi], s.plan.new_pos[lo:hi], hi == len(s.plan.new_ids))
+
     # -- admission --------------------------------------------------------------------------------
-    def _admit(self) -> list[StepOutput]:
-        outs = []
-        while self.waiting and len(self.running) < self.max_running:
-            req = self.waiting[0]
+    def _admit(self, seqs: list[_Seq], rows: list[PagedRow], budget: int) -> list[StepOutput]:
+        """Admit waiting requests in arrival order while budget is left; each gets a first chunk
+        in ``rows``. A request whose next block another request is computing now waits a step."""
+        outs, inflight, deferred = [], self._inflight(), []
+        while self.waiting and budget > 0 and len(self.running) < self.max_running:
+            req = self.waiting.popleft()
             try:
-                seq = self._admit_one(req)
+                seq = self._admit_one(req, inflight)
             except Exception as e:  # noqa: BLE001 - this request fails; the others go on
-                self.waiting.popleft()
-                req.error, req.finish_reason, req.status = e, "cancelled", Status.FINISHED
-                outs.append(StepOutput(request_id=req.id, token_id=None, text="", finished=True,
-                                       finish_reason="cancelled"))
+                req.error = e
+                outs.append(self._ended(req, "cancelled"))
+                continue
+            if seq == "later":
+                deferred.append(req)
                 continue
             if seq is None:
-                break  # no room now: it waits for running requests to finish (arrival order kept)
-            self.waiting.popleft()
+                self.waiting.appendleft(req)  # no room now: it waits for running requests to finish
+                break
             self.running.append(seq)
             if not seq.prefilling:  # a private prefill ran whole: its first token now
-                outs.append(self._first_token(seq, seq.req.prefill))
-                if seq.req.start is not None:
-                    break  # one whole prefill per step keeps the others' decoding going
+                outs.append(self._guard(seq, lambda: self._first_token(seq, seq.req.prefill)))
+                budget -= seq.done
+                continue
+            row = self._chunk(seq, budget)
+            budget -= len(row.ids)
+            rows.append(row)
+            seqs.append(seq)
+            inflight |= self._inflight_of(seq)
+        self.waiting.extendleft(reversed(deferred))
         return outs
 
-    def _admit_one(self, req: Request) -> _Seq | None:
+    def _inflight(self) -> set[str]:
+        keys: set[str] = set()
+        for s in self.running:
+            keys |= self._inflight_of(s)
+        return keys
+
+    def _inflight_of(self, s: _Seq) -> set[str]:
+        """Chain keys of the prompt blocks ``s`` has not shared yet (being computed, this step included)."""
+        if s.plan.publish is None or not s.publishing:
+            return set()
+        return set(s.plan.publish(s.plan.new_ids)[s.published :])
+
+    def _admit_one(self, req: Request, inflight: set[str]):
         if req.plan is None:
             return self._admit_private(req)
         plan = req.plan(self.pool)
+        if plan.publish is not None and inflight:
+            first = plan.publish(plan.new_ids[: self.pool.block_size])
+            if first and first[0] in inflight and self.running:
+                return "later"
         entries, shared, copied = self._resolve(plan)
         if shared is None:
             return self._no_room(req, entries, plan.cached_tokens)
@@ -226,51 +294,30 @@ class ServingScheduler:
         own_pos = cache.positions[0, :n].tolist()
         self.runner.release(cache)
         res.cache = None
-        plan = PrefillPlan(segments=[], new_ids=[0] * n, new_pos=own_pos, max_position=res.next_position - 1,
+        ids = [0] * n  # placeholders: only their count matters (a private prefill publishes nothing)
+        plan = PrefillPlan(segments=[], new_ids=ids, new_pos=own_pos, max_position=res.next_position - 1,
                            exact=res.exact, layout=res.layout)
-        seq = _Seq(req, plan, [], [], blocks, own_pos=list(own_pos), done=n,
+        seq = _Seq(req, plan, [], [], blocks, own_ids=list(ids), own_pos=list(own_pos),
                    bytes_copied=res.bytes_copied + n * self.pool.spec.bytes_per_token)
         req.prefill = res
         return seq
 
     # -- one step ---------------------------------------------------------------------------------
-    def _schedule(self) -> tuple[list[_Seq], list[PagedRow]]:
-        decodes = [s for s in self.running if not s.prefilling and not s.req.paused and s.req.pending is not None]
-        seqs, rows = [], []
-        for s in decodes:
-            s.own_pos.append(s.req.position)
-            rows.append(PagedRow([s.req.pending], [s.req.position], s.shared,
-                                 self.pool.slots(s.blocks, 0, s.done + 1)))
-            seqs.append(s)
-        budget = max(self.token_budget - len(rows), MIN_CHUNK)
-        for s in self.running:
-            if budget <= 0:
-                break
-            if not s.prefilling:
-                continue
-            lo = s.done
-            hi = min(len(s.plan.new_ids), lo + budget)
-            budget -= hi - lo
-            s.own_pos.extend(s.plan.new_pos[lo:hi])
-            rows.append(PagedRow(s.plan.new_ids[lo:hi], s.plan.new_pos[lo:hi], s.shared,
-                                 self.pool.slots(s.blocks, 0, hi), logits=hi == len(s.plan.new_ids)))
-            seqs.append(s)
-        return seqs, rows
-
     def _run(self, seqs: list[_Seq], rows: list[PagedRow]) -> list[StepOutput]:
         try:
             logits = paged_forward(self.runner, self.pool, rows)  # [k, V]
         except BaseException as e:
             for s in seqs:
                 s.req.error = e
-                self._release(s, publish=False)
+                self._release(s)
                 s.req.finish_reason, s.req.status = "cancelled", Status.FINISHED
             raise
+        for s in seqs:
+            self._publish(s)
         outs, k = [], 0
         decoded = 0
         for s, row in zip(seqs, rows):
-            was_prefill = s.prefilling
-            s.done += len(row.ids)
+            was_prefill = len(row.ids) > 1 or s.req.pending is None
             if not row.logits:
                 self.prefill_tokens += len(row.ids)
                 continue
@@ -300,7 +347,7 @@ class ServingScheduler:
         req = seq.req
         req.begin(res)
         if req.params.max_new_tokens == 0:
-            self._release(seq, publish=True)
+            self._release(seq)
             return self._ended(req, "length")
         return self._sample(seq, res.logits)
 
@@ -309,7 +356,7 @@ class ServingScheduler:
             return fn()
         except BaseException as e:
             seq.req.error = e
-            self._release(seq, publish=False)
+            self._release(seq)
             seq.req.finish_reason, seq.req.status = "cancelled", Status.FINISHED
             raise
 
@@ -318,42 +365,46 @@ class ServingScheduler:
         token = req.sampler.sample(logits, req.context)
         piece = req.accept(token, self.runner.eos_ids)
         if req.finish_reason is not None:
-            self._release(seq, publish=True)
+            self._release(seq)
             req.status = Status.FINISHED
         return StepOutput(request_id=req.id, token_id=token, text=piece, finished=req.finished,
                           finish_reason=req.finish_reason)
 
     # -- finishing --------------------------------------------------------------------------------
-    def _release(self, seq: _Seq, publish: bool) -> None:
+    def _release(self, seq: _Seq) -> None:
+        """Give back what the request holds: its unshared own blocks and its entry references
+        (shared blocks stay, idle, for the next request that matches them)."""
         if seq in self.running:
             self.running.remove(seq)
-        blocks = seq.blocks
-        if publish and seq.plan.publish is not None:
-            blocks = self._publish(seq)
-        self.pool.free(blocks)
+        self.pool.free(seq.blocks[seq.published :])
         seq.blocks = []
         for e in seq.entries:
             self.pool.release(e)
         seq.entries = []
 
-    def _publish(self, seq: _Seq) -> list[int]:
-        """Share the request's full own blocks under their chain keys; returns the blocks it still owns."""
-        ran = seq.plan.new_ids + seq.req.token_ids[: max(seq.done - len(seq.plan.new_ids), 0)]
-        keys = seq.plan.publish(ran[: seq.done])
-        bs, keep = self.pool.block_size, []
-        for j, b in enumerate(seq.blocks):
-            if j < len(keys):
-                pos = torch.tensor(seq.own_pos[j * bs : (j + 1) * bs], dtype=torch.long)
-                entry = self.pool.publish(keys[j], [b], bs, pos)
-                if entry is not None:
-                    self.published_blocks += 1
-                    if self.on_publish is not None:
-                        self.on_publish(keys[j], entry.views[0])
-                    continue
-            keep.append(b)
-        return keep
+    def _publish(self, seq: _Seq) -> None:
+        """Share the request's own blocks completed so far under their chain keys. Leading blocks
+        only: a block whose key is already shared ends it (the request keeps the rest)."""
+        if seq.plan.publish is None or not seq.publishing:
+            return
+        keys = seq.plan.publish(seq.own_ids)
+        bs = self.pool.block_size
+        while seq.published < len(keys):
+            j = seq.published
+            pos = torch.tensor(seq.own_pos[j * bs : (j + 1) * bs], dtype=torch.long)
+            entry = self.pool.publish(keys[j], [seq.blocks[j]], bs, pos)
+            if entry is None:  # another request shared the same block first: keep ours (and the rest) private
+                seq.publishing = False
+                return
+            self.pool.acquire(keys[j])  # it still reads the block
+            seq.entries.append(entry)
+            seq.published += 1
+            self.published_blocks += 1
+            if self.on_publish is not None:
+                self.on_publish(keys[j], entry.views[0])
 
 
 def _in_place(kv: torch.Tensor, pool: KVPool) -> bool:
     """Stored states attention can read where they are (the pool's device and dtype)."""
     return kv.device == pool.buf.device and kv.dtype == pool.buf.dtype
+

@@ -236,3 +236,37 @@ def test_pool_allocates_runs_and_evicts_idle_entries_least_recently_used(tokeniz
     assert pool.allocate(1) == [0] and spilled[-1] == ("x", 4)
     with pytest.raises(PoolFull, match="holds 8"):
         pool.allocate(9)
+
+
+def test_requests_arriving_together_behind_one_new_prompt_compute_it_once(tokenizer):
+    pc = PromptCache(make_model("llama"), tokenizer)
+    chains = ChainPlanner(pc.store, pc.model_key, block_size=8)
+    shared = pc.tokenizer("You are a travel planner. Plan a trip of three days to Paris, Tokyo or Rome. "
+                          "Keep it cheap and highlight the food.").input_ids
+    prompts = [shared + pc.tokenizer(q).input_ids for q in ("Paris?", "Tokyo, please.", "Rome now.", "Any?")]
+    pool = KVPool(pc.runner.spec, pc.device, 1024, 8)
+    sched = ServingScheduler(pc.runner, pool, token_budget=12)  # the shared prompt takes several steps
+    reqs = [Request(None, SamplingParams(max_new_tokens=4, temperature=0.0), pc.tokenizer,
+                    plan=(lambda ids: lambda p: chains.plan(ids, "ns", p))(ids)) for ids in prompts]
+    for r in reqs:
+        sched.add(r)
+    while sched.has_work:
+        sched.step()
+    own = sum(len(p) - len(shared) for p in prompts)
+    assert sched.prefill_tokens <= len(shared) + own + 4 * 8  # the shared part once (and partial blocks)
+    assert all(r.prefill.cached_tokens >= len(shared) // 8 * 8 for r in reqs[1:])
+    for ids, r in zip(prompts, reqs):
+        assert torch.max(torch.abs(r.prefill.logits - plain_logits(pc.model, ids))).item() <= TOL
+
+
+def test_the_fallback_attention_ops_equal_the_fused_kernel(tokenizer, monkeypatch):
+    """Where torch has no fused CPU attention returning the log-sum-exp, plain ops do the same."""
+    import promptcache.engine.paged as paged
+
+    monkeypatch.setattr(paged, "_CPU_FLASH", None)
+    pc = engine("qwen2", tokenizer)
+    schema = pc.schema("trip").layout
+    reqs, _ = serve(pc, [pml(pc, p) for p in PROMPTS[:2]], max_new=4)
+    for prompt, req in zip(PROMPTS, reqs):
+        ref, _, _ = definition_state(pc.model, schema, pc.layout(prompt))
+        assert torch.max(torch.abs(req.prefill.logits - ref)).item() <= TOL
