@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from oracle import definition_greedy, definition_state, plain_logits
+from oracle import definition_greedy, definition_state, plain_logits, plain_logits_at
 from promptcache import PromptCache
 from promptcache.engine.chains import ChainPlanner
 from promptcache.engine.kvpool import KVPool, PoolFull
@@ -74,6 +74,12 @@ def serve(pc, plans, max_new=8, budget=12, pool_tokens=1024, block=16, **kw) -> 
         sched.step()
     assert not sched.has_work
     return reqs, sched
+
+
+PREFIX_SCHEMA = """<schema name="prefix"><system>You are a travel planner.</system>
+  <user><module name="intro">Plan a trip of three days.</module>
+  <module name="paris">Paris is the capital of France, famous for museums.</module></user></schema>"""
+PREFIX_PROMPT = '<prompt schema="prefix"><intro/><paris/> Highlight the food and keep it cheap.</prompt>'
 
 
 def pml(pc, prompt):
@@ -270,3 +276,29 @@ def test_the_fallback_attention_ops_equal_the_fused_kernel(tokenizer, monkeypatc
     for prompt, req in zip(PROMPTS, reqs):
         ref, _, _ = definition_state(pc.model, schema, pc.layout(prompt))
         assert torch.max(torch.abs(req.prefill.logits - ref)).item() <= TOL
+
+
+@pytest.mark.parametrize("family", POOLED)
+def test_prefix_identity_through_the_pool(family, tokenizer):
+    """Identity 1 of the design: a prefix prompt served among others equals a plain forward."""
+    pc = engine(family, tokenizer)
+    pc.add_schema(PREFIX_SCHEMA)
+    reqs, _ = serve(pc, [pml(pc, PROMPTS[0]), pml(pc, PREFIX_PROMPT), pml(pc, PREFIX_PROMPT)], max_new=3)
+    ids = pc.layout(PREFIX_PROMPT).token_ids
+    for r in reqs[1:]:
+        assert r.prefill.exact and r.prefill.cached_tokens > 10
+        assert torch.max(torch.abs(r.prefill.logits - plain_logits(pc.model, ids))).item() <= TOL
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt_neox"])
+def test_recompute_identity_through_the_pool(family, tokenizer):
+    """Identity 4: recompute=1.0 (a private prefill copied into the pool) equals a plain forward
+    over the prompt's tokens at the layout's positions, and decodes on in the pool."""
+    pc = engine(family, tokenizer)
+    prompt = PROMPTS[1]
+    start = ("start", lambda reserve: pc.prefill(prompt, reserve, keep_cache=True, recompute=1.0))
+    reqs, _ = serve(pc, [pml(pc, PROMPTS[0]), start], max_new=6)
+    layout = pc.layout(prompt)
+    ref = plain_logits_at(pc.model, layout.token_ids, layout.position_ids)
+    assert torch.max(torch.abs(reqs[1].prefill.logits - ref)).item() <= TOL
+    assert reqs[1].token_ids == pc.generate(prompt, max_new_tokens=6, temperature=0.0, recompute=1.0).token_ids
