@@ -186,8 +186,12 @@ def measure(server: Server, tok, args) -> dict[str, list[dict]]:
     return out
 
 
+T0 = time.monotonic()
+
+
 def say(line: str) -> None:
-    print(line, flush=True)
+    """A report line, stamped with the seconds since the script started (how long each part took)."""
+    print(f"{time.monotonic() - T0:6.0f} s  {line}", flush=True)
 
 
 def ratios(rows: dict[str, list[dict]], ours: str = "promptcache") -> None:
