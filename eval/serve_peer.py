@@ -170,8 +170,9 @@ def measure(server: Server, tok, args) -> dict[str, list[dict]]:
         say(f"[{t.name}] warm request: TTFT {out['warm'][0]['ttft_warm_s'] * 1000:.0f} ms "
             f"(cold {out['warm'][0]['ttft_cold_s'] * 1000:.0f} ms)")
         out["turns"] = turns(t, tok, args)
-        say(f"[{t.name}] turns: " + ", ".join(f"{r['cached_tokens']}/{r['previous_tokens']}" for r in out["turns"][1:])
-            + " (cached / previous turn's prompt + answer)")
+        say(f"[{t.name}] turns: " + ", ".join(f"{'-' if r['cached_tokens'] is None else r['cached_tokens']}/"
+                                              f"{r['previous_tokens']}" for r in out["turns"][1:])
+            + " (cached / previous turn's prompt + answer; -: not reported)")
         out["grid"] = []
         for length in args.lengths:
             for c in args.concurrency:
