@@ -12,6 +12,13 @@ answer starts only after its prompt ran, so an error before that is a plain HTTP
 status; an error after it (rare: the engine failing mid-decode) ends the stream with an
 ``error`` event. A client that disconnects cancels its request: at once when streaming, within
 ``DISCONNECT_POLL_S`` otherwise.
+
+Before any route: ``limits.RequestGuard`` (Host allow-list, JSON content type, body size, JSON
+depth, message and character counts; see limits.py). CORS headers only for ``cors_origins``.
+Planning (tokenizing, the chat template, PML layout) runs on one worker thread, never on the
+event loop, so ``/health`` and running streams stay live while a large prompt is tokenized; one
+thread keeps the planner's calls into the tokenizer and the engine serial, as they were on the
+loop. Any exception that escapes a route is logged and answered as an OpenAI error object (500).
 """
 
 from __future__ import annotations
@@ -20,9 +27,11 @@ import asyncio
 import json
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -30,6 +39,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from . import protocol as P
 from .backend import Backend, QueueFull
+from .limits import LOOPBACK_HOSTS, Limits, RequestGuard, parsed_body
 from .metrics import CONTENT_TYPE_LATEST, Metrics
 from .prefix import DEFAULT_BLOCK_SIZE, PrefixCache
 from .prompts import Planner
@@ -40,17 +50,23 @@ DISCONNECT_POLL_S = 1.0  # a non-streaming request checks this often whether its
 
 
 def create_app(pc, *, api_keys: dict[str, str] | None = None, documents=None, max_queue: int = 64,
-               model_name: str = "promptcache", block_size: int = DEFAULT_BLOCK_SIZE) -> FastAPI:
+               model_name: str = "promptcache", block_size: int = DEFAULT_BLOCK_SIZE, limits: Limits | None = None,
+               allowed_hosts: tuple[str, ...] | None = LOOPBACK_HOSTS, cors_origins: tuple[str, ...] = ()) -> FastAPI:
     """An app serving ``pc`` (a PromptCache).
 
     ``api_keys``: key -> namespace (None: no keys, one namespace). ``documents``: a DocumentStore
     (served to requests of its namespace) or a dict namespace -> DocumentStore. ``max_queue``:
     requests admitted at once; one more is answered 503. ``block_size``: tokens per prefix block.
+    ``limits``: request limits (``limits.Limits()`` by default). ``allowed_hosts``: ``Host`` names
+    answered (None: any; the default suits a server bound to loopback). ``cors_origins``: origins a
+    browser page may call from (none by default).
     """
+    limits = limits or Limits()
     prefix = PrefixCache(pc, block_size)
     if documents is not None and not isinstance(documents, dict):
         documents = {documents.namespace: documents}
-    planner = Planner(pc, prefix, documents)
+    planner = Planner(pc, prefix, documents, max_chars=limits.max_chars)
+    planning = ThreadPoolExecutor(max_workers=1, thread_name_prefix="promptcache-plan")
     backend = Backend(pc, max_queue)
     metrics = Metrics(backend, prefix, pc.store)
     backend.on_finish = lambda job, how: metrics.finished.labels(how).inc()
@@ -59,9 +75,14 @@ def create_app(pc, *, api_keys: dict[str, str] | None = None, documents=None, ma
     async def lifespan(app):
         yield
         backend.close()
+        planning.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="promptcache", lifespan=lifespan)
     app.state.backend, app.state.prefix, app.state.metrics = backend, prefix, metrics
+    if cors_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=list(cors_origins), allow_methods=["GET", "POST"],
+                           allow_headers=["authorization", "content-type"])
+    app.add_middleware(RequestGuard, limits=limits, allowed_hosts=allowed_hosts)  # outermost: runs first
 
     def namespace(request: Request) -> str:
         if api_keys is None:
@@ -75,11 +96,7 @@ def create_app(pc, *, api_keys: dict[str, str] | None = None, documents=None, ma
 
     async def parse(request: Request, cls):
         try:
-            body = await request.json()
-        except ValueError:
-            raise P.APIError(400, "the request body is not valid JSON") from None
-        try:
-            req = cls.model_validate(body)
+            req = cls.model_validate(parsed_body(request.scope))
         except ValidationError as e:
             err = e.errors()[0]
             field = ".".join(str(x) for x in err["loc"]) or None
@@ -97,6 +114,17 @@ def create_app(pc, *, api_keys: dict[str, str] | None = None, documents=None, ma
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, e: StarletteHTTPException):
         return JSONResponse(P.APIError(e.status_code, str(e.detail)).body(), status_code=e.status_code)
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, e: Exception):
+        log.exception("%s %s failed", request.method, request.url.path)
+        metrics.requests.labels(request.url.path, "500").inc()
+        return JSONResponse(P.APIError(500, f"internal error ({type(e).__name__}); the server log has the details")
+                            .body(), status_code=500)
+
+    async def plan(how, req, ns):
+        """``how(req, ns)`` (a Planner method) on the planning thread."""
+        return await asyncio.get_running_loop().run_in_executor(planning, how, req, ns)
 
     async def serve(request: Request, req, plan, chat: bool):
         try:
@@ -157,13 +185,13 @@ def create_app(pc, *, api_keys: dict[str, str] | None = None, documents=None, ma
     async def chat_completions(request: Request):
         ns = namespace(request)
         req = await parse(request, P.ChatRequest)
-        return await serve(request, req, planner.chat(req, ns), chat=True)
+        return await serve(request, req, await plan(planner.chat, req, ns), chat=True)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
         ns = namespace(request)
         req = await parse(request, P.CompletionRequest)
-        return await serve(request, req, planner.completion(req, ns), chat=False)
+        return await serve(request, req, await plan(planner.completion, req, ns), chat=False)
 
     @app.get("/v1/models")
     async def models(request: Request):
