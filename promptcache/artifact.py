@@ -37,6 +37,7 @@ from pathlib import Path
 
 import torch
 
+from . import jsonsafe
 from .errors import PromptCacheError
 from .fsutil import atomic_write, folder_lock, remove_stale_temps
 from .layout import SchemaLayout
@@ -158,7 +159,7 @@ def _expect_checksum(sha: str) -> StateInfo:
 
 def _parse_manifest(mf: Path) -> dict:
     try:
-        manifest = json.loads(mf.read_text(encoding="utf-8"))
+        manifest = jsonsafe.loads(mf.read_text(encoding="utf-8"))
     except (OSError, ValueError) as e:
         raise ArtifactError(f"{mf} is unreadable or corrupted: {e}") from None
     if not isinstance(manifest, dict):

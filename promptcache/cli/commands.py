@@ -11,6 +11,7 @@ from pathlib import Path
 
 import click
 
+from .. import jsonsafe
 from .common import load_engine, load_tokenizer, read_prompt, setup_logging
 from .errors import guard
 from .options import engine_config, engine_options, model_options
@@ -36,7 +37,7 @@ src_root_option = click.option("--src-root", type=click.Path(exists=True, file_o
 
 def _schema_name(compiled_dir: str) -> str | None:
     try:
-        return json.loads((Path(compiled_dir) / "manifest.json").read_text(encoding="utf-8"))["schema"]["name"]
+        return jsonsafe.loads((Path(compiled_dir) / "manifest.json").read_text(encoding="utf-8"))["schema"]["name"]
     except (OSError, ValueError, KeyError, TypeError):
         return None  # load_compiled names the problem
 
