@@ -44,7 +44,8 @@ def _schema_name(compiled_dir: str) -> str | None:
 
 def _load_compiled(pc, folder: str, schema: Path | None, recompile: bool) -> None:
     """Load a compiled folder, checked against its schema source when given; a stale artifact is
-    refused (exit 1) or, with --recompile, recompiled -- and the command says which."""
+    refused (exit 1) or, with --recompile, recompiled -- and the command says which. An artifact
+    of another model or tokenizer is refused even with --recompile (``compiled.load_compiled``)."""
     from ..artifact import ArtifactError
 
     try:
@@ -54,9 +55,8 @@ def _load_compiled(pc, folder: str, schema: Path | None, recompile: bool) -> Non
     except ArtifactError as e:
         if not recompile:
             raise
-        click.echo(f"recompiling {folder}: {' '.join(str(e).split())}", err=True)
-        pc.load_compiled(folder, schema=schema, recompile=True)
-        click.echo(f"Recompiled {folder}{f' from {schema}' if schema else ''}", err=True)
+        pc.load_compiled(folder, schema=schema, recompile=True)  # refuses another model's artifact
+        click.echo(f"Recompiled {folder}{f' from {schema}' if schema else ''}: {' '.join(str(e).split())}", err=True)
 
 
 @click.command()
@@ -67,7 +67,8 @@ def _load_compiled(pc, folder: str, schema: Path | None, recompile: bool) -> Non
                    "the same name must match.")
 @click.option("--compiled", "-c", "compiled", multiple=True, type=click.Path(exists=True, file_okay=False),
               help="Compiled schema folder(s) from `promptcache compile` (repeatable).")
-@click.option("--recompile", is_flag=True, help="Recompile a compiled schema that does not match (model or schema).")
+@click.option("--recompile", is_flag=True, help="Recompile a compiled schema whose schema text changed or that is damaged (one compiled for "
+              "another model or tokenizer is refused, never overwritten).")
 @src_root_option
 @model_options
 @engine_options

@@ -61,6 +61,7 @@ def embedded_model(name: str = "demo", seed: int = 0, dtype: torch.dtype = torch
         raise ValueError(f"unknown embedded model '{name}' (known: {', '.join('embedded:' + k for k in CONFIGS)})")
     config = LlamaConfig(**CONFIGS[key], max_position_embeddings=16384, bos_token_id=2, eos_token_id=3,
                          pad_token_id=1, tie_word_embeddings=False)
+    config.name_or_path = name  # what artifacts record as the --model they were compiled for
     torch.manual_seed(seed)
     if torch.device(device).type == "cuda":  # built in place: an 8B model is not drawn on the CPU first
         old = torch.get_default_dtype()

@@ -134,7 +134,9 @@ def load_model(name_or_path: str | Path, device: str = "cpu", dtype: str | torch
     if str(name_or_path) == SMOLLM2:  # the alias: converted once into a cache folder, offline afterwards
         from .smollm2 import ensure_smollm2
 
-        name_or_path = ensure_smollm2()
+        model, tokenizer = load_model(ensure_smollm2(), device, dtype, **kwargs)
+        model.config.name_or_path = SMOLLM2  # what artifacts record as the --model they were compiled for
+        return model, tokenizer
     if is_embedded(name_or_path):
         return embedded_model(str(name_or_path), dtype=torch_dtype, device=device)
     config, kwargs = load_config(name_or_path, **kwargs)
