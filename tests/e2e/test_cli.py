@@ -158,3 +158,25 @@ def test_bench_prints_ratios(runner):
 def test_demo_schema_is_the_shipped_one():
     shipped = (ROOT / "schemas" / "long_doc_qa.xml").read_text()
     assert (ROOT / "promptcache" / "assets" / "demo" / "long_doc_qa.xml").read_text() == shipped
+
+
+def test_one_count_of_tokens_and_positions_everywhere(runner, tmp_path, caplog):
+    """compile, its progress line, inspect and validate count a schema the same way, and
+    validate / inspect refuse what compile refuses (a schema past the model's context)."""
+    import logging
+    import re
+
+    with caplog.at_level(logging.INFO, logger="promptcache.progress"):
+        out = invoke(runner, "compile", SCHEMA, "--out", tmp_path / "c").output
+    counts = set(re.findall(r"(\d+) tokens stored, positions \[0, (\d+)\)", out))
+    for cmd in (["inspect", SCHEMA], ["validate", SCHEMA]):
+        counts |= set(re.findall(r"(\d+) tokens stored, positions \[0, (\d+)\)", invoke(runner, *cmd).output))
+    assert len(counts) == 1, counts
+    stored = next(iter(counts))[0]
+    progress = [m for r in caplog.records for m in re.findall(r"(\d+)/(\d+) tokens", r.getMessage())]
+    assert progress and progress[-1] == (stored, stored)
+    big = tmp_path / "big.xml"
+    big.write_text(Path(SCHEMA).read_text().replace('length="4"', 'length="1000000"', 1))
+    for cmd in (["compile", big, "--out", tmp_path / "b"], ["validate", big], ["inspect", big]):
+        res = invoke(runner, *cmd)
+        assert res.exit_code == 1 and "more than the model's limit of 16384" in res.output, (cmd, res.output)
