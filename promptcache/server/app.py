@@ -30,6 +30,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 
+import torch
 from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -37,6 +38,7 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 
+from ..engine.encoder import release_free_memory
 from . import protocol as P
 from .backend import Backend, QueueFull
 from .limits import LOOPBACK_HOSTS, Limits, RequestGuard, parsed_body
@@ -122,9 +124,18 @@ def create_app(pc, *, api_keys: dict[str, str] | None = None, documents=None, ma
         return JSONResponse(P.APIError(500, f"internal error ({type(e).__name__}); the server log has the details")
                             .body(), status_code=500)
 
+    def planned(how, req, ns):
+        """``how(req, ns)`` (a Planner method); a refused plan gives the heap it grew back to the OS
+        (tokenizing 2M characters leaves ~200 MB in glibc's arenas otherwise)."""
+        try:
+            return how(req, ns)
+        except P.APIError:
+            release_free_memory(torch.device("cpu"))
+            raise
+
     async def plan(how, req, ns):
-        """``how(req, ns)`` (a Planner method) on the planning thread."""
-        return await asyncio.get_running_loop().run_in_executor(planning, how, req, ns)
+        """``how(req, ns)`` on the planning thread."""
+        return await asyncio.get_running_loop().run_in_executor(planning, planned, how, req, ns)
 
     async def serve(request: Request, req, plan, chat: bool):
         try:
