@@ -359,7 +359,9 @@ class DocumentStore:
         if problems:
             if not reencode:
                 raise DocumentStoreError(f"document store {self.path} was built with another model or tokenizer: "
-                                         f"{'; '.join(problems)}. Open it with reencode=True to encode again.")
+                                         f"{'; '.join(problems)}. Open it with that model, or build a store for this "
+                                         "model in another folder; reencode=True re-encodes it in place, replacing the "
+                                         "other model's states.")
             log.warning("re-encoding %d documents in %s: %s", len(docs), self.path, "; ".join(problems))
             for d in docs:
                 self.add(d["id"], d["text"], d["metadata"])
