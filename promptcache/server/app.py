@@ -133,7 +133,7 @@ def create_app(pc, *, api_keys: dict[str, str] | None = None, documents=None, ma
             release_free_memory(torch.device("cpu"))
             raise
 
-    async def plan(how, req, ns):
+    async def make_plan(how, req, ns):
         """``how(req, ns)`` on the planning thread."""
         return await asyncio.get_running_loop().run_in_executor(planning, planned, how, req, ns)
 
@@ -196,13 +196,13 @@ def create_app(pc, *, api_keys: dict[str, str] | None = None, documents=None, ma
     async def chat_completions(request: Request):
         ns = namespace(request)
         req = await parse(request, P.ChatRequest)
-        return await serve(request, req, await plan(planner.chat, req, ns), chat=True)
+        return await serve(request, req, await make_plan(planner.chat, req, ns), chat=True)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
         ns = namespace(request)
         req = await parse(request, P.CompletionRequest)
-        return await serve(request, req, await plan(planner.completion, req, ns), chat=False)
+        return await serve(request, req, await make_plan(planner.completion, req, ns), chat=False)
 
     @app.get("/v1/models")
     async def models(request: Request):
