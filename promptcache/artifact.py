@@ -37,6 +37,7 @@ from pathlib import Path
 
 import torch
 
+from . import jsonsafe
 from .errors import PromptCacheError
 from .fsutil import atomic_write, folder_lock, remove_stale_temps
 from .layout import SchemaLayout
@@ -86,8 +87,9 @@ def layout_record(layout: SchemaLayout) -> list[dict]:
 
 def write_artifact(out_dir: str | Path, *, sources: tuple[str, dict[str, str], str], schema: Schema,
                    layout: SchemaLayout, states: dict[int, tuple[str, torch.Tensor]], model_fp: dict,
-                   model_digest: str, tokenizer_fp: str, kv_spec: dict) -> Path:
-    """Write an artifact; ``states``: stored span index -> (portable content key, kv [L, 2, H, n, D])."""
+                   model_digest: str, tokenizer_fp: str, kv_spec: dict, model_name: str | None = None) -> Path:
+    """Write an artifact; ``states``: stored span index -> (portable content key, kv [L, 2, H, n, D]).
+    ``model_name``: what ``--model`` loads the model compiled for (None: unknown), for advice only."""
     out = Path(out_dir)
     named = {f"span_{i}": kk for i, kk in sorted(states.items())}
     with folder_lock(out):
@@ -106,6 +108,7 @@ def write_artifact(out_dir: str | Path, *, sources: tuple[str, dict[str, str], s
             "dtype": kv_spec["dtype"],
             "kv_spec": kv_spec,
             "model": model_fp,
+            "model_name": model_name,
             "model_digest": model_digest,
             "tokenizer": {"sha256": tokenizer_fp},
             "states": {"file": states_file, "sha256": sums,
@@ -158,7 +161,7 @@ def _expect_checksum(sha: str) -> StateInfo:
 
 def _parse_manifest(mf: Path) -> dict:
     try:
-        manifest = json.loads(mf.read_text(encoding="utf-8"))
+        manifest = jsonsafe.loads(mf.read_text(encoding="utf-8"))
     except (OSError, ValueError) as e:
         raise ArtifactError(f"{mf} is unreadable or corrupted: {e}") from None
     if not isinstance(manifest, dict):
@@ -179,8 +182,9 @@ def _parse_manifest(mf: Path) -> dict:
     return manifest
 
 
-def mismatches(manifest: dict, model_fp: dict, tokenizer_fp: str, schema_digest: str | None) -> list[str]:
-    """Which parts of the artifact differ from this model, tokenizer and schema text."""
+def foreign(manifest: dict, model_fp: dict, tokenizer_fp: str) -> list[str]:
+    """How the model and tokenizer the artifact was compiled for differ from these (empty: the same).
+    An artifact with such differences belongs to another model: it is never recompiled in place."""
     out = []
     built = manifest["model"]
     for key, what in (("architecture", "model architecture"), ("config_sha256", "model config"),
@@ -189,6 +193,20 @@ def mismatches(manifest: dict, model_fp: dict, tokenizer_fp: str, schema_digest:
             out.append(f"{what} differs (compiled: {_short(built.get(key))}, now: {_short(model_fp.get(key))})")
     if manifest["tokenizer"].get("sha256") != tokenizer_fp:
         out.append("tokenizer differs")
+    return out
+
+
+def compiled_for(manifest: dict) -> str:
+    """The model an artifact was compiled for, as advice: "model 'smollm2' (float32)"."""
+    name, dtype = manifest.get("model_name"), manifest["model"].get("dtype")
+    if not isinstance(name, str) or not name:
+        return f"another model (its name was not recorded; {dtype})"
+    return f"model '{name}' ({dtype}; use it with --model {name} --dtype {dtype})"
+
+
+def mismatches(manifest: dict, model_fp: dict, tokenizer_fp: str, schema_digest: str | None) -> list[str]:
+    """Which parts of the artifact differ from this model, tokenizer and schema text."""
+    out = foreign(manifest, model_fp, tokenizer_fp)
     if schema_digest is not None and manifest["schema"].get("digest") != schema_digest:
         out.append("schema text differs (the schema file or a src file changed since compiling)")
     if not intact(manifest):

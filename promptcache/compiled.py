@@ -21,8 +21,8 @@ from __future__ import annotations
 import logging
 import time
 from pathlib import Path
-from .artifact import (ArtifactError, intact, layout_record, materialize_schema, materialized, mismatches,
-                       read_manifest, schema_sources, write_artifact)
+from .artifact import (ArtifactError, compiled_for, foreign, intact, layout_record, materialize_schema, materialized,
+                       mismatches, read_manifest, schema_sources, write_artifact)
 from .keys import PORTABLE, content_keys, model_digest
 from .layout import SchemaLayout, layout_schema
 from .pml import PMLError, parse_schema
@@ -53,7 +53,7 @@ def compile_schema(pc: "PromptCache", schema, out_dir, progress=None, namespace=
     return write_artifact(out_dir, sources=(text, files, source_name or source), schema=entry.layout.schema,
                           layout=entry.layout, states=states, model_fp=pc.model_fingerprint,
                           model_digest=model_digest(pc.model_key), tokenizer_fp=pc.tokenizer_fingerprint,
-                          kv_spec=kv_spec_record(pc))
+                          kv_spec=kv_spec_record(pc), model_name=getattr(pc.model, "name_or_path", None) or None)
 
 
 def load_compiled(pc: "PromptCache", path, schema=None, recompile=False, namespace=None,
@@ -77,6 +77,8 @@ def load_compiled(pc: "PromptCache", path, schema=None, recompile=False, namespa
         if not (recompile and schema is not None):
             raise
         manifest, problems = None, ["no usable artifact"]
+    if manifest is not None and foreign(manifest, pc.model_fingerprint, pc.tokenizer_fingerprint):
+        raise ArtifactError(_foreign_advice(path, manifest, problems, recompile))
     if problems:
         if not recompile:
             raise ArtifactError(f"compiled schema {path} does not match: {'; '.join(problems)}. "
@@ -108,6 +110,15 @@ def load_compiled(pc: "PromptCache", path, schema=None, recompile=False, namespa
         for k in keys.values():
             pc.store.get(k)
     return pc.register_schema(layout, keys, ns, time.perf_counter() - t0, place=verify)
+
+
+def _foreign_advice(path, manifest: dict, problems: list[str], recompile: bool) -> str:
+    """Why an artifact of another model or tokenizer is refused, and what to do: never recompile
+    it in place (that would destroy the other model's states)."""
+    why = ("; it is not recompiled in place, which would destroy that model's states" if recompile else "")
+    return (f"compiled schema {path} was compiled for {compiled_for(manifest)}, not for this model: "
+            f"{'; '.join(problems)}{why}. Load it with that model, or compile the schema for this model "
+            "into another folder (`promptcache compile SCHEMA --model M --out NEW_DIR`).")
 
 
 def _embedded_schema_intact(manifest: dict) -> bool:

@@ -68,6 +68,7 @@ from pathlib import Path
 import torch
 
 from .engine import Generation, PrefillResult, PromptCache
+from . import jsonsafe
 from .errors import PromptCacheError
 from .engine.recompute import check_fraction, recompute_request
 from .fsutil import atomic_write
@@ -346,7 +347,7 @@ class DocumentStore:
     def _open(self, reencode: bool) -> None:
         where = self.path / INDEX
         try:
-            index = json.loads(where.read_text(encoding="utf-8"))
+            index = jsonsafe.loads(where.read_text(encoding="utf-8"))
         except (OSError, ValueError) as e:
             raise DocumentStoreError(f"{where} is unreadable or corrupted: {e}") from None
         docs = _check_index(index, where)
@@ -358,7 +359,9 @@ class DocumentStore:
         if problems:
             if not reencode:
                 raise DocumentStoreError(f"document store {self.path} was built with another model or tokenizer: "
-                                         f"{'; '.join(problems)}. Open it with reencode=True to encode again.")
+                                         f"{'; '.join(problems)}. Open it with that model, or build a store for this "
+                                         "model in another folder; reencode=True re-encodes it in place, replacing the "
+                                         "other model's states.")
             log.warning("re-encoding %d documents in %s: %s", len(docs), self.path, "; ".join(problems))
             for d in docs:
                 self.add(d["id"], d["text"], d["metadata"])

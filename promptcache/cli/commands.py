@@ -11,6 +11,7 @@ from pathlib import Path
 
 import click
 
+from .. import jsonsafe
 from .common import load_engine, load_tokenizer, read_prompt, setup_logging
 from .errors import guard
 from .options import engine_config, engine_options, model_options
@@ -36,14 +37,15 @@ src_root_option = click.option("--src-root", type=click.Path(exists=True, file_o
 
 def _schema_name(compiled_dir: str) -> str | None:
     try:
-        return json.loads((Path(compiled_dir) / "manifest.json").read_text(encoding="utf-8"))["schema"]["name"]
+        return jsonsafe.loads((Path(compiled_dir) / "manifest.json").read_text(encoding="utf-8"))["schema"]["name"]
     except (OSError, ValueError, KeyError, TypeError):
         return None  # load_compiled names the problem
 
 
 def _load_compiled(pc, folder: str, schema: Path | None, recompile: bool) -> None:
     """Load a compiled folder, checked against its schema source when given; a stale artifact is
-    refused (exit 1) or, with --recompile, recompiled -- and the command says which."""
+    refused (exit 1) or, with --recompile, recompiled -- and the command says which. An artifact
+    of another model or tokenizer is refused even with --recompile (``compiled.load_compiled``)."""
     from ..artifact import ArtifactError
 
     try:
@@ -53,9 +55,8 @@ def _load_compiled(pc, folder: str, schema: Path | None, recompile: bool) -> Non
     except ArtifactError as e:
         if not recompile:
             raise
-        click.echo(f"recompiling {folder}: {' '.join(str(e).split())}", err=True)
-        pc.load_compiled(folder, schema=schema, recompile=True)
-        click.echo(f"Recompiled {folder}{f' from {schema}' if schema else ''}", err=True)
+        pc.load_compiled(folder, schema=schema, recompile=True)  # refuses another model's artifact
+        click.echo(f"Recompiled {folder}{f' from {schema}' if schema else ''}: {' '.join(str(e).split())}", err=True)
 
 
 @click.command()
@@ -66,7 +67,8 @@ def _load_compiled(pc, folder: str, schema: Path | None, recompile: bool) -> Non
                    "the same name must match.")
 @click.option("--compiled", "-c", "compiled", multiple=True, type=click.Path(exists=True, file_okay=False),
               help="Compiled schema folder(s) from `promptcache compile` (repeatable).")
-@click.option("--recompile", is_flag=True, help="Recompile a compiled schema that does not match (model or schema).")
+@click.option("--recompile", is_flag=True, help="Recompile a compiled schema whose schema text changed or that is damaged (one compiled for "
+              "another model or tokenizer is refused, never overwritten).")
 @src_root_option
 @model_options
 @engine_options
@@ -161,7 +163,7 @@ def compile(schema, out, model, device, dtype, engine, config_file):
     pc = load_engine(model, device, dtype, config)
     path = pc.compile(Path(schema), out)
     entry = pc.schema(pc.load_compiled(path).name)
-    click.echo(f"Compiled '{entry.name}' to {path}: {entry.stored_tokens} tokens, "
+    click.echo(f"Compiled '{entry.name}' to {path}: {entry.layout.summary()}, "
                f"{entry.stored_bytes / 2**20:.1f} MiB of states")
 
 
@@ -186,10 +188,11 @@ def inspect(schema, prompt, prompt_text, model, src_root):
       promptcache inspect SCHEMA.xml PROMPT.xml --model Qwen/Qwen2.5-0.5B-Instruct
     """
     from ..layout import layout_prompt, layout_schema
+    from ..models.loading import model_context
 
-    tok = load_tokenizer(model)
+    tok, context = load_tokenizer(model), model_context(model)  # the context compile checks against
     click.echo(_tokenizer_line(model))
-    layout = layout_schema(Path(schema), tok, allow_src_root=src_root)
+    layout = layout_schema(Path(schema), tok, allow_src_root=src_root, max_positions=context)
     click.echo(layout.table())
     for u in layout.unions.values():
         click.echo(f"union u{u.index} (line {u.line}): members {', '.join(u.members)}; positions "
@@ -199,7 +202,7 @@ def inspect(schema, prompt, prompt_text, model, src_root):
             click.echo(f"parameter {'/'.join(m.path)}.{name}: {p.length} positions, scaffold {p.scaffold!r}")
     if prompt or prompt_text:
         click.echo("")
-        click.echo(layout_prompt(read_prompt(prompt, prompt_text), layout, tok).table())
+        click.echo(layout_prompt(read_prompt(prompt, prompt_text), layout, tok, max_positions=context).table())
 
 
 @click.command()
@@ -220,17 +223,18 @@ def validate(files, model, src_root):
       promptcache validate schemas/*.xml examples/*.xml --model Qwen/Qwen2.5-0.5B-Instruct
     """
     from ..layout import layout_prompt, layout_schema
+    from ..models.loading import model_context
     from ..pml import PMLError, parse_prompt, parse_schema
 
-    tok = load_tokenizer(model)
+    tok, context = load_tokenizer(model), model_context(model)  # the context compile checks against
     click.echo(_tokenizer_line(model))
     schemas, prompts, failed = {}, [], False
     for f in files:
         try:
             if _root_tag(Path(f).read_text(encoding="utf-8", errors="replace")) == "schema":
-                layout = layout_schema(parse_schema(Path(f), allow_src_root=src_root), tok)
+                layout = layout_schema(parse_schema(Path(f), allow_src_root=src_root), tok, max_positions=context)
                 schemas[layout.name] = layout
-                click.echo(f"{f}: ok (schema '{layout.name}')")
+                click.echo(f"{f}: ok (schema '{layout.name}': {layout.summary()})")
             else:
                 prompts.append((f, parse_prompt(Path(f))))
         except PMLError as e:
@@ -242,7 +246,7 @@ def validate(files, model, src_root):
                 known = ", ".join(sorted(schemas)) or "none"
                 raise PMLError(f"unknown schema '{tree.schema}' (schemas given: {known}); pass its schema file "
                                "alongside the prompt", str(f), getattr(tree, "line", None))
-            layout_prompt(tree, schemas.get(tree.schema), tok)
+            layout_prompt(tree, schemas.get(tree.schema), tok, max_positions=context)
             click.echo(f"{f}: ok (prompt)")
         except PMLError as e:
             failed = True

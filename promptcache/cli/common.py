@@ -50,7 +50,7 @@ def load_engine(model: str, device: str | None, dtype: str, config=None):
 
     device = check_device(device)
     dtype = resolve_dtype(dtype, device)
-    model = _resolve_alias(model)
+    _resolve_alias(model)  # fetched here with progress lines; load_model loads it under the alias's name
     click.echo(f"Loading model {model} on {device} ({dtype}) ...", err=True)
     if str(model).startswith("embedded"):
         click.echo("  note: embedded models have RANDOM weights: their text is noise, their speed is real "

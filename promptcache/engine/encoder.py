@@ -67,14 +67,14 @@ class SchemaEncoder:
                 jobs.append(_Job(p, c, offsets[c], _cat(spans, rest, "ids"), _cat(spans, rest, "pos")))
         ids = _cat(spans, default_seq[:need], "ids")
         pos = _cat(spans, default_seq[:need], "pos")
-        total = len(ids) + sum(len(j.ids) for j in jobs)
-        done = 0
+        total = len(ids) + sum(len(j.ids) for j in jobs)  # tokens run (parameter slots, shared prefixes)
+        done, stored = 0, layout.stored_tokens
 
-        def tick(n):
+        def tick(n):  # progress counts stored tokens, the count compile and inspect print
             nonlocal done
             done += n
             if progress:
-                progress(done, total)
+                progress(done * stored // max(total, 1), stored)
 
         self.adapter.check_limits(max(pos + [q for j in jobs for q in j.pos], default=0), len(ids) + max((len(j.ids) for j in jobs), default=0))
         out: dict[int, torch.Tensor] = {}

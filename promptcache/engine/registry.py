@@ -38,7 +38,7 @@ class EncodedSchema:
 
     @property
     def stored_tokens(self) -> int:
-        return sum(len(self.layout.spans[i].token_ids) for i in self.keys)
+        return self.layout.stored_tokens  # every stored span has a key
 
     @property
     def stored_bytes(self) -> int:

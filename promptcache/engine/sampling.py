@@ -55,7 +55,8 @@ class SamplingParams:
         _check(self, "top_k", _is_int(self.top_k) and self.top_k >= 0, "an integer >= 0")
         _check(self, "repetition_penalty", _is_real(self.repetition_penalty) and self.repetition_penalty > 0,
                "a finite number > 0")
-        _check(self, "seed", self.seed is None or _is_int(self.seed), "None or an integer")
+        _check(self, "seed", self.seed is None or (_is_int(self.seed) and -(2**63) <= self.seed < 2**64),
+               "None or an integer in [-2**63, 2**64) (what a torch.Generator takes)")
 
     @property
     def greedy(self) -> bool:

@@ -98,6 +98,16 @@ class SchemaLayout:
     def name(self) -> str:
         return self.schema.name
 
+    @property
+    def stored_tokens(self) -> int:
+        """Tokens whose states are stored: the one token count of a schema that ``compile``, its
+        progress line, ``inspect`` and ``validate`` print (with ``end``, its positions)."""
+        return sum(len(s.token_ids) for s in self.spans if s.stored)
+
+    def summary(self) -> str:
+        """'60 tokens stored, positions [0, 58)': how every command counts a schema."""
+        return f"{self.stored_tokens} tokens stored, positions [0, {self.end})"
+
     def passes(self) -> list[EncodePass]:
         """The encoding passes (README "Positions": each module is encoded over the schema text before it,
         unions represented by their scaffold member, or absent without one; every other member
@@ -129,7 +139,7 @@ class SchemaLayout:
             stored = "yes" if s.stored else "no"
             rows.append((s.name, kind, f"[{s.start}, {s.end})", str(len(s.token_ids)), union, stored))
         title = (
-            f"schema '{self.name}': positions [0, {self.end}), {_count(len(self.modules), 'module')}, "
+            f"schema '{self.name}': {self.summary()}, {_count(len(self.modules), 'module')}, "
             f"{_count(len(self.unions), 'union')}"
         )
         return title + "\n" + format_rows(rows)
@@ -199,7 +209,8 @@ class PromptLayout:
             rows.append((s.name, s.kind, s.source, rng, str(len(s))))
         n_c = sum(len(s) for s in self.cached)
         n_n = sum(len(s) for s in self.new)
-        return f"prompt: {n_c} cached tokens, {n_n} new tokens\n" + format_rows(rows)
+        n_pos = max(self.position_ids, default=-1) + 1
+        return f"prompt: {n_c} cached tokens, {n_n} new tokens, positions [0, {n_pos})\n" + format_rows(rows)
 
     def __repr__(self) -> str:
         n_c = sum(len(s) for s in self.cached)

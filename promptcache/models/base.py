@@ -79,6 +79,14 @@ class Adapter:
         self.check_config()
 
     @classmethod
+    def context_of(cls, config) -> int | None:
+        """``max_positions`` for a config alone, no model (validate and inspect load no weights):
+        the property reads nothing but ``self.config``."""
+        probe = cls.__new__(cls)
+        probe.config = config
+        return probe.max_positions
+
+    @classmethod
     def select(cls, config) -> type["Adapter"]:
         """The concrete adapter class for this config (a family may have variants)."""
         return cls

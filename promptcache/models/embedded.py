@@ -52,15 +52,24 @@ def embedded_tokenizer():
     return tok
 
 
-def embedded_model(name: str = "demo", seed: int = 0, dtype: torch.dtype = torch.float32, device="cpu"):
-    """(model, tokenizer) for ``embedded[:demo|bench|1b|8b]``, weights drawn from ``seed``."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+def embedded_config(name: str = "demo"):
+    """The ``LlamaConfig`` of ``embedded[:demo|bench|1b|8b]`` (no weights)."""
+    from transformers import LlamaConfig
 
     key = name.split(":", 1)[1] if ":" in name else "demo"
     if key not in CONFIGS:
         raise ValueError(f"unknown embedded model '{name}' (known: {', '.join('embedded:' + k for k in CONFIGS)})")
     config = LlamaConfig(**CONFIGS[key], max_position_embeddings=16384, bos_token_id=2, eos_token_id=3,
                          pad_token_id=1, tie_word_embeddings=False)
+    config.name_or_path = "embedded" if key == "demo" else f"embedded:{key}"  # the --model artifacts record
+    return config
+
+
+def embedded_model(name: str = "demo", seed: int = 0, dtype: torch.dtype = torch.float32, device="cpu"):
+    """(model, tokenizer) for ``embedded[:demo|bench|1b|8b]``, weights drawn from ``seed``."""
+    from transformers import LlamaForCausalLM
+
+    config = embedded_config(name)
     torch.manual_seed(seed)
     if torch.device(device).type == "cuda":  # built in place: an 8B model is not drawn on the CPU first
         old = torch.get_default_dtype()

@@ -117,6 +117,20 @@ def load_config(name_or_path: str | Path, **kwargs):
                                  f"{ALTERNATIVES}") from e
 
 
+def model_context(name_or_path: str | Path) -> int | None:
+    """The model's context in positions from its config alone (no weights; what ``compile``
+    refuses past), for ``validate`` and ``inspect``."""
+    from .embedded import embedded_config, is_embedded
+    from .families import adapter_class
+
+    if str(name_or_path) == SMOLLM2:
+        from .smollm2 import ensure_smollm2
+
+        name_or_path = ensure_smollm2()
+    config = embedded_config(str(name_or_path)) if is_embedded(name_or_path) else load_config(name_or_path)[0]
+    return adapter_class(config).context_of(config)
+
+
 def load_model(name_or_path: str | Path, device: str = "cpu", dtype: str | torch.dtype = "float32", **kwargs):
     """``AutoModelForCausalLM`` + ``AutoTokenizer`` from a hub id or a local directory.
 
@@ -134,7 +148,9 @@ def load_model(name_or_path: str | Path, device: str = "cpu", dtype: str | torch
     if str(name_or_path) == SMOLLM2:  # the alias: converted once into a cache folder, offline afterwards
         from .smollm2 import ensure_smollm2
 
-        name_or_path = ensure_smollm2()
+        model, tokenizer = load_model(ensure_smollm2(), device, dtype, **kwargs)
+        model.config.name_or_path = SMOLLM2  # what artifacts record as the --model they were compiled for
+        return model, tokenizer
     if is_embedded(name_or_path):
         return embedded_model(str(name_or_path), dtype=torch_dtype, device=device)
     config, kwargs = load_config(name_or_path, **kwargs)

@@ -13,6 +13,13 @@ status; an error after it (rare: the engine failing mid-decode) ends the stream 
 ``error`` event. A client that disconnects cancels its request at once, whether it is queued,
 prefilling or decoding (the server listens for the disconnect while it waits; the scheduler frees
 the request's blocks at its next step).
+
+Before any route: ``limits.RequestGuard`` (Host allow-list, JSON content type, body size, JSON
+depth, message and character counts; see limits.py). CORS headers only for ``cors_origins``.
+Planning (tokenizing, the chat template, PML layout) runs on one worker thread, never on the
+event loop, so ``/health`` and running streams stay live while a large prompt is tokenized; one
+thread keeps the planner's calls into the tokenizer and the engine serial, as they were on the
+loop. Any exception that escapes a route is logged and answered as an OpenAI error object (500).
 """
 
 from __future__ import annotations
@@ -21,16 +28,21 @@ import asyncio
 import json
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 
+import torch
 from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 
+from ..engine.encoder import release_free_memory
 from . import protocol as P
 from .backend import Backend, QueueFull, ServingConfig
+from .limits import LOOPBACK_HOSTS, Limits, RequestGuard, parsed_body
 from .metrics import CONTENT_TYPE_LATEST, Metrics
 from .prefix import DEFAULT_BLOCK_SIZE, PrefixCache
 from .prompts import Planner
@@ -39,7 +51,8 @@ log = logging.getLogger(__name__)
 
 def create_app(pc, *, api_keys: dict[str, str] | None = None, documents=None, max_queue: int = 64,
                model_name: str = "promptcache", block_size: int = DEFAULT_BLOCK_SIZE,
-               serving: ServingConfig | None = None, drain_timeout: float = 10.0) -> FastAPI:
+               serving: ServingConfig | None = None, drain_timeout: float = 10.0, limits: Limits | None = None,
+               allowed_hosts: tuple[str, ...] | None = LOOPBACK_HOSTS, cors_origins: tuple[str, ...] = ()) -> FastAPI:
     """An app serving ``pc`` (a PromptCache).
 
     ``api_keys``: key -> namespace (None: no keys, one namespace). ``documents``: a DocumentStore
@@ -47,13 +60,18 @@ def create_app(pc, *, api_keys: dict[str, str] | None = None, documents=None, ma
     requests admitted at once; one more is answered 503. ``block_size``: tokens per prefix block
     (and KV pool block). ``serving``: the serving core's pool and budgets. ``drain_timeout``:
     seconds running requests may go on at shutdown before they are cancelled.
+    ``limits``: request limits (``limits.Limits()`` by default). ``allowed_hosts``: ``Host`` names
+    answered (None: any; the default suits a server bound to loopback). ``cors_origins``: origins a
+    browser page may call from (none by default).
     """
+    limits = limits or Limits()
     serving = serving or ServingConfig()
     serving = ServingConfig(**{**serving.__dict__, "block_size": block_size})
     prefix = PrefixCache(pc, block_size)
     if documents is not None and not isinstance(documents, dict):
         documents = {documents.namespace: documents}
-    planner = Planner(pc, prefix, documents)
+    planner = Planner(pc, prefix, documents, max_chars=limits.max_chars)
+    planning = ThreadPoolExecutor(max_workers=1, thread_name_prefix="promptcache-plan")
     backend = Backend(pc, max_queue, config=serving, spill=prefix.spill)
     metrics = Metrics(backend, prefix, pc.store)
     backend.on_finish = lambda job, how: metrics.finished.labels(how).inc()
@@ -62,9 +80,14 @@ def create_app(pc, *, api_keys: dict[str, str] | None = None, documents=None, ma
     async def lifespan(app):
         yield
         await asyncio.get_running_loop().run_in_executor(None, backend.close, drain_timeout)
+        planning.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="promptcache", lifespan=lifespan)
     app.state.backend, app.state.prefix, app.state.metrics = backend, prefix, metrics
+    if cors_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=list(cors_origins), allow_methods=["GET", "POST"],
+                           allow_headers=["authorization", "content-type"])
+    app.add_middleware(RequestGuard, limits=limits, allowed_hosts=allowed_hosts)  # outermost: runs first
 
     def namespace(request: Request) -> str:
         if api_keys is None:
@@ -78,11 +101,7 @@ def create_app(pc, *, api_keys: dict[str, str] | None = None, documents=None, ma
 
     async def parse(request: Request, cls):
         try:
-            body = await request.json()
-        except ValueError:
-            raise P.APIError(400, "the request body is not valid JSON") from None
-        try:
-            req = cls.model_validate(body)
+            req = cls.model_validate(parsed_body(request.scope))
         except ValidationError as e:
             err = e.errors()[0]
             field = ".".join(str(x) for x in err["loc"]) or None
@@ -100,6 +119,26 @@ def create_app(pc, *, api_keys: dict[str, str] | None = None, documents=None, ma
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, e: StarletteHTTPException):
         return JSONResponse(P.APIError(e.status_code, str(e.detail)).body(), status_code=e.status_code)
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, e: Exception):
+        log.exception("%s %s failed", request.method, request.url.path)
+        metrics.requests.labels(request.url.path, "500").inc()
+        return JSONResponse(P.APIError(500, f"internal error ({type(e).__name__}); the server log has the details")
+                            .body(), status_code=500)
+
+    def planned(how, req, ns):
+        """``how(req, ns)`` (a Planner method); a refused plan gives the heap it grew back to the OS
+        (tokenizing 2M characters leaves ~200 MB in glibc's arenas otherwise)."""
+        try:
+            return how(req, ns)
+        except P.APIError:
+            release_free_memory(torch.device("cpu"))
+            raise
+
+    async def make_plan(how, req, ns):
+        """``how(req, ns)`` on the planning thread."""
+        return await asyncio.get_running_loop().run_in_executor(planning, planned, how, req, ns)
 
     async def serve(request: Request, req, plan, chat: bool):
         try:
@@ -161,13 +200,13 @@ def create_app(pc, *, api_keys: dict[str, str] | None = None, documents=None, ma
     async def chat_completions(request: Request):
         ns = namespace(request)
         req = await parse(request, P.ChatRequest)
-        return await serve(request, req, planner.chat(req, ns), chat=True)
+        return await serve(request, req, await make_plan(planner.chat, req, ns), chat=True)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
         ns = namespace(request)
         req = await parse(request, P.CompletionRequest)
-        return await serve(request, req, planner.completion(req, ns), chat=False)
+        return await serve(request, req, await make_plan(planner.completion, req, ns), chat=False)
 
     @app.get("/v1/models")
     async def models(request: Request):

@@ -7,10 +7,17 @@ loaded once per namespace, so tenants never share a stored state.
 
 Binding: ``--host`` defaults to 127.0.0.1 (only this machine); without a key file anyone who can
 reach the port can use the server, and the command says so.
+
+Browser rules: bound to a loopback address the server answers only ``Host`` names of this
+machine (``limits.LOOPBACK_HOSTS``) unless ``--allowed-hosts`` says otherwise; bound elsewhere it
+answers any ``Host`` unless ``--allowed-hosts`` lists them. CORS is off unless ``--cors-origin``.
+Request limits: one option per ``limits.Limits`` field (``--max-request-bytes`` ...).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import logging
 import sys
 from pathlib import Path
@@ -19,6 +26,7 @@ import click
 
 from ..cli.errors import guard
 from ..cli.options import engine_config, engine_options, model_options
+from .limits import LOOPBACK_HOSTS, Limits
 
 LOOPBACK = {"127.0.0.1", "localhost", "::1"}
 
@@ -39,6 +47,31 @@ def read_key_file(path: str | Path) -> dict[str, str]:
     if not keys:
         raise ValueError(f"{path}: no keys (one 'KEY NAMESPACE' per line)")
     return keys
+
+
+def limit_options(f):
+    """One ``--max-...`` option per ``Limits`` field (default: the field's), gathered into ``limits``."""
+    names = [fl.name for fl in dataclasses.fields(Limits)]
+
+    @functools.wraps(f)
+    def wrapper(*args, **kwargs):
+        kwargs["limits"] = Limits(**{n: kwargs.pop(n) for n in names})
+        return f(*args, **kwargs)
+
+    for fl in reversed(dataclasses.fields(Limits)):
+        wrapper = click.option(f"--{fl.name.replace('_', '-')}", fl.name, default=fl.default, show_default=True,
+                               type=click.IntRange(min=1), help=f"Request limit: {fl.name.removeprefix('max_')} "
+                               "(refused with 400/413 before any work).")(wrapper)
+    return wrapper
+
+
+def host_list(host: str, allowed: tuple[str, ...]) -> tuple[str, ...] | None:
+    """The ``Host`` names answered: ``--allowed-hosts`` (comma-separated, repeatable; ``*`` any),
+    else this machine's names when bound to loopback, else any (None)."""
+    names = tuple(n.strip() for a in allowed for n in a.split(",") if n.strip())
+    if names:
+        return None if "*" in names else names
+    return LOOPBACK_HOSTS if host in LOOPBACK else None
 
 
 def load_documents(pc, folder: Path, namespace: str):
@@ -86,6 +119,11 @@ def load_documents(pc, folder: Path, namespace: str):
 @click.option("--drain-timeout", default=10.0, show_default=True, type=float,
               help="Seconds running requests may finish at shutdown (SIGTERM, Ctrl-C) before they are cancelled.")
 @click.option("--model-name", default=None, help="The model id clients send (default: --model).")
+@click.option("--allowed-hosts", multiple=True, help="Host header names answered, comma-separated or repeated; '*' "
+              "any (default: localhost names when bound to loopback, else any).")
+@click.option("--cors-origin", "cors_origins", multiple=True,
+              help="An origin (https://app.example) whose browser pages may call the API (repeatable; default none).")
+@limit_options
 @click.option("--cache-gb", default=4.0, show_default=True, type=float,
               help="Memory for stored states (prefix blocks, schemas, documents) in GiB; the least recently "
                    "used spill to disk beyond it. --device-budget / --host-budget (or their environment "
@@ -93,7 +131,7 @@ def load_documents(pc, folder: Path, namespace: str):
 @guard
 def serve(model, device, dtype, engine, config_file, src_root, schemas, compiled, documents, host, port,
           api_key_file, max_queue, block_size, kv_pool_tokens, max_num_batched_tokens, max_num_seqs, drain_timeout,
-          model_name, cache_gb):
+          model_name, allowed_hosts, cors_origins, limits, cache_gb):
     """Serve an OpenAI-compatible API (chat, completions, models, health, metrics) that reuses
     attention states across requests. Needs the 'serve' extra."""
     try:
@@ -129,7 +167,8 @@ def serve(model, device, dtype, engine, config_file, src_root, schemas, compiled
                             max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs)
     app = create_app(pc, api_keys=keys, documents=docs or None, max_queue=max_queue,
                      model_name=model_name or model, block_size=block_size, serving=serving,
-                     drain_timeout=drain_timeout)
+                     drain_timeout=drain_timeout, limits=limits,
+                     allowed_hosts=host_list(host, allowed_hosts), cors_origins=cors_origins)
     if keys is None:
         click.echo("No --api-key-file: no keys are checked and every client shares one namespace; "
                    f"{'binding ' + host + ' (this machine only)' if host in LOOPBACK else 'WARNING: ' + host + ' is reachable by others'}.",

@@ -19,6 +19,11 @@ Decisions: ``messages`` content parts must be text (others: 400); ``developer`` 
 blocks, which have nothing to recompute, so it changes nothing there. Without
 ``max_tokens``, chat generates up to 256 tokens (fewer if the context ends first) and completions
 16 (OpenAI's default). A prompt plus ``max_tokens`` past the model's context is a 400.
+
+Size: text is measured before the tokenizer or the chat template sees it; past ``max_chars``
+characters (messages together, the prompt, the PML text) it is a 400, so a Planner used without
+the HTTP guard (``limits.py``) still never tokenizes an unbounded text. Token-id prompts are
+checked against the context before their ids are.
 """
 
 from __future__ import annotations
@@ -45,8 +50,8 @@ class Plan:
 class Planner:
     """Builds Plans for one engine; ``documents`` maps namespace -> DocumentStore."""
 
-    def __init__(self, pc, prefix, documents: dict | None = None):
-        self.pc, self.prefix, self.documents = pc, prefix, documents or {}
+    def __init__(self, pc, prefix, documents: dict | None = None, max_chars: int = 2_000_000):
+        self.pc, self.prefix, self.documents, self.max_chars = pc, prefix, documents or {}, max_chars
         self.context = getattr(pc.model.config, "max_position_embeddings", None)
 
     def chat(self, req: ChatRequest, ns: str) -> Plan:
@@ -59,6 +64,7 @@ class Planner:
             raise APIError(400, "'messages' must hold at least one message", "messages")
         msgs = [{"role": "system" if m.role == "developer" else m.role, "content": _text(m, i)}
                 for i, m in enumerate(req.messages)]
+        self._check_size(sum(len(m["content"]) for m in msgs), "messages")
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         if req.documents is not None:
             return self._documents(req, msgs, ns, max_tokens)
@@ -77,6 +83,10 @@ class Planner:
             p = p[0]
         if not p:
             raise APIError(400, "'prompt' must not be empty", "prompt")
+        if isinstance(p, list) and self.context is not None and len(p) >= self.context:
+            raise APIError(400, f"the prompt is {len(p)} tokens, the model's context is {self.context}",
+                           "prompt", "context_length_exceeded")
+        self._check_size(len(p), "prompt")
         ids = list(p) if isinstance(p, list) else self.pc.tokenizer(p).input_ids
         vocab = self.pc.model.config.vocab_size
         if any(not 0 <= t < vocab for t in ids):
@@ -101,6 +111,7 @@ class Planner:
         return Plan(self.prefix.starter(ids, ns), len(ids), sampling, self.prefix.plan(ids, ns))
 
     def _pml(self, req: BaseRequest, ns: str, max_tokens, default: int) -> Plan:
+        self._check_size(len(req.pml), "pml")
         try:
             tree = parse_prompt(req.pml)
             if tree.schema is not None:
@@ -139,6 +150,10 @@ class Planner:
         paged = None if store.independent else self.prefix.plan(list(layout.token_ids), ns)
         return Plan(lambda reserve: store.prefill(question, ids, system, reserve, keep_cache=True, recompute=r),
                     len(layout.token_ids), sampling, paged)
+
+    def _check_size(self, chars: int, param: str) -> None:
+        if chars > self.max_chars:
+            raise APIError(400, f"{param} holds {chars} characters, the limit is {self.max_chars}", param)
 
     def _sampling(self, req: BaseRequest, length: int, max_tokens, default: int, param: str) -> Sampling:
         room = None if self.context is None else self.context - length

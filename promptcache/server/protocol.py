@@ -20,6 +20,7 @@ class APIError(PromptCacheError):
     """An error answered as ``{"error": {message, type, param, code}}`` with ``status``."""
 
     TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+             405: "invalid_request_error", 413: "invalid_request_error", 415: "invalid_request_error",
              503: "server_overloaded", 500: "server_error"}
 
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
@@ -39,7 +40,7 @@ class BaseRequest(BaseModel):
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | None = Field(None, ge=-(2**63), le=2**64 - 1)  # what a torch.Generator takes
     n: int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None

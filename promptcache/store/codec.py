@@ -39,6 +39,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save as st_save
 
+from .. import jsonsafe
 from ..fsutil import atomic_write
 from .base import StoreError
 
@@ -230,10 +231,10 @@ def parse_header(first8: bytes, read, total: int, where: str) -> dict:
     if n > MAX_HEADER or 8 + n > total:
         raise CodecError(f"{where}: truncated or corrupted (header of {n} bytes in {total} bytes)")
     try:
-        header = json.loads(read(n).decode("utf-8"))
+        header = jsonsafe.loads(read(n).decode("utf-8"))
         meta = header.get("__metadata__") or {}
-        states = json.loads(meta.get("states", "null"))
-    except (UnicodeDecodeError, ValueError, AttributeError) as e:
+        states = jsonsafe.loads(meta.get("states", "null"))
+    except (UnicodeDecodeError, ValueError, AttributeError, TypeError) as e:
         raise CodecError(f"{where}: corrupted header ({e})") from None
     if meta.get("format") != FORMAT or not isinstance(states, dict):
         raise CodecError(f"{where}: not a promptcache states file of format {FORMAT} "

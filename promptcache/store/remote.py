@@ -50,6 +50,7 @@ import torch
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
+from .. import jsonsafe
 from . import codec
 from .bytetier import ByteTier
 from .resp import BulkConnection, supports
@@ -194,7 +195,7 @@ class RedisTier(ByteTier):
         if raw is None:
             return None
         try:
-            head = json.loads(raw)
+            head = jsonsafe.loads(raw)
             n, total = int(head["chunks"]), int(head["bytes"])
             if n < 1 or total < 0 or total > n * MAX_CHUNK:
                 raise ValueError
@@ -252,7 +253,7 @@ class RedisTier(ByteTier):
         head = r.get(self._k(key, "h"))
         r.delete(self._k(key, "h"))
         try:
-            n = int(json.loads(head)["chunks"]) if head is not None else None
+            n = int(jsonsafe.loads(head)["chunks"]) if head is not None else None
         except (ValueError, KeyError, TypeError):
             n = None
         if n is not None:

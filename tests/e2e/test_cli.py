@@ -75,9 +75,25 @@ def test_compiled_for_another_model_is_refused(runner, tmp_path):
     data["model"]["weights_sha256"] = "0" * 64
     manifest.write_text(json.dumps(data))
     res = invoke(runner, "run", PROMPT, "--compiled", tmp_path / "t", "--max-new-tokens", "1")
-    assert res.exit_code == 1 and "model weights differ" in res.output and "--recompile" in res.output
+    assert res.exit_code == 1 and "model weights differ" in res.output and "--model embedded" in res.output
+    before = manifest.read_bytes()
     res = invoke(runner, "run", PROMPT, "--compiled", tmp_path / "t", "--recompile", "--max-new-tokens", "1")
-    assert res.exit_code == 0
+    assert res.exit_code == 1 and "not recompiled in place" in res.output and manifest.read_bytes() == before
+
+
+def test_recompile_never_overwrites_another_models_artifact(runner, tmp_path):
+    """Following the tool's advice must not destroy work: an artifact compiled for another model
+    (here: embedded in bfloat16) is refused by --recompile, untouched, with the --model to pass."""
+    res = invoke(runner, "compile", SCHEMA, "--dtype", "bfloat16", "--out", tmp_path / "b")
+    assert res.exit_code == 0, res.output
+    before = {f.name: f.read_bytes() for f in (tmp_path / "b").iterdir()}
+    for extra in ([], ["--recompile"], ["--recompile", "--schema", SCHEMA]):
+        res = invoke(runner, "run", PROMPT, "--compiled", tmp_path / "b", *extra, "--max-new-tokens", "1")
+        assert res.exit_code == 1 and "--model embedded --dtype bfloat16" in res.output, res.output
+        assert "--recompile" not in res.output.splitlines()[-1]  # no advice that would overwrite it
+        assert {f.name: f.read_bytes() for f in (tmp_path / "b").iterdir()} == before
+    res = invoke(runner, "run", PROMPT, "--compiled", tmp_path / "b", "--dtype", "bfloat16", "--max-new-tokens", "1")
+    assert res.exit_code == 0, res.output
 
 
 def test_bad_schema_gives_file_line_message(runner, tmp_path):
@@ -142,3 +158,25 @@ def test_bench_prints_ratios(runner):
 def test_demo_schema_is_the_shipped_one():
     shipped = (ROOT / "schemas" / "long_doc_qa.xml").read_text()
     assert (ROOT / "promptcache" / "assets" / "demo" / "long_doc_qa.xml").read_text() == shipped
+
+
+def test_one_count_of_tokens_and_positions_everywhere(runner, tmp_path, caplog):
+    """compile, its progress line, inspect and validate count a schema the same way, and
+    validate / inspect refuse what compile refuses (a schema past the model's context)."""
+    import logging
+    import re
+
+    with caplog.at_level(logging.INFO, logger="promptcache.progress"):
+        out = invoke(runner, "compile", SCHEMA, "--out", tmp_path / "c").output
+    counts = set(re.findall(r"(\d+) tokens stored, positions \[0, (\d+)\)", out))
+    for cmd in (["inspect", SCHEMA], ["validate", SCHEMA]):
+        counts |= set(re.findall(r"(\d+) tokens stored, positions \[0, (\d+)\)", invoke(runner, *cmd).output))
+    assert len(counts) == 1, counts
+    stored = next(iter(counts))[0]
+    progress = [m for r in caplog.records for m in re.findall(r"(\d+)/(\d+) tokens", r.getMessage())]
+    assert progress and progress[-1] == (stored, stored)
+    big = tmp_path / "big.xml"
+    big.write_text(Path(SCHEMA).read_text().replace('length="4"', 'length="1000000"', 1))
+    for cmd in (["compile", big, "--out", tmp_path / "b"], ["validate", big], ["inspect", big]):
+        res = invoke(runner, *cmd)
+        assert res.exit_code == 1 and "more than the model's limit of 16384" in res.output, (cmd, res.output)

@@ -363,7 +363,7 @@ def test_tables_print_positions():
     tok = ToyTokenizer()
     lay = layout_schema(UNION, tok)
     table = lay.table()
-    assert "schema 's': positions [0, 7), 3 modules, 1 union\n" in table
+    assert "schema 's': 10 tokens stored, positions [0, 7), 3 modules, 1 union\n" in table
     assert "[1, 5)" in table and "u0:y" in table
     pl = layout_prompt('<prompt schema="s"><y/> tell me</prompt>', lay, tok)
     assert "prompt: 7 cached tokens, 2 new tokens" in pl.table()
@@ -374,7 +374,7 @@ def test_print_layout(capsys):
 
     promptcache.print_layout(SEQ)
     out = capsys.readouterr().out
-    assert out.startswith("schema 's': positions [0, ")
+    assert out.startswith("schema 's': ") and "tokens stored, positions [0, " in out.splitlines()[0]
 
 
 def test_argument_too_long_is_an_error_not_a_cut():

@@ -29,7 +29,7 @@ def test_schema_lays_out_and_prints(path, capsys):
     assert lay.passes()[0].key == ()
     promptcache.print_layout(path)
     out = capsys.readouterr().out
-    assert out.startswith(f"schema '{schema.name}': positions [0, {lay.end})")
+    assert out.startswith(f"schema '{schema.name}': {lay.stored_tokens} tokens stored, positions [0, {lay.end})")
     assert all(f"{'/'.join(p)} " in out for p in lay.modules)
 
 

@@ -120,7 +120,7 @@ def test_client_that_drops_a_plain_request_cancels_it(pc):
                            "temperature": 0}).encode()
         host, port = url.removeprefix("http://").split(":")
         with socket.create_connection((host, int(port))) as s:
-            s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+            s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: application/json\r\n"
                       + f"content-length: {len(body)}\r\n\r\n".encode() + body)
             assert wait_for(lambda: metric(url, "promptcache_requests_in_flight") == 1)
         assert wait_for(lambda: metric(url, "promptcache_requests_finished_total", outcome="cancelled") == 1)

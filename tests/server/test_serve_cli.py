@@ -90,3 +90,42 @@ def test_bad_key_file_stops_before_loading(tmp_path):
     out = CliRunner().invoke(serve, ["--api-key-file", str(bad)])
     assert out.exit_code != 0 and "keys:1: expected 'KEY NAMESPACE'" in out.output
     assert "Loading model" not in out.output
+
+
+def test_limit_and_browser_options_reach_the_app(monkeypatch):
+    """The command's --allowed-hosts, --cors-origin and --max-* options configure what it serves."""
+    import json
+    import urllib.request
+
+    import uvicorn
+    from click.testing import CliRunner
+    from serverkit import http, running
+
+    from promptcache.server.cli import serve
+
+    assert CliRunner().invoke(serve, ["--max-chars", "0"]).exit_code == 2  # refused before loading
+    apps = []
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: apps.append(app))
+    out = CliRunner().invoke(serve, ["--model", "embedded", "--allowed-hosts", "api.example, 127.0.0.1",
+                                     "--cors-origin", "https://app.example", "--max-chars", "40"])
+    assert out.exit_code == 0, out.output
+    with running(apps[0]) as url:
+        status, _, text = http("POST", url + "/v1/chat/completions",
+                               {"model": "embedded", "messages": [{"role": "user", "content": "x" * 41}]})
+        assert status == 400 and "--max-chars" in json.loads(text)["error"]["message"]
+        req = urllib.request.Request(url + "/health", headers={"host": "api.example", "origin": "https://app.example"})
+        with urllib.request.urlopen(req, timeout=30) as r:
+            assert r.headers["access-control-allow-origin"] == "https://app.example"
+        req = urllib.request.Request(url + "/health", headers={"host": "localhost"})  # not on the given list
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(req, timeout=30)
+        assert e.value.code == 400
+
+
+def test_host_allow_list_defaults():
+    from promptcache.server.cli import host_list
+    from promptcache.server.limits import LOOPBACK_HOSTS
+
+    assert host_list("127.0.0.1", ()) == LOOPBACK_HOSTS and host_list("0.0.0.0", ()) is None
+    assert host_list("0.0.0.0", ("a.example,b.example", "c.example")) == ("a.example", "b.example", "c.example")
+    assert host_list("127.0.0.1", ("*",)) is None

@@ -193,3 +193,39 @@ def test_document_store_corruption_is_refused_then_repaired(tmp_path):
     third = PromptCache(make_model("llama", 0), make_tokenizer())
     res = DocumentStore(third, tmp_path / "d", independent=True).prefill("Q?", ["paris", "rome"], "S.")
     assert torch.allclose(res.logits, ref, atol=1e-6) and "disk" in res.hit_tiers  # the file was rewritten
+
+
+def _paths(value, path=(), depth=0):
+    """Every key path of a manifest down to ``depth`` 4 (lists: their first item)."""
+    yield path
+    if depth < 4 and isinstance(value, dict):
+        for k, v in value.items():
+            yield from _paths(v, path + (k,), depth + 1)
+    elif depth < 4 and isinstance(value, list) and value:
+        yield from _paths(value[0], path + (0,), depth + 1)
+
+
+def test_absurd_manifest_structure_is_refused_as_artifact_error(setup, tmp_path):
+    """Deep nesting and every field given a value of the wrong type: an ArtifactError (or the
+    good logits where the value is never read), never a RecursionError, TypeError or KeyError."""
+    pc, root, good = setup
+    clean = json.loads((root / "good" / "manifest.json").read_text())
+    deep = "[" * 100_000 + "]" * 100_000
+    folder = tmp_path / "deep"
+    shutil.copytree(root / "good", folder)
+    (folder / "manifest.json").write_text(deep)
+    with pytest.raises(ArtifactError, match="nested deeper"):
+        pc.load_compiled(folder)
+    seen = {}
+    for path in list(_paths(clean))[1:]:
+        for wrong in (None, 7, "x", [], {}, json.loads("[" * 500 + "]" * 500)):
+            m = json.loads(json.dumps(clean))
+            target = m
+            for k in path[:-1]:
+                target = target[k]
+            target[path[-1]] = wrong
+            (folder / "manifest.json").write_text(json.dumps(m))
+            seen[(path, type(wrong).__name__)] = outcome(pc, folder, good)
+    assert set(seen.values()) <= {"refused", "same"}, {k: v for k, v in seen.items() if v not in ("refused", "same")}
+    assert list(seen.values()).count("refused") > 0.9 * len(seen)
+    assert recovers(pc, root, good)

@@ -83,6 +83,12 @@ def test_mismatch_is_refused_naming_the_part(tmp_path, change, message, referenc
         src.write_text(SCHEMA.replace("cafes", "bakeries"))
     with pytest.raises(ArtifactError, match=message):
         other.load_compiled(tmp_path / "c", schema=src)
+    if change != "schema":  # another model's or tokenizer's artifact is never recompiled in place
+        before = {f.name: f.read_bytes() for f in (tmp_path / "c").iterdir()}
+        with pytest.raises(ArtifactError, match="not recompiled in place"):
+            other.load_compiled(tmp_path / "c", schema=src, recompile=True)
+        assert {f.name: f.read_bytes() for f in (tmp_path / "c").iterdir()} == before
+        return
     entry = other.load_compiled(tmp_path / "c", schema=src, recompile=True)  # the option to recompile
     assert entry.name == "trip"
     assert not artifact_mod.mismatches(json.loads((tmp_path / "c" / "manifest.json").read_text()),
