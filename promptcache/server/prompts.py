@@ -9,8 +9,9 @@ Three ways in, all validated before anything is queued (so nothing is half-serve
     refused with 400 naming ``documents``.
 
 Decisions: ``messages`` content parts must be text (others: 400); ``developer`` is ``system``;
-``recompute`` is validated ([0, 1]) and passed to the engine for ``pml`` and ``documents`` prompts
-(selective recompute of their drifted cached tokens); plain messages are served from exact prefix
+``recompute`` is validated (``"auto"`` or [0, 1]; absent: the engine's setting, ``"auto"`` by
+default) and passed to the engine for ``pml`` and ``documents`` prompts (selective recompute of
+their drifted cached tokens); plain messages are served from exact prefix
 blocks, which have nothing to recompute, so it changes nothing there. Without
 ``max_tokens``, chat generates up to 256 tokens (fewer if the context ends first) and completions
 16 (OpenAI's default). A prompt plus ``max_tokens`` past the model's context is a 400.

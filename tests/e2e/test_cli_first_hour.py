@@ -135,7 +135,7 @@ def test_precedence_command_line_over_environment_over_file_over_defaults(tmp_pa
     assert c.namespace == "from-cli"  # command line wins
     assert c.host_budget == 2 * 2**30 and c.pin_memory is False  # environment over the file
     assert c.spill_dir == "/tmp/file" and c.encode_chunk == 7  # the file over the defaults
-    assert c.device_budget is None and c.recompute == 0.0  # defaults
+    assert c.device_budget is None and c.recompute == "auto"  # defaults
     assert engine_config({}, None, env={}) == EngineConfig()
 
 

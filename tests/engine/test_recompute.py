@@ -92,9 +92,9 @@ def test_exact_prompts_have_nothing_to_recompute_and_zero_is_the_default():
 @pytest.mark.parametrize("bad", [-0.1, 1.5, "0.3", True])
 def test_bad_fraction_is_a_clear_error(bad):
     pc = _engine("llama")
-    with pytest.raises(ValueError, match="recompute must be a fraction"):
+    with pytest.raises(ValueError, match="recompute must be 'auto' or a fraction"):
         pc.prefill(UNIONS, recompute=bad)
-    with pytest.raises(ValueError, match="recompute must be a fraction"):
+    with pytest.raises(ValueError, match="recompute must be 'auto' or a fraction"):
         pc.generate(UNIONS, recompute=bad)
 
 

@@ -95,7 +95,7 @@ def test_independent_documents_with_full_recompute_equal_a_plain_forward(family)
 
 def test_bad_recompute_is_refused_before_any_work():
     store = make_store(independent=True)
-    with pytest.raises(ValueError, match="recompute must be a fraction"):
+    with pytest.raises(ValueError, match="recompute must be 'auto' or a fraction"):
         store.generate(Q, ["paris"], recompute=2.0)
 
 
