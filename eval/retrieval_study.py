@@ -16,7 +16,8 @@ the red door?". A sample is correct when the greedy answer holds the code. Modes
 
 ``shuffled`` variants present the notes in a random order per sample. Every mode runs at the
 engine's default (``recompute="auto"``, the row ``auto``); where recompute applies (``RECOMPUTE_MODES``:
-the prompt's states drift) also at ``0`` and every fraction, through ``recompute`` (a
+the prompt's states drift) also at every given fraction (0 included: the paper's splice), through
+``recompute`` (a
 function ``(pc, how, r, max_new_tokens) -> Answer``: the engine's ``prefill(recompute=r)`` via
 ``engine_recompute``, or ``reference_recompute`` outside the engine). Per row: full-prefill correct,
 promptcache correct, first-token KL(full || cached), recomputed fraction, TTFT ratio.
@@ -195,7 +196,7 @@ def evaluate(pc, samples, modes, fractions, max_new_tokens: int, recompute: Call
                 full = full_answer(pc, req, max_new_tokens)
                 runs = [("auto", engine_answer(pc, req, max_new_tokens))]  # the engine's default
                 if mode in RECOMPUTE_MODES:
-                    runs += [(r, recompute(pc, req, r, max_new_tokens)) for r in [0.0, *fractions]]
+                    runs += [(r, recompute(pc, req, r, max_new_tokens)) for r in fractions]
                 for r, ans in runs:
                     rows.append(dict(sample=sample["_id"], mode=mode, shuffled=int(shuffled), recompute=r,
                                      full_correct=int(sample["answer"] in full.text.replace(" ", "")),

@@ -30,8 +30,13 @@ then the question and the template's tail. Two ways to reuse the documents' stat
   selective recompute; the default selection ``qmatch`` recomputes the documents the question
   names, then the others from the first) is the quality knob: of full prefill's score, 86% / 81%
   at r = 0.15 / 0.3 with the documents in order and 146% / 131% shuffled, but 62% / 48% in order
-  at r = 0.5 / 0.7 (40 questions, eval/README.md "Quality"): start at 0.15-0.3.
+  at r = 0.5 / 0.7 (40 questions, eval/README.md "Quality"). The default, ``recompute="auto"``,
+  recomputes 0.15 of the drifted documents' tokens (``engine.recompute.AUTO_FRACTION``).
   Rotary and ALiBi models only (learned absolute positions cannot be moved).
+* **Hybrid** (``hybrid=True``): the longest stored chain of the request's leading documents (exact;
+  chains are written by chain stores on the same engine), then the other documents as in
+  ``independent``, their drift recomputed (``recompute``, default ``"auto"``). Exact when the whole
+  request is a stored chain. It does not write chains: past the chain its states are approximate.
 
 Works with any retriever: the caller passes document ids. Keys come from ``promptcache.keys``
 (``alone_key``, salted by the namespace), so documents and the prefix live in the engine's store
