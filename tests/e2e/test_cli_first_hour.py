@@ -258,3 +258,11 @@ def test_reprs_are_short():
         text = repr(obj)
         assert len(text) < 400 and must in text, text
     assert "2 unions" in repr(entry)
+
+
+def test_recompute_setting_takes_auto_or_a_fraction():
+    assert engine_config({}, env={}).recompute == "auto"  # the default
+    assert engine_config({"recompute": "0.3"}, env={}).recompute == 0.3
+    assert engine_config({}, env={"PROMPTCACHE_RECOMPUTE": "AUTO"}).recompute == "auto"
+    with pytest.raises(ValueError, match="^--recompute: EngineConfig.recompute must be 'auto' or a fraction in"):
+        engine_config({"recompute": "sometimes"}, env={})
