@@ -21,7 +21,8 @@ on its own engine (host store budget ``--budget-gib``, LRU), the requests interl
 Cached modes run at the engine's default ``recompute="auto"`` (independent and hybrid documents
 drift, so 0.15 of their tokens are recomputed); ``--recompute R`` sets another fraction.
 
-Per mode: token hit rate (tokens served from stored states / prompt tokens: recomputed ones are not), mean and p90 TTFT, speed-up of the mean
+Per mode: token hit rate (tokens served from stored states / prompt tokens: recomputed ones are
+not), mean and p90 TTFT, speed-up of the mean
 against no cache, ``work_ceiling`` = 1 / (1 - hit rate) (the speed-up if cost were proportional
 to the tokens run), the lowest and highest 1-minute load average seen. ``--baseline-every N`` times no_cache on
 every Nth request only (a plain prefill's cost does not depend on what ran before; the cached
@@ -189,7 +190,8 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--baseline-every", type=int, default=1,
                     help="no_cache: time every Nth request only (its TTFT does not depend on the stream)")
     ap.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
-    ap.add_argument("--recompute", default="auto", help="EngineConfig.recompute of the cached modes ('auto' or a fraction)")
+    ap.add_argument("--recompute", default="auto", type=lambda v: v if v.strip().lower() == "auto" else float(v),
+                    help="EngineConfig.recompute of the cached modes ('auto' or a fraction)")
     ap.add_argument("--out", type=Path, default=RESULTS)
     args = ap.parse_args(argv)
     rows = run(args)

@@ -6,9 +6,9 @@ For every ``examples/*.xml`` prompt: its schema (``schemas/<name>.xml``, by the 
 ``schema`` attribute) is added to one engine, then the prompt is generated greedily with the cache
 (``pc.generate``, at the engine's default ``recompute="auto"``: the row ``auto``) and without
 (``use_cache=False``: the same tokens, one plain prefill), and with each ``--recompute`` fraction
-(``--recompute 0``: the paper's splice, the default before ``auto``). Per example: whether the texts are identical, token agreement
-(common prefix / longer output), first-token KL(full || cached), whether the cached state was
-exact. Writes ``examples_check.csv`` to ``--out``.
+(``--recompute 0``: the paper's splice, the default before ``auto``). Per example: whether the
+texts are identical, token agreement (common prefix / longer output), first-token KL(full ||
+cached), whether the cached state was exact, how many tokens were recomputed. Writes ``examples_check.csv`` to ``--out``.
 """
 
 from __future__ import annotations

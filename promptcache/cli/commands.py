@@ -125,7 +125,8 @@ def run(prompt, prompt_text, schemas, compiled, recompile, src_root, model, devi
         out = pc.generate(source, params, use_cache=not no_cache)
         click.echo(json.dumps({"text": out.text, "token_ids": out.token_ids, "ttft_s": out.ttft,
                                "cached_tokens": out.cached_tokens, "new_tokens": out.new_tokens,
-                               "recomputed_tokens": out.recomputed_tokens, "exact": out.exact, "bytes_copied": out.bytes_copied, "hit_tiers": out.hit_tiers,
+                               "recomputed_tokens": out.recomputed_tokens, "exact": out.exact,
+                               "bytes_copied": out.bytes_copied, "hit_tiers": out.hit_tiers,
                                "finish_reason": out.finish_reason, "usage": dataclasses.asdict(out.usage)}))
         return
     stream = pc.stream(source, params, use_cache=not no_cache)

@@ -39,7 +39,9 @@ class EngineConfig:
     overlap_copies: bool = False  # on a GPU, copy host-held states in layer groups on a side stream beside the forward (pays off when the GPU, not the CPU, bounds the forward)
     namespace: str = "default"  # cache namespace (salt): states are never shared across namespaces
     kv_dtype: str | None = None  # stored module states: None = the model's dtype, or "bfloat16" / "float16" / "float32"
-    recompute: float | str = AUTO  # drifted cached tokens computed afresh: "auto" (exact layouts none, drifted a measured budget), or a fraction (0: the paper's splice)
+    # drifted cached tokens computed afresh: "auto" (exact layouts none, drifted ones a measured
+    # budget: engine/recompute.py AUTO_FRACTION) or a fraction (0: the paper's splice)
+    recompute: float | str = AUTO
     recompute_selection: str = DEFAULT_SELECTION  # which cached tokens recompute chooses (engine/recompute.py SELECTIONS)
     remote: str | None = None  # shared tier below disk: "redis://[:password@]host:port/db" (None: this process only)
     remote_policy: str = "through"  # publish to ``remote`` every new state ("through") or what memory evicts ("on_evict")
