@@ -153,8 +153,9 @@ def parse_args(argv):
     add_model_args(ap, "embedded:demo")
     ap.add_argument("--task", choices=("retrieval", "longbench"), default=None,
                     help="default: retrieval for --model smollm2, else longbench")
-    ap.add_argument("--recompute", type=float, nargs="+", default=[0.15, 0.3, 0.5, 0.7],
-                    help="retrieval task: recompute fractions where they apply")
+    ap.add_argument("--recompute", type=float, nargs="*", default=[0.0, 0.15, 0.3, 0.5, 0.7],
+                    help="retrieval task: recompute fractions where they apply (besides the default, auto; "
+                         "none: the default only)")
     ap.add_argument("--recompute-impl", choices=("reference", "engine"), default="engine",
                     help="retrieval task: eval/recompute_reference.py, or the engine's prefill(recompute=)")
     ap.add_argument("--selection", default="qattn", help="retrieval task, reference recompute: selections.py name")

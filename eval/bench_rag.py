@@ -13,9 +13,16 @@ on its own engine (host store budget ``--budget-gib``, LRU), the requests interl
 * ``no_cache``: the stock model over the prompt's tokens (``prefill_baseline``-equivalent);
 * ``exact``: ``DocumentStore`` chains (the default): exact, reused when leading documents match;
 * ``exact_canonical``: chains with ``canonical_order=True``;
-* ``independent``: ``DocumentStore(independent=True)``, documents encoded once at ``add``.
+* ``independent``: ``DocumentStore(independent=True)``, documents encoded once at ``add``;
+* ``hybrid``: ``DocumentStore(hybrid=True)`` alone on its engine: the stored chains it would reuse
+  are written only by chain stores, so here every document is independent (what a deployment
+  whose default were ``hybrid`` would see).
 
-Per mode: token hit rate (cached tokens / prompt tokens), mean and p90 TTFT, speed-up of the mean
+Cached modes run at the engine's default ``recompute="auto"`` (independent and hybrid documents
+drift, so 0.15 of their tokens are recomputed); ``--recompute R`` sets another fraction.
+
+Per mode: token hit rate (tokens served from stored states / prompt tokens: recomputed ones are
+not), mean and p90 TTFT, speed-up of the mean
 against no cache, ``work_ceiling`` = 1 / (1 - hit rate) (the speed-up if cost were proportional
 to the tokens run), the lowest and highest 1-minute load average seen. ``--baseline-every N`` times no_cache on
 every Nth request only (a plain prefill's cost does not depend on what ran before; the cached
@@ -46,7 +53,7 @@ from promptcache.models.loading import load_model  # noqa: E402
 from promptcache.rag import DocumentStore  # noqa: E402
 
 SYSTEM = "Answer the question from the documents only."
-MODES = ("no_cache", "exact", "exact_canonical", "independent")
+MODES = ("no_cache", "exact", "exact_canonical", "independent", "hybrid")
 
 
 def workload(docs: int, queries: int, k: int, s: float, seed: int = 0) -> list[list[str]]:
@@ -114,8 +121,9 @@ def run(args) -> list[dict]:
     budget = int(args.budget_gib * 2**30)
     stores = {}
     for mode in args.modes:
-        pc = PromptCache(model, tok, EngineConfig(host_budget=budget))
-        stores[mode] = DocumentStore(pc, independent=mode == "independent", canonical_order=mode == "exact_canonical")
+        pc = PromptCache(model, tok, EngineConfig(host_budget=budget, recompute=args.recompute))
+        stores[mode] = DocumentStore(pc, independent=mode == "independent", hybrid=mode == "hybrid",
+                                     canonical_order=mode == "exact_canonical")
         for d, t in texts.items():
             stores[mode].add(d, t)
     ttft, hit = {m: [] for m in args.modes}, {m: [] for m in args.modes}
@@ -139,7 +147,7 @@ def run(args) -> list[dict]:
                 continue
             res = store.prefill(question, ids, system)
             ttft[mode].append(res.ttft)
-            hit[mode].append(res.cached_tokens / res.prompt_tokens)
+            hit[mode].append(res.reused_tokens / res.prompt_tokens)
         if args.progress and (qi + 1) % args.progress == 0:
             means = " ".join(f"{m} {1e3 * statistics.mean(t):.0f} ms" for m, t in ttft.items() if t)
             print(f"{qi + 1} requests: {means}", flush=True)
@@ -182,6 +190,8 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--baseline-every", type=int, default=1,
                     help="no_cache: time every Nth request only (its TTFT does not depend on the stream)")
     ap.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
+    ap.add_argument("--recompute", default="auto", type=lambda v: v if v.strip().lower() == "auto" else float(v),
+                    help="EngineConfig.recompute of the cached modes ('auto' or a fraction)")
     ap.add_argument("--out", type=Path, default=RESULTS)
     args = ap.parse_args(argv)
     rows = run(args)

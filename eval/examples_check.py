@@ -4,10 +4,11 @@
 
 For every ``examples/*.xml`` prompt: its schema (``schemas/<name>.xml``, by the prompt's
 ``schema`` attribute) is added to one engine, then the prompt is generated greedily with the cache
-(``pc.generate``) and without (``use_cache=False``: the same tokens, one plain prefill), and with
-each ``--recompute`` fraction. Per example: whether the texts are identical, token agreement
-(common prefix / longer output), first-token KL(full || cached), whether the cached state was
-exact. Writes ``examples_check.csv`` to ``--out``.
+(``pc.generate``, at the engine's default ``recompute="auto"``: the row ``auto``) and without
+(``use_cache=False``: the same tokens, one plain prefill), and with each ``--recompute`` fraction
+(``--recompute 0``: the paper's splice, the default before ``auto``). Per example: whether the
+texts are identical, token agreement (common prefix / longer output), first-token KL(full ||
+cached), whether the cached state was exact, how many tokens were recomputed. Writes ``examples_check.csv`` to ``--out``.
 """
 
 from __future__ import annotations
@@ -46,8 +47,9 @@ def check(pc, prompt: Path, max_new_tokens: int, recompute: list[float]) -> list
         kw = {} if r is None else {"recompute": r}
         res = pc.prefill(prompt, **kw)
         gen = pc.generate(prompt, max_new_tokens=max_new_tokens, **kw)
-        rows.append(dict(example=prompt.name, recompute=r or 0.0, cached_tokens=res.cached_tokens,
-                         new_tokens=res.new_tokens, exact_state=int(bool(res.exact)),
+        rows.append(dict(example=prompt.name, recompute="auto" if r is None else r, cached_tokens=res.cached_tokens,
+                         new_tokens=res.new_tokens, recomputed_tokens=res.recomputed_tokens,
+                         exact_state=int(bool(res.exact)),
                          same_text=int(gen.token_ids == full.token_ids),
                          token_agreement=round(token_agreement(full.token_ids, gen.token_ids), 4),
                          first_token_kl=kl_divergence(full_logits, res.logits),
@@ -75,10 +77,10 @@ def main(argv=None) -> list[dict]:
             added.add(schema)
         for row in check(pc, prompt, args.max_new_tokens, args.recompute):
             rows.append(row)
-            print(f"{row['example']:32s} r={row['recompute']:.2f} same={row['same_text']} "
+            print(f"{row['example']:32s} r={row['recompute']} same={row['same_text']} "
                   f"agree={row['token_agreement']:.2f} kl={row['first_token_kl']:.3f} exact={row['exact_state']}",
                   flush=True)
-    for r in sorted({row["recompute"] for row in rows}):
+    for r in sorted({row["recompute"] for row in rows}, key=str):
         rs = [row for row in rows if row["recompute"] == r]
         print(f"recompute {r}: {sum(x['same_text'] for x in rs)} of {len(rs)} examples give full prefill's text")
     print("wrote", write_csv("examples_check.csv", rows, args.out))

@@ -10,9 +10,14 @@ the red door?". A sample is correct when the greedy answer holds the code. Modes
 * ``independent``: each note in its own union (encoded after the shared header only); all 8 imported.
 * ``docstore_exact`` / ``docstore_independent``: ``DocumentStore`` with the 8 notes as documents:
   chains (the default, exact) and ``independent=True`` (position-independent, recompute applies).
+* ``docstore_hybrid``: ``DocumentStore(hybrid=True)`` after a chain request for the first 4 of the
+  8 documents (as in a stream where earlier requests shared them): those come from the exact
+  chain, the other 4 from independent states.
 
-``shuffled`` variants present the notes in a random order per sample. Where recompute applies
-(``independent``, ``docstore_independent``) every fraction is run through ``recompute`` (a
+``shuffled`` variants present the notes in a random order per sample. Every mode runs at the
+engine's default (``recompute="auto"``, the row ``auto``); where recompute applies (``RECOMPUTE_MODES``:
+the prompt's states drift) also at every given fraction (0 included: the paper's splice), through
+``recompute`` (a
 function ``(pc, how, r, max_new_tokens) -> Answer``: the engine's ``prefill(recompute=r)`` via
 ``engine_recompute``, or ``reference_recompute`` outside the engine). Per row: full-prefill correct,
 promptcache correct, first-token KL(full || cached), recomputed fraction, TTFT ratio.
@@ -32,8 +37,9 @@ from recompute_reference import Prompt, blend, greedy, independent_kv
 from selections import SELECTIONS
 
 SYSTEM = "You answer questions about the notes the user gives. Answer briefly, using the notes only."
-MODES = ("prefix_subset", "subset_gaps", "independent", "docstore_exact", "docstore_independent")
-RECOMPUTE_MODES = ("independent", "docstore_independent")
+MODES = ("prefix_subset", "subset_gaps", "independent", "docstore_exact", "docstore_independent", "docstore_hybrid")
+RECOMPUTE_MODES = ("subset_gaps", "independent", "docstore_independent", "docstore_hybrid")
+HYBRID_CHAINED = 4  # docstore_hybrid: leading documents a previous request stored as a chain
 
 
 @dataclass
@@ -150,10 +156,16 @@ def build(pc, mode: str, sample: dict, index: int, shuffled: bool, rng: random.R
     if mode.startswith("docstore"):
         from promptcache.rag import DocumentStore
 
-        store = DocumentStore(pc, independent=mode == "docstore_independent")
+        store = DocumentStore(pc, namespace=name, independent=mode == "docstore_independent",
+                              hybrid=mode == "docstore_hybrid")  # its own namespace: no chain of another mode
         ids = [f"{name}_{i}" for i in range(len(notes))]
         for d, t in zip(ids, notes):
             store.add(d, t)  # the store separates documents with "\n\n"
+        if mode == "docstore_hybrid":  # an earlier request stored the chain of the first documents
+            chains = DocumentStore(pc, namespace=name)
+            for d, t in zip(ids[:HYBRID_CHAINED], notes):
+                chains.add(d, t)
+            chains.prefill("Question: (earlier)", ids[:HYBRID_CHAINED], system=SYSTEM)
         return Request(store=store, question=f"Question: {q}", doc_ids=ids)
     pc.add_schema(_schema(notes, mode == "independent", name))
     if mode == "prefix_subset":  # the target note is kept among the first 4
@@ -182,7 +194,7 @@ def evaluate(pc, samples, modes, fractions, max_new_tokens: int, recompute: Call
                 if req is None:
                     continue
                 full = full_answer(pc, req, max_new_tokens)
-                runs = [(0.0, engine_answer(pc, req, max_new_tokens))]
+                runs = [("auto", engine_answer(pc, req, max_new_tokens))]  # the engine's default
                 if mode in RECOMPUTE_MODES:
                     runs += [(r, recompute(pc, req, r, max_new_tokens)) for r in fractions]
                 for r, ans in runs:
@@ -205,18 +217,19 @@ def read_rows(paths) -> list[dict]:
     import csv
 
     ints = ("shuffled", "full_correct", "pc_correct")
-    floats = ("recompute", "first_token_kl", "recomputed", "ttft_ratio")
+    floats = ("first_token_kl", "recomputed", "ttft_ratio")
     rows = []
     for path in paths:
         with open(path) as f:
             for r in csv.DictReader(f):
-                rows.append({**r, **{k: int(r[k]) for k in ints}, **{k: float(r[k]) for k in floats}})
+                rows.append({**r, **{k: int(r[k]) for k in ints}, **{k: float(r[k]) for k in floats},
+                             "recompute": r["recompute"] if r["recompute"] == "auto" else float(r["recompute"])})
     return rows
 
 
 def summarize(rows: list[dict]) -> list[dict]:
     out = []
-    for key in sorted({(r["mode"], r["shuffled"], r["recompute"]) for r in rows}):
+    for key in sorted({(r["mode"], r["shuffled"], r["recompute"]) for r in rows}, key=str):
         rs = [r for r in rows if (r["mode"], r["shuffled"], r["recompute"]) == key]
         mean = lambda k: round(sum(r[k] for r in rs) / len(rs), 4)  # noqa: E731
         full, pcs = mean("full_correct"), mean("pc_correct")
@@ -236,7 +249,7 @@ def plot(summary: list[dict], path):
     for mode in sorted({s["mode"] for s in summary}):
         for sh in (0, 1):
             pts = sorted((s["recompute"], s["pc_score"], s["full_score"]) for s in summary
-                         if s["mode"] == mode and s["shuffled"] == sh)
+                         if s["mode"] == mode and s["shuffled"] == sh and s["recompute"] != "auto")
             if pts:
                 ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", ls="-" if not sh else ":",
                         label=f"{mode}{' shuffled' if sh else ''} (full {pts[0][2]:.2f})")

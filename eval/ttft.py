@@ -15,6 +15,9 @@ one model:
             variant) and runs the rest through the stock model with a DynamicCache
   pc_device Prompt Cache, module states in device memory, every module copied into the buffer
   pc_device_inplace  the same prompt again: modules already in place in the reused buffer
+            (at the engine's default ``recompute="auto"``: the prompt drifts, so a budget of its
+            drifted tokens is recomputed)
+  pc_r0_inplace      the same at ``recompute=0`` (the paper's splice, nothing recomputed)
   pc_host   Prompt Cache with ``EngineConfig(device_budget=0)`` (states in host memory), if the
             engine has that option
   limit     the true limit: the forward of the new tokens alone on an already assembled,
@@ -42,7 +45,7 @@ from metrics import loglog_slope  # noqa: E402
 from promptcache import PromptCache  # noqa: E402
 from promptcache.models.loading import load_model  # noqa: E402
 
-METHODS = ("full", "prefix", "pc_device", "pc_device_inplace", "pc_host", "limit")
+METHODS = ("full", "prefix", "pc_device", "pc_device_inplace", "pc_r0_inplace", "pc_host", "limit")
 QUICK = dict(lengths=[64, 128], fractions=[0.5, 0.9], repeats=2, module_tokens=32)
 
 
@@ -180,7 +183,8 @@ class Sweep:
         out = {"full": keep("full", lambda: pc.prefill_baseline(prompt)),
                "prefix": keep("prefix", lambda: synced(prefix.prefill(pc.layout(prompt).token_ids), pc.device)),
                "pc_device": keep("pc_device", lambda: copy_all(pc)),
-               "pc_device_inplace": keep("pc_device_inplace", lambda: pc.prefill(prompt))}
+               "pc_device_inplace": keep("pc_device_inplace", lambda: pc.prefill(prompt)),
+               "pc_r0_inplace": keep("pc_r0_inplace", lambda: pc.prefill(prompt, recompute=0))}
         if host is not None:
             out["pc_host"] = keep("pc_host", lambda: copy_all(host))
         return out
@@ -205,6 +209,7 @@ class Sweep:
             rows.append(dict(model=self.args.model, device=self.args.device, dtype=self.args.dtype,
                              length=length, fraction=f, tokens=res.cached_tokens + res.new_tokens,
                              cached_tokens=res.cached_tokens, new_tokens=res.new_tokens,
+                             recomputed_tokens=getattr(self.last.get(m), "recomputed_tokens", 0),
                              prefix_reused_tokens=reused, method=m, ttft_s=round(t, 6),
                              speedup_vs_full=round(times["full"] / t, 3),
                              served_from=" ".join(f"{k}:{v}" for k, v in sorted(tiers.items())),
@@ -218,6 +223,7 @@ def print_point(length, f, res, reused, t, drift) -> None:
     host = f" host {ms('pc_host')}" if "pc_host" in t else ""
     print(f"L={length:5d} f={f:.2f} ({res.cached_tokens} cached + {res.new_tokens} new, prefix reuses {reused}) "
           f"ms: full {ms('full')} prefix {ms('prefix')} pc {ms('pc_device')} in-place {ms('pc_device_inplace')}"
+          f" r=0 {ms('pc_r0_inplace')} ({res.recomputed_tokens} recomputed by default)"
           f"{host} limit {ms('limit')} | full/pc {t['full'] / t['pc_device']:6.1f}x "
           f"prefix/pc {t['prefix'] / t['pc_device']:6.1f}x pc/limit {t['pc_device'] / t['limit']:5.2f} "
           f"(prefix vs full logits max diff {drift:.1e}; load {os.getloadavg()[0]:.1f})", flush=True)

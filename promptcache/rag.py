@@ -30,8 +30,13 @@ then the question and the template's tail. Two ways to reuse the documents' stat
   selective recompute; the default selection ``qmatch`` recomputes the documents the question
   names, then the others from the first) is the quality knob: of full prefill's score, 86% / 81%
   at r = 0.15 / 0.3 with the documents in order and 146% / 131% shuffled, but 62% / 48% in order
-  at r = 0.5 / 0.7 (40 questions, eval/README.md "Quality"): start at 0.15-0.3.
+  at r = 0.5 / 0.7 (40 questions, eval/README.md "Quality"). The default, ``recompute="auto"``,
+  recomputes 0.15 of the drifted documents' tokens (``engine.recompute.AUTO_FRACTION``).
   Rotary and ALiBi models only (learned absolute positions cannot be moved).
+* **Hybrid** (``hybrid=True``): the longest stored chain of the request's leading documents (exact;
+  chains are written by chain stores on the same engine), then the other documents as in
+  ``independent``, their drift recomputed (``recompute``, default ``"auto"``). Exact when the whole
+  request is a stored chain. It does not write chains: past the chain its states are approximate.
 
 Works with any retriever: the caller passes document ids. Keys come from ``promptcache.keys``
 (``alone_key``, salted by the namespace), so documents and the prefix live in the engine's store
@@ -70,7 +75,7 @@ import torch
 from .engine import Generation, PrefillResult, PromptCache
 from . import jsonsafe
 from .errors import PromptCacheError
-from .engine.recompute import check_fraction, recompute_request
+from .engine.recompute import check_recompute, recompute_request
 from .fsutil import atomic_write
 from .keys import PORTABLE, alone_key, chain_key, chain_root, model_digest, token_digest
 from .layout import PromptLayout, Span
@@ -116,12 +121,14 @@ class DocumentStore:
     document."""
 
     def __init__(self, pc: PromptCache, path: str | Path | None = None, namespace: str | None = None,
-                 reencode: bool = False, *, independent: bool = False, canonical_order: bool = False,
-                 separator: str = "\n\n"):
-        if independent:
+                 reencode: bool = False, *, independent: bool = False, hybrid: bool = False,
+                 canonical_order: bool = False, separator: str = "\n\n"):
+        if independent and hybrid:
+            raise ValueError("DocumentStore: independent=True and hybrid=True exclude each other (pick one mode)")
+        if independent or hybrid:
             check_relocatable(pc.adapter)
         self.pc, self.namespace = pc, pc.config.namespace_for(namespace)
-        self.independent, self.canonical_order = bool(independent), bool(canonical_order)
+        self.independent, self.hybrid, self.canonical_order = bool(independent), bool(hybrid), bool(canonical_order)
         self.separator = separator
         self._sep = tuple(pc.tok.encode(separator)) if separator else ()
         self.path = Path(path) if path is not None else None
@@ -143,7 +150,7 @@ class DocumentStore:
         digest = token_digest(ids)
         doc = Document(doc_id, text, dict(metadata or {}), len(ids), digest, tuple(ids))
         key = self._key(ids)
-        if (self.independent or self.path is not None) and key not in self.pc.store:
+        if (self.independent or self.hybrid or self.path is not None) and key not in self.pc.store:
             kv = self._put(key, self.pc.encode_span(ids))
             if self.path is not None:
                 self._write_states(doc, kv)
@@ -174,36 +181,36 @@ class DocumentStore:
     def layout(self, question: str, doc_ids: list[str], system: str | None = None) -> PromptLayout:
         """Spans of the prompt in order: cached prefix, documents (and separators) at their
         positions, new question."""
-        return self._layout(question, self._order(doc_ids), system)[0]
+        docs = self._order(doc_ids)
+        return self._layout(question, docs, system, 0 if self.independent else len(docs))[0]
 
     def prefill(self, question: str, doc_ids: list[str], system: str | None = None, reserve: int = 0,
-                keep_cache: bool = False, *, recompute: float | None = None) -> PrefillResult:
-        """Next-token logits after the prompt. ``recompute`` (independent stores; None: the engine's
-        ``config.recompute``): fraction of the documents' tokens computed afresh in the prompt's
-        context (1.0 equals a plain prefill). Chains are exact and ignore it."""
+                keep_cache: bool = False, *, recompute: float | str | None = None) -> PrefillResult:
+        """Next-token logits after the prompt. ``recompute`` (independent and hybrid stores; None:
+        the engine's ``config.recompute``, default ``"auto"``): ``"auto"`` or the fraction of the
+        drifted documents' tokens computed afresh in the prompt's context (1.0 equals a plain
+        prefill). Chains are exact and have nothing to recompute."""
         t0 = time.perf_counter()
         r = self.pc.recompute_fraction(recompute)
         docs = self._order(doc_ids)
-        if not self.independent:
-            return self._prefill_chain(question, docs, system, reserve, keep_cache, t0)
-        layout, n_prefix = self._layout(question, docs, system)
-        cached, hits = self._independent_states(layout)
-        new = [s for s in layout.spans if s.kind == "new"]
-        req = recompute_request(layout, n_prefix, r, self.pc.config.recompute_selection, False) if r > 0 else None
-        return self.pc.run_spliced(cached, [t for s in new for t in s.token_ids],
-                                   [p for s in new for p in s.position_ids], max(layout.position_ids), t0,
-                                   reserve, keep_cache, layout=layout, hit_tiers=hits, recompute=req)
+        if self.independent or self.hybrid:  # hybrid: the longest stored chain first
+            chain, _ = self._layout(question, docs, system, len(docs))
+            cached, hits = self._chain_states(chain, docs if self.hybrid else [])
+            chained = len(cached) - (chain.spans[0].name == "(prefix)")
+            return self._prefill_independent(question, docs, system, reserve, keep_cache, t0, r,
+                                             (cached, hits, chained))
+        return self._prefill_chain(question, docs, system, reserve, keep_cache, t0)
 
     def generate(self, question: str, doc_ids: list[str], system: str | None = None,
-                 max_new_tokens: int = 64, *, recompute: float | None = None, **sampling) -> Generation:
+                 max_new_tokens: int = 64, *, recompute: float | str | None = None, **sampling) -> Generation:
         """Answer ``question`` with the documents ``doc_ids`` (any retriever's ids; in that order
         unless ``canonical_order``)."""
         return self.stream(question, doc_ids, system, max_new_tokens, recompute=recompute, **sampling).run()
 
     def stream(self, question: str, doc_ids: list[str], system: str | None = None, max_new_tokens: int = 64,
-               *, recompute: float | None = None, **sampling):
+               *, recompute: float | str | None = None, **sampling):
         if recompute is not None:
-            check_fraction(recompute)  # before any work
+            check_recompute(recompute)  # before any work
         return self.pc.stream_from(
             lambda reserve: self.prefill(question, doc_ids, system, reserve, keep_cache=True, recompute=recompute),
             max_new_tokens, **sampling)
@@ -225,9 +232,11 @@ class DocumentStore:
         """Store key of tokens encoded alone from position 0 (``namespace``: this store's)."""
         return alone_key(token_ids, self.pc.model_key, self.namespace if namespace is None else namespace)
 
-    def _layout(self, question: str, docs: list[Document], system: str | None) -> tuple[PromptLayout, int]:
-        """(layout, prefix tokens). Chains: each document span holds the document and its
-        separator; independent: the separator is a new span after each document."""
+    def _layout(self, question: str, docs: list[Document], system: str | None,
+                chained: int) -> tuple[PromptLayout, int]:
+        """(layout, prefix tokens). The first ``chained`` documents are chain spans (the document
+        and its separator); the others independent (the separator a new span after each). Token
+        IDs and positions are the same either way."""
         tok = self.pc.tok
         roles = ["system", "user"] if system else ["user"]
         glue = tok.render_roles(roles, add_generation_prompt=True)
@@ -236,11 +245,12 @@ class DocumentStore:
             prefix += tok.encode(system) + tok.encode(glue[1])
         spans = [Span("cached", "(prefix)", tuple(prefix), tuple(range(len(prefix))), "glue")] if prefix else []
         pos = len(prefix)
-        for d in docs:
-            ids = d.token_ids if self.independent else d.token_ids + self._sep
+        for n, d in enumerate(docs):
+            alone = n >= chained
+            ids = d.token_ids if alone else d.token_ids + self._sep
             spans.append(Span("cached", f"doc:{d.id}", ids, tuple(range(pos, pos + len(ids))), "module"))
             pos += len(ids)
-            if self.independent and self._sep:
+            if alone and self._sep:
                 spans.append(Span("new", "(separator)", self._sep, tuple(range(pos, pos + len(self._sep))), "text"))
                 pos += len(self._sep)
         q = tok.encode(question) + tok.encode(glue[-1])
@@ -258,11 +268,33 @@ class DocumentStore:
         hits[tier] = hits.get(tier, 0) + 1
         cached.append((key, kv, torch.arange(len(first.token_ids), device=self.pc.device)))
 
-    def _independent_states(self, layout: PromptLayout):
-        """(cached states for run_spliced, tier hits): the prefix, each document moved to its start."""
+    def _prefill_independent(self, question: str, docs: list[Document], system: str | None, reserve: int,
+                             keep_cache: bool, t0: float, r: float, found: tuple) -> PrefillResult:
+        """``found``: (states, tier hits, documents) of the prefix and the leading documents' stored
+        chain (exact; ``_chain_states``); the other documents come from their independent states
+        moved to their positions (drifted: ``r`` of their tokens recomputed); separators and the
+        question run."""
+        cached, hits, chained = found
+        layout, _ = self._layout(question, docs, system, chained)
+        n_exact = sum(len(p) for *_, p in cached)
+        more, more_hits = self._independent_states(layout, chained)
+        cached += more
+        for tier, n in more_hits.items():
+            hits[tier] = hits.get(tier, 0) + n
+        new = [s for s in layout.spans if s.kind == "new"]
+        drifted = chained < len(docs)
+        req = recompute_request(layout, n_exact, r, self.pc.config.recompute_selection, False) \
+            if r > 0 and drifted else None
+        return self.pc.run_spliced(cached, [t for s in new for t in s.token_ids],
+                                   [p for s in new for p in s.position_ids], max(layout.position_ids), t0,
+                                   reserve, keep_cache, layout=layout, hit_tiers=hits, exact=not drifted,
+                                   recompute=req)
+
+    def _independent_states(self, layout: PromptLayout, skip: int):
+        """(cached states for run_spliced, tier hits): each document after the first ``skip``
+        moved to its start."""
         cached, hits, device = [], {}, self.pc.device
-        self._prefix_state(layout, cached, hits)
-        for span in (s for s in layout.spans if s.name.startswith("doc:")):
+        for span in [s for s in layout.spans if s.name.startswith("doc:")][skip:]:
             key = self._key(span.token_ids)
             if key not in self.pc.store:  # added to a chain store, or evicted: encode it alone again
                 self._put(key, self.pc.encode_span(list(span.token_ids)))
@@ -273,32 +305,36 @@ class DocumentStore:
             cached.append((f"{key}@{start}", moved, torch.arange(start, start + len(span), device=device)))
         return cached, hits
 
+    def _chain_states(self, layout: PromptLayout, docs: list[Document]) -> tuple[list, dict]:
+        """(cached states, tier hits): the prefix, then the longest stored chain of the leading
+        documents (chain spans of ``layout``; the first miss ends it)."""
+        cached, hits = [], {}
+        self._prefix_state(layout, cached, hits)
+        parent = cached[0][0] if cached else chain_root(self.pc.model_key, self.namespace)
+        for span in [s for s in layout.spans if s.name.startswith("doc:")][:len(docs)]:
+            key = chain_key(parent, span.token_ids, span.position_ids[0])  # the document + separator
+            try:
+                kv, tier = self.pc.store.get(key)
+            except StoreError:
+                break
+            hits[tier] = hits.get(tier, 0) + 1
+            cached.append((key, kv, torch.tensor(span.position_ids, device=self.pc.device)))
+            parent = key
+        return cached, hits
+
     def _prefill_chain(self, question: str, docs: list[Document], system: str | None, reserve: int,
                        keep_cache: bool, t0: float) -> PrefillResult:
         """Reuse the longest stored chain of the request's leading documents; run the rest and the
         question in one forward (a plain prefill's continuation) and store the new links."""
-        layout, _ = self._layout(question, docs, system)
-        cached, hits = [], {}
-        self._prefix_state(layout, cached, hits)
+        layout, _ = self._layout(question, docs, system, len(docs))
+        cached, hits = self._chain_states(layout, docs)
         spans = [s for s in layout.spans if s.name.startswith("doc:")]
-        parent = cached[0][0] if cached else chain_root(self.pc.model_key, self.namespace)
-        links, matched = [], 0  # links: (chain key, token count) of the documents to compute and add
-        for d, span in zip(docs, spans):
-            key = chain_key(parent, span.token_ids, span.position_ids[0])  # the document + separator
-            found = None
-            if not links:  # still on the stored part of the chain: one lookup (a miss ends it)
-                try:
-                    found = self.pc.store.get(key)
-                except StoreError:
-                    pass
-            if found is not None:
-                kv, tier = found
-                hits[tier] = hits.get(tier, 0) + 1
-                cached.append((key, kv, torch.tensor(span.position_ids, device=self.pc.device)))
-                matched += 1
-            else:
-                links.append((key, len(span)))
-            parent = key
+        matched = len(cached) - (layout.spans[0].name == "(prefix)")
+        parent = cached[-1][0] if cached else chain_root(self.pc.model_key, self.namespace)
+        links = []  # (chain key, token count) of the documents to compute and add
+        for span in spans[matched:]:
+            parent = chain_key(parent, span.token_ids, span.position_ids[0])
+            links.append((parent, len(span)))
         run = spans[matched:] + [layout.spans[-1]]
         ran = PromptLayout([Span("new", s.name, s.token_ids, s.position_ids, s.source) if s in run else s
                             for s in layout.spans], None)  # what ran: the unmatched documents are new

@@ -21,13 +21,15 @@ JSON_FIELDS = {
     "text": "the generated text",
     "token_ids": "generated token ids (an EOS or stop token included)",
     "ttft_s": "seconds from prompt to first-token logits",
-    "cached_tokens": "prompt tokens served from stored states",
-    "new_tokens": "prompt tokens run through the model",
-    "exact": "true when the assembled state equals a plain prefill's",
+    "cached_tokens": "prompt tokens laid out from stored states (recomputed ones included)",
+    "new_tokens": "prompt tokens run through the model (cached_tokens + new_tokens = the prompt)",
+    "recomputed_tokens": "of cached_tokens, those computed afresh because their stored states drifted",
+    "exact": "true when the state equals a plain prefill's (full prefill's answer); false: approximate",
     "bytes_copied": "stored KV bytes copied to assemble the prompt",
     "hit_tiers": "cached spans served per tier (device, host, disk, remote)",
     "finish_reason": "stop, length or cancelled",
-    "usage": "OpenAI-style counts: prompt_tokens, completion_tokens, cached_tokens, total_tokens",
+    "usage": "OpenAI-style counts: prompt_tokens, completion_tokens, cached_tokens (served from stored "
+             "states: recomputed ones excluded), total_tokens",
 }
 _JSON_HELP = "\n".join(f"  {k}: {v}" for k, v in JSON_FIELDS.items())
 
@@ -125,7 +127,8 @@ def run(prompt, prompt_text, schemas, compiled, recompile, src_root, model, devi
         out = pc.generate(source, params, use_cache=not no_cache)
         click.echo(json.dumps({"text": out.text, "token_ids": out.token_ids, "ttft_s": out.ttft,
                                "cached_tokens": out.cached_tokens, "new_tokens": out.new_tokens,
-                               "exact": out.exact, "bytes_copied": out.bytes_copied, "hit_tiers": out.hit_tiers,
+                               "recomputed_tokens": out.recomputed_tokens, "exact": out.exact,
+                               "bytes_copied": out.bytes_copied, "hit_tiers": out.hit_tiers,
                                "finish_reason": out.finish_reason, "usage": dataclasses.asdict(out.usage)}))
         return
     stream = pc.stream(source, params, use_cache=not no_cache)
@@ -136,6 +139,7 @@ def run(prompt, prompt_text, schemas, compiled, recompile, src_root, model, devi
         return
     tiers = ", ".join(f"{k} {v}" for k, v in sorted(out.hit_tiers.items())) or "none"
     click.echo(f"\n[TTFT {out.ttft * 1e3:.1f} ms | cached {out.cached_tokens} tokens | new {out.new_tokens} tokens"
+               f" | recomputed {out.recomputed_tokens} | {'exact' if out.exact else 'approximate'}"
                f" | tier hits: {tiers}{' | baseline (no cache)' if no_cache else ''}]")
 
 

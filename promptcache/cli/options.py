@@ -39,7 +39,8 @@ _HELP = {
     "overlap_copies": "On a GPU, copy host-held states in layer groups beside the forward (helps GPU-bound forwards).",
     "namespace": "Cache namespace: states are never shared across namespaces.",
     "kv_dtype": "dtype of stored module states (default: the model's).",
-    "recompute": "Fraction of cached tokens computed afresh per prompt, in [0, 1] (0: exact reuse).",
+    "recompute": "Drifted cached tokens computed afresh per prompt: auto (exact prompts none, drifted ones a "
+                 "measured budget) or a fraction in [0, 1] (0: the paper's splice).",
     "remote": "Shared tier below disk: redis://[:password@]host:port/db.",
 }
 
@@ -72,6 +73,15 @@ def _parse_optional_str(value):
     return None if value is None or str(value).strip().lower() in ("", "none") else str(value)
 
 
+def _parse_float_or_word(value):
+    if isinstance(value, (bool, int, float)):  # from a TOML file: the dataclass refuses a bool
+        return value
+    try:
+        return float(value)
+    except ValueError:
+        return str(value).strip()
+
+
 def _parser(f: dataclasses.Field):
     """(kind, parse) for a field from its annotation (a string: the module uses postponed annotations)."""
     t = str(f.type).replace(" ", "")
@@ -87,6 +97,8 @@ def _parser(f: dataclasses.Field):
         return "str", str
     if t == "str|None":
         return "str", _parse_optional_str
+    if t == "float|str":  # a fraction or a word ("auto"): the dataclass checks which
+        return "value", _parse_float_or_word
     raise TypeError(f"EngineConfig.{f.name}: no command-line parser for type {f.type!r}; add one in {__name__}")
 
 

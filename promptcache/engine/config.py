@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from ..errors import ConfigError
 from ..store import StoreConfig
-from .recompute import DEFAULT_SELECTION, check_selection
+from .recompute import AUTO, DEFAULT_SELECTION, check_recompute, check_selection
 
 __all__ = ["EngineConfig", "check_namespace"]
 
@@ -39,7 +39,9 @@ class EngineConfig:
     overlap_copies: bool = False  # on a GPU, copy host-held states in layer groups on a side stream beside the forward (pays off when the GPU, not the CPU, bounds the forward)
     namespace: str = "default"  # cache namespace (salt): states are never shared across namespaces
     kv_dtype: str | None = None  # stored module states: None = the model's dtype, or "bfloat16" / "float16" / "float32"
-    recompute: float = 0.0  # default fraction of a prompt's cached tokens computed afresh (0: the paper's exact reuse)
+    # drifted cached tokens computed afresh: "auto" (exact layouts none, drifted ones a measured
+    # budget: engine/recompute.py AUTO_FRACTION) or a fraction (0: the paper's splice)
+    recompute: float | str = AUTO
     recompute_selection: str = DEFAULT_SELECTION  # which cached tokens recompute chooses (engine/recompute.py SELECTIONS)
     remote: str | None = None  # shared tier below disk: "redis://[:password@]host:port/db" (None: this process only)
     remote_policy: str = "through"  # publish to ``remote`` every new state ("through") or what memory evicts ("on_evict")
@@ -52,8 +54,10 @@ class EngineConfig:
         check_namespace(self.namespace)
         if self.kv_dtype not in KV_DTYPES:
             raise ConfigError(f"EngineConfig.kv_dtype must be one of {', '.join(map(str, KV_DTYPES))}, got {self.kv_dtype!r}")
-        if not (isinstance(self.recompute, (int, float)) and 0.0 <= self.recompute <= 1.0):
-            raise ConfigError(f"EngineConfig.recompute must be a fraction in [0, 1], got {self.recompute!r}")
+        try:
+            object.__setattr__(self, "recompute", check_recompute(self.recompute, "EngineConfig.recompute"))
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
         check_selection(self.recompute_selection)
         if self.remote is not None and not str(self.remote).startswith(("redis://", "rediss://", "unix://")):
             raise ConfigError(f"EngineConfig.remote must be a redis:// URL, got {self.remote!r}")

@@ -37,7 +37,7 @@ from .assemble import assemble, leading_exact
 from .config import EngineConfig
 from .encoder import Progress, SchemaEncoder
 from .plan import PrefillPlan, Segment
-from .recompute import RecomputeRequest, check_fraction, recompute_request
+from .recompute import RecomputeRequest, check_recompute, fraction_of, recompute_request
 from .registry import EncodedSchema, SchemaRegistry
 from .results import Generation, PrefillResult
 from .runner import ModelRunner
@@ -168,7 +168,7 @@ class PromptCache:
         return layout_prompt(tree, schema, self.tok, max_positions=self.adapter.max_positions)
 
     def prefill(self, prompt: str | Path | Prompt, reserve: int = 0, keep_cache: bool = False,
-                namespace: str | None = None, *, recompute: float | None = None) -> PrefillResult:
+                namespace: str | None = None, *, recompute: float | str | None = None) -> PrefillResult:
         """Assemble the prompt's cache and run its new tokens: next-token logits and statistics.
 
         ``keep_cache=True`` hands the assembled cache to the caller (``result.cache``, with room
@@ -176,9 +176,12 @@ class PromptCache:
         A stored state that vanished (shared tier down, evicted) or fails verification is
         re-encoded with the schema's other missing states and the plan retried once (a warning).
 
-        ``recompute``: fraction of the drifted cached tokens computed afresh in the prompt's own
-        context (None: ``config.recompute``; see ``engine/recompute.py``); 1.0 equals a plain
-        forward over the prompt's tokens in prompt order at the layout's positions."""
+        ``recompute``: ``"auto"`` or the fraction of the drifted cached tokens computed afresh in
+        the prompt's own context (None: ``config.recompute``, default ``"auto"``; see
+        ``engine/recompute.py``). ``"auto"`` recomputes nothing for an exact layout and
+        ``AUTO_FRACTION`` of the drifted tokens otherwise; 1.0 equals a plain forward over the
+        prompt's tokens in prompt order at the layout's positions. ``res.exact`` and
+        ``res.recomputed_tokens`` say what the answer is."""
         t0 = time.perf_counter()
         r = self.recompute_fraction(recompute)
         layout = self.layout(prompt, namespace)
@@ -192,7 +195,7 @@ class PromptCache:
             self._ensure_states(entry.layout, entry.keys, fetch=True)
             plan = assemble(layout, entry, self.store)
         req = None
-        if r > 0:  # the ordinary splice skips this walk over the layout
+        if r > 0 and not plan.exact:  # exact plans (and r = 0) skip this walk over the layout
             req = recompute_request(layout, leading_exact(layout, entry), r, self.config.recompute_selection,
                                     plan.moved_last)
         return self.runner.prefill_spliced(plan.cached, plan.new_ids, plan.new_pos, plan.max_position, t0, reserve,
@@ -200,13 +203,13 @@ class PromptCache:
                                            recompute=req)
 
     def plan(self, prompt: str | Path | Prompt, namespace: str | None = None, *,
-             recompute: float | None = None) -> PrefillPlan | None:
+             recompute: float | str | None = None) -> PrefillPlan | None:
         """The prompt as a ``PrefillPlan`` for the serving scheduler: its stored states (read in
         place from the store's tensors, or promoted into the KV pool) and its new tokens. None
-        when the prompt recomputes part of its cached states (``recompute`` > 0): those are
-        assembled in a private buffer (``prefill``), which the scheduler copies into the pool."""
-        if self.recompute_fraction(recompute) > 0:
-            return None
+        when the prompt recomputes part of its cached states (a drifted layout under ``"auto"`` or
+        any layout with ``recompute`` > 0 that is not exact): those are assembled in a private
+        buffer (``prefill``), which the scheduler copies into the pool."""
+        r = self.recompute_fraction(recompute)
         layout = self.layout(prompt, namespace)
         entry = self.schema(layout.schema.name, namespace) if layout.schema is not None else None
         try:
@@ -217,13 +220,16 @@ class PromptCache:
             log.warning("schema '%s': a stored state cannot be used (%s); re-encoding what is missing", entry.name, e)
             self._ensure_states(entry.layout, entry.keys, fetch=True)
             a = assemble(layout, entry, self.store)
+        if r > 0 and not a.exact:
+            return None
         segments = [Segment(key, kv, pos) for key, kv, pos in a.cached]
         return PrefillPlan(segments=segments, new_ids=a.new_ids, new_pos=a.new_pos, max_position=a.max_position,
                            exact=a.exact, layout=layout, hit_tiers=a.hit_tiers)
 
-    def recompute_fraction(self, recompute: float | None) -> float:
-        """The fraction a call uses: ``None`` means ``config.recompute``; else checked to be in [0, 1]."""
-        return self.config.recompute if recompute is None else check_fraction(recompute)
+    def recompute_fraction(self, recompute: float | str | None) -> float:
+        """The fraction a call uses: ``None`` means ``config.recompute``; else checked to be
+        ``"auto"`` (``AUTO_FRACTION`` of the drifted tokens) or a fraction in [0, 1]."""
+        return fraction_of(self.config.recompute if recompute is None else check_recompute(recompute))
 
     def run_spliced(self, cached: list[tuple[str, torch.Tensor, torch.Tensor]], new_ids: list[int],
                     new_pos: list[int], max_position: int, t0: float | None = None, reserve: int = 0,
@@ -260,7 +266,7 @@ class PromptCache:
 
     # -- generation ------------------------------------------------------------------------------
     def generate(self, prompt, params: SamplingParams | None = None, *, use_cache: bool = True,
-                 namespace: str | None = None, recompute: float | None = None, **sampling_kwargs) -> Generation:
+                 namespace: str | None = None, recompute: float | str | None = None, **sampling_kwargs) -> Generation:
         """Generate text after the prompt. ``params`` and/or keywords (``max_new_tokens``,
         ``temperature``, ``top_p``, ``top_k``, ``repetition_penalty``, ``stop``, ``seed``) set the
         sampling. ``use_cache=False`` is the baseline: the same tokens in prompt order at
@@ -270,7 +276,7 @@ class PromptCache:
                            **sampling_kwargs).run()
 
     def stream(self, prompt, params: SamplingParams | None = None, *, use_cache: bool = True,
-               namespace: str | None = None, recompute: float | None = None, **sampling_kwargs) -> GenerationStream:
+               namespace: str | None = None, recompute: float | str | None = None, **sampling_kwargs) -> GenerationStream:
         """Text pieces as they are decoded (same arguments as ``generate``); after the loop,
         ``.result`` holds the Generation with its statistics."""
         self.recompute_fraction(recompute)  # validates before any work
@@ -288,7 +294,7 @@ class PromptCache:
         return GenerationStream(self.runner, self.tokenizer, start, params)
 
     def _start(self, prompt, reserve: int, use_cache: bool, namespace: str | None = None,
-               recompute: float | None = None) -> PrefillResult:
+               recompute: float | str | None = None) -> PrefillResult:
         if use_cache:
             return self.prefill(prompt, reserve, keep_cache=True, namespace=namespace, recompute=recompute)
         return self.prefill_baseline(prompt, namespace)

@@ -5,7 +5,8 @@ callable returning a ``PrefillResult`` that holds its cache with room for ``rese
 (``PromptCache.prefill(keep_cache=True)``, the baseline prefill, the RAG store's): the cache
 belongs to the request from its prefill until it finishes, and the scheduler gives it back then,
 however it finishes (stop, length, cancel, error). Or ``plan(pool) -> PrefillPlan`` (``plan.py``),
-which only ``ServingScheduler`` runs: the states it names are read in place from the KV pool.
+which only ``ServingScheduler`` runs: the states it names are read in place from the KV pool; a
+plan that returns None (the prompt must recompute part of its states) falls back to ``start``.
 ``paused``: the reader of its output stopped reading; the serving scheduler skips its decode
 steps until it is cleared.
 """
@@ -34,8 +35,8 @@ class Status(enum.Enum):
 class Request:
     def __init__(self, start: Callable[[int], PrefillResult] | None, params: SamplingParams, tokenizer, *,
                  plan: Callable[[object], object] | None = None):
-        if (start is None) == (plan is None):
-            raise ValueError("a request needs exactly one of start (a prefill callable) and plan")
+        if start is None and plan is None:
+            raise ValueError("a request needs a start (a prefill callable), a plan, or both")
         self.id = next(_ids)
         self.start, self.plan, self.params = start, plan, params
         self.sampler = Sampler(params)

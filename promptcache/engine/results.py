@@ -1,7 +1,11 @@
 """Results, built by keyword and complete at construction: ``PrefillResult``, ``Generation``, ``Usage``.
 
 ``PrefillResult`` is what a prefill hands to decoding (logits and, with ``keep_cache``, the
-cache); ``Generation`` is what ``generate`` returns. Neither is patched after construction;
+cache); ``Generation`` is what ``generate`` returns. Both say whether the answer is exact (the
+state equals a plain prefill's) or approximate, and how many cached tokens were recomputed:
+``cached_tokens`` counts the prompt tokens laid out from stored states, ``recomputed_tokens`` those
+of them computed afresh, and ``reused_tokens`` (= ``Usage.cached_tokens``) the ones actually
+served from stored states. Neither is patched after construction;
 the one exception is ``PrefillResult.cache``, which ``PromptCache.release`` clears so a buffer
 is never handed back to the pool twice.
 """
@@ -49,8 +53,14 @@ class PrefillResult:
     def prompt_tokens(self) -> int:
         return self.cached_tokens + self.new_tokens
 
+    @property
+    def reused_tokens(self) -> int:
+        """Prompt tokens served from stored states (cached and not recomputed)."""
+        return self.cached_tokens - self.recomputed_tokens
+
     def __repr__(self) -> str:  # counts only: the logits and layout run to tens of thousands of characters
         return (f"PrefillResult(cached_tokens={self.cached_tokens}, new_tokens={self.new_tokens}, "
+                f"recomputed_tokens={self.recomputed_tokens}, "
                 f"ttft={self.ttft * 1e3:.1f}ms, exact={self.exact}, bytes_copied={self.bytes_copied}, "
                 f"hit_tiers={self.hit_tiers}, logits={tuple(self.logits.shape)}, "
                 f"cache={'kept' if self.cache is not None else None})")
@@ -81,20 +91,28 @@ class Generation:
     hit_tiers: dict[str, int] = field(default_factory=dict)
     finish_reason: str = "length"  # one of FINISH_REASONS
     usage: Usage | None = None
+    recomputed_tokens: int = 0  # of cached_tokens, computed afresh (selective recompute)
 
     def __post_init__(self):
         if self.finish_reason not in FINISH_REASONS:
             raise ValueError(f"Generation.finish_reason must be one of {FINISH_REASONS}, got {self.finish_reason!r}")
         if self.usage is None:
-            self.usage = Usage(self.cached_tokens + self.new_tokens, len(self.token_ids), self.cached_tokens)
+            self.usage = Usage(self.cached_tokens + self.new_tokens, len(self.token_ids), self.reused_tokens)
+
+    @property
+    def reused_tokens(self) -> int:
+        """Prompt tokens served from stored states (cached and not recomputed)."""
+        return self.cached_tokens - self.recomputed_tokens
 
     def __repr__(self) -> str:  # a short preview of the text and counts, never the whole output
         return (f"Generation(text={preview(self.text)}, tokens={len(self.token_ids)}, "
                 f"finish_reason={self.finish_reason!r}, ttft={self.ttft * 1e3:.1f}ms, "
-                f"cached_tokens={self.cached_tokens}, new_tokens={self.new_tokens}, exact={self.exact})")
+                f"cached_tokens={self.cached_tokens}, new_tokens={self.new_tokens}, "
+                f"recomputed_tokens={self.recomputed_tokens}, exact={self.exact})")
 
     @classmethod
     def from_prefill(cls, prefill: PrefillResult, text: str, token_ids: list[int], finish_reason: str) -> "Generation":
         return cls(text=text, token_ids=list(token_ids), ttft=prefill.ttft, cached_tokens=prefill.cached_tokens,
                    new_tokens=prefill.new_tokens, exact=prefill.exact, bytes_copied=prefill.bytes_copied,
-                   hit_tiers=dict(prefill.hit_tiers), finish_reason=finish_reason)
+                   hit_tiers=dict(prefill.hit_tiers), finish_reason=finish_reason,
+                   recomputed_tokens=prefill.recomputed_tokens)

@@ -187,7 +187,7 @@ class ServingScheduler:
             self.running.append(seq)
             if not seq.prefilling:  # a private prefill ran whole: its first token now
                 outs.append(self._guard(seq, lambda: self._first_token(seq, seq.req.prefill)))
-                budget -= seq.done
+                budget -= len(seq.plan.new_ids)
                 continue
             row = self._chunk(seq, budget)
             budget -= len(row.ids)
@@ -210,9 +210,11 @@ class ServingScheduler:
         return set(s.plan.publish(s.plan.new_ids)[s.published :])
 
     def _admit_one(self, req: Request, inflight: set[str]):
-        if req.plan is None:
+        plan = req.plan(self.pool) if req.plan is not None else None
+        if plan is None:  # no plan, or one that needs a private buffer (selective recompute)
+            if req.start is None:
+                raise ValueError(f"request {req.id}: its plan needs a private prefill and it has no start")
             return self._admit_private(req)
-        plan = req.plan(self.pool)
         if plan.publish is not None and inflight:
             first = plan.publish(plan.new_ids[: self.pool.block_size])
             if first and first[0] in inflight and self.running:

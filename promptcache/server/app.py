@@ -163,12 +163,13 @@ def create_app(pc, *, api_keys: dict[str, str] | None = None, documents=None, ma
             raise P.APIError(500, f"the engine failed: {res}")
         metrics.ttft.observe(time.perf_counter() - job.submitted)
         metrics.prompt_tokens.inc(plan.prompt_tokens)
-        metrics.cached_tokens.inc(res.cached_tokens)
+        metrics.cached_tokens.inc(res.reused_tokens)  # recomputed tokens were not served from stored states
         rid = P.new_id("chatcmpl" if chat else "cmpl")
 
         def finish(gen):
             metrics.generated_tokens.inc(len(gen.token_ids))
-            return gen.finish_reason, P.usage(plan.prompt_tokens, len(gen.token_ids), res.cached_tokens)
+            return gen.finish_reason, P.usage(plan.prompt_tokens, len(gen.token_ids), res.reused_tokens, res.exact,
+                                              res.recomputed_tokens)
 
         metrics.requests.labels(request.url.path, "200").inc()
         if req.stream:

@@ -134,8 +134,8 @@ class Backend:
         backend serves from the pool, ``start`` otherwise. Raises QueueFull when at capacity,
         ValueError for sampling settings the engine refuses."""
         job = Job(start, sampling, asyncio.get_running_loop(), asyncio.Queue())
-        if self.paged and plan is not None:
-            job.request = Request(None, sampling.params(), self.pc.tokenizer, plan=plan)
+        if self.paged and plan is not None:  # the private start stays as the plan's fallback
+            job.request = Request(start, sampling.params(), self.pc.tokenizer, plan=plan)
         else:
             job.request = Request(start, sampling.params(), self.pc.tokenizer)
         with self._cv:

@@ -14,8 +14,9 @@ Three ways in, all validated before anything is queued (so nothing is half-serve
     refused with 400 naming ``documents``.
 
 Decisions: ``messages`` content parts must be text (others: 400); ``developer`` is ``system``;
-``recompute`` is validated ([0, 1]) and passed to the engine for ``pml`` and ``documents`` prompts
-(selective recompute of their drifted cached tokens); plain messages are served from exact prefix
+``recompute`` is validated (``"auto"`` or [0, 1]; absent: the engine's setting, ``"auto"`` by
+default) and passed to the engine for ``pml`` and ``documents`` prompts (selective recompute of
+their drifted cached tokens); plain messages are served from exact prefix
 blocks, which have nothing to recompute, so it changes nothing there. Without
 ``max_tokens``, chat generates up to 256 tokens (fewer if the context ends first) and completions
 16 (OpenAI's default). A prompt plus ``max_tokens`` past the model's context is a 400.
@@ -124,7 +125,7 @@ class Planner:
             raise APIError(400, f"bad PML prompt: {e}", "pml") from None
         sampling = self._sampling(req, max(layout.position_ids) + 1, max_tokens, default, "pml")
         r = req.recompute
-        paged = None if self.pc.recompute_fraction(r) > 0 else (lambda pool: self.pc.plan(tree, ns, recompute=r))
+        paged = lambda pool: self.pc.plan(tree, ns, recompute=r)  # noqa: E731 - None: drifted, recomputed privately
         return Plan(lambda reserve: self.pc.prefill(tree, reserve, keep_cache=True, namespace=ns, recompute=r),
                     len(layout.token_ids), sampling, paged)
 
@@ -147,7 +148,7 @@ class Planner:
         r = req.recompute
         # chain documents are a token prompt at positions 0..n-1 (exact; chains ignore recompute):
         # planned as a token chain, so their blocks are shared through the pool like any prefix
-        paged = None if store.independent else self.prefix.plan(list(layout.token_ids), ns)
+        paged = None if store.independent or store.hybrid else self.prefix.plan(list(layout.token_ids), ns)
         return Plan(lambda reserve: store.prefill(question, ids, system, reserve, keep_cache=True, recompute=r),
                     len(layout.token_ids), sampling, paged)
 

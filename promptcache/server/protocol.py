@@ -11,8 +11,9 @@ import time
 import uuid
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from ..engine.recompute import check_recompute
 from ..errors import PromptCacheError
 
 
@@ -46,7 +47,12 @@ class BaseRequest(BaseModel):
     stream_options: StreamOptions | None = None
     # extensions (extra_body)
     pml: str | None = None  # a PML prompt for a loaded schema
-    recompute: float | None = Field(None, ge=0.0, le=1.0)
+    recompute: float | str | None = None  # "auto" or a fraction in [0, 1]; None: the engine's setting
+
+    @field_validator("recompute")
+    @classmethod
+    def _recompute(cls, v):
+        return None if v is None else check_recompute(v, "recompute")
 
     def stop_list(self) -> list[str] | None:
         return [self.stop] if isinstance(self.stop, str) else self.stop
@@ -89,10 +95,15 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex[:24]}"
 
 
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int, exact: bool = True,
+          recomputed_tokens: int = 0) -> dict:
+    """OpenAI's usage object; ``cached_tokens``: prompt tokens served from stored states (recomputed
+    ones are not). Extension fields: ``exact`` (the prompt's state equals a plain prefill's; false:
+    the answer is approximate) and ``recomputed_tokens`` (cached tokens computed afresh)."""
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+            "prompt_tokens_details": {"cached_tokens": cached_tokens},
+            "exact": exact, "recomputed_tokens": recomputed_tokens}
 
 
 def chat_response(rid: str, model: str, text: str, finish: str, use: dict) -> dict:

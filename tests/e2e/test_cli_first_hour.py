@@ -135,7 +135,7 @@ def test_precedence_command_line_over_environment_over_file_over_defaults(tmp_pa
     assert c.namespace == "from-cli"  # command line wins
     assert c.host_budget == 2 * 2**30 and c.pin_memory is False  # environment over the file
     assert c.spill_dir == "/tmp/file" and c.encode_chunk == 7  # the file over the defaults
-    assert c.device_budget is None and c.recompute == 0.0  # defaults
+    assert c.device_budget is None and c.recompute == "auto"  # defaults
     assert engine_config({}, None, env={}) == EngineConfig()
 
 
@@ -258,3 +258,11 @@ def test_reprs_are_short():
         text = repr(obj)
         assert len(text) < 400 and must in text, text
     assert "2 unions" in repr(entry)
+
+
+def test_recompute_setting_takes_auto_or_a_fraction():
+    assert engine_config({}, env={}).recompute == "auto"  # the default
+    assert engine_config({"recompute": "0.3"}, env={}).recompute == 0.3
+    assert engine_config({}, env={"PROMPTCACHE_RECOMPUTE": "AUTO"}).recompute == "auto"
+    with pytest.raises(ValueError, match="^--recompute: EngineConfig.recompute must be 'auto' or a fraction in"):
+        engine_config({"recompute": "sometimes"}, env={})

@@ -80,21 +80,50 @@ def test_partial_recompute_reports_its_count_and_is_not_exact(selection):
     assert torch.max(torch.abs(res.logits - ref)).item() > TOL
 
 
-def test_exact_prompts_have_nothing_to_recompute_and_zero_is_the_default():
+def test_exact_prompts_have_nothing_to_recompute_and_the_config_applies():
     pc = _engine("llama", recompute=0.3)  # EngineConfig.recompute applies when a call passes None
     prefix = '<prompt schema="s"><a/><user>Hi</user></prompt>'
     res = pc.prefill(prefix)
     assert res.exact and res.recomputed_tokens == 0
-    assert pc.prefill(UNIONS).recomputed_tokens > 0
+    assert pc.prefill(UNIONS).recomputed_tokens == pc.prefill(UNIONS, recompute=0.3).recomputed_tokens > 0
     assert pc.prefill(UNIONS, recompute=0.0).recomputed_tokens == 0
 
 
-@pytest.mark.parametrize("bad", [-0.1, 1.5, "0.3", True])
+def test_auto_is_the_default_exact_prompts_recompute_nothing_drifted_ones_the_budget():
+    from promptcache.engine.recompute import AUTO_FRACTION
+
+    pc = _engine("llama")
+    assert pc.config.recompute == "auto"
+    prefix = '<prompt schema="s"><a/><user>Hi</user></prompt>'
+    exact, splice = pc.prefill(prefix), pc.prefill(prefix, recompute=0)
+    assert exact.exact and exact.recomputed_tokens == 0 and torch.equal(exact.logits, splice.logits)
+    for prompt in (UNIONS, GAPPED):  # drifted: unions, a module after a skipped one
+        drifted = pc.prefill(prompt, recompute=1.0).recomputed_tokens  # every drifted cached token
+        res, same = pc.prefill(prompt), pc.prefill(prompt, recompute=AUTO_FRACTION)
+        assert res.recomputed_tokens == round(AUTO_FRACTION * drifted) > 0 and not res.exact
+        assert torch.equal(res.logits, same.logits)  # "auto" is that fraction of the drifted tokens
+        assert pc.prefill(prompt, recompute="AUTO").recomputed_tokens == res.recomputed_tokens
+    out = pc.generate(UNIONS, max_new_tokens=2)
+    assert out.recomputed_tokens == res.recomputed_tokens and not out.exact
+    assert out.usage.cached_tokens == out.cached_tokens - out.recomputed_tokens  # recomputed: not served from store
+    assert pc.generate(prefix, max_new_tokens=2).usage.cached_tokens == exact.cached_tokens
+
+
+@pytest.mark.parametrize("bad", ["sometimes", "", None, [0.3]])
+def test_bad_config_recompute_names_the_field(bad):
+    from promptcache.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="EngineConfig.recompute must be 'auto' or a fraction in \\[0, 1\\], got"):
+        EngineConfig(recompute=bad)
+    assert EngineConfig(recompute=" Auto ").recompute == "auto" and EngineConfig(recompute=1).recompute == 1.0
+
+
+@pytest.mark.parametrize("bad", [-0.1, 1.5, "0.3", True, "never"])
 def test_bad_fraction_is_a_clear_error(bad):
     pc = _engine("llama")
-    with pytest.raises(ValueError, match="recompute must be a fraction"):
+    with pytest.raises(ValueError, match="recompute must be 'auto' or a fraction"):
         pc.prefill(UNIONS, recompute=bad)
-    with pytest.raises(ValueError, match="recompute must be a fraction"):
+    with pytest.raises(ValueError, match="recompute must be 'auto' or a fraction"):
         pc.generate(UNIONS, recompute=bad)
 
 

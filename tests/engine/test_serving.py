@@ -83,7 +83,8 @@ PREFIX_PROMPT = '<prompt schema="prefix"><intro/><paris/> Highlight the food and
 
 
 def pml(pc, prompt):
-    return lambda pool: pc.plan(prompt)
+    """A plan maker at recompute=0: drifted prompts too are read in place (the oracle's definition)."""
+    return lambda pool: pc.plan(prompt, recompute=0)
 
 
 def test_the_pool_serves_rotary_and_learned_families_and_says_why_not_the_others(tokenizer):
@@ -114,6 +115,27 @@ def test_concurrent_requests_equal_the_oracle(family, tokenizer):
     assert sched.pool.free_blocks == sched.pool.num_blocks  # everything given back
 
 
+def test_a_drifted_prompt_under_auto_falls_back_to_its_private_prefill(tokenizer):
+    """The default recompute ("auto") recomputes part of a drifted prompt: its plan says so (None)
+    and the scheduler runs the request's start instead; an exact prompt is read in place."""
+    pc = engine("llama", tokenizer)
+    pc.add_schema(PREFIX_SCHEMA)
+    assert pc.plan(PROMPTS[0]) is None and pc.plan(PREFIX_PROMPT) is not None
+    params = SamplingParams(max_new_tokens=6, temperature=0.0)
+    pool = KVPool(pc.runner.spec, pc.device, 1024, 16)
+    sched = ServingScheduler(pc.runner, pool)
+    reqs = [Request(lambda reserve, p=p: pc.prefill(p, reserve, keep_cache=True), params, pc.tokenizer,
+                    plan=lambda pool, p=p: pc.plan(p)) for p in (PROMPTS[0], PREFIX_PROMPT)]
+    for r in reqs:
+        sched.add(r)
+    while sched.has_work:
+        sched.step()
+    drifted, exact = reqs
+    assert drifted.prefill.recomputed_tokens > 0 and not drifted.prefill.exact
+    assert drifted.token_ids == pc.generate(PROMPTS[0], max_new_tokens=6, temperature=0.0).token_ids
+    assert exact.prefill.exact and exact.prefill.recomputed_tokens == 0 and exact.prefill.bytes_copied == 0
+
+
 def test_a_private_prefill_is_served_beside_pooled_ones(tokenizer):
     """A recompute prompt is assembled in its own buffer, then copied into its blocks."""
     pc = engine("llama", tokenizer)
@@ -121,7 +143,7 @@ def test_a_private_prefill_is_served_beside_pooled_ones(tokenizer):
     reqs, _ = serve(pc, [pml(pc, PROMPTS[1]), start, pml(pc, PROMPTS[2])])
     want = pc.generate(PROMPTS[0], max_new_tokens=8, temperature=0.0, recompute=0.5)
     assert reqs[1].token_ids == want.token_ids and reqs[1].prefill.recomputed_tokens > 0
-    assert reqs[0].token_ids == pc.generate(PROMPTS[1], max_new_tokens=8, temperature=0.0).token_ids
+    assert reqs[0].token_ids == pc.generate(PROMPTS[1], max_new_tokens=8, temperature=0.0, recompute=0).token_ids
 
 
 @pytest.mark.parametrize("family", ["llama", "gpt2"])
@@ -194,7 +216,7 @@ def test_admission_waits_for_room_and_never_overcommits(tokenizer):
         assert pool.free_blocks >= 0
     assert most < 3  # the third waited for a running one to finish
     for p, r in zip(PROMPTS, reqs):
-        assert r.token_ids == pc.generate(p, max_new_tokens=20, temperature=0.0).token_ids
+        assert r.token_ids == pc.generate(p, max_new_tokens=20, temperature=0.0, recompute=0).token_ids
 
 
 def test_a_request_that_can_never_fit_fails_clearly(tokenizer):

@@ -95,7 +95,7 @@ def test_independent_documents_with_full_recompute_equal_a_plain_forward(family)
 
 def test_bad_recompute_is_refused_before_any_work():
     store = make_store(independent=True)
-    with pytest.raises(ValueError, match="recompute must be a fraction"):
+    with pytest.raises(ValueError, match="recompute must be 'auto' or a fraction"):
         store.generate(Q, ["paris"], recompute=2.0)
 
 
@@ -125,3 +125,36 @@ def test_documents_are_stored_in_kv_dtype(tmp_path, independent):
         res = reopened.prefill(Q, ["tokyo", "paris"], SYS)
         assert res.cached_tokens == len(reopened.layout(Q, [], SYS).spans[0])
         assert torch.max(torch.abs(res.logits - want.logits)).item() < 0.05 * want.logits.abs().max().item()
+
+
+@pytest.mark.parametrize("family", ["llama", "bloom"])
+def test_hybrid_reuses_the_stored_chain_then_independent_documents(family):
+    pc = PromptCache(make_model(family), make_tokenizer())
+    chains, hybrid = DocumentStore(pc), DocumentStore(pc, hybrid=True)
+    for k, v in DOCS.items():
+        chains.add(k, v)
+        hybrid.add(k, v)
+    ids = ["oslo", "tokyo", "paris"]
+    ref = plain(hybrid, ids)
+    fresh = hybrid.prefill(Q, ids, SYS, recompute=0)  # no chain stored yet: every document independent
+    alone = DocumentStore(pc, independent=True)
+    for k, v in DOCS.items():
+        alone.add(k, v)
+    assert torch.equal(fresh.logits, alone.prefill(Q, ids, SYS, recompute=0).logits) and not fresh.exact
+    chains.prefill("an earlier question", ids[:2], SYS)  # stores the chain oslo -> tokyo
+    part = hybrid.prefill(Q, ids, SYS, recompute=0)
+    assert [s.name for s in part.layout.spans if s.kind == "new"] == ["(separator)", "(question)"]
+    assert sum(part.hit_tiers.values()) == 4 and not part.exact  # prefix, 2 chain links, paris alone
+    auto = hybrid.prefill(Q, ids, SYS)  # the default: only paris drifted, a budget of it recomputed
+    assert 0 < auto.recomputed_tokens < len(hybrid.get("paris").token_ids)
+    full = hybrid.prefill(Q, ids, SYS, recompute=1.0)
+    assert full.recomputed_tokens == len(hybrid.get("paris").token_ids) and full.exact
+    assert torch.max(torch.abs(full.logits - ref)).item() <= TOL
+    chains.prefill("another", ids, SYS)  # the whole chain: nothing drifts, nothing to recompute
+    whole = hybrid.prefill(Q, ids, SYS)
+    assert whole.exact and whole.recomputed_tokens == 0 and torch.max(torch.abs(whole.logits - ref)).item() <= TOL
+
+
+def test_hybrid_and_independent_exclude_each_other():
+    with pytest.raises(ValueError, match="independent=True and hybrid=True exclude each other"):
+        DocumentStore(PromptCache(make_model("llama"), make_tokenizer()), independent=True, hybrid=True)

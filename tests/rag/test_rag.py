@@ -59,7 +59,7 @@ def test_independent_generate_equals_definition(family):
     for k, v in DOCS.items():
         store.add(k, v, {"lang": "en"})
     for doc_ids, system in ((["tokyo", "paris"], "Answer briefly."), (["rome"], None), ([], "Be kind.")):
-        res = store.prefill("What is famous there?", doc_ids, system)
+        res = store.prefill("What is famous there?", doc_ids, system, recompute=0)  # the paper's splice
         ref = definition_logits(store, "What is famous there?", doc_ids, system)
         assert torch.max(torch.abs(res.logits - ref)).item() <= 1e-4, (family, doc_ids)
         assert res.new_tokens < 20 + 2 * len(doc_ids) and res.cached_tokens > 10 * len(doc_ids)

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import json
 
+import openai
+import pytest
+
 from serverkit import BLOCK, MODEL, http
 
 SYSTEM = "You are a careful assistant for a travel agency. " * 12  # ~130 tokens: several blocks
@@ -107,6 +110,21 @@ def test_pml_prompt_through_extra_body(oai):
     assert r.usage.prompt_tokens > r.usage.prompt_tokens_details.cached_tokens
     c = oai.completions.create(model=MODEL, prompt="", max_tokens=4, temperature=0, extra_body={"pml": pml})
     assert c.choices[0].text == r.choices[0].message.content
+
+
+def test_usage_says_exact_or_approximate_and_counts_only_served_tokens_as_cached(oai, pc):
+    pml = '<prompt schema="travel"><trip days="3" travelers="two"/><tokyo/><user>Food?</user></prompt>'
+    for r in ("auto", 1.0):  # a union member: drifted; 1.0 recomputes every drifted token
+        want = pc.prefill(pml, recompute=r)
+        got = oai.chat.completions.create(model=MODEL, messages=[], max_tokens=1, temperature=0,
+                                          extra_body={"pml": pml, "recompute": r}).usage
+        assert got.recomputed_tokens == want.recomputed_tokens > 0 and got.exact is False
+        assert got.prompt_tokens_details.cached_tokens == want.cached_tokens - want.recomputed_tokens
+    plain = oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=1).usage
+    assert plain.exact is True and plain.recomputed_tokens == 0  # prefix blocks are exact
+    with pytest.raises(openai.BadRequestError) as e:
+        oai.chat.completions.create(model=MODEL, messages=[], extra_body={"pml": pml, "recompute": "sometimes"})
+    assert e.value.body["param"] == "recompute" and "'auto' or a fraction" in e.value.body["message"]
 
 
 def test_documents_through_extra_body(oai, pc, docs):
