@@ -29,7 +29,7 @@ def test_retrieval_study_split_runs_combine_to_the_whole(tmp_path):
     rows, summary = accuracy.main(["--model", "embedded:demo", "--task", "retrieval", "--out", str(tmp_path / "c"),
                                    "--combine", str(tmp_path / "a" / "accuracy_retrieval.csv"),
                                    str(tmp_path / "b" / "accuracy_retrieval.csv")])
-    key = lambda r: (r["sample"], r["mode"], r["shuffled"], r["recompute"])  # noqa: E731
+    key = lambda r: (r["sample"], r["mode"], r["shuffled"], str(r["recompute"]))  # noqa: E731
     assert sorted(map(key, rows)) == sorted(map(key, whole))  # same samples and shuffles however split
     assert {r["output_pc"] for r in rows} == {r["output_pc"] for r in whole}
     # recompute=1.0 equals a plain forward, and chains are exact: promptcache answers as full prefill does
