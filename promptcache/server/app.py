@@ -1,7 +1,9 @@
 """The FastAPI app: OpenAI-compatible routes over one engine (``create_app``).
 
-Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models (these need a key when
-the app has ``api_keys``), GET /health, GET /metrics (Prometheus text; no key, aggregate counts).
+Routes: POST /v1/chat/completions, POST /v1/completions, POST /v1/messages (Anthropic's Messages
+API, ``anthropic.py``), GET /v1/models (these need a key when the app has ``api_keys``: the
+``Authorization: Bearer KEY`` header or ``x-api-key: KEY``), GET /health, GET /metrics
+(Prometheus text; no key, aggregate counts).
 
 Tenancy: ``api_keys`` maps each key to a namespace; the namespace salts prefix blocks, schema
 states and document states, and is never read from the request. Without ``api_keys`` every
@@ -29,6 +31,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 
 from . import protocol as P
+from ..store import Pins
+from .anthropic import MessagesContext, add_messages_route
 from .backend import Backend, QueueFull
 from .metrics import CONTENT_TYPE_LATEST, Metrics
 from .prefix import DEFAULT_BLOCK_SIZE, PrefixCache
@@ -37,15 +41,19 @@ from .prompts import Planner
 log = logging.getLogger(__name__)
 
 DISCONNECT_POLL_S = 1.0  # a non-streaming request checks this often whether its client is still there
+DEFAULT_PIN_BUDGET = 1 << 30  # bytes of states cache_control breakpoints may pin at once
 
 
 def create_app(pc, *, api_keys: dict[str, str] | None = None, documents=None, max_queue: int = 64,
-               model_name: str = "promptcache", block_size: int = DEFAULT_BLOCK_SIZE) -> FastAPI:
+               model_name: str = "promptcache", block_size: int = DEFAULT_BLOCK_SIZE,
+               pins: Pins | None = None) -> FastAPI:
     """An app serving ``pc`` (a PromptCache).
 
     ``api_keys``: key -> namespace (None: no keys, one namespace). ``documents``: a DocumentStore
     (served to requests of its namespace) or a dict namespace -> DocumentStore. ``max_queue``:
     requests admitted at once; one more is answered 503. ``block_size``: tokens per prefix block.
+    ``pins``: what ``cache_control`` breakpoints pin, set on ``pc.store`` (None: the store's pins,
+    or new ones of ``DEFAULT_PIN_BUDGET`` bytes).
     """
     prefix = PrefixCache(pc, block_size)
     if documents is not None and not isinstance(documents, dict):
@@ -53,6 +61,8 @@ def create_app(pc, *, api_keys: dict[str, str] | None = None, documents=None, ma
     planner = Planner(pc, prefix, documents)
     backend = Backend(pc, max_queue)
     metrics = Metrics(backend, prefix, pc.store)
+    if pins is not None or pc.store.pins is None:
+        pc.store.pins = pins if pins is not None else Pins(DEFAULT_PIN_BUDGET)
     backend.on_finish = lambda job, how: metrics.finished.labels(how).inc()
 
     @asynccontextmanager
@@ -67,9 +77,9 @@ def create_app(pc, *, api_keys: dict[str, str] | None = None, documents=None, ma
         if api_keys is None:
             return pc.config.namespace
         auth = request.headers.get("authorization", "")
-        key = auth[7:].strip() if auth.lower().startswith("bearer ") else ""
+        key = auth[7:].strip() if auth.lower().startswith("bearer ") else request.headers.get("x-api-key", "")
         if key not in api_keys:
-            raise P.APIError(401, "missing or invalid API key (send 'Authorization: Bearer KEY')",
+            raise P.APIError(401, "missing or invalid API key (send 'Authorization: Bearer KEY' or 'x-api-key: KEY')",
                              code="invalid_api_key")
         return api_keys[key]
 
@@ -164,6 +174,8 @@ def create_app(pc, *, api_keys: dict[str, str] | None = None, documents=None, ma
         ns = namespace(request)
         req = await parse(request, P.CompletionRequest)
         return await serve(request, req, planner.completion(req, ns), chat=False)
+
+    add_messages_route(app, MessagesContext(pc, backend, prefix, metrics, pc.store.pins, namespace, model_name))
 
     @app.get("/v1/models")
     async def models(request: Request):

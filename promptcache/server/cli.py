@@ -79,17 +79,21 @@ def load_documents(pc, folder: Path, namespace: str):
               help="Memory for stored states (prefix blocks, schemas, documents) in GiB; the least recently "
                    "used spill to disk beyond it. --device-budget / --host-budget (or their environment "
                    "variables or config keys) override it per tier.")
+@click.option("--pin-gb", default=1.0, show_default=True, type=float,
+              help="Memory that Anthropic cache_control breakpoints may pin at once (GiB); a request that "
+                   "would pin more is refused with a 400.")
 @guard
 def serve(model, device, dtype, engine, config_file, src_root, schemas, compiled, documents, host, port,
-          api_key_file, max_queue, block_size, model_name, cache_gb):
-    """Serve an OpenAI-compatible API (chat, completions, models, health, metrics) that reuses
-    attention states across requests. Needs the 'serve' extra."""
+          api_key_file, max_queue, block_size, model_name, cache_gb, pin_gb):
+    """Serve an OpenAI-compatible API (chat, completions, models, health, metrics) and Anthropic's
+    Messages API that reuse attention states across requests. Needs the 'serve' extra."""
     try:
         import uvicorn
     except ImportError:
         raise click.ClickException("the server needs the 'serve' extra: pip install 'promptcache[serve]'") from None
     from ..cli.common import load_engine
     from ..progress import progress_for
+    from ..store import Pins
     from .app import create_app
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
@@ -113,7 +117,7 @@ def serve(model, device, dtype, engine, config_file, src_root, schemas, compiled
             click.echo(f"Loading documents from {documents} (namespace '{ns}') ...", err=True)
             docs[ns] = load_documents(pc, Path(documents), ns)
     app = create_app(pc, api_keys=keys, documents=docs or None, max_queue=max_queue,
-                     model_name=model_name or model, block_size=block_size)
+                     model_name=model_name or model, block_size=block_size, pins=Pins(int(pin_gb * 2**30)))
     if keys is None:
         click.echo("No --api-key-file: no keys are checked and every client shares one namespace; "
                    f"{'binding ' + host + ' (this machine only)' if host in LOOPBACK else 'WARNING: ' + host + ' is reachable by others'}.",

@@ -39,21 +39,22 @@ class Pins:
         self._pins: dict[str, tuple[float, int]] = {}
         self._lock = threading.Lock()
 
-    def pin(self, keys: dict[str, int], ttl: float) -> None:
-        """Pin ``keys`` (key -> state bytes) for ``ttl`` seconds from now; all or none."""
-        if ttl <= 0:
-            raise ValueError(f"a pin's ttl must be > 0 seconds, got {ttl}")
+    def pin(self, keys: dict[str, tuple[int, float]]) -> None:
+        """Pin each key (key -> (state bytes, ttl seconds from now)); all or none."""
+        bad = [ttl for _, ttl in keys.values() if not ttl > 0]
+        if bad:
+            raise ValueError(f"a pin's ttl must be > 0 seconds, got {bad[0]}")
         with self._lock:
             self._expire()
-            new = sum(n for k, n in keys.items() if k not in self._pins)
+            new = sum(n for k, (n, _) in keys.items() if k not in self._pins)
             used = self._used()
             if used + new > self.budget:
                 raise PinBudgetError(f"pinning {new / 2**20:.2f} MiB more would pass the pin budget of "
                                      f"{self.budget / 2**20:.2f} MiB ({used / 2**20:.2f} MiB pinned now)")
-            until = self.clock() + ttl
-            for k, n in keys.items():
+            now = self.clock()
+            for k, (n, ttl) in keys.items():
                 old = self._pins.get(k)
-                self._pins[k] = (max(until, old[0]) if old else until, n)
+                self._pins[k] = (max(now + ttl, old[0]) if old else now + ttl, n)
 
     def live(self, key: str) -> bool:
         """Whether ``key`` is pinned now (its deadline has not passed)."""

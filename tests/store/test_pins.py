@@ -28,7 +28,7 @@ def test_pinned_key_stays_in_memory_until_its_deadline(tmp_path):
     clock = Clock()
     store.pins = Pins(budget=size, clock=clock)
     store.put("a", kv(0))
-    store.pins.pin({"a": size}, ttl=300)
+    store.pins.pin({"a": (size, 300)})
     for i in range(1, 6):  # pressure: "a" is the least recently used every time
         store.put(f"k{i}", kv(i))
     assert store.tier_of("a") == "host" and store.tier_of("k1") == "disk"
@@ -41,15 +41,15 @@ def test_pinned_key_stays_in_memory_until_its_deadline(tmp_path):
 def test_pin_budget_refuses_whole_and_counts_a_key_once():
     clock = Clock()
     pins = Pins(budget=100, clock=clock)
-    pins.pin({"a": 60}, ttl=10)
-    pins.pin({"a": 60}, ttl=20)  # again: counted once, deadline extended
+    pins.pin({"a": (60, 10)})
+    pins.pin({"a": (60, 20)})  # again: counted once, deadline extended
     assert pins.bytes_pinned == 60
     with pytest.raises(PinBudgetError, match="pin budget"):
-        pins.pin({"b": 30, "c": 30}, ttl=10)
+        pins.pin({"b": (30, 10), "c": (30, 10)})
     assert not pins.live("b") and len(pins) == 1
     clock.now = 15
     assert pins.live("a")
     clock.now = 20
     assert not pins.live("a") and pins.bytes_pinned == 0
-    pins.pin({"b": 30, "c": 30}, ttl=10)
+    pins.pin({"b": (30, 10), "c": (30, 10)})
     assert pins.live("b") and pins.live("c")
