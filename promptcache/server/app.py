@@ -30,6 +30,7 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 
+from . import openai_fields
 from . import protocol as P
 from ..store import Pins
 from .anthropic import MessagesContext, add_messages_route
@@ -93,7 +94,8 @@ def create_app(pc, *, api_keys: dict[str, str] | None = None, documents=None, ma
         except ValidationError as e:
             err = e.errors()[0]
             field = ".".join(str(x) for x in err["loc"]) or None
-            raise P.APIError(400, f"{field}: {err['msg']}", field) from None
+            msg = "is not supported by this server" if err["type"] == "extra_forbidden" else err["msg"]
+            raise P.APIError(400, f"{field}: {msg}", field) from None
         if req.model != model_name:
             raise P.APIError(404, f"model '{req.model}' does not exist (this server serves '{model_name}')",
                              "model", "model_not_found")
@@ -131,10 +133,15 @@ def create_app(pc, *, api_keys: dict[str, str] | None = None, documents=None, ma
             metrics.generated_tokens.inc(len(gen.token_ids))
             return gen.finish_reason, P.usage(plan.prompt_tokens, len(gen.token_ids), res.cached_tokens)
 
+        def logprobs(entries, start: int = 0):  # entries: TokenLogprob list or None
+            if chat:
+                return openai_fields.chat_logprobs(pc.tokenizer, entries)
+            return openai_fields.completion_logprobs(pc.tokenizer, entries, start)
+
         metrics.requests.labels(request.url.path, "200").inc()
         if req.stream:
             include = bool(req.stream_options and req.stream_options.include_usage)
-            return StreamingResponse(_sse(job, backend, rid, req.model, chat, include, finish),
+            return StreamingResponse(_sse(job, backend, rid, req.model, chat, include, finish, logprobs),
                                      media_type="text/event-stream")
         text, checked = [], time.monotonic()
         try:
@@ -152,6 +159,8 @@ def create_app(pc, *, api_keys: dict[str, str] | None = None, documents=None, ma
                     continue
                 if kind == "text":
                     text.append(value)
+                elif kind == "logprob":
+                    continue  # the Generation carries them all
                 elif kind == "done":
                     reason, use = finish(value)
                     break
@@ -161,7 +170,7 @@ def create_app(pc, *, api_keys: dict[str, str] | None = None, documents=None, ma
             backend.cancel(job)
             raise
         make = P.chat_response if chat else P.completion_response
-        return make(rid, req.model, "".join(text), reason, use)
+        return make(rid, req.model, "".join(text), reason, use, logprobs(value.logprobs))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
@@ -194,25 +203,32 @@ def create_app(pc, *, api_keys: dict[str, str] | None = None, documents=None, ma
     return app
 
 
-async def _sse(job, backend, rid, model, chat, include_usage, finish):
-    """SSE events of one streamed answer; a client that goes away cancels the job."""
+async def _sse(job, backend, rid, model, chat, include_usage, finish, logprobs):
+    """SSE events of one streamed answer; a client that goes away cancels the job. Token
+    log-probabilities ride on the next text chunk (text held back for a stop string lags its
+    tokens), the rest on the finishing chunk."""
     def event(obj) -> str:
         return f"data: {json.dumps(obj)}\n\n"
 
-    done = False
+    done, pending, sent = False, [], 0  # pending: TokenLogprobs not sent yet; sent: text characters sent
     try:
         if chat:
             yield event(P.chat_chunk(rid, model, {"role": "assistant", "content": ""}))
         while True:
             kind, value = await job.events.get()
-            if kind == "text":
-                yield event(P.chat_chunk(rid, model, {"content": value}) if chat
-                            else P.completion_chunk(rid, model, value))
+            if kind == "logprob":
+                pending.append(value)
+            elif kind == "text":
+                lp = logprobs(pending, sent) if pending else None
+                pending, sent = [], sent + len(value)
+                yield event(P.chat_chunk(rid, model, {"content": value}, logprobs=lp) if chat
+                            else P.completion_chunk(rid, model, value, logprobs=lp))
             elif kind == "done":
                 done = True
                 reason, use = finish(value)
-                yield event(P.chat_chunk(rid, model, {}, reason) if chat
-                            else P.completion_chunk(rid, model, "", reason))
+                lp = logprobs(pending, sent) if pending else None
+                yield event(P.chat_chunk(rid, model, {}, reason, logprobs=lp) if chat
+                            else P.completion_chunk(rid, model, "", reason, logprobs=lp))
                 if include_usage:
                     yield event(P.chat_chunk(rid, model, {}, use=use) if chat
                                 else P.completion_chunk(rid, model, "", use=use))

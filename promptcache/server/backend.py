@@ -9,6 +9,7 @@ holds up the others' decoding for its duration (chunked prefill would fix that; 
 Each step's outcome goes back to the request's asyncio loop as an event:
 
     ("prefilled", PrefillResult)  after the prompt ran (usage, TTFT)
+    ("logprob", TokenLogprob)     a token's log-probability (requests that ask), before its text
     ("text", str)                 a decoded text piece
     ("done", Generation)          finished; the cache (or batch row) is free again
     ("error", Exception)          failed; nothing more follows
@@ -49,6 +50,8 @@ class Sampling:
     top_p: float = 1.0
     stop: list[str] | None = None
     seed: int | None = None
+    constraints: tuple = ()  # per-request logits processors (JSON output); fresh ones per job
+    logprobs: int | None = None  # None: none; k: each token's log-probability and k rivals
 
     def params(self) -> SamplingParams:
         return SamplingParams(max_new_tokens=self.max_new_tokens, temperature=self.temperature, top_p=self.top_p,
@@ -103,7 +106,8 @@ class Backend:
             job.emit("prefilled", res)
             return res
 
-        job.request = Request(start_and_report, sampling.params(), self.pc.tokenizer)
+        job.request = Request(start_and_report, sampling.params(), self.pc.tokenizer, sampling.constraints,
+                              sampling.logprobs)
         with self._cv:
             if self._in_flight >= self.max_queue:
                 raise QueueFull(f"{self._in_flight} requests in flight, the queue holds {self.max_queue}")
@@ -163,6 +167,8 @@ class Backend:
             job = self._jobs.get(out.request_id)
             if job is None:
                 continue
+            if out.logprob is not None:
+                job.emit("logprob", out.logprob)
             if out.text:
                 job.emit("text", out.text)
             if out.finished:

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from ..pml import PMLError, parse_prompt
+from . import openai_fields
 from .backend import Sampling
 from .protocol import APIError, ChatRequest, CompletionRequest, BaseRequest
 
@@ -141,10 +142,12 @@ class Planner:
             raise APIError(400, f"the prompt is {length} tokens and max_tokens is {max_tokens}: "
                                 f"{length + max_tokens} is past the model's context of {self.context}",
                            "max_tokens", "context_length_exceeded")
-        return Sampling(max_tokens, req.temperature, req.top_p, req.stop_list(), req.seed)
+        return Sampling(max_tokens, req.temperature, req.top_p, req.stop_list(), req.seed,
+                        openai_fields.constraints(req, self.pc), openai_fields.logprobs_k(req))
 
 
 def _check_common(req: BaseRequest) -> None:
+    openai_fields.check(req)
     if req.n != 1:
         raise APIError(400, f"n={req.n}: one choice per request is supported", "n")
     for name in ("max_tokens", "max_completion_tokens"):
@@ -163,5 +166,9 @@ def _text(m, i: int) -> str:
         if p.type != "text" or p.text is None:
             raise APIError(400, f"content part type '{p.type}' is not supported (text only)",
                            f"messages[{i}].content[{j}]")
+        if p.model_extra:
+            field = sorted(p.model_extra)[0]
+            raise APIError(400, f"messages[{i}].content[{j}].{field} is not supported by this server",
+                           f"messages[{i}].content[{j}].{field}")
         parts.append(p.text)
     return "".join(parts)
