@@ -2,6 +2,7 @@
 
     app.py      FastAPI routes, keys -> namespaces, SSE streaming      (create_app)
     protocol.py OpenAI request/response shapes and error objects
+    openai_fields.py  logprobs, response_format, prompt_cache_key, refusals
     prompts.py  request -> Plan (start callable, token count, sampling); validation
     anthropic.py          POST /v1/messages (Anthropic's Messages API), cache_control pins
     anthropic_protocol.py its request/response/event shapes and errors
