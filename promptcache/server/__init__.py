@@ -10,6 +10,8 @@
     prefix.py   automatic prefix reuse: hash-chained token blocks in the engine's store
     backend.py  the worker thread stepping one shared Scheduler: bounded queue, batched decoding
     metrics.py  Prometheus counters
+    access.py   one access-log line per request (ASGI middleware)
+    tokenize.py POST /tokenize and /detokenize
     cli.py      the click command ``serve``
 
 Needs the ``serve`` extra: ``pip install -e ".[serve]"``.

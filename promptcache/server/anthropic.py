@@ -29,6 +29,7 @@ from pydantic import ValidationError
 
 from ..store import PinBudgetError, Pins
 from . import anthropic_protocol as A
+from .access import note
 from .anthropic_prompt import RenderedPrompt, render
 from .backend import QueueFull, Sampling
 from .protocol import APIError
@@ -47,10 +48,11 @@ class MessagesContext:
     pins: Pins
     namespace: Callable[[Request], str]  # raises APIError 401 for a bad key
     model_name: str
+    context: int | None  # tokens a prompt plus its answer may use (None: unbounded)
 
 
 def add_messages_route(app: FastAPI, ctx: MessagesContext) -> None:
-    context = getattr(ctx.pc.model.config, "max_position_embeddings", None)
+    context = ctx.context
     block_bytes = ctx.prefix.block_size * ctx.pc.runner.stored_spec.bytes_per_token
 
     @app.post("/v1/messages")
@@ -134,6 +136,7 @@ async def _serve(request: Request, ctx: MessagesContext, req: A.MessagesRequest,
     made = min(created[0] if created else 0, n - read)
     m = ctx.metrics
     m.ttft.observe(time.perf_counter() - job.submitted)
+    note(request, prompt=n, cached=read, ttft=time.perf_counter() - job.submitted)
     m.prompt_tokens.inc(n)
     m.cached_tokens.inc(read)
     m.requests.labels(request.url.path, "200").inc()
@@ -141,6 +144,7 @@ async def _serve(request: Request, ctx: MessagesContext, req: A.MessagesRequest,
 
     def finish(gen) -> tuple[str, str | None, dict]:
         m.generated_tokens.inc(len(gen.token_ids))
+        note(request, generated=len(gen.token_ids))
         matched = _matched_stop(ctx.pc.tokenizer, gen, req.stop_sequences or [])
         return A.stop_reason(gen.finish_reason, matched), matched, A.usage(n - read - made, made, read,
                                                                             len(gen.token_ids))

@@ -1,7 +1,7 @@
 """The FastAPI app: OpenAI-compatible routes over one engine (``create_app``).
 
 Routes: POST /v1/chat/completions, POST /v1/completions, POST /v1/messages (Anthropic's Messages
-API, ``anthropic.py``), GET /v1/models (these need a key when the app has ``api_keys``: the
+API, ``anthropic.py``), POST /tokenize and /detokenize (``tokenize.py``), GET /v1/models (these need a key when the app has ``api_keys``: the
 ``Authorization: Bearer KEY`` header or ``x-api-key: KEY``), GET /health, GET /metrics
 (Prometheus text; no key, aggregate counts).
 
@@ -13,7 +13,7 @@ A request is validated and planned (``prompts.Planner``) before it is queued; a 
 answer starts only after its prompt ran, so an error before that is a plain HTTP error with its
 status; an error after it (rare: the engine failing mid-decode) ends the stream with an
 ``error`` event. A client that disconnects cancels its request: at once when streaming, within
-``DISCONNECT_POLL_S`` otherwise.
+``DISCONNECT_POLL_S`` otherwise. Every request gets one access-log line (``access.py``).
 """
 
 from __future__ import annotations
@@ -32,12 +32,14 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from . import openai_fields
 from . import protocol as P
+from .access import AccessLog, note
 from ..store import Pins
 from .anthropic import MessagesContext, add_messages_route
 from .backend import Backend, QueueFull
 from .metrics import CONTENT_TYPE_LATEST, Metrics
 from .prefix import DEFAULT_BLOCK_SIZE, PrefixCache
 from .prompts import Planner
+from .tokenize import add_tokenize_routes
 
 log = logging.getLogger(__name__)
 
@@ -47,19 +49,24 @@ DEFAULT_PIN_BUDGET = 1 << 30  # bytes of states cache_control breakpoints may pi
 
 def create_app(pc, *, api_keys: dict[str, str] | None = None, documents=None, max_queue: int = 64,
                model_name: str = "promptcache", block_size: int = DEFAULT_BLOCK_SIZE,
-               pins: Pins | None = None) -> FastAPI:
+               pins: Pins | None = None, max_model_len: int | None = None) -> FastAPI:
     """An app serving ``pc`` (a PromptCache).
 
     ``api_keys``: key -> namespace (None: no keys, one namespace). ``documents``: a DocumentStore
     (served to requests of its namespace) or a dict namespace -> DocumentStore. ``max_queue``:
     requests admitted at once; one more is answered 503. ``block_size``: tokens per prefix block.
     ``pins``: what ``cache_control`` breakpoints pin, set on ``pc.store`` (None: the store's pins,
-    or new ones of ``DEFAULT_PIN_BUDGET`` bytes).
+    or new ones of ``DEFAULT_PIN_BUDGET`` bytes). ``max_model_len``: prompt plus answer tokens a
+    request may use (None: the model's context; more than it is a ValueError).
     """
     prefix = PrefixCache(pc, block_size)
     if documents is not None and not isinstance(documents, dict):
         documents = {documents.namespace: documents}
     planner = Planner(pc, prefix, documents)
+    if max_model_len is not None:
+        if max_model_len < 1 or (planner.context is not None and max_model_len > planner.context):
+            raise ValueError(f"max_model_len must be in [1, {planner.context}] (the model's context), got {max_model_len}")
+        planner.context = max_model_len
     backend = Backend(pc, max_queue)
     metrics = Metrics(backend, prefix, pc.store)
     if pins is not None or pc.store.pins is None:
@@ -72,6 +79,7 @@ def create_app(pc, *, api_keys: dict[str, str] | None = None, documents=None, ma
         backend.close()
 
     app = FastAPI(title="promptcache", lifespan=lifespan)
+    app.add_middleware(AccessLog)
     app.state.backend, app.state.prefix, app.state.metrics = backend, prefix, metrics
 
     def namespace(request: Request) -> str:
@@ -84,7 +92,7 @@ def create_app(pc, *, api_keys: dict[str, str] | None = None, documents=None, ma
                              code="invalid_api_key")
         return api_keys[key]
 
-    async def parse(request: Request, cls):
+    async def parse(request: Request, cls, check: bool = True):
         try:
             body = await request.json()
         except ValueError:
@@ -96,7 +104,7 @@ def create_app(pc, *, api_keys: dict[str, str] | None = None, documents=None, ma
             field = ".".join(str(x) for x in err["loc"]) or None
             msg = "is not supported by this server" if err["type"] == "extra_forbidden" else err["msg"]
             raise P.APIError(400, f"{field}: {msg}", field) from None
-        if req.model != model_name:
+        if check and req.model != model_name:
             raise P.APIError(404, f"model '{req.model}' does not exist (this server serves '{model_name}')",
                              "model", "model_not_found")
         return req
@@ -125,12 +133,14 @@ def create_app(pc, *, api_keys: dict[str, str] | None = None, documents=None, ma
         if kind == "error":
             raise P.APIError(500, f"the engine failed: {res}")
         metrics.ttft.observe(time.perf_counter() - job.submitted)
+        note(request, prompt=plan.prompt_tokens, cached=res.cached_tokens, ttft=time.perf_counter() - job.submitted)
         metrics.prompt_tokens.inc(plan.prompt_tokens)
         metrics.cached_tokens.inc(res.cached_tokens)
         rid = P.new_id("chatcmpl" if chat else "cmpl")
 
         def finish(gen):
             metrics.generated_tokens.inc(len(gen.token_ids))
+            note(request, generated=len(gen.token_ids))
             return gen.finish_reason, P.usage(plan.prompt_tokens, len(gen.token_ids), res.cached_tokens)
 
         def logprobs(entries, start: int = 0):  # entries: TokenLogprob list or None
@@ -184,7 +194,9 @@ def create_app(pc, *, api_keys: dict[str, str] | None = None, documents=None, ma
         req = await parse(request, P.CompletionRequest)
         return await serve(request, req, planner.completion(req, ns), chat=False)
 
-    add_messages_route(app, MessagesContext(pc, backend, prefix, metrics, pc.store.pins, namespace, model_name))
+    add_messages_route(app, MessagesContext(pc, backend, prefix, metrics, pc.store.pins, namespace, model_name,
+                                            planner.context))
+    add_tokenize_routes(app, pc, planner, namespace, parse, model_name)
 
     @app.get("/v1/models")
     async def models(request: Request):

@@ -52,8 +52,7 @@ class Planner:
             return self._pml(req, ns, req.max_completion_tokens or req.max_tokens, CHAT_DEFAULT_MAX_TOKENS)
         if not req.messages:
             raise APIError(400, "'messages' must hold at least one message", "messages")
-        msgs = [{"role": "system" if m.role == "developer" else m.role, "content": _text(m, i)}
-                for i, m in enumerate(req.messages)]
+        msgs = self.chat_messages(req.messages)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         if req.documents is not None:
             return self._documents(req, msgs, ns, max_tokens)
@@ -77,6 +76,11 @@ class Planner:
         if any(not 0 <= t < vocab for t in ids):
             raise APIError(400, f"token ids must be in [0, {vocab})", "prompt")
         return self._tokens(ids, req, ns, req.max_tokens, COMPLETION_DEFAULT_MAX_TOKENS, "prompt")
+
+    def chat_messages(self, messages) -> list[dict]:
+        """Request messages -> the template's dicts (``developer`` is ``system``; text parts only)."""
+        return [{"role": "system" if m.role == "developer" else m.role, "content": _text(m, i)}
+                for i, m in enumerate(messages)]
 
     def chat_ids(self, msgs: list[dict]) -> list[int]:
         """Token IDs of a conversation rendered with the chat template plus the generation prompt."""
