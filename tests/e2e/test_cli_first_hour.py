@@ -236,14 +236,30 @@ def test_bench_says_what_it_is_doing():
 
 
 # -- chat through a terminal -------------------------------------------------------------------
-def test_chat_turns_reuse_the_turns_before():
+def test_chat_answers_from_the_schema_from_turn_one_then_reuses_turns():
     out = run_on_pty(cli("chat", "--schema", str(SCHEMA), "--max-new-tokens", "3"),
-                     lines=["Where should we eat?", "And on day two?", "Thanks, anything else?"],
+                     lines=["Where should we eat?", "/help", "And on day two?", "Thanks, anything else?"],
                      wait_for="you> ", env=ENV, timeout=300)
-    stats = re.findall(r"\[TTFT [\d.]+ ms \| cached (\d+) tokens \| new (\d+) tokens\]", out)
-    assert len(stats) == 3, out
-    cached = [int(c) for c, _ in stats]
-    assert cached[0] == 0 and cached[1] > 0 and cached[2] > cached[1]
+    stats = re.findall(r"\[TTFT [\d.]+ ms \| cached (\d+) of (\d+) tokens \| new (\d+) tokens \| "
+                       r"(exact|approximate \(recompute 0\))\]", out)
+    assert len(stats) == 3, out  # /help went to the session, not to the model
+    assert "/use NAME" in out and "importing trip, food, accessibility" in out
+    cached = [int(c) for c, *_ in stats]
+    assert cached[0] > 0, out  # the schema's modules, on the first turn
+    assert stats[0][3].startswith("approximate")  # modules spliced at recompute 0: said so
+    assert cached[2] > cached[1] > 0 and stats[2][3] == "exact"  # later turns: exact prefix blocks
+
+
+def test_ctrl_c_exits_130():
+    from promptcache.cli.errors import guard
+
+    @guard
+    def interrupted():
+        raise KeyboardInterrupt
+
+    with pytest.raises(SystemExit) as e:
+        interrupted()
+    assert e.value.code == 130
 
 
 # -- reprs -------------------------------------------------------------------------------------
