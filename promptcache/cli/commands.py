@@ -71,12 +71,12 @@ def _load_compiled(pc, folder: str, schema: Path | None, recompile: bool) -> Non
 @model_options
 @engine_options
 @click.option("--no-cache", is_flag=True, help="Baseline: plain prefill of the same tokens, no module reuse.")
-@click.option("--max-new-tokens", default=128, show_default=True)
+@click.option("--max-new-tokens", default=128, show_default=True, help="Most tokens to generate.")
 @click.option("--temperature", default=0.0, show_default=True, help="0 is greedy.")
-@click.option("--top-p", default=1.0, show_default=True)
-@click.option("--top-k", default=0, show_default=True)
+@click.option("--top-p", default=1.0, show_default=True, help="Nucleus sampling: keep the smallest set of tokens with this much probability (1 is off).")
+@click.option("--top-k", default=0, show_default=True, help="Sample among the k most likely tokens only (0 is off).")
 @click.option("--repetition-penalty", default=1.0, show_default=True, help="1 is off (transformers' definition).")
-@click.option("--seed", default=None, type=int)
+@click.option("--seed", default=None, type=int, help="Random seed for sampling (default: a fresh one).")
 @click.option("--stop", multiple=True, help="Stop when this text appears (repeatable).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of streaming (fields below).")
 @click.option("--raw", is_flag=True,
@@ -282,13 +282,14 @@ def validate(files, model, src_root):
 
 
 @click.command()
-@click.option("--model", "-m", default="embedded:bench", show_default=True)
-@click.option("--device", default=None)
-@click.option("--dtype", default="auto", show_default=True, type=click.Choice(("auto", "float32", "bfloat16", "float16")))
+@click.option("--model", "-m", default="embedded:bench", show_default=True, help="The model to time (see run --model).")
+@click.option("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda when available).")
+@click.option("--dtype", default="auto", show_default=True, type=click.Choice(("auto", "float32", "bfloat16", "float16")),
+              help="auto: float32 on CPU, bfloat16 on CUDA.")
 @engine_options
-@click.option("--schema-tokens", default=2000, show_default=True)
-@click.option("--new-tokens", default=32, show_default=True)
-@click.option("--repeats", default=10, show_default=True)
+@click.option("--schema-tokens", default=2000, show_default=True, help="Tokens of the synthetic schema timed.")
+@click.option("--new-tokens", default=32, show_default=True, help="New prompt tokens run on top of the cached ones.")
+@click.option("--repeats", default=10, show_default=True, help="Timed runs per method (the median is reported).")
 @guard
 def bench(model, device, dtype, engine, config_file, schema_tokens, new_tokens, repeats):
     """Time to first token: full prefill vs Prompt Cache vs the limit (one process, ratios).

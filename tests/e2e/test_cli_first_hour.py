@@ -274,3 +274,11 @@ def test_reprs_are_short():
         text = repr(obj)
         assert len(text) < 400 and must in text, text
     assert "2 unions" in repr(entry)
+
+
+def test_every_option_has_a_help_sentence():
+    import click
+
+    missing = [(name, p.opts[0]) for name, cmd in main.commands.items() for p in cmd.params
+               if isinstance(p, click.Option) and not p.help]
+    assert missing == []
