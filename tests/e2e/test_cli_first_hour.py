@@ -62,12 +62,13 @@ def test_files_reach_the_library_as_paths_and_text_as_str(monkeypatch):
         return real(self, prompt, *a, **k)
 
     monkeypatch.setattr(PromptCache, "generate", spy)
-    for args in ([PROMPT], ["-p", str(PROMPT)], ["-"]):
+    for args in ([PROMPT], ["-p", str(PROMPT), "--raw"], ["-", "--raw"], ["-"]):
         res = invoke("run", *args, "-s", SCHEMA, "--max-new-tokens", "1", "--json", input="plain words")
         assert res.exit_code in (0, 1), res.output
     assert seen[0] == PROMPT and isinstance(seen[0], Path)
     assert seen[1] == str(PROMPT) and type(seen[1]) is str  # text that happens to name a file: still text
     assert seen[2] == "plain words"
+    assert seen[3] == "<prompt><user>plain words</user></prompt>"  # without --raw: a user turn of the template
 
 
 def test_no_prompt_or_two_prompts_is_a_usage_error():
