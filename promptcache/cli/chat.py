@@ -1,21 +1,14 @@
-"""``promptcache chat``: a terminal chat whose turns reuse the states of the turns before.
-
-Each turn is a PML prompt: the schema's modules (``--use``, default: every top-level module, and
-each union's scaffold member), then the conversation so far, then the new user message. Its
-tokens in prompt order (``pc.layout(...).token_ids``, positions 0..n-1) go through the server's
-``PrefixCache``: the blocks of the previous turns' prompts are stored, so a turn runs only what
-is new since the last stored block (exact reuse: the same tokens at the same positions). The
-first turn stores the schema's text; each later turn reports the tokens it reused.
-"""
+"""``promptcache chat``: a terminal chat whose turns reuse the states of the schema and of the turns
+before (``chat_session.ChatSession`` holds the state and says how a turn is served)."""
 
 from __future__ import annotations
 
 import sys
 from pathlib import Path
-from xml.sax.saxutils import escape
 
 import click
 
+from .chat_session import ChatSession, default_imports
 from .common import load_engine, setup_logging
 from .errors import guard
 from .options import engine_config, engine_options, model_options
@@ -23,47 +16,20 @@ from .options import engine_config, engine_options, model_options
 QUIT = ("/quit", "/exit")
 
 
-def default_imports(layout) -> list[str]:
-    """Top-level modules outside unions, and each union's scaffold (or first) member, in schema order."""
-    members = {m: u for u in layout.unions.values() for m in u.members}
-    out = []
-    for m in layout.modules.values():
-        name = "/".join(m.path)
-        if len(m.path) != 1:
-            continue
-        u = members.get(name)
-        if u is None or name == (u.scaffold or u.members[0]):
-            out.append(name)
-    return out
-
-
-def import_tag(layout, name: str) -> str:
-    """``<name p="scaffold" .../>``: a module import whose parameters take their scaffold text."""
-    module = layout.modules.get(tuple(name.split("/")))
-    params = module.params.items() if module is not None else ()
-    args = "".join(f' {p}="{escape(spec.scaffold or "", {chr(34): "&quot;"})}"' for p, (_, spec) in params)
-    return f"<{name}{args}/>"
-
-
-def turn_prompt(schema: str | None, imports: list[str], history: list[tuple[str, str]], user: str) -> str:
-    """The PML prompt of one turn; ``imports`` are import tags (``import_tag``)."""
-    roles = "".join(f"<user>{escape(u)}</user><assistant>{escape(a)}</assistant>" for u, a in history)
-    body = "".join(imports) + roles + f"<user>{escape(user)}</user>"
-    return f'<prompt schema="{schema}">{body}</prompt>' if schema else f"<prompt>{body}</prompt>"
-
-
 @click.command()
 @click.option("--schema", "-s", type=click.Path(exists=True, dir_okay=False), default=None,
               help="A schema file whose modules open every turn (omit for a plain chat).")
-@click.option("--use", "imports", multiple=True, help="Module to import (repeatable; default: every top-level one).")
+@click.option("--use", "imports", multiple=True,
+              help="Module to import (repeatable; default: every top-level module outside a union).")
 @model_options
 @engine_options
 @click.option("--block-size", default=16, show_default=True, type=int, help="Tokens per reusable block.")
-@click.option("--max-new-tokens", default=64, show_default=True)
+@click.option("--max-new-tokens", default=64, show_default=True, help="Most tokens per answer.")
 @guard
 def chat(schema, imports, model, device, dtype, engine, config_file, block_size, max_new_tokens):
-    """Chat in the terminal; each turn reuses the states of the turns before it and shows its
-    TTFT and cached tokens. /quit or end of input (Ctrl-D) ends.
+    """Chat in the terminal; each turn reuses stored states (the schema's modules from the first
+    turn, then the turns before) and shows its TTFT, cached tokens and whether the state is exact.
+    /help lists the commands; /quit or end of input (Ctrl-D) ends.
 
     \b
     Example:
@@ -74,28 +40,37 @@ def chat(schema, imports, model, device, dtype, engine, config_file, block_size,
     setup_logging()
     config = engine_config(engine, config_file)
     pc = load_engine(model, device, dtype, config)
-    name = None
-    if schema:
-        layout = pc.add_schema(Path(schema)).layout
-        name = layout.name
-        names = list(imports) or default_imports(layout)
-        imports = [import_tag(layout, n) for n in names]
-        click.echo(f"Schema '{name}': importing {', '.join(names) or 'nothing'}", err=True)
-    prefix = PrefixCache(pc, block_size)
-    history: list[tuple[str, str]] = []
-    click.echo("Type a message; /quit ends.")
+    layout = pc.add_schema(Path(schema)).layout if schema else None
+    session = ChatSession(pc, PrefixCache(pc, block_size), layout)
+    if layout is not None:
+        if imports:
+            click.echo(session.command("/use " + " ".join(imports)), err=True)
+        else:
+            session.imports = default_imports(layout)
+        click.echo(f"Schema '{layout.name}': importing {', '.join(session.imports) or 'nothing'} "
+                   "(/modules lists the rest, /use picks)", err=True)
+    click.echo("Type a message; /help lists commands, /quit ends.")
+    _loop(session, max_new_tokens)
+
+
+def _loop(session: ChatSession, max_new_tokens: int) -> None:
     while True:
         click.echo("you> ", nl=False)
         sys.stdout.flush()
         line = sys.stdin.readline()
         if not line or line.strip() in QUIT:
             click.echo("")
-            break
+            return
         user = line.strip()
         if not user:
             continue
-        ids = pc.layout(turn_prompt(name, list(imports), history, user)).token_ids
-        out = pc.generate_from(prefix.starter(list(ids), pc.config.namespace), max_new_tokens=max_new_tokens)
+        reply = session.command(user)
+        if reply is not None:
+            click.echo(reply)
+            continue
+        out, via_schema, ids = session.answer(user, max_new_tokens)
         click.echo(f"bot> {out.text.strip()}")
-        click.echo(f"[TTFT {out.ttft * 1e3:.1f} ms | cached {out.cached_tokens} tokens | new {out.new_tokens} tokens]")
-        history.append((user, out.text.strip()))
+        click.echo(session.stats(out))
+        sys.stdout.flush()
+        if via_schema:
+            session.store_blocks(ids)

@@ -75,19 +75,22 @@ def _load_compiled(pc, folder: str, schema: Path | None, recompile: bool) -> Non
 @model_options
 @engine_options
 @click.option("--no-cache", is_flag=True, help="Baseline: plain prefill of the same tokens, no module reuse.")
-@click.option("--max-new-tokens", default=128, show_default=True)
+@click.option("--max-new-tokens", default=128, show_default=True, help="Most tokens to generate.")
 @click.option("--temperature", default=0.0, show_default=True, help="0 is greedy.")
-@click.option("--top-p", default=1.0, show_default=True)
-@click.option("--top-k", default=0, show_default=True)
+@click.option("--top-p", default=1.0, show_default=True, help="Nucleus sampling: keep the smallest set of tokens with this much probability (1 is off).")
+@click.option("--top-k", default=0, show_default=True, help="Sample among the k most likely tokens only (0 is off).")
 @click.option("--repetition-penalty", default=1.0, show_default=True, help="1 is off (transformers' definition).")
-@click.option("--seed", default=None, type=int)
+@click.option("--seed", default=None, type=int, help="Random seed for sampling (default: a fresh one).")
 @click.option("--stop", multiple=True, help="Stop when this text appears (repeatable).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of streaming (fields below).")
+@click.option("--raw", is_flag=True,
+              help="Send a plain-text prompt as it is; by default it becomes a user turn of the model's chat template.")
 @guard
 def run(prompt, prompt_text, schemas, compiled, recompile, src_root, model, device, dtype, engine, config_file,
-        no_cache, max_new_tokens, temperature, top_p, top_k, repetition_penalty, seed, stop, as_json):
+        no_cache, max_new_tokens, temperature, top_p, top_k, repetition_penalty, seed, stop, as_json, raw):
     """Answer PROMPT (a PML or plain-text file, '-' for stdin, or -p TEXT): stream the text, then
-    one line of statistics.
+    one line of statistics. Plain text to a model with a chat template is sent as a user turn
+    (--raw: as it is).
 
     \b
     Examples (SCHEMA.xml: a schema file; PROMPT.xml: a prompt using it):
@@ -123,6 +126,8 @@ def run(prompt, prompt_text, schemas, compiled, recompile, src_root, model, devi
     for s in schemas:
         if Path(s) not in paired:
             pc.add_schema(Path(s), allow_src_root=src_root)
+    source = _as_turn(pc, source, raw)
+    _check_schema_given(pc, source)
     if as_json:
         out = pc.generate(source, params, use_cache=not no_cache)
         click.echo(json.dumps({"text": out.text, "token_ids": out.token_ids, "ttft_s": out.ttft,
@@ -141,6 +146,32 @@ def run(prompt, prompt_text, schemas, compiled, recompile, src_root, model, devi
     click.echo(f"\n[TTFT {out.ttft * 1e3:.1f} ms | cached {out.cached_tokens} tokens | new {out.new_tokens} tokens"
                f" | recomputed {out.recomputed_tokens} | {'exact' if out.exact else 'approximate'}"
                f" | tier hits: {tiers}{' | baseline (no cache)' if no_cache else ''}]")
+
+
+def _as_turn(pc, source, raw: bool):
+    """Plain text (not PML) to a chat-template model becomes ``<prompt><user>TEXT</user></prompt>``,
+    so the template's turn markers and generation prompt wrap it, as chat clients do."""
+    from xml.sax.saxutils import escape
+
+    from ..pml.source import is_markup
+
+    if raw or not isinstance(source, str) or is_markup(source) or not getattr(pc.tokenizer, "chat_template", None):
+        return source
+    return f"<prompt><user>{escape(source.strip())}</user></prompt>"
+
+
+def _check_schema_given(pc, source) -> None:
+    """A prompt naming a schema that was not given: say which flag loads it."""
+    from ..pml import PMLError, parse_prompt
+    from ..pml.source import is_markup
+
+    if isinstance(source, str) and not is_markup(source):
+        return
+    tree = parse_prompt(source)
+    if tree.schema is not None and tree.schema not in pc.schemas:
+        known = ", ".join(pc.schemas) or "none"
+        raise PMLError(f"unknown schema '{tree.schema}' (schemas loaded: {known}); pass its schema file with "
+                       "--schema/-s FILE (or a compiled folder with --compiled DIR)", tree.source, tree.line)
 
 
 run.help = cleandoc(run.help or "") + "\n" + _JSON_HELP  # the fields, from the one list above
@@ -259,13 +290,14 @@ def validate(files, model, src_root):
 
 
 @click.command()
-@click.option("--model", "-m", default="embedded:bench", show_default=True)
-@click.option("--device", default=None)
-@click.option("--dtype", default="auto", show_default=True, type=click.Choice(("auto", "float32", "bfloat16", "float16")))
+@click.option("--model", "-m", default="embedded:bench", show_default=True, help="The model to time (see run --model).")
+@click.option("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda when available).")
+@click.option("--dtype", default="auto", show_default=True, type=click.Choice(("auto", "float32", "bfloat16", "float16")),
+              help="auto: float32 on CPU, bfloat16 on CUDA.")
 @engine_options
-@click.option("--schema-tokens", default=2000, show_default=True)
-@click.option("--new-tokens", default=32, show_default=True)
-@click.option("--repeats", default=10, show_default=True)
+@click.option("--schema-tokens", default=2000, show_default=True, help="Tokens of the synthetic schema timed.")
+@click.option("--new-tokens", default=32, show_default=True, help="New prompt tokens run on top of the cached ones.")
+@click.option("--repeats", default=10, show_default=True, help="Timed runs per method (the median is reported).")
 @guard
 def bench(model, device, dtype, engine, config_file, schema_tokens, new_tokens, repeats):
     """Time to first token: full prefill vs Prompt Cache vs the limit (one process, ratios).

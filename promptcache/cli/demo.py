@@ -31,7 +31,7 @@ def side_by_side(left: str, right: str, width: int = 38) -> list[str]:
 @click.option("--model", "-m", default="embedded", show_default=True,
               help="Model id, directory, 'smollm2' (real text; fetched once) or 'embedded' (offline, noise).")
 @click.option("--device", default=None, help="cpu or cuda (default: cuda when available).")
-@click.option("--max-new-tokens", default=16, show_default=True)
+@click.option("--max-new-tokens", default=16, show_default=True, help="Most tokens per answer.")
 @guard
 def demo(model, device, max_new_tokens):
     """Compile a shipped schema, answer a prompt with and without the cache, compare side by side.

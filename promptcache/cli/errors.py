@@ -2,7 +2,7 @@
 
 Exit codes: 0 ok; 1 bad input (PML, artifacts, settings, unknown model); 2 the environment
 (no network, no CUDA, missing files or packages) -- and click's own usage errors (bad option,
-``--dtype`` typo), which click also ends with 2. An error class may say its code itself with
+``--dtype`` typo), which click also ends with 2; 130 interrupted (Ctrl-C, as shells report SIGINT). An error class may say its code itself with
 an ``exit_code`` attribute (``promptcache.PromptCacheError`` subclasses do); it wins.
 """
 
@@ -15,7 +15,9 @@ import click
 
 from ..errors import PromptCacheError
 
-__all__ = ["EnvironmentProblem", "exit_code", "guard", "message"]
+__all__ = ["EnvironmentProblem", "INTERRUPTED", "exit_code", "guard", "message"]
+
+INTERRUPTED = 130  # 128 + SIGINT
 
 
 class EnvironmentProblem(PromptCacheError, click.ClickException):
@@ -50,6 +52,9 @@ def guard(fn):
     def wrapper(*args, **kwargs):
         try:
             return fn(*args, **kwargs)
+        except KeyboardInterrupt:
+            click.echo("\ninterrupted", err=True)
+            sys.exit(INTERRUPTED)
         except (click.exceptions.Exit, click.exceptions.Abort, click.UsageError):
             raise
         except click.ClickException as e:

@@ -2,8 +2,8 @@
 
 ``PromptCache`` (``facade.py``) is the public class; the rest are its rooms: ``runner``
 (model, forwards, buffers), ``registry`` (encoded schemas, fingerprints, keys), ``encoder``,
-``assemble`` (prompt plans), ``sampling``, ``request``, ``scheduler``, ``stream``, ``results``,
-``config``.
+``assemble`` (prompt plans), ``sampling``, ``constrained`` (JSON output), ``request``,
+``scheduler``, ``stream``, ``results``, ``config``.
 """
 
 from .config import EngineConfig

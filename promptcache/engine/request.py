@@ -15,9 +15,11 @@ from __future__ import annotations
 
 import enum
 import itertools
-from typing import Callable
+from typing import Callable, Sequence
 
-from .results import Generation, PrefillResult
+import torch
+
+from .results import Generation, PrefillResult, TokenLogprob
 from .sampling import Sampler, SamplingParams
 from .text import TextStream
 
@@ -33,13 +35,18 @@ class Status(enum.Enum):
 
 
 class Request:
-    def __init__(self, start: Callable[[int], PrefillResult] | None, params: SamplingParams, tokenizer, *,
+    def __init__(self, start: Callable[[int], PrefillResult] | None, params: SamplingParams, tokenizer,
+                 constraints: Sequence = (), logprobs: int | None = None, *,
                  plan: Callable[[object], object] | None = None):
+        """``constraints``: per-request logits processors (``engine.constrained``). ``logprobs``:
+        None records none; k records each token's log-probability and its k most likely rivals."""
         if start is None and plan is None:
             raise ValueError("a request needs a start (a prefill callable), a plan, or both")
         self.id = next(_ids)
         self.start, self.plan, self.params = start, plan, params
-        self.sampler = Sampler(params)
+        self.sampler = Sampler(params, constraints)
+        self.top_logprobs = logprobs
+        self.logprobs: list[TokenLogprob] = []
         self.text = TextStream(tokenizer, params.stop)
         self.status = Status.WAITING
         self.prefill: PrefillResult | None = None
@@ -67,6 +74,22 @@ class Request:
         if self.sampler.needs_context and prefill.layout is not None:
             self.context = list(prefill.layout.token_ids)
 
+    def distribution(self, logits: torch.Tensor) -> torch.Tensor | None:
+        """log_softmax of the raw logits [V] when log-probabilities are recorded (else None); taken
+        before sampling, which may edit the logits in place (a repetition penalty does)."""
+        if self.top_logprobs is None:
+            return None
+        return torch.log_softmax(logits.detach().float().reshape(-1), -1).cpu()
+
+    def record(self, token: int, dist: torch.Tensor | None) -> TokenLogprob | None:
+        """The sampled token's entry (appended to ``logprobs``), or None when none are recorded."""
+        if dist is None:
+            return None
+        vals, ids = torch.topk(dist, self.top_logprobs) if self.top_logprobs else (dist[:0], dist[:0])
+        entry = TokenLogprob(token, float(dist[token]), tuple(zip(map(int, ids.tolist()), vals.tolist())))
+        self.logprobs.append(entry)
+        return entry
+
     def accept(self, token: int, eos: frozenset[int]) -> str:
         """Take a sampled token: returns the new text; finishes the request on EOS, a stop string
         or ``max_new_tokens``."""
@@ -86,4 +109,5 @@ class Request:
     def generation(self) -> Generation:
         """The finished request as a Generation (text, ids, statistics of its prefill)."""
         assert self.finished and self.prefill is not None, (self.status, self.prefill)
-        return Generation.from_prefill(self.prefill, self.text.text, self.token_ids, self.finish_reason)
+        return Generation.from_prefill(self.prefill, self.text.text, self.token_ids, self.finish_reason,
+                                       self.logprobs if self.top_logprobs is not None else None)

@@ -20,7 +20,7 @@ import torch
 if TYPE_CHECKING:
     from ..layout import PromptLayout
 
-__all__ = ["FINISH_REASONS", "Generation", "PrefillResult", "Usage", "preview"]
+__all__ = ["FINISH_REASONS", "Generation", "PrefillResult", "TokenLogprob", "Usage", "preview"]
 
 # "stop": an EOS token or a stop string; "length": max_new_tokens reached;
 # "cancelled": Request.cancel() (only seen by code driving a Scheduler itself).
@@ -67,6 +67,16 @@ class PrefillResult:
 
 
 @dataclass(frozen=True)
+class TokenLogprob:
+    """One generated token's log-probability under the model (log_softmax of the raw logits, before
+    any sampling setting or constraint) and the ``top`` most likely ids, most likely first."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True)
 class Usage:
     """Token counts in OpenAI's terms; ``cached_tokens`` of ``prompt_tokens`` came from stored states."""
 
@@ -92,6 +102,7 @@ class Generation:
     finish_reason: str = "length"  # one of FINISH_REASONS
     usage: Usage | None = None
     recomputed_tokens: int = 0  # of cached_tokens, computed afresh (selective recompute)
+    logprobs: list[TokenLogprob] | None = None  # one per generated token, when asked for
 
     def __post_init__(self):
         if self.finish_reason not in FINISH_REASONS:
@@ -111,8 +122,9 @@ class Generation:
                 f"recomputed_tokens={self.recomputed_tokens}, exact={self.exact})")
 
     @classmethod
-    def from_prefill(cls, prefill: PrefillResult, text: str, token_ids: list[int], finish_reason: str) -> "Generation":
+    def from_prefill(cls, prefill: PrefillResult, text: str, token_ids: list[int], finish_reason: str,
+                     logprobs: list[TokenLogprob] | None = None) -> "Generation":
         return cls(text=text, token_ids=list(token_ids), ttft=prefill.ttft, cached_tokens=prefill.cached_tokens,
                    new_tokens=prefill.new_tokens, exact=prefill.exact, bytes_copied=prefill.bytes_copied,
                    hit_tiers=dict(prefill.hit_tiers), finish_reason=finish_reason,
-                   recomputed_tokens=prefill.recomputed_tokens)
+                   recomputed_tokens=prefill.recomputed_tokens, logprobs=logprobs)

@@ -103,12 +103,16 @@ def sampling_params(params: SamplingParams | int | None = None, **kwargs) -> Sam
 
 
 class Sampler:
-    """Picks one request's tokens: ``sample(logits [V], context)`` -> token id."""
+    """Picks one request's tokens: ``sample(logits [V], context)`` -> token id.
 
-    def __init__(self, params: SamplingParams):
+    ``constraints``: per-request logits processors (``engine.constrained``) run before the
+    settings' own; they read the context (its last id is the previous sampled token), so a
+    sampler with constraints always keeps one and never takes the plain argmax shortcut."""
+
+    def __init__(self, params: SamplingParams, constraints: Sequence = ()):
         self.params = params
-        self.processors = params.processors()
-        self.needs_context = params.repetition_penalty != 1.0
+        self.processors = LogitsProcessorList([*constraints, *params.processors()])
+        self.needs_context = params.repetition_penalty != 1.0 or bool(constraints)
         self.generator = None
         if not params.greedy:
             self.generator = torch.Generator()

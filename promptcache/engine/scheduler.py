@@ -30,6 +30,7 @@ import logging
 from ..cache import SpliceCache
 from .batch import DecodeBatch, batch_refusal
 from .request import Request, Status
+from .results import TokenLogprob
 from .runner import ModelRunner
 
 log = logging.getLogger(__name__)
@@ -44,6 +45,7 @@ class StepOutput:
     text: str  # new text ("" while held back: incomplete UTF-8 or a possible stop string)
     finished: bool
     finish_reason: str | None  # "stop" | "length" | "cancelled" once finished
+    logprob: TokenLogprob | None = None  # the token's log-probability, when its request records them
 
 
 class Scheduler:
@@ -127,12 +129,14 @@ class Scheduler:
             raise
 
     def _sample(self, req: Request, logits) -> StepOutput:
+        dist = req.distribution(logits)  # None unless the request records log-probabilities
         token = req.sampler.sample(logits, req.context)
+        entry = req.record(token, dist)
         piece = req.accept(token, self.runner.eos_ids)
         if req.finish_reason is not None:
             self._release(req)
         return StepOutput(request_id=req.id, token_id=token, text=piece, finished=req.finished,
-                          finish_reason=req.finish_reason)
+                          finish_reason=req.finish_reason, logprob=entry)
 
     def _finish(self, req: Request, reason: str) -> StepOutput:
         req.finish_reason = reason

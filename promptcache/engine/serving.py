@@ -364,13 +364,15 @@ class ServingScheduler:
 
     def _sample(self, seq: _Seq, logits: torch.Tensor) -> StepOutput:
         req = seq.req
+        dist = req.distribution(logits)  # None unless the request records log-probabilities
         token = req.sampler.sample(logits, req.context)
+        entry = req.record(token, dist)
         piece = req.accept(token, self.runner.eos_ids)
         if req.finish_reason is not None:
             self._release(seq)
             req.status = Status.FINISHED
         return StepOutput(request_id=req.id, token_id=token, text=piece, finished=req.finished,
-                          finish_reason=req.finish_reason)
+                          finish_reason=req.finish_reason, logprob=entry)
 
     # -- finishing --------------------------------------------------------------------------------
     def _release(self, seq: _Seq) -> None:

@@ -1,11 +1,17 @@
-"""``promptcache serve``: an OpenAI-compatible HTTP server over one PromptCache engine.
+"""``promptcache serve``: an OpenAI-compatible (and Anthropic Messages) HTTP server over one PromptCache engine.
 
     app.py      FastAPI routes, keys -> namespaces, SSE streaming      (create_app)
     protocol.py OpenAI request/response shapes and error objects
+    openai_fields.py  logprobs, response_format, prompt_cache_key, refusals
     prompts.py  request -> Plan (start callable, token count, sampling); validation
+    anthropic.py          POST /v1/messages (Anthropic's Messages API), cache_control pins
+    anthropic_protocol.py its request/response/event shapes and errors
+    anthropic_prompt.py   a Messages request -> token IDs and breakpoint token offsets
     prefix.py   automatic prefix reuse: hash-chained token blocks in the engine's store
     backend.py  the worker thread stepping one shared Scheduler: bounded queue, batched decoding
     metrics.py  Prometheus counters
+    access.py   one access-log line per request (ASGI middleware)
+    tokenize.py POST /tokenize and /detokenize
     cli.py      the click command ``serve``
 
 Needs the ``serve`` extra: ``pip install -e ".[serve]"``.

@@ -1,7 +1,9 @@
 """The FastAPI app: OpenAI-compatible routes over one engine (``create_app``).
 
-Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models (these need a key when
-the app has ``api_keys``), GET /health, GET /metrics (Prometheus text; no key, aggregate counts).
+Routes: POST /v1/chat/completions, POST /v1/completions, POST /v1/messages (Anthropic's Messages
+API, ``anthropic.py``), POST /tokenize and /detokenize (``tokenize.py``), GET /v1/models (these need a key when the app has ``api_keys``: the
+``Authorization: Bearer KEY`` header or ``x-api-key: KEY``), GET /health, GET /metrics
+(Prometheus text; no key, aggregate counts).
 
 Tenancy: ``api_keys`` maps each key to a namespace; the namespace salts prefix blocks, schema
 states and document states, and is never read from the request. Without ``api_keys`` every
@@ -12,7 +14,7 @@ answer starts only after its prompt ran, so an error before that is a plain HTTP
 status; an error after it (rare: the engine failing mid-decode) ends the stream with an
 ``error`` event. A client that disconnects cancels its request at once, whether it is queued,
 prefilling or decoding (the server listens for the disconnect while it waits; the scheduler frees
-the request's blocks at its next step).
+the request's blocks at its next step). Every request gets one access-log line (``access.py``).
 
 Before any route: ``limits.RequestGuard`` (Host allow-list, JSON content type, body size, JSON
 depth, message and character counts; see limits.py). CORS headers only for ``cors_origins``.
@@ -40,19 +42,28 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 
 from ..engine.encoder import release_free_memory
+from ..store import Pins
+from . import openai_fields
 from . import protocol as P
+from .access import AccessLog, note
+from .anthropic import MessagesContext, add_messages_route
 from .backend import Backend, QueueFull, ServingConfig
 from .limits import LOOPBACK_HOSTS, Limits, RequestGuard, parsed_body
 from .metrics import CONTENT_TYPE_LATEST, Metrics
 from .prefix import DEFAULT_BLOCK_SIZE, PrefixCache
 from .prompts import Planner
+from .tokenize import add_tokenize_routes
 
 log = logging.getLogger(__name__)
+
+DEFAULT_PIN_BUDGET = 1 << 30  # bytes of states cache_control breakpoints may pin at once
+
 
 def create_app(pc, *, api_keys: dict[str, str] | None = None, documents=None, max_queue: int = 64,
                model_name: str = "promptcache", block_size: int = DEFAULT_BLOCK_SIZE,
                serving: ServingConfig | None = None, drain_timeout: float = 10.0, limits: Limits | None = None,
-               allowed_hosts: tuple[str, ...] | None = LOOPBACK_HOSTS, cors_origins: tuple[str, ...] = ()) -> FastAPI:
+               allowed_hosts: tuple[str, ...] | None = LOOPBACK_HOSTS, cors_origins: tuple[str, ...] = (),
+               pins: Pins | None = None, max_model_len: int | None = None) -> FastAPI:
     """An app serving ``pc`` (a PromptCache).
 
     ``api_keys``: key -> namespace (None: no keys, one namespace). ``documents``: a DocumentStore
@@ -63,6 +74,9 @@ def create_app(pc, *, api_keys: dict[str, str] | None = None, documents=None, ma
     ``limits``: request limits (``limits.Limits()`` by default). ``allowed_hosts``: ``Host`` names
     answered (None: any; the default suits a server bound to loopback). ``cors_origins``: origins a
     browser page may call from (none by default).
+    ``pins``: what ``cache_control`` breakpoints pin, set on ``pc.store`` (None: the store's pins,
+    or new ones of ``DEFAULT_PIN_BUDGET`` bytes). ``max_model_len``: prompt plus answer tokens a
+    request may use (None: the model's context; more than it is a ValueError).
     """
     limits = limits or Limits()
     serving = serving or ServingConfig()
@@ -71,9 +85,15 @@ def create_app(pc, *, api_keys: dict[str, str] | None = None, documents=None, ma
     if documents is not None and not isinstance(documents, dict):
         documents = {documents.namespace: documents}
     planner = Planner(pc, prefix, documents, max_chars=limits.max_chars)
+    if max_model_len is not None:
+        if max_model_len < 1 or (planner.context is not None and max_model_len > planner.context):
+            raise ValueError(f"max_model_len must be in [1, {planner.context}] (the model's context), got {max_model_len}")
+        planner.context = max_model_len
     planning = ThreadPoolExecutor(max_workers=1, thread_name_prefix="promptcache-plan")
     backend = Backend(pc, max_queue, config=serving, spill=prefix.spill)
     metrics = Metrics(backend, prefix, pc.store)
+    if pins is not None or pc.store.pins is None:
+        pc.store.pins = pins if pins is not None else Pins(DEFAULT_PIN_BUDGET)
     backend.on_finish = lambda job, how: metrics.finished.labels(how).inc()
 
     @asynccontextmanager
@@ -83,6 +103,7 @@ def create_app(pc, *, api_keys: dict[str, str] | None = None, documents=None, ma
         planning.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="promptcache", lifespan=lifespan)
+    app.add_middleware(AccessLog)
     app.state.backend, app.state.prefix, app.state.metrics = backend, prefix, metrics
     if cors_origins:
         app.add_middleware(CORSMiddleware, allow_origins=list(cors_origins), allow_methods=["GET", "POST"],
@@ -93,20 +114,21 @@ def create_app(pc, *, api_keys: dict[str, str] | None = None, documents=None, ma
         if api_keys is None:
             return pc.config.namespace
         auth = request.headers.get("authorization", "")
-        key = auth[7:].strip() if auth.lower().startswith("bearer ") else ""
+        key = auth[7:].strip() if auth.lower().startswith("bearer ") else request.headers.get("x-api-key", "")
         if key not in api_keys:
-            raise P.APIError(401, "missing or invalid API key (send 'Authorization: Bearer KEY')",
+            raise P.APIError(401, "missing or invalid API key (send 'Authorization: Bearer KEY' or 'x-api-key: KEY')",
                              code="invalid_api_key")
         return api_keys[key]
 
-    async def parse(request: Request, cls):
+    async def parse(request: Request, cls, check: bool = True):
         try:
             req = cls.model_validate(parsed_body(request.scope))
         except ValidationError as e:
             err = e.errors()[0]
             field = ".".join(str(x) for x in err["loc"]) or None
-            raise P.APIError(400, f"{field}: {err['msg']}", field) from None
-        if req.model != model_name:
+            msg = "is not supported by this server" if err["type"] == "extra_forbidden" else err["msg"]
+            raise P.APIError(400, f"{field}: {msg}", field) from None
+        if check and req.model != model_name:
             raise P.APIError(404, f"model '{req.model}' does not exist (this server serves '{model_name}')",
                              "model", "model_not_found")
         return req
@@ -162,19 +184,26 @@ def create_app(pc, *, api_keys: dict[str, str] | None = None, documents=None, ma
         if kind == "error":
             raise P.APIError(500, f"the engine failed: {res}")
         metrics.ttft.observe(time.perf_counter() - job.submitted)
+        note(request, prompt=plan.prompt_tokens, cached=res.cached_tokens, ttft=time.perf_counter() - job.submitted)
         metrics.prompt_tokens.inc(plan.prompt_tokens)
         metrics.cached_tokens.inc(res.reused_tokens)  # recomputed tokens were not served from stored states
         rid = P.new_id("chatcmpl" if chat else "cmpl")
 
         def finish(gen):
             metrics.generated_tokens.inc(len(gen.token_ids))
+            note(request, generated=len(gen.token_ids))
             return gen.finish_reason, P.usage(plan.prompt_tokens, len(gen.token_ids), res.reused_tokens, res.exact,
                                               res.recomputed_tokens)
+
+        def logprobs(entries, start: int = 0):  # entries: TokenLogprob list or None
+            if chat:
+                return openai_fields.chat_logprobs(pc.tokenizer, entries)
+            return openai_fields.completion_logprobs(pc.tokenizer, entries, start)
 
         metrics.requests.labels(request.url.path, "200").inc()
         if req.stream:
             include = bool(req.stream_options and req.stream_options.include_usage)
-            return StreamingResponse(_sse(job, backend, rid, req.model, chat, include, finish),
+            return StreamingResponse(_sse(job, backend, rid, req.model, chat, include, finish, logprobs),
                                      media_type="text/event-stream")
         text = []
         try:
@@ -182,6 +211,8 @@ def create_app(pc, *, api_keys: dict[str, str] | None = None, documents=None, ma
                 kind, value = await job.events.get()
                 if kind == "text":
                     text.append(value)
+                elif kind == "logprob":
+                    continue  # the Generation carries them all
                 elif kind == "done":
                     reason, use = finish(value)
                     break
@@ -195,7 +226,7 @@ def create_app(pc, *, api_keys: dict[str, str] | None = None, documents=None, ma
         finally:
             watcher.cancel()
         make = P.chat_response if chat else P.completion_response
-        return make(rid, req.model, "".join(text), reason, use)
+        return make(rid, req.model, "".join(text), reason, use, logprobs(value.logprobs))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
@@ -208,6 +239,10 @@ def create_app(pc, *, api_keys: dict[str, str] | None = None, documents=None, ma
         ns = namespace(request)
         req = await parse(request, P.CompletionRequest)
         return await serve(request, req, await make_plan(planner.completion, req, ns), chat=False)
+
+    add_messages_route(app, MessagesContext(pc, backend, prefix, metrics, pc.store.pins, namespace, model_name,
+                                            planner.context))
+    add_tokenize_routes(app, pc, planner, namespace, parse, model_name)
 
     @app.get("/v1/models")
     async def models(request: Request):
@@ -237,25 +272,32 @@ async def _watch_disconnect(request: Request, job, backend) -> None:
             return
 
 
-async def _sse(job, backend, rid, model, chat, include_usage, finish):
-    """SSE events of one streamed answer; a client that goes away cancels the job."""
+async def _sse(job, backend, rid, model, chat, include_usage, finish, logprobs):
+    """SSE events of one streamed answer; a client that goes away cancels the job. Token
+    log-probabilities ride on the next text chunk (text held back for a stop string lags its
+    tokens), the rest on the finishing chunk."""
     def event(obj) -> str:
         return f"data: {json.dumps(obj)}\n\n"
 
-    done = False
+    done, pending, sent = False, [], 0  # pending: TokenLogprobs not sent yet; sent: text characters sent
     try:
         if chat:
             yield event(P.chat_chunk(rid, model, {"role": "assistant", "content": ""}))
         while True:
             kind, value = await job.events.get()
-            if kind == "text":
-                yield event(P.chat_chunk(rid, model, {"content": value}) if chat
-                            else P.completion_chunk(rid, model, value))
+            if kind == "logprob":
+                pending.append(value)
+            elif kind == "text":
+                lp = logprobs(pending, sent) if pending else None
+                pending, sent = [], sent + len(value)
+                yield event(P.chat_chunk(rid, model, {"content": value}, logprobs=lp) if chat
+                            else P.completion_chunk(rid, model, value, logprobs=lp))
             elif kind == "done":
                 done = True
                 reason, use = finish(value)
-                yield event(P.chat_chunk(rid, model, {}, reason) if chat
-                            else P.completion_chunk(rid, model, "", reason))
+                lp = logprobs(pending, sent) if pending else None
+                yield event(P.chat_chunk(rid, model, {}, reason, logprobs=lp) if chat
+                            else P.completion_chunk(rid, model, "", reason, logprobs=lp))
                 if include_usage:
                     yield event(P.chat_chunk(rid, model, {}, use=use) if chat
                                 else P.completion_chunk(rid, model, "", use=use))

@@ -11,6 +11,7 @@ sampling settings), each wrapping an engine ``Request``. Each step's outcome goe
 request's asyncio loop as an event:
 
     ("prefilled", PrefillResult)  after the prompt ran (usage, TTFT)
+    ("logprob", TokenLogprob)     a token's log-probability (requests that ask), before its text
     ("text", str)                 a decoded text piece
     ("done", Generation)          finished; its blocks (or cache) are free again
     ("error", Exception)          failed; nothing more follows
@@ -57,6 +58,8 @@ class Sampling:
     top_p: float = 1.0
     stop: list[str] | None = None
     seed: int | None = None
+    constraints: tuple = ()  # per-request logits processors (JSON output); fresh ones per job
+    logprobs: int | None = None  # None: none; k: each token's log-probability and k rivals
 
     def params(self) -> SamplingParams:
         return SamplingParams(max_new_tokens=self.max_new_tokens, temperature=self.temperature, top_p=self.top_p,
@@ -134,10 +137,11 @@ class Backend:
         backend serves from the pool, ``start`` otherwise. Raises QueueFull when at capacity,
         ValueError for sampling settings the engine refuses."""
         job = Job(start, sampling, asyncio.get_running_loop(), asyncio.Queue())
+        args = (sampling.params(), self.pc.tokenizer, sampling.constraints, sampling.logprobs)
         if self.paged and plan is not None:  # the private start stays as the plan's fallback
-            job.request = Request(start, sampling.params(), self.pc.tokenizer, plan=plan)
+            job.request = Request(start, *args, plan=plan)
         else:
-            job.request = Request(start, sampling.params(), self.pc.tokenizer)
+            job.request = Request(start, *args)
         with self._cv:
             if self._deadline is not None:
                 raise QueueFull("the server is shutting down")
@@ -240,6 +244,8 @@ class Backend:
             if not job.reported and job.request.prefill is not None:
                 job.reported = True
                 job.emit("prefilled", job.request.prefill)
+            if out.logprob is not None:
+                job.emit("logprob", out.logprob)
             if out.text:
                 job.emit("text", out.text)
             if out.finished:

@@ -90,7 +90,31 @@ def load_documents(pc, folder: Path, namespace: str):
     return store
 
 
+def _model(positional: str | None, option: str) -> str:
+    """MODEL as an argument (vLLM's spelling) or ``--model``; both must agree."""
+    if positional is None:
+        return option
+    source = click.get_current_context().get_parameter_source("model")
+    if source is click.core.ParameterSource.COMMANDLINE and option != positional:
+        raise click.UsageError(f"MODEL is '{positional}' but --model is '{option}': give one")
+    return positional
+
+
+def _keys(key_file: str | None, listed: tuple[str, ...], namespace: str) -> dict[str, str] | None:
+    """{key: namespace} from the key file and the ``--api-key`` keys (the engine's namespace)."""
+    try:
+        keys = read_key_file(key_file) if key_file else {}
+    except (OSError, ValueError) as e:
+        raise click.ClickException(str(e)) from None
+    for key in listed:
+        if not key.strip() or key in keys:
+            raise click.UsageError(f"--api-key {key!r}: empty, or given twice (or also in the key file)")
+        keys[key] = namespace
+    return keys or None
+
+
 @click.command("serve")
+@click.argument("model_arg", metavar="[MODEL]", required=False)
 @model_options
 @engine_options
 @click.option("--src-root", type=click.Path(exists=True, file_okay=False), default=None,
@@ -101,10 +125,13 @@ def load_documents(pc, folder: Path, namespace: str):
               help="A compiled schema folder to load (repeatable).")
 @click.option("--documents", type=click.Path(exists=True, file_okay=False), default=None,
               help="A DocumentStore folder (index.json) or a folder of .txt/.md documents.")
-@click.option("--host", default="127.0.0.1", show_default=True)
-@click.option("--port", default=8000, show_default=True, type=int)
+@click.option("--host", default="127.0.0.1", show_default=True,
+              help="Address to bind: 127.0.0.1 serves this machine only, 0.0.0.0 every network.")
+@click.option("--port", default=8000, show_default=True, type=int, help="TCP port to listen on.")
 @click.option("--api-key-file", type=click.Path(exists=True, dir_okay=False), default=None,
               help="Lines 'KEY NAMESPACE'; keys map to cache namespaces (tenants).")
+@click.option("--api-key", "api_key_list", multiple=True,
+              help="A key clients must send (repeatable); these keys share the engine's namespace.")
 @click.option("--max-queue", default=256, show_default=True, type=int, help="Requests admitted at once (503 beyond).")
 @click.option("--block-size", default=16, show_default=True, type=int,
               help="Tokens per KV pool block and prefix-reuse block.")
@@ -118,7 +145,10 @@ def load_documents(pc, folder: Path, namespace: str):
               help="Requests running at once; the rest wait in arrival order.")
 @click.option("--drain-timeout", default=10.0, show_default=True, type=float,
               help="Seconds running requests may finish at shutdown (SIGTERM, Ctrl-C) before they are cancelled.")
-@click.option("--model-name", default=None, help="The model id clients send (default: --model).")
+@click.option("--served-model-name", "--model-name", "model_name", default=None,
+              help="The model id clients send (default: the model as given).")
+@click.option("--max-model-len", type=click.IntRange(min=1), default=None,
+              help="Prompt plus answer tokens a request may use (default: the model's context).")
 @click.option("--allowed-hosts", multiple=True, help="Host header names answered, comma-separated or repeated; '*' "
               "any (default: localhost names when bound to loopback, else any).")
 @click.option("--cors-origin", "cors_origins", multiple=True,
@@ -128,28 +158,31 @@ def load_documents(pc, folder: Path, namespace: str):
               help="Memory for stored states (prefix blocks, schemas, documents) in GiB; the least recently "
                    "used spill to disk beyond it. --device-budget / --host-budget (or their environment "
                    "variables or config keys) override it per tier.")
+@click.option("--pin-gb", default=1.0, show_default=True, type=float,
+              help="Memory that Anthropic cache_control breakpoints may pin at once (GiB); a request that "
+                   "would pin more is refused with a 400.")
 @guard
-def serve(model, device, dtype, engine, config_file, src_root, schemas, compiled, documents, host, port,
-          api_key_file, max_queue, block_size, kv_pool_tokens, max_num_batched_tokens, max_num_seqs, drain_timeout,
-          model_name, allowed_hosts, cors_origins, limits, cache_gb):
-    """Serve an OpenAI-compatible API (chat, completions, models, health, metrics) that reuses
-    attention states across requests. Needs the 'serve' extra."""
+def serve(model_arg, model, device, dtype, engine, config_file, src_root, schemas, compiled, documents, host, port,
+          api_key_file, api_key_list, max_queue, block_size, kv_pool_tokens, max_num_batched_tokens, max_num_seqs,
+          drain_timeout, model_name, max_model_len, allowed_hosts, cors_origins, limits, cache_gb, pin_gb):
+    """Serve an OpenAI-compatible API (chat, completions, models, health, metrics) and Anthropic's
+    Messages API that reuse attention states across requests. MODEL (or --model): a Hugging Face id,
+    a local directory, 'smollm2' or 'embedded'. Needs the 'serve' extra."""
     try:
         import uvicorn
     except ImportError:
         raise click.ClickException("the server needs the 'serve' extra: pip install 'promptcache[serve]'") from None
     from ..cli.common import load_engine
     from ..progress import progress_for
+    from ..store import Pins
     from .app import create_app
     from .backend import ServingConfig
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    try:
-        keys = read_key_file(api_key_file) if api_key_file else None
-    except (OSError, ValueError) as e:
-        raise click.ClickException(str(e)) from None
+    model = _model(model_arg, model)
     budget = int(cache_gb * 2**30)  # the lowest precedence: a budget from anywhere else wins
     config = engine_config(engine, config_file, defaults={"device_budget": budget, "host_budget": budget})
+    keys = _keys(api_key_file, api_key_list, config.namespace)
     pc = load_engine(model, device, dtype, config)  # errors: one line and an exit code (cli.errors.guard)
     namespaces = sorted(set(keys.values())) if keys else [pc.config.namespace]
     docs = {}
@@ -165,12 +198,15 @@ def serve(model, device, dtype, engine, config_file, src_root, schemas, compiled
             docs[ns] = load_documents(pc, Path(documents), ns)
     serving = ServingConfig(kv_pool_tokens=kv_pool_tokens, block_size=block_size,
                             max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs)
-    app = create_app(pc, api_keys=keys, documents=docs or None, max_queue=max_queue,
-                     model_name=model_name or model, block_size=block_size, serving=serving,
-                     drain_timeout=drain_timeout, limits=limits,
-                     allowed_hosts=host_list(host, allowed_hosts), cors_origins=cors_origins)
+    try:
+        app = create_app(pc, api_keys=keys, documents=docs or None, max_queue=max_queue, model_name=model_name or model,
+                         block_size=block_size, serving=serving, drain_timeout=drain_timeout, limits=limits,
+                         allowed_hosts=host_list(host, allowed_hosts), cors_origins=cors_origins,
+                         pins=Pins(int(pin_gb * 2**30)), max_model_len=max_model_len)
+    except ValueError as e:
+        raise click.UsageError(f"--max-model-len: {e}") from None
     if keys is None:
-        click.echo("No --api-key-file: no keys are checked and every client shares one namespace; "
+        click.echo("No --api-key / --api-key-file: no keys are checked and every client shares one namespace; "
                    f"{'binding ' + host + ' (this machine only)' if host in LOOPBACK else 'WARNING: ' + host + ' is reachable by others'}.",
                    err=True)
     else:

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from ..pml import PMLError, parse_prompt
+from . import openai_fields
 from .backend import Sampling
 from .protocol import APIError, ChatRequest, CompletionRequest, BaseRequest
 
@@ -63,8 +64,7 @@ class Planner:
             return self._pml(req, ns, req.max_completion_tokens or req.max_tokens, CHAT_DEFAULT_MAX_TOKENS)
         if not req.messages:
             raise APIError(400, "'messages' must hold at least one message", "messages")
-        msgs = [{"role": "system" if m.role == "developer" else m.role, "content": _text(m, i)}
-                for i, m in enumerate(req.messages)]
+        msgs = self.chat_messages(req.messages)
         self._check_size(sum(len(m["content"]) for m in msgs), "messages")
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         if req.documents is not None:
@@ -93,6 +93,11 @@ class Planner:
         if any(not 0 <= t < vocab for t in ids):
             raise APIError(400, f"token ids must be in [0, {vocab})", "prompt")
         return self._tokens(ids, req, ns, req.max_tokens, COMPLETION_DEFAULT_MAX_TOKENS, "prompt")
+
+    def chat_messages(self, messages) -> list[dict]:
+        """Request messages -> the template's dicts (``developer`` is ``system``; text parts only)."""
+        return [{"role": "system" if m.role == "developer" else m.role, "content": _text(m, i)}
+                for i, m in enumerate(messages)]
 
     def chat_ids(self, msgs: list[dict]) -> list[int]:
         """Token IDs of a conversation rendered with the chat template plus the generation prompt."""
@@ -167,10 +172,12 @@ class Planner:
             raise APIError(400, f"the prompt is {length} tokens and max_tokens is {max_tokens}: "
                                 f"{length + max_tokens} is past the model's context of {self.context}",
                            "max_tokens", "context_length_exceeded")
-        return Sampling(max_tokens, req.temperature, req.top_p, req.stop_list(), req.seed)
+        return Sampling(max_tokens, req.temperature, req.top_p, req.stop_list(), req.seed,
+                        openai_fields.constraints(req, self.pc), openai_fields.logprobs_k(req))
 
 
 def _check_common(req: BaseRequest) -> None:
+    openai_fields.check(req)
     if req.n != 1:
         raise APIError(400, f"n={req.n}: one choice per request is supported", "n")
     for name in ("max_tokens", "max_completion_tokens"):
@@ -189,5 +196,9 @@ def _text(m, i: int) -> str:
         if p.type != "text" or p.text is None:
             raise APIError(400, f"content part type '{p.type}' is not supported (text only)",
                            f"messages[{i}].content[{j}]")
+        if p.model_extra:
+            field = sorted(p.model_extra)[0]
+            raise APIError(400, f"messages[{i}].content[{j}].{field} is not supported by this server",
+                           f"messages[{i}].content[{j}].{field}")
         parts.append(p.text)
     return "".join(parts)

@@ -1,8 +1,8 @@
 """OpenAI's request and response shapes (the subset served), and OpenAI-style errors.
 
-Unknown request fields are ignored, as OpenAI-compatible servers do; the extension fields
-(``pml``, ``documents``, ``recompute``) arrive top-level, which is what the ``openai`` client's
-``extra_body=`` sends.
+Unknown request fields are refused (400 naming the field; ``openai_fields.py`` says which
+fields are served and how); the extension fields (``pml``, ``documents``, ``recompute``) arrive
+top-level, which is what the ``openai`` client's ``extra_body=`` sends.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ class APIError(PromptCacheError):
 
 
 class BaseRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
 
     model: str
     max_tokens: int | None = None
@@ -45,6 +45,11 @@ class BaseRequest(BaseModel):
     n: int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
+    frequency_penalty: float = 0.0  # only 0 (openai_fields.check)
+    presence_penalty: float = 0.0
+    user: str | None = None  # accepted, not used
+    metadata: dict | None = None  # accepted, not used
+    prompt_cache_key: str | None = None  # accepted: reuse is keyed by content; a router may place by it
     # extensions (extra_body)
     pml: str | None = None  # a PML prompt for a loaded schema
     recompute: float | str | None = None  # "auto" or a fraction in [0, 1]; None: the engine's setting
@@ -59,30 +64,40 @@ class BaseRequest(BaseModel):
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
     include_usage: bool = False
 
 
 class ContentPart(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow")  # a part's other fields are refused by the planner, by index
     type: str
     text: str | None = None
 
 
 class Message(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[ContentPart] | None = None
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: dict | None = None  # {"name", "schema", "strict"}
 
 
 class ChatRequest(BaseRequest):
     messages: list[Message] = Field(default_factory=list)
     max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    response_format: ResponseFormat | None = None
     documents: list[str] | None = None  # DocumentStore ids, placed before the last user message
 
 
 class CompletionRequest(BaseRequest):
     prompt: str | list[str] | list[int] | None = None
+    logprobs: int | None = None  # rivals per token (0-5)
     documents: None = None  # documents are a chat extension
 
 
@@ -106,15 +121,16 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int, exact:
             "exact": exact, "recomputed_tokens": recomputed_tokens}
 
 
-def chat_response(rid: str, model: str, text: str, finish: str, use: dict) -> dict:
+def chat_response(rid: str, model: str, text: str, finish: str, use: dict, logprobs: dict | None = None) -> dict:
     return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
             "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                         "finish_reason": finish, "logprobs": None}],
+                         "finish_reason": finish, "logprobs": logprobs}],
             "usage": use}
 
 
-def chat_chunk(rid: str, model: str, delta: dict, finish: str | None = None, use: dict | None = None) -> dict:
-    choices = [] if use is not None else [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}]
+def chat_chunk(rid: str, model: str, delta: dict, finish: str | None = None, use: dict | None = None,
+               logprobs: dict | None = None) -> dict:
+    choices = [] if use is not None else [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": logprobs}]
     out = {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()), "model": model,
            "choices": choices}
     if use is not None:
@@ -122,14 +138,15 @@ def chat_chunk(rid: str, model: str, delta: dict, finish: str | None = None, use
     return out
 
 
-def completion_response(rid: str, model: str, text: str, finish: str, use: dict) -> dict:
+def completion_response(rid: str, model: str, text: str, finish: str, use: dict, logprobs: dict | None = None) -> dict:
     return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
-            "choices": [{"index": 0, "text": text, "finish_reason": finish, "logprobs": None}],
+            "choices": [{"index": 0, "text": text, "finish_reason": finish, "logprobs": logprobs}],
             "usage": use}
 
 
-def completion_chunk(rid: str, model: str, text: str, finish: str | None = None, use: dict | None = None) -> dict:
-    choices = [] if use is not None else [{"index": 0, "text": text, "finish_reason": finish, "logprobs": None}]
+def completion_chunk(rid: str, model: str, text: str, finish: str | None = None, use: dict | None = None,
+                     logprobs: dict | None = None) -> dict:
+    choices = [] if use is not None else [{"index": 0, "text": text, "finish_reason": finish, "logprobs": logprobs}]
     out = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model, "choices": choices}
     if use is not None:
         out["usage"] = use

@@ -6,7 +6,8 @@ from .bytetier import ByteTier
 from .codec import CodecError, StateInfo, StatesFile
 from .disk import DiskTier
 from .memory import MemoryTier
+from .pins import PinBudgetError, Pins
 from .tiered import StoreConfig, TieredStore, build_store
 
-__all__ = ["ByteTier", "CodecError", "DiskTier", "MemoryTier", "StateInfo", "StatesFile", "StoreConfig",
+__all__ = ["ByteTier", "CodecError", "DiskTier", "MemoryTier", "PinBudgetError", "Pins", "StateInfo", "StatesFile", "StoreConfig",
            "StoreError", "Tier", "TieredStore", "build_store"]

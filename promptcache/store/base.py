@@ -24,6 +24,7 @@ deletes a bad value itself and reports a miss.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from typing import Callable
 
 import torch
 
@@ -60,6 +61,12 @@ class Tier(ABC):
     @abstractmethod
     def lru(self) -> str | None:
         """The least recently used key this tier may evict, or None."""
+
+    def lru_except(self, keep: Callable[[str], bool]) -> str | None:
+        """The least recently used evictable key for which ``keep`` is false (pinned keys are kept).
+        This default asks ``lru`` only; tiers with an LRU order override it to look past kept keys."""
+        key = self.lru()
+        return None if key is None or keep(key) else key
 
     @property
     @abstractmethod

@@ -5,6 +5,7 @@ Not thread-safe by itself: ``TieredStore`` calls it under its index lock (``io =
 from __future__ import annotations
 
 from collections import OrderedDict
+from typing import Callable
 
 import torch
 
@@ -45,6 +46,9 @@ class MemoryTier(Tier):
 
     def lru(self) -> str | None:
         return next(iter(self._data), None)
+
+    def lru_except(self, keep: Callable[[str], bool]) -> str | None:
+        return next((k for k in self._data if not keep(k)), None)
 
     @property
     def bytes_used(self) -> int:

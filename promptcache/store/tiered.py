@@ -24,6 +24,9 @@ on eviction happen under it, so a state is never absent from every tier while it
 A state that fails verification (``StoreError`` from a tier) is dropped from every tier before
 the error is raised, so the next ``add_schema`` re-encodes it and a good file can be registered.
 A shared tier never raises: it deletes a bad value itself and reports a miss.
+
+Pins (``store.pins``, a ``Pins``; None: none): eviction from a tier skips keys whose pin is live,
+so a tier may stay over its budget while pinned states fill it (the pin budget bounds that).
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ from ..errors import ConfigError
 from .base import WRITE_POLICIES, StoreError, Tier, nbytes
 from .disk import DiskTier
 from .memory import MemoryTier
+from .pins import Pins
 
 log = logging.getLogger(__name__)
 
@@ -109,6 +113,7 @@ class TieredStore:
         self.shared = [t for t in tiers if t.shared]
         self._lock = threading.RLock()
         self._outbox: list[tuple[Tier, str, torch.Tensor]] = []  # on_evict publications, sent outside the lock
+        self.pins: Pins | None = None  # keys eviction skips while their pin lives (the server's cache_control)
 
     def __contains__(self, key: str) -> bool:
         """Whether any tier holds ``key`` (a shared tier: one round trip, unverified)."""
@@ -274,7 +279,7 @@ class TieredStore:
         queue them for on_evict shared tiers."""
         tier, lower = self.tiers[i], self.local[i + 1 :]
         while tier.budget is not None and tier.bytes_used > tier.budget:
-            victim = tier.lru()
+            victim = tier.lru() if self.pins is None else tier.lru_except(self.pins.live)
             if victim is None:
                 break
             kv = tier.evict(victim)

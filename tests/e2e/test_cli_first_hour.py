@@ -62,12 +62,13 @@ def test_files_reach_the_library_as_paths_and_text_as_str(monkeypatch):
         return real(self, prompt, *a, **k)
 
     monkeypatch.setattr(PromptCache, "generate", spy)
-    for args in ([PROMPT], ["-p", str(PROMPT)], ["-"]):
+    for args in ([PROMPT], ["-p", str(PROMPT), "--raw"], ["-", "--raw"], ["-"]):
         res = invoke("run", *args, "-s", SCHEMA, "--max-new-tokens", "1", "--json", input="plain words")
         assert res.exit_code in (0, 1), res.output
     assert seen[0] == PROMPT and isinstance(seen[0], Path)
     assert seen[1] == str(PROMPT) and type(seen[1]) is str  # text that happens to name a file: still text
     assert seen[2] == "plain words"
+    assert seen[3] == "<prompt><user>plain words</user></prompt>"  # without --raw: a user turn of the template
 
 
 def test_no_prompt_or_two_prompts_is_a_usage_error():
@@ -236,14 +237,30 @@ def test_bench_says_what_it_is_doing():
 
 
 # -- chat through a terminal -------------------------------------------------------------------
-def test_chat_turns_reuse_the_turns_before():
+def test_chat_answers_from_the_schema_from_turn_one_then_reuses_turns():
     out = run_on_pty(cli("chat", "--schema", str(SCHEMA), "--max-new-tokens", "3"),
-                     lines=["Where should we eat?", "And on day two?", "Thanks, anything else?"],
+                     lines=["Where should we eat?", "/help", "And on day two?", "Thanks, anything else?"],
                      wait_for="you> ", env=ENV, timeout=300)
-    stats = re.findall(r"\[TTFT [\d.]+ ms \| cached (\d+) tokens \| new (\d+) tokens\]", out)
-    assert len(stats) == 3, out
-    cached = [int(c) for c, _ in stats]
-    assert cached[0] == 0 and cached[1] > 0 and cached[2] > cached[1]
+    stats = re.findall(r"\[TTFT [\d.]+ ms \| cached (\d+) of (\d+) tokens \| new (\d+) tokens \| "
+                       r"(exact|approximate \(recompute 0\))\]", out)
+    assert len(stats) == 3, out  # /help went to the session, not to the model
+    assert "/use NAME" in out and "importing trip, food, accessibility" in out
+    cached = [int(c) for c, *_ in stats]
+    assert cached[0] > 0, out  # the schema's modules, on the first turn
+    assert stats[0][3].startswith("approximate")  # modules spliced at recompute 0: said so
+    assert cached[2] > cached[1] > 0 and stats[2][3] == "exact"  # later turns: exact prefix blocks
+
+
+def test_ctrl_c_exits_130():
+    from promptcache.cli.errors import guard
+
+    @guard
+    def interrupted():
+        raise KeyboardInterrupt
+
+    with pytest.raises(SystemExit) as e:
+        interrupted()
+    assert e.value.code == 130
 
 
 # -- reprs -------------------------------------------------------------------------------------
@@ -266,3 +283,11 @@ def test_recompute_setting_takes_auto_or_a_fraction():
     assert engine_config({}, env={"PROMPTCACHE_RECOMPUTE": "AUTO"}).recompute == "auto"
     with pytest.raises(ValueError, match="^--recompute: EngineConfig.recompute must be 'auto' or a fraction in"):
         engine_config({"recompute": "sometimes"}, env={})
+
+
+def test_every_option_has_a_help_sentence():
+    import click
+
+    missing = [(name, p.opts[0]) for name, cmd in main.commands.items() for p in cmd.params
+               if isinstance(p, click.Option) and not p.help]
+    assert missing == []

@@ -32,8 +32,8 @@ def test_serve_command_starts_serves_and_stops_on_ctrl_c(tmp_path):
     keys = tmp_path / "keys.txt"
     keys.write_text("secret-1 tenant-a\n")
     port = free_port()
-    cmd = [sys.executable, "-m", "promptcache.server", "--model", "embedded", "--schema",
-           str(ROOT / "schemas" / "travel.xml"), "--api-key-file", str(keys), "--port", str(port)]
+    cmd = [sys.executable, "-m", "promptcache.server", "embedded", "--schema", str(ROOT / "schemas" / "travel.xml"),
+           "--api-key-file", str(keys), "--api-key", "secret-2", "--served-model-name", "tiny", "--port", str(port)]
     proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
                             env={**os.environ, "PYTHONPATH": str(ROOT)})
     log = []
@@ -46,20 +46,24 @@ def test_serve_command_starts_serves_and_stops_on_ctrl_c(tmp_path):
             assert time.monotonic() < deadline, "".join(log)
         text = "".join(log)
         assert "Loading model embedded" in text and "travel.xml: " in text and "tokens (100%)" in text
-        assert "1 API keys in 1 namespaces" in text
+        assert "2 API keys in 2 namespaces" in text
         oai = client(f"http://127.0.0.1:{port}", "secret-1")
         pml = '<prompt schema="travel"><tokyo/><user>Food?</user></prompt>'
         for _ in range(50):  # uvicorn binds right after the message
             try:
-                r = oai.chat.completions.create(model="embedded", messages=[], max_tokens=2, extra_body={"pml": pml})
+                r = oai.chat.completions.create(model="tiny", messages=[], max_tokens=2, extra_body={"pml": pml})
                 break
             except Exception:  # noqa: BLE001 - not listening yet
                 time.sleep(0.1)
         assert r.usage.prompt_tokens_details.cached_tokens > 0  # the schema was encoded in tenant-a's namespace
+        r2 = client(f"http://127.0.0.1:{port}", "secret-2").chat.completions.create(  # --api-key: the default namespace
+            model="tiny", messages=[], max_tokens=2, extra_body={"pml": pml})
+        assert r2.usage.prompt_tokens_details.cached_tokens > 0
         proc.send_signal(signal.SIGINT)
         _, err = proc.communicate(timeout=30)
         assert proc.returncode == 0, err
         assert "Stopped." in err
+        assert "promptcache.access: POST /v1/chat/completions 200 prompt=" in err  # one line per request
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -77,7 +81,22 @@ def test_no_key_file_binds_loopback_and_says_so(monkeypatch):
     out = CliRunner().invoke(serve, ["--model", "embedded", "--port", "9"])
     assert out.exit_code == 0, out.output
     assert calls == [{"host": "127.0.0.1", "port": 9, "log_level": "warning", "timeout_graceful_shutdown": 10.0}]
-    assert "No --api-key-file" in out.output and "127.0.0.1 (this machine only)" in out.output
+    assert "No --api-key / --api-key-file" in out.output and "127.0.0.1 (this machine only)" in out.output
+
+
+def test_model_as_argument_and_flags_that_disagree(monkeypatch):
+    import uvicorn
+    from click.testing import CliRunner
+
+    from promptcache.server.cli import serve
+
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: None)
+    out = CliRunner().invoke(serve, ["embedded", "--model", "smollm2"])
+    assert out.exit_code == 2 and "MODEL is 'embedded' but --model is 'smollm2'" in out.output
+    out = CliRunner().invoke(serve, ["embedded", "--max-model-len", "100000000"])
+    assert out.exit_code == 2 and "--max-model-len" in out.output
+    out = CliRunner().invoke(serve, ["embedded", "--api-key", "a", "--api-key", "a"])
+    assert out.exit_code == 2 and "given twice" in out.output
 
 
 def test_bad_key_file_stops_before_loading(tmp_path):

@@ -1,0 +1,135 @@
+"""A terminal chat's state and turns (``ChatSession``); ``chat.py`` is the command around it.
+
+Each turn is a PML prompt: the imported modules (``/use``; default: the top-level modules outside
+unions, so no union member speaks unless picked), then the conversation so far, then the new
+user message. How a turn is served:
+  * while the schema's stored states cover more of the turn than stored blocks do (the first
+    turn of a schema chat, or the first after ``/use``), through the schema: imported modules come from their stored states (``pc.generate``), so turn 1 already
+    reports cached tokens. Such a state is exact only when the modules were encoded in the context
+    they now stand in (the stats line says ``exact`` or ``approximate (recompute r)``). The
+    turn's tokens are then run once more in prompt order to store exact prefix blocks, after the
+    answer is shown (off the next turn's time to first token);
+  * otherwise through the ``PrefixCache``: the turn's tokens in prompt order (positions 0..n-1)
+    reuse the stored blocks of earlier turns (exact), and only what is new runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from xml.sax.saxutils import escape
+
+from ..fsutil import atomic_write_text
+
+HELP = """commands:
+  /modules         list the schema's modules and unions (* imported)
+  /use NAME ...    import these modules instead (a union member picks that union's text)
+  /clear           forget the conversation (the modules stay)
+  /save FILE       write the conversation as JSON
+  /help            this list
+  /quit            end (or Ctrl-D)"""
+
+
+def default_imports(layout) -> list[str]:
+    """Top-level modules outside unions, in schema order (union members are picked with /use)."""
+    members = {m for u in layout.unions.values() for m in u.members}
+    return [n for n in ("/".join(m.path) for m in layout.modules.values() if len(m.path) == 1) if n not in members]
+
+
+def import_tag(layout, name: str) -> str:
+    """``<name p="scaffold" .../>``: a module import whose parameters take their scaffold text."""
+    module = layout.modules.get(tuple(name.split("/")))
+    params = module.params.items() if module is not None else ()
+    args = "".join(f' {p}="{escape(spec.scaffold or "", {chr(34): "&quot;"})}"' for p, (_, spec) in params)
+    return f"<{name}{args}/>"
+
+
+def turn_prompt(schema: str | None, imports: list[str], history: list[tuple[str, str]], user: str) -> str:
+    """The PML prompt of one turn; ``imports`` are import tags (``import_tag``)."""
+    roles = "".join(f"<user>{escape(u)}</user><assistant>{escape(a)}</assistant>" for u, a in history)
+    body = "".join(imports) + roles + f"<user>{escape(user)}</user>"
+    return f'<prompt schema="{schema}">{body}</prompt>' if schema else f"<prompt>{body}</prompt>"
+
+
+@dataclass
+class ChatSession:
+    pc: object
+    prefix: object  # server.prefix.PrefixCache
+    layout: object | None  # the schema's layout (None: a plain chat)
+    imports: list[str] = field(default_factory=list)  # module names
+    history: list[tuple[str, str]] = field(default_factory=list)
+
+    def command(self, line: str) -> str | None:
+        """Run a /command; returns what to print (None: not a command, send it to the model)."""
+        if not line.startswith("/"):
+            return None
+        name, *args = line.split()
+        handler = {"/help": self._help, "/modules": self._modules, "/use": self._use, "/clear": self._clear,
+                   "/save": self._save}.get(name)
+        if handler is None:
+            return f"unknown command {name}; /help lists them"
+        return handler(args)
+
+    def answer(self, user: str, max_new_tokens: int):
+        """One turn: the Generation (and its stats line); the history grows by it."""
+        name = self.layout.name if self.layout is not None else None
+        tags = [import_tag(self.layout, n) for n in self.imports] if self.layout is not None else []
+        text = turn_prompt(name, tags, self.history, user)
+        layout = self.pc.layout(text)
+        ids, ns = list(layout.token_ids), self.pc.config.namespace
+        stored = sum(len(s.token_ids) for s in layout.spans if s.kind == "cached")  # from module states
+        via_schema = self.layout is not None and stored > self.prefix.match(ids, ns) * self.prefix.block_size
+        if via_schema:
+            out = self.pc.generate(text, max_new_tokens=max_new_tokens)
+        else:
+            out = self.pc.generate_from(self.prefix.starter(ids, ns), max_new_tokens=max_new_tokens)
+        self.history.append((user, out.text.strip()))
+        return out, via_schema, ids
+
+    def store_blocks(self, ids: list[int]) -> None:
+        """Store a schema-served turn's exact prefix blocks for the turns after it."""
+        self.pc.release(self.prefix.prefill(ids, self.pc.config.namespace))
+
+    def stats(self, out) -> str:
+        quality = "exact" if out.exact else f"approximate (recompute {self.pc.config.recompute:g})"
+        total = out.cached_tokens + out.new_tokens
+        return (f"[TTFT {out.ttft * 1e3:.1f} ms | cached {out.cached_tokens} of {total} tokens | "
+                f"new {out.new_tokens} tokens | {quality}]")
+
+    # -- commands ---------------------------------------------------------------------------------
+    def _help(self, args) -> str:
+        return HELP
+
+    def _modules(self, args) -> str:
+        if self.layout is None:
+            return "no schema (start with --schema FILE)"
+        members = {m: u for u in self.layout.unions.values() for m in u.members}
+        rows = []
+        for m in self.layout.modules.values():
+            name = "/".join(m.path)
+            union = f" (union member; alternatives: {', '.join(x for x in members[name].members if x != name)})" \
+                if name in members else ""
+            rows.append(f"{'*' if name in self.imports else ' '} {name}{union}")
+        return "\n".join(rows)
+
+    def _use(self, args) -> str:
+        if self.layout is None:
+            return "no schema (start with --schema FILE)"
+        known = {m.path[0] for m in self.layout.modules.values() if len(m.path) == 1}  # nested ones: inside their parent
+        unknown = [a for a in args if a not in known]
+        if not args or unknown:
+            return f"unknown module(s) {', '.join(unknown) or '(none given)'}; /modules lists them"
+        self.imports = list(args)
+        return f"importing {', '.join(self.imports)}"
+
+    def _clear(self, args) -> str:
+        self.history.clear()
+        return "conversation cleared"
+
+    def _save(self, args) -> str:
+        import json
+
+        if len(args) != 1:
+            return "usage: /save FILE"
+        turns = [{"user": u, "assistant": a} for u, a in self.history]
+        atomic_write_text(args[0], json.dumps({"imports": self.imports, "turns": turns}, indent=2) + "\n")
+        return f"saved {len(turns)} turns to {args[0]}"

@@ -1,0 +1,87 @@
+"""Constrained decoding: JSON (any object, or one JSON Schema) through xgrammar, as vLLM does.
+
+``json_processor(tokenizer, vocab_size, schema)`` returns a transformers ``LogitsProcessor`` for
+ONE request: each call first accepts the token sampled after the previous call (the last id of
+``input_ids``, which holds the request's generated tokens at least), then sets every token the
+grammar does not allow next to -inf. Once the grammar is complete only its stop tokens (EOS)
+remain, so generation ends with a whole JSON value; ``max_tokens`` can still cut it short
+(``finish_reason`` "length"), as with every server.
+
+Decisions: the JSON is compact (``any_whitespace=False``): a small model let free between tokens
+tends to emit whitespace until ``max_tokens``. xgrammar is optional (the ``structured`` extra) and imported on first use; a
+tokenizer's grammar compiler is built once and kept (``_compiler``); compiled grammars are
+cached by schema text. A schema xgrammar cannot compile is a ``ConstraintError`` naming it.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import threading
+
+import torch
+from transformers import LogitsProcessor
+
+from ..errors import PromptCacheError
+
+__all__ = ["ConstraintError", "json_processor"]
+
+_lock = threading.Lock()
+
+
+class ConstraintError(PromptCacheError, ValueError):
+    """The constraint cannot be built (xgrammar missing, or a schema it cannot compile)."""
+
+    exit_code = 2
+
+
+def json_processor(tokenizer, vocab_size: int, schema: dict | None = None) -> LogitsProcessor:
+    """A fresh processor constraining one generation to JSON (``schema`` None: any JSON object)."""
+    text = json.dumps({"type": "object"} if schema is None else schema, sort_keys=True)
+    return _GrammarProcessor(_compiled(tokenizer, vocab_size, text))
+
+
+def _xgrammar():
+    try:
+        import xgrammar
+    except ImportError:
+        raise ConstraintError("JSON output needs xgrammar: pip install 'promptcache[structured]'") from None
+    return xgrammar
+
+
+@functools.lru_cache(maxsize=8)
+def _compiler(tokenizer, vocab_size: int):
+    xgr = _xgrammar()
+    return xgr.GrammarCompiler(xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size))
+
+
+@functools.lru_cache(maxsize=64)
+def _compiled(tokenizer, vocab_size: int, schema: str):
+    with _lock:  # the compiler is shared between the server's threads
+        compiler = _compiler(tokenizer, vocab_size)
+        try:
+            return compiler.compile_json_schema(schema, any_whitespace=False)
+        except (RuntimeError, ValueError) as e:
+            raise ConstraintError(f"the JSON schema cannot be compiled into a grammar: {e}") from None
+
+
+class _GrammarProcessor(LogitsProcessor):
+    def __init__(self, compiled):
+        xgr = _xgrammar()
+        self.xgr, self.matcher = xgr, xgr.GrammarMatcher(compiled)
+        self.mask = xgr.allocate_token_bitmask(1, compiled.tokenizer_info.vocab_size)  # [1, ceil(V / 32)] int32
+        self.started = False
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        """``input_ids`` [1, n] (its last id: the token sampled after the previous call);
+        ``scores`` [1, V] float32 on CPU."""
+        if self.started and not self.matcher.is_terminated():
+            token = int(input_ids[0, -1])
+            if not self.matcher.accept_token(token):
+                raise ConstraintError(f"token {token} was sampled against the JSON grammar")
+        self.started = True
+        if not self.matcher.is_terminated():
+            self.matcher.fill_next_token_bitmask(self.mask)
+        out = scores.to("cpu", copy=True)  # never the caller's logits in place
+        self.xgr.apply_token_bitmask_inplace(out, self.mask)
+        return out.to(scores.device)

@@ -1,0 +1,124 @@
+"""An Anthropic Messages request -> prompt token IDs and its ``cache_control`` breakpoints.
+
+The conversation is rendered with the model's chat template, in the API's order: ``system``
+first (its text blocks joined into one system turn), then ``messages``. A last ``assistant``
+message is a prefill: the answer continues it (``continue_final_message``) instead of starting a
+new turn.
+
+Breakpoints: a text block with ``cache_control`` caches "the prompt up to and including this
+block"; a top-level ``cache_control`` marks the last block of the last message. Its place in tokens is found without trusting the template to be prefix-stable: the
+conversation is rendered once plainly (text ``T``, token IDs ``ids``) and once per breakpoint with
+a marker right after the block's text; the breakpoint is at the marker's character offset, cut
+back to where the two renderings still agree (a template that trims content moves it back, never
+forward), and then to the longest run of ``ids`` that tokenizing ``T`` up to there reproduces.
+So a breakpoint's token count is always a true prefix of the prompt's IDs.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+
+from pydantic import ValidationError
+
+from .anthropic_protocol import MAX_BREAKPOINTS, TTL_SECONDS, AnthropicError, MessagesRequest, TextBlock
+
+
+@dataclass(frozen=True)
+class Breakpoint:
+    tokens: int  # prompt tokens [0, tokens) before the breakpoint: the prefix it caches
+    ttl: float  # seconds
+    where: str  # the block, e.g. "messages[1].content[0]"
+
+
+@dataclass(frozen=True)
+class RenderedPrompt:
+    ids: list[int]
+    breakpoints: list[Breakpoint]  # in prompt order
+
+
+@dataclass(frozen=True)
+class _Block:
+    text: str
+    ttl: float | None  # None: no cache_control
+    where: str
+
+
+def render(tok, req: MessagesRequest) -> RenderedPrompt:
+    """Token IDs of ``req``'s conversation (plus the generation prompt) and its breakpoints."""
+    turns = _turns(req)
+    marked = [b for _, blocks in turns for b in blocks if b.ttl is not None]
+    if len(marked) > MAX_BREAKPOINTS:
+        raise AnthropicError(400, f"a request may have at most {MAX_BREAKPOINTS} blocks with cache_control, "
+                                  f"got {len(marked)}", marked[MAX_BREAKPOINTS].where)
+    text = _chat_text(tok, turns, None)
+    ids = _encode(tok, text)
+    points = [Breakpoint(_tokens_before(tok, text, ids, _chat_text(tok, turns, b)), b.ttl, b.where) for b in marked]
+    return RenderedPrompt(ids, points)
+
+
+def _turns(req: MessagesRequest) -> list[tuple[str, list[_Block]]]:
+    """(role, blocks) in the API's order: system, then the messages."""
+    turns = []
+    if isinstance(req.system, str) and req.system:
+        turns.append(("system", [_Block(req.system, None, "system")]))
+    elif isinstance(req.system, list) and req.system:
+        turns.append(("system", [_block(b, f"system[{j}]") for j, b in enumerate(req.system)]))
+    for i, m in enumerate(req.messages):
+        if isinstance(m.content, str):
+            turns.append((m.role, [_Block(m.content, None, f"messages[{i}].content")]))
+            continue
+        blocks = []
+        for j, raw in enumerate(m.content):
+            where = f"messages[{i}].content[{j}]"
+            if raw.get("type") != "text":
+                raise AnthropicError(400, f"content block type {raw.get('type')!r} is not supported (text only)", where)
+            try:
+                blocks.append(_block(TextBlock.model_validate(raw), where))
+            except ValidationError as e:
+                err = e.errors()[0]
+                field = ".".join(str(x) for x in err["loc"])
+                raise AnthropicError(400, f"{where}.{field}: {err['msg']}", f"{where}.{field}") from None
+        turns.append((m.role, blocks))
+    if req.cache_control is not None:  # top level: the last block caches too (a longer TTL wins)
+        role, blocks = turns[-1]
+        last, ttl = blocks[-1], float(TTL_SECONDS[req.cache_control.ttl])
+        blocks[-1] = _Block(last.text, max(ttl, last.ttl or 0.0), last.where)
+    return turns
+
+
+def _block(b: TextBlock, where: str) -> _Block:
+    ttl = None if b.cache_control is None else float(TTL_SECONDS[b.cache_control.ttl])
+    return _Block(b.text, ttl, where)
+
+
+_MARK = f"\ue000{uuid.uuid4().hex}\ue001"  # a private-use sentinel no request text carries
+
+
+def _chat_text(tok, turns, mark: _Block | None) -> str:
+    """The rendered conversation; with ``mark``, the sentinel follows that block's text."""
+    msgs = [{"role": role, "content": "".join(b.text + (_MARK if b is mark else "") for b in blocks)}
+            for role, blocks in turns]
+    prefill = msgs[-1]["role"] == "assistant"
+    if not getattr(tok, "chat_template", None):
+        text = "".join(f"{m['role'].capitalize()}: {m['content']}\n" for m in msgs)
+        return text.rstrip("\n") if prefill else text + "Assistant:"
+    try:
+        return tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=not prefill,
+                                       continue_final_message=prefill)
+    except Exception as e:  # templates raise on role orders they refuse
+        raise AnthropicError(400, f"the model's chat template refused the messages: {e}", "messages") from None
+
+
+def _encode(tok, text: str) -> list[int]:
+    return list(tok(text, add_special_tokens=False).input_ids)  # the template writes BOS itself
+
+
+def _tokens_before(tok, text: str, ids: list[int], marked: str) -> int:
+    """Tokens of ``ids`` that lie before the sentinel in ``marked`` (see the module docstring)."""
+    at = marked.find(_MARK)
+    if at < 0:  # the template dropped the block's text (and the sentinel with it)
+        return 0
+    agree = next((i for i, (a, b) in enumerate(zip(text, marked[:at])) if a != b), min(len(text), at))
+    head = _encode(tok, text[:agree])
+    return next((i for i, (a, b) in enumerate(zip(head, ids)) if a != b), min(len(head), len(ids)))

@@ -1,0 +1,69 @@
+"""``POST /tokenize`` and ``POST /detokenize``, in vLLM's shapes.
+
+    /tokenize   {"prompt": str} or {"messages": [...], "add_generation_prompt": true}
+                -> {"tokens": [ids], "count": n, "max_model_len": context}
+    /detokenize {"tokens": [ids]} -> {"prompt": text}
+
+Messages are rendered exactly as a chat request's (``Planner.chat_ids``: the chat template with
+the generation prompt), so ``count`` is the prompt size a chat request would have; a plain prompt
+is tokenized as a completion's is (special tokens such as BOS added). Both need a key when the
+server has keys; ``model``, when sent, must be the served one.
+"""
+
+from __future__ import annotations
+
+from fastapi import FastAPI, Request
+from pydantic import BaseModel, ConfigDict
+
+from .protocol import APIError, Message
+
+
+class TokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[Message] | None = None
+    add_generation_prompt: bool = True
+    add_special_tokens: bool = True
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    tokens: list[int]
+
+
+def add_tokenize_routes(app: FastAPI, pc, planner, namespace, parse, model_name: str) -> None:
+    """``parse(request, cls)``: the app's body parser (400 naming a bad field); ``namespace``: key check."""
+    vocab = pc.model.config.vocab_size
+
+    def check_model(req):
+        if req.model is not None and req.model != model_name:
+            raise APIError(404, f"model '{req.model}' does not exist (this server serves '{model_name}')",
+                           "model", "model_not_found")
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        namespace(request)
+        req = await parse(request, TokenizeRequest, check=False)
+        check_model(req)
+        if (req.prompt is None) == (req.messages is None):
+            raise APIError(400, "send either 'prompt' or 'messages'", "prompt")
+        if req.messages is not None:
+            if not req.add_generation_prompt:
+                raise APIError(400, "add_generation_prompt=false is not supported (chat requests always add it)",
+                               "add_generation_prompt")
+            ids = planner.chat_ids(planner.chat_messages(req.messages))
+        else:
+            ids = pc.tokenizer(req.prompt, add_special_tokens=req.add_special_tokens).input_ids
+        return {"tokens": list(ids), "count": len(ids), "max_model_len": planner.context}
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        namespace(request)
+        req = await parse(request, DetokenizeRequest, check=False)
+        check_model(req)
+        bad = [t for t in req.tokens if not 0 <= t < vocab]
+        if bad:
+            raise APIError(400, f"token ids must be in [0, {vocab}), got {bad[0]}", "tokens")
+        return {"prompt": pc.tokenizer.decode(req.tokens)}
