@@ -90,6 +90,14 @@ class Request:
         self.logprobs.append(entry)
         return entry
 
+    def mask_eos(self, logits: torch.Tensor, eos: frozenset[int]) -> torch.Tensor:
+        """``logits`` [V] with end-of-sequence tokens masked while fewer than ``min_tokens`` were
+        generated (called after ``distribution``, so log-probabilities stay raw)."""
+        if eos and len(self.token_ids) < self.params.min_tokens:
+            logits = logits.clone()  # the prefill's logits are reported as they came
+            logits[list(eos)] = float("-inf")
+        return logits
+
     def accept(self, token: int, eos: frozenset[int]) -> str:
         """Take a sampled token: returns the new text; finishes the request on EOS, a stop string
         or ``max_new_tokens``."""
@@ -97,7 +105,7 @@ class Request:
         if self.sampler.needs_context:
             self.context.append(token)
         piece = self.text.push(token)
-        if self.text.stopped or token in eos:
+        if self.text.stopped or (token in eos and not self.params.ignore_eos):
             self.finish_reason = "stop"
         elif len(self.token_ids) >= self.params.max_new_tokens:
             self.finish_reason = "length"

@@ -43,6 +43,8 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # > 0; 1: off (transformers' definition: divides positive logits)
     stop: tuple[str, ...] = ()
     seed: int | None = None  # None: a fresh random seed per request
+    min_tokens: int = 0  # end-of-sequence tokens are masked until this many were generated (vLLM's field)
+    ignore_eos: bool = False  # an end-of-sequence token does not end generation (vLLM's field; benchmarks)
 
     def __post_init__(self):
         stop = () if self.stop is None else (self.stop,) if isinstance(self.stop, str) else self.stop
@@ -55,6 +57,8 @@ class SamplingParams:
         _check(self, "top_k", _is_int(self.top_k) and self.top_k >= 0, "an integer >= 0")
         _check(self, "repetition_penalty", _is_real(self.repetition_penalty) and self.repetition_penalty > 0,
                "a finite number > 0")
+        _check(self, "min_tokens", _is_int(self.min_tokens) and self.min_tokens >= 0, "an integer >= 0")
+        _check(self, "ignore_eos", isinstance(self.ignore_eos, bool), "true or false")
         _check(self, "seed", self.seed is None or (_is_int(self.seed) and -(2**63) <= self.seed < 2**64),
                "None or an integer in [-2**63, 2**64) (what a torch.Generator takes)")
 

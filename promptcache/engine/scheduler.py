@@ -130,7 +130,7 @@ class Scheduler:
 
     def _sample(self, req: Request, logits) -> StepOutput:
         dist = req.distribution(logits)  # None unless the request records log-probabilities
-        token = req.sampler.sample(logits, req.context)
+        token = req.sampler.sample(req.mask_eos(logits, self.runner.eos_ids), req.context)
         entry = req.record(token, dist)
         piece = req.accept(token, self.runner.eos_ids)
         if req.finish_reason is not None:

@@ -365,7 +365,7 @@ class ServingScheduler:
     def _sample(self, seq: _Seq, logits: torch.Tensor) -> StepOutput:
         req = seq.req
         dist = req.distribution(logits)  # None unless the request records log-probabilities
-        token = req.sampler.sample(logits, req.context)
+        token = req.sampler.sample(req.mask_eos(logits, self.runner.eos_ids), req.context)
         entry = req.record(token, dist)
         piece = req.accept(token, self.runner.eos_ids)
         if req.finish_reason is not None:

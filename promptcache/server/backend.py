@@ -60,10 +60,13 @@ class Sampling:
     seed: int | None = None
     constraints: tuple = ()  # per-request logits processors (JSON output); fresh ones per job
     logprobs: int | None = None  # None: none; k: each token's log-probability and k rivals
+    min_tokens: int = 0
+    ignore_eos: bool = False
 
     def params(self) -> SamplingParams:
         return SamplingParams(max_new_tokens=self.max_new_tokens, temperature=self.temperature, top_p=self.top_p,
-                              stop=tuple(self.stop or ()), seed=self.seed)
+                              stop=tuple(self.stop or ()), seed=self.seed, min_tokens=self.min_tokens,
+                              ignore_eos=self.ignore_eos)
 
 
 @dataclass

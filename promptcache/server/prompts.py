@@ -172,8 +172,11 @@ class Planner:
             raise APIError(400, f"the prompt is {length} tokens and max_tokens is {max_tokens}: "
                                 f"{length + max_tokens} is past the model's context of {self.context}",
                            "max_tokens", "context_length_exceeded")
+        if req.min_tokens > max_tokens:
+            raise APIError(400, f"min_tokens is {req.min_tokens}, more than max_tokens ({max_tokens})", "min_tokens")
         return Sampling(max_tokens, req.temperature, req.top_p, req.stop_list(), req.seed,
-                        openai_fields.constraints(req, self.pc), openai_fields.logprobs_k(req))
+                        openai_fields.constraints(req, self.pc), openai_fields.logprobs_k(req),
+                        min_tokens=req.min_tokens, ignore_eos=req.ignore_eos)
 
 
 def _check_common(req: BaseRequest) -> None:

@@ -53,6 +53,8 @@ class BaseRequest(BaseModel):
     # extensions (extra_body)
     pml: str | None = None  # a PML prompt for a loaded schema
     recompute: float | str | None = None  # "auto" or a fraction in [0, 1]; None: the engine's setting
+    min_tokens: int = Field(0, ge=0)  # vLLM's: no end of sequence before this many tokens
+    ignore_eos: bool = False  # vLLM's: generate max_tokens whatever the model says (benchmarks)
 
     @field_validator("recompute")
     @classmethod

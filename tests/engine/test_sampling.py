@@ -107,3 +107,27 @@ def test_seeded_sampling_repeats_and_differs_across_seeds(pc):
     assert pc.generate(PREFIX_PROMPT, SamplingParams(max_new_tokens=12, temperature=1.5, seed=1)).token_ids == a.token_ids
     others = {tuple(pc.generate(PREFIX_PROMPT, max_new_tokens=12, temperature=1.5, seed=s).token_ids) for s in (2, 3, 4)}
     assert others != {tuple(a.token_ids)}
+
+
+def test_min_tokens_masks_eos_and_ignore_eos_keeps_going():
+    """A request whose model prefers EOS: min_tokens holds it off, ignore_eos never stops on it."""
+    import torch
+
+    from promptcache.engine.request import Request
+    from promptcache.engine.sampling import SamplingParams
+    from tiny import make_tokenizer
+
+    tok = make_tokenizer()
+    eos = frozenset([3])
+    logits = torch.zeros(10)
+    logits[3] = 5.0  # EOS is the greedy choice
+    req = Request(lambda r: None, SamplingParams(max_new_tokens=5, min_tokens=2), tok)
+    for expect_stop in (False, False, True):
+        token = req.sampler.sample(req.mask_eos(logits, eos), req.context)
+        req.accept(token, eos)
+        assert (req.finish_reason == "stop") == expect_stop
+    assert logits[3] == 5.0  # the caller's logits are untouched
+    keep = Request(lambda r: None, SamplingParams(max_new_tokens=3, ignore_eos=True), tok)
+    for _ in range(3):
+        keep.accept(keep.sampler.sample(keep.mask_eos(logits, eos), keep.context), eos)
+    assert keep.token_ids == [3, 3, 3] and keep.finish_reason == "length"

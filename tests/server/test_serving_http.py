@@ -13,6 +13,7 @@ import sys
 import threading
 import time
 
+import openai
 import pytest
 
 from promptcache.server import create_app
@@ -127,3 +128,17 @@ def _listening(port: int) -> bool:
         return True
     except OSError:
         return False
+
+
+def test_min_tokens_and_ignore_eos_make_answers_their_full_length(oai, pc):
+    """vLLM's fields, which benchmarks send so every server generates the same number of tokens."""
+    eos = sorted(pc.runner.eos_ids)[0]
+    prompt = [1, 2, 3, eos]  # any ids; the answer may end early on its own
+    r = oai.completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0,
+                               extra_body={"ignore_eos": True})
+    assert r.usage.completion_tokens == 24 and r.choices[0].finish_reason == "length"
+    r = oai.completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0,
+                               extra_body={"min_tokens": 10})
+    assert r.usage.completion_tokens >= 10
+    with pytest.raises(openai.BadRequestError, match="min_tokens"):  # past max_tokens: refused, naming it
+        oai.completions.create(model=MODEL, prompt=prompt, max_tokens=4, extra_body={"min_tokens": 10})
