@@ -10,6 +10,8 @@ owned by a *shared entry*: states several requests may read in place, found by c
 an entry nobody reads is *idle* and stays in the pool, in LRU order, until its blocks are
 needed: then it is evicted, and ``spill(key, kv)`` (when given) hands its states down to the
 store's tiers first, so a later request finds them there and they are promoted back on use.
+An idle entry whose key is ``pinned(key)`` (an Anthropic ``cache_control`` breakpoint's TTL) is
+not evicted while the pin lives.
 
 Allocation prefers one contiguous run of blocks (a request's own tokens then form one run, and
 attention reads a run as one view); when no run is long enough it takes the lowest free blocks.
@@ -62,12 +64,13 @@ def runs(blocks: list[int]) -> list[tuple[int, int]]:
 
 class KVPool:
     def __init__(self, spec: KVSpec, device, tokens: int, block_size: int = 16,
-                 spill: Callable[[str, torch.Tensor], None] | None = None):
+                 spill: Callable[[str, torch.Tensor], None] | None = None,
+                 pinned: Callable[[str], bool] | None = None):
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1 token, got {block_size}")
         if tokens < block_size:
             raise ValueError(f"the pool must hold at least one block ({block_size} tokens), got {tokens}")
-        self.spec, self.block_size, self.spill = spec, block_size, spill
+        self.spec, self.block_size, self.spill, self.pinned = spec, block_size, spill, pinned
         self.num_blocks = tokens // block_size
         shape = (spec.layers, 2, spec.kv_heads, self.num_blocks * block_size, spec.head_dim)
         self.buf = torch.empty(shape, dtype=spec.dtype, device=device)  # untouched pages cost nothing on CPU
@@ -87,8 +90,11 @@ class KVPool:
 
     @property
     def available_blocks(self) -> int:
-        """Blocks an allocation could get: free ones plus those of idle entries."""
-        return len(self._free) + sum(len(e.blocks) for e in self._idle.values())
+        """Blocks an allocation could get: free ones plus those of idle, unpinned entries."""
+        return len(self._free) + sum(len(e.blocks) for e in self._idle.values() if not self._is_pinned(e.key))
+
+    def _is_pinned(self, key: str) -> bool:
+        return self.pinned is not None and self.pinned(key)
 
     @property
     def used_blocks(self) -> int:
@@ -191,8 +197,10 @@ class KVPool:
         self._entries[key] = e
         return e
 
-    def _evict_one(self) -> None:
-        key, e = self._idle.popitem(last=False)
+    def _evict_one(self, pins: bool = True) -> None:
+        """Evict the least recently used idle entry (skipping pinned ones unless ``pins`` is False)."""
+        key = next(k for k in self._idle if not (pins and self._is_pinned(k)))
+        e = self._idle.pop(key)
         del self._entries[key]
         if self.spill is not None:
             try:
@@ -203,9 +211,9 @@ class KVPool:
         self.evictions += 1
 
     def clear_idle(self) -> None:
-        """Evict every idle entry (tests, benchmarks)."""
+        """Evict every idle entry, pinned ones too (shutdown hands them all down to the store)."""
         while self._idle:
-            self._evict_one()
+            self._evict_one(pins=False)
 
     def stats(self) -> dict[str, int]:
         return {"blocks": self.num_blocks, "free": len(self._free), "entries": len(self._entries),

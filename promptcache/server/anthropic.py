@@ -119,8 +119,8 @@ async def _serve(request: Request, ctx: MessagesContext, req: A.MessagesRequest,
         created.append(ctx.prefix.block_size * sum(k in ctx.pc.store for k in keys))
         return res
 
-    try:
-        job = ctx.backend.submit(start, sampling)
+    try:  # from the KV pool where the backend has one (the private start otherwise)
+        job = ctx.backend.submit(start, sampling, ctx.prefix.plan(prompt.ids, ns))
     except QueueFull as e:
         raise A.AnthropicError(503, f"the server is busy: {e}; retry later") from None
     except ValueError as e:  # sampling settings the engine refuses (SamplingParams names the field)
@@ -133,7 +133,9 @@ async def _serve(request: Request, ctx: MessagesContext, req: A.MessagesRequest,
     if kind == "error":
         raise A.AnthropicError(500, f"the engine failed: {res}")
     n, read = len(prompt.ids), res.cached_tokens
-    made = min(created[0] if created else 0, n - read)
+    if not created:  # served from the pool: every full block it did not read, it shares as it computes it
+        created.append(n // ctx.prefix.block_size * ctx.prefix.block_size - read)
+    made = max(0, min(created[0], n - read))
     m = ctx.metrics
     m.ttft.observe(time.perf_counter() - job.submitted)
     note(request, prompt=n, cached=read, ttft=time.perf_counter() - job.submitted)

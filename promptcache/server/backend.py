@@ -113,7 +113,8 @@ class Backend:
         self.pool: KVPool | None = None
         if self.refusal is None:
             c = self.config
-            self.pool = KVPool(pc.runner.spec, pc.device, c.kv_pool_tokens, c.block_size, spill)
+            pins = lambda key: pc.store.pins is not None and pc.store.pins.live(key)  # noqa: E731 - read per eviction
+            self.pool = KVPool(pc.runner.spec, pc.device, c.kv_pool_tokens, c.block_size, spill, pins)
             self.scheduler = ServingScheduler(pc.runner, self.pool, c.max_num_batched_tokens, c.max_num_seqs,
                                               on_publish=_write_through(pc.store))
         else:
