@@ -34,7 +34,9 @@ class EngineConfig:
     encode_batch_bytes: int = 256 << 20  # KV bytes a batched encoding forward may allocate
     device_budget: int | None = None
     host_budget: int | None = None
-    spill_dir: str | None = None  # evicted states with no artifact go here (default: a temp dir)
+    spill_dir: str | None = None  # evicted states with no artifact go here (default: a temp dir); a named folder persists
+    disk_budget: int | None = None  # bytes of spill files in spill_dir (None: unbounded); the least recently used are deleted
+    disk_policy: str = "on_evict"  # "through": every new state is written to spill_dir at once (survives a kill)
     pin_memory: bool = True
     overlap_copies: bool = False  # on a GPU, copy host-held states in layer groups on a side stream beside the forward (pays off when the GPU, not the CPU, bounds the forward)
     namespace: str = "default"  # cache namespace (salt): states are never shared across namespaces
@@ -66,4 +68,4 @@ class EngineConfig:
 
     def store_config(self) -> StoreConfig:
         return StoreConfig(self.device_budget, self.host_budget, self.spill_dir, self.pin_memory, self.remote,
-                           self.remote_policy)
+                           self.remote_policy, self.disk_budget, self.disk_policy)
