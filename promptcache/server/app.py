@@ -59,6 +59,7 @@ def create_app(pc, *, api_keys: dict[str, str] | None = None, documents=None, ma
     async def lifespan(app):
         yield
         backend.close()
+        pc.store.persist()  # a named spill folder keeps what memory held for the next start (no-op otherwise)
 
     app = FastAPI(title="promptcache", lifespan=lifespan)
     app.state.backend, app.state.prefix, app.state.metrics = backend, prefix, metrics

@@ -6,8 +6,9 @@ namespace (they then share cached states). Every schema, compiled schema and doc
 loaded once per namespace, so tenants never share a stored state.
 
 Restart: with a named ``--spill-dir`` the disk tier indexes the states found there at start, and
-on SIGINT / SIGTERM the states held in memory are written there (``TieredStore.persist``, within
-``--disk-budget``), so a replica restarted on its folder serves from it at once.
+on SIGINT / SIGTERM the app's shutdown writes the states held in memory there
+(``TieredStore.persist``, within ``--disk-budget``), so a replica restarted on its folder serves
+from it at once. (uvicorn re-raises SIGTERM after its shutdown: the exit status is then -15.)
 
 Binding: ``--host`` defaults to 127.0.0.1 (only this machine); without a key file anyone who can
 reach the port can use the server, and the command says so.
@@ -126,6 +127,5 @@ def serve(model, device, dtype, engine, config_file, src_root, schemas, compiled
         click.echo(f"{len(keys)} API keys in {len(namespaces)} namespaces.", err=True)
     click.echo(f"Ready: http://{host}:{port}/v1 (model '{model_name or model}'); Ctrl-C stops.", err=True)
     sys.stderr.flush()
-    uvicorn.run(app, host=host, port=port, log_level="warning")  # returns after SIGINT / SIGTERM, requests drained
-    saved = pc.store.persist()  # a named --spill-dir: what memory held is there for the next start
-    click.echo(f"Stopped.{f' {saved} states saved to {pc.config.spill_dir}.' if saved else ''}", err=True)
+    uvicorn.run(app, host=host, port=port, log_level="warning")
+    click.echo("Stopped.", err=True)

@@ -22,7 +22,7 @@ restarted replica serves what it stored before. The scan reads headers only (the
 verified by the codec on first read, as for every file); a folder of more than
 ``SCAN_IN_BACKGROUND`` files is scanned in a thread (``wait_ready`` waits for it), and until it
 ends a state not found yet is a miss (encoded again: content-addressed, so the same file).
-``budget`` bounds the bytes of spill files; beyond it the least recently used are deleted
+``budget`` bounds the bytes of spill files (their sizes on disk); beyond it the least recently used are deleted
 (``TieredStore`` evicts on every spill; the scan trims a folder left over budget, logged).
 """
 
@@ -185,10 +185,11 @@ class DiskTier(Tier):
         path = self.spill_dir / f"{key}.safetensors"
         codec.write_file(path, {"kv": (key, kv)})
         info = codec.StateInfo(key, str(kv.dtype).removeprefix("torch."), tuple(kv.shape))
+        size = path.stat().st_size  # the budget counts the file (header and data)
         with self._lock:
             if key not in self._index:
-                self._index[key] = FileState(path, "kv", info, nbytes(kv), spilled=True)
-                self._spilled += nbytes(kv)
+                self._index[key] = FileState(path, "kv", info, size, spilled=True)
+                self._spilled += size
 
     def evict(self, key: str) -> torch.Tensor | None:
         with self._lock:
@@ -208,7 +209,7 @@ class DiskTier(Tier):
 
     @property
     def bytes_used(self) -> int:
-        """Bytes of spill files (registered files are not this tier's to budget)."""
+        """Bytes of spill files on disk (registered files are not this tier's to budget)."""
         with self._lock:
             return self._spilled
 

@@ -46,7 +46,7 @@ class Found:
 
     key: str
     path: Path
-    nbytes: int  # the state's data bytes (what the disk budget counts)
+    nbytes: int  # the file's size (what the disk budget counts)
     mtime: float
 
 
@@ -102,14 +102,13 @@ class SpillFolder:
     def _read(self, p: Path) -> Found | None:
         key = p.name[: -len(SUFFIX)]
         try:
-            header = codec.file_header(p)
-            rec = codec.state_record(header, "kv")
-            mtime = p.stat().st_mtime
+            rec = codec.state_record(codec.file_header(p), "kv")
+            stat = p.stat()
         except (codec.CodecError, OSError):
             return None
         if rec is None or rec[0] != key:
             return None
-        return Found(key, p, rec[1], mtime)
+        return Found(key, p, stat.st_size, stat.st_mtime)
 
     @staticmethod
     def touch(path: Path) -> None:
