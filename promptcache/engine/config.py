@@ -43,7 +43,7 @@ class EngineConfig:
     kv_dtype: str | None = None  # stored module states: None = the model's dtype, or "bfloat16" / "float16" / "float32"
     recompute: float = 0.0  # default fraction of a prompt's cached tokens computed afresh (0: the paper's exact reuse)
     recompute_selection: str = DEFAULT_SELECTION  # which cached tokens recompute chooses (engine/recompute.py SELECTIONS)
-    remote: str | None = None  # shared tier below disk: "redis://[:password@]host:port/db" (None: this process only)
+    remote: str | None = None  # shared tier below disk: "redis://[:password@]host:port/db" or "redis+cluster://host:port" (None: this process only)
     remote_policy: str = "through"  # publish to ``remote`` every new state ("through") or what memory evicts ("on_evict")
 
     def __post_init__(self):
@@ -57,8 +57,9 @@ class EngineConfig:
         if not (isinstance(self.recompute, (int, float)) and 0.0 <= self.recompute <= 1.0):
             raise ConfigError(f"EngineConfig.recompute must be a fraction in [0, 1], got {self.recompute!r}")
         check_selection(self.recompute_selection)
-        if self.remote is not None and not str(self.remote).startswith(("redis://", "rediss://", "unix://")):
-            raise ConfigError(f"EngineConfig.remote must be a redis:// URL, got {self.remote!r}")
+        if self.remote is not None and not str(self.remote).startswith(
+                ("redis://", "rediss://", "unix://", "redis+cluster://", "rediss+cluster://")):
+            raise ConfigError(f"EngineConfig.remote must be a redis:// (or redis+cluster://) URL, got {self.remote!r}")
         self.store_config()  # validates the store's fields (remote_policy) now, not when the engine starts
 
     def namespace_for(self, namespace: str | None) -> str:
