@@ -6,6 +6,7 @@
     prefix.py   automatic prefix reuse: hash-chained token blocks in the engine's store
     backend.py  the worker thread stepping one shared Scheduler: bounded queue, batched decoding
     metrics.py  Prometheus counters
+    workerinfo.py  /model_info and /server_info: what a router reads from a replica
     cli.py      the click command ``serve``
 
 Needs the ``serve`` extra: ``pip install -e ".[serve]"``.

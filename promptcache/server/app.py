@@ -33,6 +33,7 @@ from .backend import Backend, QueueFull
 from .metrics import CONTENT_TYPE_LATEST, Metrics
 from .prefix import DEFAULT_BLOCK_SIZE, PrefixCache
 from .prompts import Planner
+from .workerinfo import add_worker_routes
 
 log = logging.getLogger(__name__)
 
@@ -180,6 +181,7 @@ def create_app(pc, *, api_keys: dict[str, str] | None = None, documents=None, ma
     async def metrics_route():
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
+    add_worker_routes(app, backend, model_name, block_size)  # what a router reads (README "Scaling out")
     return app
 
 
