@@ -52,6 +52,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import RESULTS, pyplot  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
+# a worker's first failed request opens its circuit, so the router's retry goes to another worker at
+# once; health checks every 2 s take it out of the rotation (both routers take these options)
+FAILOVER = ["--cb-failure-threshold", "1", "--health-check-interval-secs", "2", "--health-failure-threshold", "1"]
 WORDS = ("river mountain ticket museum harbor lantern garden market bridge castle valley orchard station "
          "island temple village meadow canyon forest desert glacier lagoon plateau summit cathedral").split()
 
@@ -111,7 +114,7 @@ def router(exe: str, policy: str, workers: list[str], tmp: Path) -> tuple[subpro
     port = free_port()
     cmd = [exe] + (["launch"] if Path(exe).name == "sglang-router" else [])
     cmd += ["--host", "127.0.0.1", "--port", str(port), "--policy", policy, "--worker-urls", *workers,
-            "--prometheus-port", str(free_port())]
+            "--prometheus-port", str(free_port()), *FAILOVER]
     proc = start(cmd, tmp / f"{Path(exe).name}-{policy}.log")
     wait_http(f"http://127.0.0.1:{port}/health", proc)
     return proc, f"http://127.0.0.1:{port}"
