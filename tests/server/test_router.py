@@ -78,12 +78,14 @@ def served(urls: list[str]) -> list[float]:
     return [metric(u, "promptcache_prompt_tokens_total") for u in urls]
 
 
-def converse(base: str, system: str, turns: int, headers: dict | None = None) -> list:
+def converse(base: str, system: str, turns: int, key: str | None = None) -> list:
+    """A conversation; ``key``: its prompt_cache_key, sent in the body (OpenAI's field, which the
+    server accepts) and as the router's routing key header."""
     oai, msgs, out = client(base), [{"role": "system", "content": system}], []
+    extra = {"prompt_cache_key": key, "extra_headers": {"x-smg-routing-key": key}} if key else {}
     for t in range(turns):
         msgs.append({"role": "user", "content": f"Turn {t}: what should I see next, and where do I eat?"})
-        r = oai.chat.completions.create(model="embedded", messages=msgs, max_tokens=3, temperature=0,
-                                        extra_headers=headers or {})
+        r = oai.chat.completions.create(model="embedded", messages=msgs, max_tokens=3, temperature=0, **extra)
         msgs.append({"role": "assistant", "content": r.choices[0].message.content})
         out.append(r)
     return out
@@ -111,6 +113,6 @@ def test_a_routing_key_pins_conversations_to_one_replica(cluster):
     base, urls, _ = cluster("manual")
     before = served(urls)
     for i in range(3):  # three different conversations of one client key
-        converse(base, f"Tenant {i}: " + SYSTEM, 1, {"x-smg-routing-key": "cache-key-42"})
+        converse(base, f"Tenant {i}: " + SYSTEM, 1, "cache-key-42")
     grew = [a - b for a, b in zip(served(urls), before)]
     assert sorted(g > 0 for g in grew) == [False, True]
