@@ -23,6 +23,9 @@ run; throughput = requests per second of wall time.
 conversations: requests must still succeed through the router (counted: ``errors``) and the hit
 rate of the rest of the run is reported separately (``after_kill``).
 
+``--configs`` picks runs (``single,round_robin,cache_aware,rr_redis``); ``--router-args`` passes
+more options to the cache-aware routers (``'--balance-abs-threshold 1000'``).
+
 Writes ``cluster.csv`` and ``cluster.png`` to ``--out`` (default eval/results/). Absolute times
 on a shared 2-core machine are noise; the hit rates are the result. Needs redis-server and
 redis-cli on the PATH.
@@ -110,11 +113,11 @@ def replicas(n: int, cache_mb: float, tmp: Path, remote: str | None = None) -> t
     return procs, urls
 
 
-def router(exe: str, policy: str, workers: list[str], tmp: Path) -> tuple[subprocess.Popen, str]:
+def router(exe: str, policy: str, workers: list[str], tmp: Path, extra: tuple[str, ...] = ()) -> tuple[subprocess.Popen, str]:
     port = free_port()
     cmd = [exe] + (["launch"] if Path(exe).name == "sglang-router" else [])
     cmd += ["--host", "127.0.0.1", "--port", str(port), "--policy", policy, "--worker-urls", *workers,
-            "--prometheus-port", str(free_port()), *FAILOVER]
+            "--prometheus-port", str(free_port()), *FAILOVER, *extra]
     proc = start(cmd, tmp / f"{Path(exe).name}-{policy}.log")
     wait_http(f"http://127.0.0.1:{port}/health", proc)
     return proc, f"http://127.0.0.1:{port}"
@@ -246,6 +249,10 @@ def main(argv=None) -> int:
     ap.add_argument("--cache-mb", type=float, default=4.0, help="memory for states per replica (single: 3x)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--failover", action="store_true")
+    ap.add_argument("--configs", default="single,round_robin,cache_aware,rr_redis",
+                    help="which runs, comma-separated (cache_aware: one per router found)")
+    ap.add_argument("--router-args", default="", help="more options for the cache-aware routers, e.g. "
+                    "'--balance-abs-threshold 1000' (split on spaces)")
     ap.add_argument("--out", type=Path, default=RESULTS)
     args = ap.parse_args(argv)
     routers, convs = find_routers(args.routers), workload(args)
@@ -253,23 +260,26 @@ def main(argv=None) -> int:
     results = []
     with tempfile.TemporaryDirectory(prefix="bench-cluster-") as tmp:
         tmp = Path(tmp)
-        procs, urls = replicas(1, 3 * args.cache_mb, tmp)
-        results += measure("single", urls[0], convs, args)
-        stop(procs)
+        wanted, extra = args.configs.split(","), tuple(args.router_args.split())
+        if "single" in wanted:
+            procs, urls = replicas(1, 3 * args.cache_mb, tmp)
+            results += measure("single", urls[0], convs, args)
+            stop(procs)
         first = next(iter(routers.values()))
-        for name, exe, policy, shared in [("round_robin", first, "round_robin", False),
-                                          *((f"cache_aware:{r}", e, "cache_aware", False) for r, e in routers.items()),
-                                          ("rr_redis", first, "round_robin", True)]:
+        runs = [("round_robin", first, "round_robin", False),
+                *((f"cache_aware:{r}", e, "cache_aware", False) for r, e in routers.items()),
+                ("rr_redis", first, "round_robin", True)]
+        for name, exe, policy, shared in (r for r in runs if r[0].split(":")[0] in wanted):
             cluster, remote = redis_cluster(tmp / name) if shared else ([], None)
             procs, urls = replicas(3, args.cache_mb, tmp, remote)
-            rp, base = router(exe, policy, urls, tmp)
+            rp, base = router(exe, policy, urls, tmp, extra if policy == "cache_aware" else ())
             try:
                 results += measure(name, base, convs, args)
             finally:
                 stop([rp, *procs, *cluster])
         if args.failover:
             procs, urls = replicas(3, args.cache_mb, tmp)
-            rp, base = router(routers.get("sglang-router", first), "cache_aware", urls, tmp)  # the one chosen (README)
+            rp, base = router(routers.get("sglang-router", first), "cache_aware", urls, tmp, extra)  # the one chosen (README)
             try:
                 results += measure("failover:cache_aware", base, convs, args, on_half=lambda: procs[2].kill())
             finally:
