@@ -26,6 +26,8 @@ import secrets
 from contextlib import contextmanager
 from pathlib import Path
 
+from .errors import PromptCacheError
+
 log = logging.getLogger(__name__)
 
 try:
@@ -80,8 +82,10 @@ def remove_stale_temps(folder: Path) -> None:
         stale.unlink(missing_ok=True)
 
 
-class FolderBusy(OSError):
+class FolderBusy(PromptCacheError, OSError):
     """Another process (or another open handle of this one) holds the folder's lock."""
+
+    exit_code = 2
 
 
 def hold_lock(folder: str | os.PathLike):
