@@ -8,6 +8,10 @@ a crash. A reader sees the old file or the new one, never a part. A failure (or 
 the temporary file where it can; a kill between create and rename may leave one ``*.tmp``
 behind, which is never read and which writers may delete (``remove_stale_temps``).
 
+``hold_lock(folder)`` takes the same lock without waiting and keeps it until the returned file is
+closed (a process that owns a folder for its lifetime: a named spill folder); ``FolderBusy`` when
+another holder has it.
+
 ``folder_lock(folder)`` is an exclusive advisory lock (``fcntl.flock`` on ``<folder>/.lock``)
 held for a ``with`` block: writers of one artifact folder take it so that concurrent compiles
 run one after the other. Where ``fcntl`` does not exist (Windows) it is a no-op (logged); in a
@@ -21,6 +25,8 @@ import os
 import secrets
 from contextlib import contextmanager
 from pathlib import Path
+
+from .errors import PromptCacheError
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +80,29 @@ def remove_stale_temps(folder: Path) -> None:
     """Delete temporary files a killed writer left in ``folder`` (only call under its lock)."""
     for stale in folder.glob(".*.tmp"):
         stale.unlink(missing_ok=True)
+
+
+class FolderBusy(PromptCacheError, OSError):
+    """Another process (or another open handle of this one) holds the folder's lock."""
+
+    exit_code = 2
+
+
+def hold_lock(folder: str | os.PathLike):
+    """The open lock file of ``folder`` (created if missing), locked exclusively: close it to release.
+    ``FolderBusy`` at once when another holder has the lock; None where ``fcntl`` does not exist."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    if fcntl is None:  # pragma: no cover
+        log.warning("no fcntl: nothing stops two processes from sharing %s", folder)
+        return None
+    f = open(folder / LOCK_NAME, "a+b")
+    try:
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.close()
+        raise FolderBusy(f"{folder} is in use (its lock {folder / LOCK_NAME} is held)") from None
+    return f
 
 
 @contextmanager

@@ -16,8 +16,9 @@ then the question and the template's tail. Two ways to reuse the documents' stat
   request, and stored under ``hash(parent key, document digest, start position, separator)``. A
   later request whose leading documents match reuses them; the rest (and the question) run in one
   forward and are added to the tree. The answer equals a plain prefill of the same tokens
-  (``res.exact``). Chain states live in the engine's store under its budgets and LRU; they are not
-  persisted (a reopened store rebuilds them on first use). ``canonical_order=True`` sorts a
+  (``res.exact``). Chain states live in the engine's store under its budgets and LRU; they persist
+  where the store does (a named ``EngineConfig.spill_dir``: indexed at start, written at
+  ``pc.store.persist()``), otherwise a reopened store rebuilds them on first use. ``canonical_order=True`` sorts a
   request's documents by id first, so requests retrieving the same set in any order share a chain.
   Works with every supported family (nothing is relocated).
 * **Independent** (``independent=True``, the paper's position-independent modules). Each document

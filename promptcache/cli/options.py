@@ -34,7 +34,10 @@ _HELP = {
     "encode_batch_bytes": "KV bytes a batched encoding forward may allocate (size: 256MiB).",
     "device_budget": "Device memory for stored states (size: 4GiB; default unbounded).",
     "host_budget": "Host memory for stored states (size: 4GiB; default unbounded).",
-    "spill_dir": "Folder for evicted states that have no artifact (default: a temp folder).",
+    "spill_dir": "Folder for evicted states that have no artifact (default: a temp folder). A folder named "
+                 "here persists: a restart on it serves its states again.",
+    "disk_budget": "Disk for spill files in --spill-dir (size: 20GiB; default unbounded); least recently used deleted.",
+    "disk_policy": "on_evict: states reach --spill-dir when memory evicts them (and at shutdown); through: at once.",
     "pin_memory": "Pin host copies of states for fast device copies.",
     "overlap_copies": "On a GPU, copy host-held states in layer groups beside the forward (helps GPU-bound forwards).",
     "namespace": "Cache namespace: states are never shared across namespaces.",

@@ -34,7 +34,9 @@ class EngineConfig:
     encode_batch_bytes: int = 256 << 20  # KV bytes a batched encoding forward may allocate
     device_budget: int | None = None
     host_budget: int | None = None
-    spill_dir: str | None = None  # evicted states with no artifact go here (default: a temp dir)
+    spill_dir: str | None = None  # evicted states with no artifact go here (default: a temp dir); a named folder persists
+    disk_budget: int | None = None  # bytes of spill files in spill_dir (None: unbounded); the least recently used are deleted
+    disk_policy: str = "on_evict"  # "through": every new state is written to spill_dir at once (survives a kill)
     pin_memory: bool = True
     overlap_copies: bool = False  # on a GPU, copy host-held states in layer groups on a side stream beside the forward (pays off when the GPU, not the CPU, bounds the forward)
     namespace: str = "default"  # cache namespace (salt): states are never shared across namespaces
@@ -43,7 +45,7 @@ class EngineConfig:
     # budget: engine/recompute.py AUTO_FRACTION) or a fraction (0: the paper's splice)
     recompute: float | str = AUTO
     recompute_selection: str = DEFAULT_SELECTION  # which cached tokens recompute chooses (engine/recompute.py SELECTIONS)
-    remote: str | None = None  # shared tier below disk: "redis://[:password@]host:port/db" (None: this process only)
+    remote: str | None = None  # shared tier below disk: "redis://[:password@]host:port/db" or "redis+cluster://host:port" (None: this process only)
     remote_policy: str = "through"  # publish to ``remote`` every new state ("through") or what memory evicts ("on_evict")
 
     def __post_init__(self):
@@ -59,8 +61,9 @@ class EngineConfig:
         except ValueError as e:
             raise ConfigError(str(e)) from None
         check_selection(self.recompute_selection)
-        if self.remote is not None and not str(self.remote).startswith(("redis://", "rediss://", "unix://")):
-            raise ConfigError(f"EngineConfig.remote must be a redis:// URL, got {self.remote!r}")
+        if self.remote is not None and not str(self.remote).startswith(
+                ("redis://", "rediss://", "unix://", "redis+cluster://", "rediss+cluster://")):
+            raise ConfigError(f"EngineConfig.remote must be a redis:// (or redis+cluster://) URL, got {self.remote!r}")
         self.store_config()  # validates the store's fields (remote_policy) now, not when the engine starts
 
     def namespace_for(self, namespace: str | None) -> str:
@@ -70,4 +73,4 @@ class EngineConfig:
 
     def store_config(self) -> StoreConfig:
         return StoreConfig(self.device_budget, self.host_budget, self.spill_dir, self.pin_memory, self.remote,
-                           self.remote_policy)
+                           self.remote_policy, self.disk_budget, self.disk_policy)

@@ -12,6 +12,7 @@
     metrics.py  Prometheus counters
     access.py   one access-log line per request (ASGI middleware)
     tokenize.py POST /tokenize and /detokenize
+    workerinfo.py  /model_info and /server_info: what a router reads from a replica
     cli.py      the click command ``serve``
 
 Needs the ``serve`` extra: ``pip install -e ".[serve]"``.

@@ -53,6 +53,7 @@ from .metrics import CONTENT_TYPE_LATEST, Metrics
 from .prefix import DEFAULT_BLOCK_SIZE, PrefixCache
 from .prompts import Planner
 from .tokenize import add_tokenize_routes
+from .workerinfo import add_worker_routes
 
 log = logging.getLogger(__name__)
 
@@ -101,6 +102,7 @@ def create_app(pc, *, api_keys: dict[str, str] | None = None, documents=None, ma
         yield
         await asyncio.get_running_loop().run_in_executor(None, backend.close, drain_timeout)
         planning.shutdown(wait=False, cancel_futures=True)
+        pc.store.persist()  # a named spill folder keeps what memory held for the next start (no-op otherwise)
 
     app = FastAPI(title="promptcache", lifespan=lifespan)
     app.add_middleware(AccessLog)
@@ -258,6 +260,7 @@ def create_app(pc, *, api_keys: dict[str, str] | None = None, documents=None, ma
     async def metrics_route():
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
+    add_worker_routes(app, backend, model_name, block_size)  # what a router reads (README "Scaling out")
     return app
 
 

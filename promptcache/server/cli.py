@@ -5,6 +5,11 @@ blank lines and lines starting with ``#`` are ignored. Keys are unique; several 
 namespace (they then share cached states). Every schema, compiled schema and document set is
 loaded once per namespace, so tenants never share a stored state.
 
+Restart: with a named ``--spill-dir`` the disk tier indexes the states found there at start, and
+on SIGINT / SIGTERM the app's shutdown writes the states held in memory there
+(``TieredStore.persist``, within ``--disk-budget``), so a replica restarted on its folder serves
+from it at once. (uvicorn re-raises SIGTERM after its shutdown: the exit status is then -15.)
+
 Binding: ``--host`` defaults to 127.0.0.1 (only this machine); without a key file anyone who can
 reach the port can use the server, and the command says so.
 

@@ -282,23 +282,37 @@ def _short(v) -> str:
     return str(v)[:16] if v is not None else "none"
 
 
+def file_header(path: Path) -> dict:
+    """The parsed header of a states file (no data read); CodecError when it is not one."""
+    try:
+        with open(path, "rb") as f:
+            total = f.seek(0, 2)
+            f.seek(0)
+            return parse_header(f.read(8), f.read, total, str(path))
+    except OSError as e:
+        raise CodecError(f"cannot read states file {path}: {e}") from None
+
+
+def state_record(header: dict, name: str) -> tuple[str, int] | None:
+    """(content key, data bytes) of state ``name`` in a parsed header, None when it holds no such state."""
+    rec, entry = header["__metadata__"]["states"].get(name), header.get(name)
+    if not isinstance(rec, dict) or not isinstance(entry, dict) or not isinstance(rec.get("key"), str):
+        return None
+    a, b = _offsets(entry)
+    return rec["key"], b - a
+
+
 class StatesFile:
     """A states file opened for lazy reads (memory-mapped; the mapping outlives an unlink)."""
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
         where = str(self.path)
+        self.header = file_header(self.path)
         try:
-            with open(self.path, "rb") as f:
-                total = f.seek(0, 2)
-                f.seek(0)
-                first8 = f.read(8)
-                self.header = parse_header(first8, f.read, total, where)
             self._handle = safe_open(where, framework="pt")
         except OSError as e:
             raise CodecError(f"cannot read states file {where}: {e}") from None
-        except CodecError:
-            raise
         except Exception as e:  # safetensors' own validation
             raise CodecError(f"{where}: truncated or corrupted ({e})") from None
         self.verified: set[str] = set()

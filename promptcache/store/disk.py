@@ -14,6 +14,16 @@ corrupted one) and forgets the file's open handle, so it is verified afresh.
 Thread safety: a lock guards the index and the handle cache; file I/O runs outside it.
 The default spill folder is a temporary folder removed when the tier is collected or the process
 exits.
+
+A spill folder the caller names (``spill_dir``) persists: the tier owns it (``SpillFolder``: one
+process at a time, temporary files of a killed writer removed, other files never touched) and
+rebuilds its index from the states files there at start, least recently used first, so a
+restarted replica serves what it stored before. The scan reads headers only (the data are
+verified by the codec on first read, as for every file); a folder of more than
+``SCAN_IN_BACKGROUND`` files is scanned in a thread (``wait_ready`` waits for it), and until it
+ends a state not found yet is a miss (encoded again: content-addressed, so the same file).
+``budget`` bounds the bytes of spill files (their sizes on disk); beyond it the least recently used are deleted
+(``TieredStore`` evicts on every spill; the scan trims a folder left over budget, logged).
 """
 
 from __future__ import annotations
@@ -31,10 +41,12 @@ import torch
 
 from . import codec
 from .base import Tier, check_policy, nbytes
+from .spillfolder import SpillFolder
 
 log = logging.getLogger(__name__)
 
 OPEN_FILES = 128  # open handles kept (each is one memory mapping)
+SCAN_IN_BACKGROUND = 1000  # states files in a named folder above which the start-up scan runs in a thread
 
 
 @dataclass(frozen=True)
@@ -54,11 +66,26 @@ class DiskTier(Tier):
 
     def __init__(self, spill_dir: str | Path | None = None, budget: int | None = None,
                  write_policy: str = "on_evict"):
+        if budget is not None and budget < 0:
+            raise ValueError(f"disk budget must be >= 0 bytes, got {budget}")
         self.budget, self.write_policy = budget, check_policy(write_policy)
-        self._spill_dir = Path(spill_dir) if spill_dir else None
         self._index: OrderedDict[str, FileState] = OrderedDict()  # LRU order
         self._files: OrderedDict[Path, codec.StatesFile] = OrderedDict()
+        self._spilled = 0  # bytes of spill files indexed
         self._lock = threading.RLock()
+        self._ready = threading.Event()
+        self._folder = SpillFolder(spill_dir) if spill_dir else None
+        self._spill_dir = self._folder.path if self._folder else None
+        if self._folder is None:
+            self._ready.set()
+        else:
+            weakref.finalize(self, self._folder.close)
+            self._start_scan()
+
+    @property
+    def persistent(self) -> bool:
+        """Whether the spill folder was named by the caller (kept across restarts)."""
+        return self._folder is not None
 
     @property
     def spill_dir(self) -> Path:
@@ -67,6 +94,56 @@ class DiskTier(Tier):
                 self._spill_dir = Path(tempfile.mkdtemp(prefix="promptcache-spill-"))
                 weakref.finalize(self, shutil.rmtree, str(self._spill_dir), True)
             return self._spill_dir
+
+    def wait_ready(self, timeout: float | None = None) -> bool:
+        """Wait for the start-up scan of a named folder; True when it has ended."""
+        return self._ready.wait(timeout)
+
+    def close(self) -> None:
+        """Release a named folder's lock (after the scan); the index stays readable."""
+        self._ready.wait()
+        if self._folder is not None:
+            self._folder.close()
+
+    def _start_scan(self) -> None:
+        self._folder.clean_temps()
+        paths = self._folder.candidates()
+        if len(paths) > SCAN_IN_BACKGROUND:
+            log.info("spill folder %s: indexing %d files in the background", self._folder.path, len(paths))
+            threading.Thread(target=self._scan, args=(paths,), name="promptcache-spill-scan", daemon=True).start()
+        else:
+            self._scan(paths)
+
+    def _scan(self, paths: list[Path]) -> None:
+        """Index the folder's states (oldest use first, before anything stored meanwhile), then trim
+        to the budget."""
+        try:
+            found = self._folder.scan(paths)
+            with self._lock:
+                for f in reversed(found):
+                    if f.key not in self._index:
+                        self._index[f.key] = FileState(f.path, "kv", codec.StateInfo(f.key), f.nbytes, spilled=True)
+                        self._index.move_to_end(f.key, last=False)
+                        self._spilled += f.nbytes
+                dropped = self._trim()
+            log.info("spill folder %s: %d states (%d bytes) indexed%s", self._folder.path, len(found),
+                     sum(f.nbytes for f in found), f", {dropped} least recently used deleted to fit the "
+                     f"disk budget of {self.budget} bytes" if dropped else "")
+        except Exception:  # noqa: BLE001 - a thread's failure must be seen; the tier still works without the old states
+            log.exception("spill folder %s: indexing failed", self._folder.path)
+        finally:
+            self._ready.set()
+
+    def _trim(self) -> int:
+        """Delete least recently used spill files until within the budget (under the lock)."""
+        n = 0
+        while self.budget is not None and self._spilled > self.budget:
+            victim = self.lru()
+            if victim is None:
+                break
+            self._drop(victim)
+            n += 1
+        return n
 
     def add_file(self, path: str | Path, entries: dict[str, tuple[str, codec.StateInfo, int]],
                  opened: codec.StatesFile | None = None) -> None:
@@ -96,7 +173,10 @@ class DiskTier(Tier):
                 handle = self._files.setdefault(entry.path, handle)
                 while len(self._files) > OPEN_FILES:
                     self._files.popitem(last=False)
-        return handle.read(entry.name, entry.expect)
+        kv = handle.read(entry.name, entry.expect)
+        if entry.spilled and self.persistent:
+            SpillFolder.touch(entry.path)  # the LRU order a restart rebuilds
+        return kv
 
     def put(self, key: str, kv: torch.Tensor) -> None:
         with self._lock:
@@ -105,9 +185,11 @@ class DiskTier(Tier):
         path = self.spill_dir / f"{key}.safetensors"
         codec.write_file(path, {"kv": (key, kv)})
         info = codec.StateInfo(key, str(kv.dtype).removeprefix("torch."), tuple(kv.shape))
+        size = path.stat().st_size  # the budget counts the file (header and data)
         with self._lock:
             if key not in self._index:
-                self._index[key] = FileState(path, "kv", info, nbytes(kv), spilled=True)
+                self._index[key] = FileState(path, "kv", info, size, spilled=True)
+                self._spilled += size
 
     def evict(self, key: str) -> torch.Tensor | None:
         with self._lock:
@@ -117,6 +199,7 @@ class DiskTier(Tier):
     def _drop(self, key: str) -> None:
         entry = self._index.pop(key, None)
         if entry is not None and entry.spilled:
+            self._spilled -= entry.nbytes
             self._files.pop(entry.path, None)
             entry.path.unlink(missing_ok=True)
 
@@ -126,9 +209,9 @@ class DiskTier(Tier):
 
     @property
     def bytes_used(self) -> int:
-        """Bytes of spill files (registered files are not this tier's to budget)."""
+        """Bytes of spill files on disk (registered files are not this tier's to budget)."""
         with self._lock:
-            return sum(e.nbytes for e in self._index.values() if e.spilled)
+            return self._spilled
 
     def __contains__(self, key: str) -> bool:
         return key in self._index

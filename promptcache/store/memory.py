@@ -44,6 +44,10 @@ class MemoryTier(Tier):
             self._bytes -= nbytes(t)
         return t
 
+    def keys(self) -> list[str]:
+        """The keys held, least recently used first."""
+        return list(self._data)
+
     def lru(self) -> str | None:
         return next(iter(self._data), None)
 

@@ -24,6 +24,15 @@ the whole state on one node, the header-last rule holds (it could not on two nod
 separately), and the lock guards keys on its own node. Different states still spread over all
 shards by their keys.
 
+Cluster mode (``redis+cluster://[:password@]host:port``, any node as the seed): the client is
+redis-py's ``RedisCluster`` (it learns the slot map and follows MOVED), created on first use so a
+cluster that is down at start is an outage like any other; direct reads go to the node that owns
+the state's slot (one connection pool per node). A node that fails loses the states on it: their
+reads fail or miss, they are encoded again and published to whichever node owns the slot by
+then; the other nodes' states are still served, so a node failure does not put the whole tier
+into back-off (the back-off is for a single Redis). The nodes need
+``cluster-require-full-coverage no`` to go on answering while a shard is down.
+
 Failures never reach the caller: Redis down, slow (socket timeouts) or full (OOM on write) is
 a logged warning (once per outage), a count in ``stats``, a miss for ``get`` / ``exists`` and a
 dropped write for ``put``. After a connection failure the tier stays quiet for a back-off
@@ -58,7 +67,8 @@ from .resp import BulkConnection, supports
 log = logging.getLogger(__name__)
 
 PREFIX = "pc:v2"  # key prefix and value format version; bump it when the value layout changes
-SCHEMES = ("redis", "rediss", "unix", "valkey", "valkeys")
+CLUSTER_SCHEMES = ("redis+cluster", "rediss+cluster")
+SCHEMES = ("redis", "rediss", "unix", "valkey", "valkeys", *CLUSTER_SCHEMES)
 
 _LUA_RELEASE = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) end return 0"
 _FAILED = object()  # what _call returns when Redis failed or is in back-off
@@ -98,11 +108,11 @@ class RedisTier(ByteTier):
         self.chunk_bytes, self.lock_ttl, self.poll, self.retry_after = chunk_bytes, lock_ttl, poll, retry_after
         self._ttl_ms = None if ttl is None else int(ttl * 1000)
         url = url.replace("valkey", "redis", 1) if parts.scheme.startswith("valkey") else url
-        self._r = redis.Redis.from_url(url, socket_connect_timeout=connect_timeout, socket_timeout=timeout,
-                                       retry=Retry(NoBackoff(), 0), health_check_interval=0)
-        self._release = self._r.register_script(_LUA_RELEASE)
+        self.cluster = parts.scheme in CLUSTER_SCHEMES
+        url = url.replace("+cluster", "", 1) if self.cluster else url
         self._url, self._timeouts, self._bulk = url, (connect_timeout, timeout), direct_reads and supports(url)
-        self._pool: list[BulkConnection] = []  # idle connections for reads (resp.py); TLS: none, redis-py reads
+        self._client: redis.Redis | None = None if self.cluster else self._connect()  # cluster: on first use
+        self._pools: dict[str, list[BulkConnection]] = {}  # node address -> idle read connections (resp.py)
         self._lock = threading.Lock()
         self._down_until = 0.0  # time.monotonic() before which Redis is not tried
         self._backoff = retry_after[0]
@@ -129,10 +139,13 @@ class RedisTier(ByteTier):
         return self._call(lambda r: bool(r.exists(self._k(key, "h"))), "probe") is True
 
     def exists_many(self, keys: Iterable[str]) -> set[str]:
-        """One pipelined round trip for every key (none when Redis is unavailable)."""
+        """One pipelined round trip for every key (none when Redis is unavailable). A cluster: one
+        probe per key, so a dead node hides only its own states (a cluster pipeline fails whole)."""
         keys = list(keys)
         if not keys:
             return set()
+        if self.cluster:
+            return {k for k in keys if self.exists(k)}
 
         def probe(r: redis.Redis) -> list:
             pipe = r.pipeline(transaction=False)
@@ -161,15 +174,34 @@ class RedisTier(ByteTier):
             yield mine
         finally:
             if mine:
-                self._call(lambda r: self._release(keys=[lock_key], args=[token], client=r), "unlock")
+                self._call(lambda r: r.eval(_LUA_RELEASE, 1, lock_key, token), "unlock")
 
     def close(self) -> None:
         """Close this tier's connections (a later call reconnects)."""
-        self._r.close()
+        if self._client is not None:
+            self._client.close()
         with self._lock:
-            pool, self._pool = self._pool, []
-        for conn in pool:
+            pools, self._pools = self._pools, {}
+        for conn in (c for pool in pools.values() for c in pool):
             conn.close()
+
+    def _connect(self) -> redis.Redis:
+        connect_timeout, timeout = self._timeouts
+        if self.cluster:
+            from redis.cluster import RedisCluster
+
+            return RedisCluster.from_url(self._url, socket_connect_timeout=connect_timeout, socket_timeout=timeout,
+                                         retry=Retry(NoBackoff(), 0), health_check_interval=0)
+        return redis.Redis.from_url(self._url, socket_connect_timeout=connect_timeout, socket_timeout=timeout,
+                                    retry=Retry(NoBackoff(), 0), health_check_interval=0)
+
+    def _redis(self) -> redis.Redis:
+        """The client (a cluster's is created here, on first use: connecting may raise)."""
+        if self._client is None:
+            with self._lock:
+                if self._client is None:
+                    self._client = self._connect()
+        return self._client
 
     # -- Redis operations (may raise; _call turns failures into misses) ---------------------------
     def _k(self, key: str, part: str | int) -> str:
@@ -178,7 +210,8 @@ class RedisTier(ByteTier):
     def _read(self, r: redis.Redis, key: str, name: str | None) -> tuple | str | None:
         """(value as a uint8 tensor, Digest of state ``name`` or None), None when absent, or what
         is wrong with the value (a str). The chunks land in one buffer, hashed as they arrive."""
-        conn = self._take() if self._bulk else None
+        node = self._node_url(r, key) if self._bulk else None
+        conn = self._take(node) if node is not None else None
         try:
             out = self._fetch(r, conn, key, name)
         except BaseException:
@@ -187,8 +220,18 @@ class RedisTier(ByteTier):
             raise
         if conn is not None:
             with self._lock:
-                self._pool.append(conn)
+                self._pools.setdefault(node, []).append(conn)
         return out
+
+    def _node_url(self, r: redis.Redis, key: str) -> str:
+        """The URL of the server holding ``key``'s state: the one Redis, or the cluster node that
+        owns its slot (the password kept, the host and port that node's)."""
+        if not self.cluster:
+            return self._url
+        node = r.get_node_from_key(self._k(key, "h"))
+        parts = urlsplit(self._url)
+        auth = parts.netloc.rsplit("@", 1)[0] + "@" if "@" in parts.netloc else ""
+        return f"{parts.scheme}://{auth}{node.host}:{node.port}/0"
 
     def _fetch(self, r: redis.Redis, conn: BulkConnection | None, key: str, name: str | None) -> tuple | str | None:
         raw = conn.get(self._k(key, "h")) if conn is not None else r.get(self._k(key, "h"))
@@ -225,11 +268,12 @@ class RedisTier(ByteTier):
             return f"{size} bytes, header says {total}"
         return buf, digest  # the codec verifies it (ByteTier.get)
 
-    def _take(self) -> BulkConnection:
+    def _take(self, url: str) -> BulkConnection:
         with self._lock:
-            if self._pool:
-                return self._pool.pop()
-        return BulkConnection(self._url, self._timeouts[0], self._timeouts[1])
+            pool = self._pools.get(url)
+            if pool:
+                return pool.pop()
+        return BulkConnection(url, self._timeouts[0], self._timeouts[1])
 
     def _write(self, r: redis.Redis, key: str, value: bytes) -> bool:
         view, size = memoryview(value), self.chunk_bytes
@@ -283,9 +327,10 @@ class RedisTier(ByteTier):
         if time.monotonic() < self._down_until:
             return _FAILED
         try:
-            out = fn(self._r)
-        except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError) as e:
-            self._failed("down", what, e, backoff=True)
+            out = fn(self._redis())
+        except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError,
+                redis.exceptions.RedisClusterException) as e:  # the last: no node reachable, a slot unserved
+            self._failed("down", what, e, backoff=not self.cluster)  # a cluster: one node down, not all
             return _FAILED
         except redis.exceptions.RedisError as e:  # the server answered with an error: full, read-only, ...
             kind = "full" if isinstance(e, redis.exceptions.OutOfMemoryError) else type(e).__name__

@@ -62,14 +62,18 @@ class StoreConfig:
     pin_memory: bool = True  # pin host states when a GPU is used
     remote: str | None = None  # "redis://[:password@]host:port/db" (None: this process only)
     remote_policy: str = "through"
+    disk_budget: int | None = None  # bytes of spill files (None: unbounded)
+    disk_policy: str = "on_evict"  # "through": every new state is also written to disk at once (survives a kill)
 
     def __post_init__(self):
-        for name in ("device_budget", "host_budget"):
+        for name in ("device_budget", "host_budget", "disk_budget"):
             v = getattr(self, name)
             if v is not None and v < 0:
                 raise ConfigError(f"{name} must be >= 0 bytes, got {v}")
         if self.remote_policy not in WRITE_POLICIES:
             raise ConfigError(f"remote_policy must be one of {', '.join(WRITE_POLICIES)}, got {self.remote_policy!r}")
+        if self.disk_policy not in WRITE_POLICIES:
+            raise ConfigError(f"disk_policy must be one of {', '.join(WRITE_POLICIES)}, got {self.disk_policy!r}")
 
 
 def build_store(device: torch.device | str, config: StoreConfig | None = None) -> "TieredStore":
@@ -80,7 +84,7 @@ def build_store(device: torch.device | str, config: StoreConfig | None = None) -
     if device.type != "cpu":
         tiers.append(MemoryTier("device", device, config.device_budget))
     tiers.append(MemoryTier("host", "cpu", config.host_budget, pin=config.pin_memory))
-    tiers.append(DiskTier(config.spill_dir))
+    tiers.append(DiskTier(config.spill_dir, config.disk_budget, config.disk_policy))
     if config.remote is not None:
         tiers.append(_redis_tier(config.remote, config.remote_policy))
     return TieredStore(tiers)
@@ -129,9 +133,13 @@ class TieredStore:
             if any(key in t for t in self.local):
                 return
             i = self._insert_at(key, kv, 0)
-        for tier in self.tiers[i + 1 :]:
-            if tier.write_policy == "through":
-                tier.put(key, kv)
+        through = [j for j in range(i + 1, len(self.tiers)) if self.tiers[j].write_policy == "through"]
+        for j in through:
+            self.tiers[j].put(key, kv)
+        with self._lock:  # a write-through local tier (disk) may now be over its budget
+            for j in through:
+                if not self.tiers[j].shared:
+                    self._fit(j)
         self._flush()
 
     def publish(self, key: str, kv: torch.Tensor) -> None:
@@ -184,7 +192,7 @@ class TieredStore:
 
     def register_file(self, path: Path, entries: dict, opened=None) -> None:
         """Register states held in a file with the disk tier (see ``DiskTier.add_file``)."""
-        disk = next((t for t in self.tiers if isinstance(t, DiskTier)), None)
+        disk = self._disk()
         if disk is None:
             raise StoreError(f"cannot register {path}: this store has no disk tier")
         with self._lock:
@@ -193,6 +201,37 @@ class TieredStore:
                     for key in entries:
                         tier.evict(key)
             disk.add_file(path, entries, opened)
+
+    def persist(self) -> int:
+        """Write the states only memory tiers hold to a named spill folder (``DiskTier.persistent``),
+        as many of the most recently used as its budget admits, so a restart on that folder serves
+        them; returns how many were written (0 without such a folder). Call it when the process
+        stops (``promptcache serve`` does); states already on disk are not written again."""
+        disk = self._disk()
+        if disk is None or not disk.persistent:
+            return 0
+        with self._lock:
+            held = [(k, t.get(k)) for t in reversed(self.local) if isinstance(t, MemoryTier) for k in t.keys()]
+            held = [(k, kv) for k, kv in held if k not in disk]  # oldest first: host LRU .. device MRU
+        room, chosen = disk.budget, []
+        for key, kv in reversed(held):  # the most recently used first, while they fit
+            if room is not None:
+                if nbytes(kv) > room:
+                    break
+                room -= nbytes(kv)
+            chosen.append((key, kv))
+        for key, kv in reversed(chosen):  # written oldest first: the disk's LRU order matches
+            disk.put(key, kv)
+        with self._lock:
+            self._fit(self.tiers.index(disk))
+        log.info("persisted %d states to %s", len(chosen), disk.spill_dir)
+        return len(chosen)
+
+    def close(self) -> None:
+        """Release a named spill folder (another process may own it from now on)."""
+        disk = self._disk()
+        if disk is not None:
+            disk.close()
 
     def fit(self) -> None:
         """Enforce every tier's budget now (after a budget was changed)."""
@@ -219,6 +258,9 @@ class TieredStore:
             return next((t.name for t in self.tiers if key in t), None)
 
     # -- internals -------------------------------------------------------------------------------
+    def _disk(self) -> DiskTier | None:
+        return next((t for t in self.tiers if isinstance(t, DiskTier)), None)
+
     def _not_shared(self, keys: list[str]) -> list[str]:
         """The keys no shared tier holds (one ``exists_many`` per tier; unavailable: none held)."""
         for tier in self.shared:

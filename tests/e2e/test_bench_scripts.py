@@ -6,6 +6,8 @@ import importlib.util
 import sys
 from pathlib import Path
 
+import pytest
+
 EVAL = Path(__file__).resolve().parents[2] / "eval"
 
 
@@ -55,3 +57,18 @@ def test_memory_resident_study_reports_theory(tmp_path):
     model_row, half = rows
     assert half["states"] * 2 == model_row["states"]  # bfloat16 stores half the bytes
     assert all(r["theory"] == r["model_bytes"] + r["states"] and r["after_encode"] > 0 for r in rows)
+
+
+@pytest.mark.slow  # three replicas and a router as subprocesses
+def test_bench_cluster_runs_replicas_behind_a_router(tmp_path, capsys):
+    import shutil
+
+    exe = shutil.which("sglang-router")
+    assert exe, "sglang-router must be on the PATH (.ci/run installs it)"
+    load("bench_cluster").main(["--routers", str(Path(exe).parent), "--configs", "cache_aware", "--prompts", "2",
+                                "--conversations", "2", "--turns", "2", "--reply", "2", "--out", str(tmp_path)])
+    rows = (tmp_path / "cluster.csv").read_text().splitlines()
+    assert rows[0].startswith("config,requests,errors,hit_rate")
+    cache_aware = [r.split(",") for r in rows[1:] if r.startswith("cache_aware:sglang-router")]
+    assert cache_aware and cache_aware[0][1:3] == ["4", "0"]  # 4 requests, no error
+    assert float(cache_aware[0][3]) > 0  # the second turns hit their first turns' blocks

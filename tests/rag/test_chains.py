@@ -158,3 +158,23 @@ def test_hybrid_reuses_the_stored_chain_then_independent_documents(family):
 def test_hybrid_and_independent_exclude_each_other():
     with pytest.raises(ValueError, match="independent=True and hybrid=True exclude each other"):
         DocumentStore(PromptCache(make_model("llama"), make_tokenizer()), independent=True, hybrid=True)
+
+
+def test_chains_survive_a_restart_on_the_engines_spill_folder(tmp_path):
+    from promptcache import EngineConfig
+
+    model, cfg = make_model("llama"), EngineConfig(spill_dir=str(tmp_path / "spill"))
+    store = DocumentStore(PromptCache(model, make_tokenizer(), cfg))
+    for k, v in DOCS.items():
+        store.add(k, v)
+    first = store.prefill(Q, ["tokyo", "paris"], SYS)
+    assert store.pc.store.persist() > 0  # what `promptcache serve` does when it stops
+    store.pc.store.close()
+    restarted = DocumentStore(PromptCache(model, make_tokenizer(), cfg))  # a new process on the same folder
+    for k, v in DOCS.items():
+        restarted.add(k, v)
+    again = restarted.prefill(Q, ["tokyo", "paris"], SYS)
+    assert again.hit_tiers.get("disk", 0) == 3  # the prefix and both chain links, read back from disk
+    assert again.cached_tokens == sum(len(s) for s in store.layout(Q, ["tokyo", "paris"], SYS).spans[:3])
+    assert torch.max(torch.abs(again.logits - first.logits)).item() <= TOL
+    restarted.pc.store.close()

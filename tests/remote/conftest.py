@@ -92,3 +92,54 @@ def start_redis():
 @pytest.fixture
 def redis_server(start_redis) -> RedisServer:
     return start_redis()
+
+
+class Cluster:
+    """A Redis Cluster of ``n`` masters on 127.0.0.1 (``redis-server --cluster-enabled yes`` each,
+    joined with ``redis-cli --cluster create``), no replicas. ``cluster-require-full-coverage no``:
+    the others go on answering while a node is down (what the remote tier's README asks for)."""
+
+    def __init__(self, folder, n: int = 3):
+        self.nodes = []
+        for i in range(n):
+            d = folder / f"node{i}"
+            d.mkdir(parents=True)
+            self.nodes.append(RedisServer(extra=("--cluster-enabled", "yes", "--dir", str(d),
+                                                 "--cluster-config-file", "nodes.conf", "--cluster-node-timeout", "1000",
+                                                 "--cluster-require-full-coverage", "no",
+                                                 "--cluster-port", str(free_port()))))  # the bus port (else port + 10000)
+
+    @property
+    def url(self) -> str:
+        return f"redis+cluster://127.0.0.1:{self.nodes[0].port}"
+
+    def start(self, timeout: float = 30.0) -> "Cluster":
+        for node in self.nodes:
+            node.start()
+        cli = shutil.which("redis-cli") or "/usr/bin/redis-cli"
+        out = subprocess.run([cli, "--cluster", "create", *(f"127.0.0.1:{n.port}" for n in self.nodes),
+                              "--cluster-replicas", "0", "--cluster-yes"], capture_output=True, text=True, timeout=60)
+        if out.returncode != 0:
+            raise RuntimeError(f"redis-cli --cluster create failed:\n{out.stdout[-2000:]}{out.stderr[-2000:]}")
+        deadline = time.monotonic() + timeout
+        while not all(n.client().cluster("info").get("cluster_state") == "ok" for n in self.nodes):
+            if time.monotonic() > deadline:
+                raise RuntimeError("the cluster did not reach cluster_state:ok")
+            time.sleep(0.1)
+        return self
+
+    def stop(self) -> None:
+        for node in self.nodes:
+            node.stop()
+
+
+@pytest.fixture
+def redis_cluster(tmp_path):
+    cluster = Cluster(tmp_path / "cluster")
+    try:
+        cluster.start()
+    except RuntimeError as e:
+        cluster.stop()
+        pytest.fail(f"the cluster tests need redis-server and redis-cli: {e}", pytrace=False)
+    yield cluster
+    cluster.stop()

@@ -1,0 +1,81 @@
+"""A `promptcache serve` replica restarted on its --spill-dir serves from it: the first repeated
+request reports cached tokens (official openai client), the same answer, states the codec
+verifies, and the folder within --disk-budget."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from serverkit import ROOT, client, free_port
+
+from promptcache.store import codec
+from promptcache.store.spillfolder import SUFFIX
+
+BUDGET = 400_000  # bytes of --disk-budget: a few of the embedded model's 16-token blocks
+MESSAGES = [{"role": "system", "content": "You are a terse travel agent who knows every city in Europe well. " * 3},
+            {"role": "user", "content": "Plan three days in Lisbon with food, museums and a day trip."}]
+
+
+def serve(folder, port: int) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "promptcache.server", "--model", "embedded", "--port", str(port),
+           "--block-size", "16", "--spill-dir", str(folder), "--disk-budget", str(BUDGET), "--cache-gb", "0.0002"]
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    deadline, log = time.monotonic() + 120, []
+    while not any("Ready" in line for line in log):
+        line = proc.stderr.readline()
+        assert line or proc.poll() is None, "".join(log)
+        log.append(line)
+        assert time.monotonic() < deadline, "".join(log)
+    return proc
+
+
+def ask(port: int):
+    oai = client(f"http://127.0.0.1:{port}")
+    for _ in range(100):  # uvicorn binds right after "Ready"
+        try:
+            return oai.chat.completions.create(model="embedded", messages=MESSAGES, max_tokens=4, temperature=0)
+        except Exception:  # noqa: BLE001 - not listening yet
+            time.sleep(0.1)
+    raise AssertionError("the server never answered")
+
+
+def stop(proc: subprocess.Popen) -> str:
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode in (0, -signal.SIGTERM), err  # uvicorn re-raises SIGTERM once it has shut down
+    return err
+
+
+def folder_bytes(folder) -> int:
+    return sum(p.stat().st_size for p in folder.glob("*" + SUFFIX))
+
+
+@pytest.mark.slow  # two subprocesses load torch (~25 s each on a busy 2-core machine)
+def test_a_restarted_replica_serves_from_its_spill_folder(tmp_path):
+    folder, port = tmp_path / "spill", free_port()
+    proc = serve(folder, port)
+    try:
+        first = ask(port)
+        assert first.usage.prompt_tokens_details.cached_tokens == 0  # a fresh folder
+        err = stop(proc)
+        assert "persisted" in err, err  # the app's shutdown wrote what memory held
+        assert 0 < folder_bytes(folder) <= BUDGET
+        for f in folder.glob("*" + SUFFIX):  # every file is a state the codec verifies under its name
+            states = codec.StatesFile(f)
+            states.read("kv", codec.StateInfo(f.name[: -len(SUFFIX)]))
+        proc = serve(folder, port)
+        again = ask(port)
+        assert again.usage.prompt_tokens_details.cached_tokens > 0  # was 0 before the folder was indexed
+        assert again.choices[0].message.content == first.choices[0].message.content
+        stop(proc)
+        assert folder_bytes(folder) <= BUDGET
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
