@@ -53,7 +53,7 @@ def _tf_cmd(args, model_dir: str, port: int) -> list[str]:
 
 
 def _ignore_eos(n: int) -> dict:
-    """vLLM's fields; promptcache ignores unknown fields today (then what came is counted)."""
+    """vLLM's fields, which promptcache serve takes too (what came is counted all the same)."""
     return {"ignore_eos": True, "min_tokens": n}
 
 
