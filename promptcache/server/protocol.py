@@ -2,7 +2,10 @@
 
 Unknown request fields are refused (400 naming the field; ``openai_fields.py`` says which
 fields are served and how); the extension fields (``pml``, ``documents``, ``recompute``) arrive
-top-level, which is what the ``openai`` client's ``extra_body=`` sends.
+top-level, which is what the ``openai`` client's ``extra_body=`` sends. One exception: the fields
+a router in front of replicas adds to every request it forwards (sglang-router re-serializes its
+own request type) are dropped when they hold their "off" value (``ROUTER_NEUTRAL``); set to
+anything else they are refused like any unknown field.
 """
 
 from __future__ import annotations
@@ -11,7 +14,7 @@ import time
 import uuid
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from ..engine.recompute import check_recompute
 from ..errors import PromptCacheError
@@ -33,8 +36,25 @@ class APIError(PromptCacheError):
                           "param": self.param, "code": self.code}}
 
 
+# field -> the values that ask for nothing (None always does); what sglang-router forwards
+ROUTER_NEUTRAL = {"no_stop_trim": (False,), "continue_final_message": (False,), "skip_special_tokens": (True,),
+                  "spaces_between_special_tokens": (True,), "separate_reasoning": (True,),
+                  "stream_reasoning": (True,), "return_hidden_states": (False,), "top_k": (-1, 0),
+                  "min_p": (0,), "repetition_penalty": (1,), "stop_token_ids": ([],), "lora_path": (),
+                  "session_params": (), "chat_template_kwargs": ({},), "regex": (), "ebnf": (), "rid": (),
+                  "sampling_seed": ()}
+
+
 class BaseRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _drop_router_defaults(cls, body):
+        if isinstance(body, dict):
+            body = {k: v for k, v in body.items()
+                    if not (k in ROUTER_NEUTRAL and k not in cls.model_fields and (v is None or v in ROUTER_NEUTRAL[k]))}
+        return body
 
     model: str
     max_tokens: int | None = None
