@@ -87,15 +87,21 @@ def start(cmd: list[str], log: Path, env: dict | None = None) -> subprocess.Pope
 
 
 def stop(procs: list[subprocess.Popen]) -> None:
+    """SIGINT each process group (a router's launcher leaves its server process behind otherwise),
+    then SIGKILL what is left after 20 s."""
     for p in procs:
         if p.poll() is None:
-            p.send_signal(signal.SIGINT)
+            os.killpg(p.pid, signal.SIGINT)
     for p in procs:
         try:
             p.wait(20)
         except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
+            pass
+        try:
+            os.killpg(p.pid, signal.SIGKILL)  # the group: each was started in a session of its own
+        except ProcessLookupError:
+            pass
+        p.wait()
 
 
 def replicas(n: int, cache_mb: float, tmp: Path, remote: str | None = None) -> tuple[list[subprocess.Popen], list[str]]:

@@ -41,7 +41,7 @@ def cluster(tmp_path):
     if ROUTER is None:
         pytest.fail("the routing tests need sglang-router on the PATH: pip install sglang-router "
                     "(a separate venv is fine; .ci/run installs it)", pytrace=False)
-    procs = []
+    procs, routers = [], []
 
     def start(policy: str, n: int = 2):
         urls = []
@@ -58,7 +58,9 @@ def cluster(tmp_path):
         router = subprocess.Popen([ROUTER, "launch", "--host", "127.0.0.1", "--port", str(port), "--policy", policy,
                                    "--worker-urls", *urls, "--prometheus-port", str(free_port()),
                                    *FAILOVER],
-                                  stdout=(tmp_path / "router.log").open("w"), stderr=subprocess.STDOUT)
+                                  stdout=(tmp_path / "router.log").open("w"), stderr=subprocess.STDOUT,
+                                  start_new_session=True)  # its group: the launcher leaves a server process
+        routers.append(router)
         wait(f"http://127.0.0.1:{port}/health", router)
         return f"http://127.0.0.1:{port}", urls, procs[:n] + [router]
 
@@ -72,6 +74,11 @@ def cluster(tmp_path):
         except subprocess.TimeoutExpired:
             p.kill()
             p.wait()
+    for p in routers:
+        try:
+            os.killpg(p.pid, signal.SIGKILL)  # the router's server process, whatever its launcher did
+        except ProcessLookupError:
+            pass
 
 
 def served(urls: list[str]) -> list[float]:
