@@ -14,8 +14,9 @@ layout's positions. When nothing is chosen the ordinary splice runs (the paper's
 whose cached states are all a plain prefill's has no candidates and recomputes nothing (no extra
 work); a drifted prompt recomputes ``AUTO_FRACTION`` of its drifted tokens with the default
 selection. The rule was fixed by measurement on SmolLM2-135M-Instruct (eval/README.md "Answers
-kept by default"): 0.15 kept as many answers as 0.3 or 0.5 for independent modules and more for
-independent documents, and costs half of 0.3's TTFT. A number is still exactly that fraction.
+kept by default"): of r = 0.15 / 0.3 / 0.5 / 0.7, 0.15 kept the most answers for independent
+modules and documents, in order and shuffled, at about two thirds of 0.3's TTFT. A number is
+still exactly that fraction.
 
 Selections (``SELECTIONS``, by name; ``DEFAULT_SELECTION`` chosen by measurement, see
 eval/README.md "Quality"): each is ``(scores | None, request, budget) -> slots``. Question-aware

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from oracle import definition_state
-from promptcache import PMLError, PromptCache, layout_schema
+from promptcache import EngineConfig, PMLError, PromptCache, layout_schema
 from promptcache.cache import SpliceCache
 from promptcache.models import UnsupportedModelError, get_adapter, supported_model_types
 from tiny import FAMILIES, fresh_model, make_model, make_tokenizer
@@ -29,7 +29,7 @@ PROMPT = '<prompt schema="s"><plan days="3"/><tokyo/> Highlight the food.</promp
 
 @pytest.fixture(scope="module")
 def pc():
-    engine = PromptCache(make_model("llama"), make_tokenizer())
+    engine = PromptCache(make_model("llama"), make_tokenizer(), EngineConfig(recompute=0))  # compared to the definition
     engine.add_schema(SCHEMA)
     return engine
 
@@ -183,12 +183,18 @@ def test_generation_statistics(pc):
 
 
 def test_second_prompt_sharing_modules_copies_nothing(pc):
+    # the splice (this engine's r=0): with "auto" this drifted prompt recomputes some cached slots
+    # in place, and those spans are copied again by the next prompt (checked last)
     first = pc.prefill(PROMPT)
     again = pc.prefill(PROMPT.replace("Highlight the food.", "Keep it cheap."))
     other = pc.prefill('<prompt schema="s"><plan days="2"/><paris/> Go.</prompt>')
     assert again.bytes_copied == 0
     assert other.bytes_copied > 0
     assert torch.allclose(pc.prefill(PROMPT).logits, first.logits, atol=1e-6)
+    auto = pc.prefill(PROMPT, recompute="auto")
+    assert auto.recomputed_tokens > 0
+    assert torch.allclose(pc.prefill(PROMPT, recompute="auto").logits, auto.logits, atol=1e-6)
+    assert pc.prefill(PROMPT).bytes_copied > 0  # the spans whose slots were recomputed are placed again
 
 
 def test_concurrent_generate_is_exact(pc):

@@ -87,7 +87,7 @@ def test_finish_reasons_and_usage(pc):
     assert out.finish_reason == "length" and len(out.token_ids) == 8
     u = out.usage
     assert (u.prompt_tokens, u.completion_tokens, u.cached_tokens, u.total_tokens) == (
-        len(layout.token_ids), 8, out.cached_tokens, len(layout.token_ids) + 8)
+        len(layout.token_ids), 8, out.cached_tokens - out.recomputed_tokens, len(layout.token_ids) + 8)
     stop = out.text[3:5]
     cut = pc.generate(PROMPTS[0], max_new_tokens=8, stop=[stop])
     assert cut.finish_reason == "stop" and stop not in cut.text and out.text.startswith(cut.text)
