@@ -16,7 +16,8 @@ import promptcache
 from promptcache import ConfigError, PMLError, PromptCacheError
 
 ROOT = Path(__file__).resolve().parents[1]
-ENVIRONMENT = {"SourceFileError", "ModelNotFoundError", "OfflineError", "DeviceError", "QueueFull", "EnvironmentProblem"}
+ENVIRONMENT = {"SourceFileError", "ModelNotFoundError", "OfflineError", "DeviceError", "QueueFull", "EnvironmentProblem",
+               "PinBudgetError"}  # PinBudgetError: capacity, like QueueFull
 
 
 def defined_exceptions() -> dict[str, type]:
