@@ -17,7 +17,7 @@ from promptcache import ConfigError, PMLError, PromptCacheError
 
 ROOT = Path(__file__).resolve().parents[1]
 ENVIRONMENT = {"SourceFileError", "ModelNotFoundError", "OfflineError", "DeviceError", "QueueFull", "EnvironmentProblem",
-               "FolderBusy", "SpillFolderBusy"}
+               "FolderBusy", "SpillFolderBusy", "PinBudgetError", "PoolFull"}  # PinBudgetError, PoolFull: capacity, like QueueFull
 
 
 def defined_exceptions() -> dict[str, type]:

@@ -10,7 +10,8 @@ remain, so generation ends with a whole JSON value; ``max_tokens`` can still cut
 Decisions: the JSON is compact (``any_whitespace=False``): a small model let free between tokens
 tends to emit whitespace until ``max_tokens``. xgrammar is optional (the ``structured`` extra) and imported on first use; a
 tokenizer's grammar compiler is built once and kept (``_compiler``); compiled grammars are
-cached by schema text. A schema xgrammar cannot compile is a ``ConstraintError`` naming it.
+cached by schema text. A schema xgrammar cannot compile is a ``ConstraintError``; without
+xgrammar an ``ImportError`` says which extra to install.
 """
 
 from __future__ import annotations
@@ -30,9 +31,9 @@ _lock = threading.Lock()
 
 
 class ConstraintError(PromptCacheError, ValueError):
-    """The constraint cannot be built (xgrammar missing, or a schema it cannot compile)."""
+    """The constraint cannot be built: a schema xgrammar cannot compile."""
 
-    exit_code = 2
+    exit_code = 1
 
 
 def json_processor(tokenizer, vocab_size: int, schema: dict | None = None) -> LogitsProcessor:
@@ -45,7 +46,7 @@ def _xgrammar():
     try:
         import xgrammar
     except ImportError:
-        raise ConstraintError("JSON output needs xgrammar: pip install 'promptcache[structured]'") from None
+        raise ImportError("JSON output needs xgrammar: pip install 'promptcache[structured]'") from None
     return xgrammar
 
 

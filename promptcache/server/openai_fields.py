@@ -60,6 +60,8 @@ def constraints(req: BaseRequest, pc) -> tuple:
         return (json_processor(pc.tokenizer, pc.model.config.vocab_size, schema),)
     except ConstraintError as e:
         raise APIError(400, str(e), "response_format") from None
+    except ImportError as e:  # this server lacks the 'structured' extra
+        raise APIError(400, f"response_format {fmt.type} is not available on this server: {e}", "response_format") from None
 
 
 def _token(tok, token_id: int) -> dict:

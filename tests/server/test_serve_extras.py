@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 
 import pytest
 
@@ -46,7 +47,10 @@ def test_one_access_line_per_request(server, oai, caplog):
     list(oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hello there"}],
                                      max_tokens=3, stream=True))
     http("POST", server[0] + "/v1/chat/completions", {"model": "nope", "messages": []})
-    lines = [r.getMessage() for r in caplog.records if r.name == "promptcache.access"]
+    deadline = time.monotonic() + 10  # the line is written after the last byte is sent: the client may be first
+    while len(lines := [r.getMessage() for r in caplog.records if r.name == "promptcache.access"]) < 3:
+        assert time.monotonic() < deadline, lines
+        time.sleep(0.05)
     assert len(lines) == 3
     for line in lines[:2]:
         assert line.startswith("POST /v1/chat/completions 200 prompt=") and "generated=3" in line
