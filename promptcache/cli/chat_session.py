@@ -90,7 +90,8 @@ class ChatSession:
         self.pc.release(self.prefix.prefill(ids, self.pc.config.namespace))
 
     def stats(self, out) -> str:
-        quality = "exact" if out.exact else f"approximate (recompute {self.pc.config.recompute:g})"
+        r = self.pc.config.recompute
+        quality = "exact" if out.exact else f"approximate (recompute {r if isinstance(r, str) else format(r, 'g')})"
         total = out.cached_tokens + out.new_tokens
         return (f"[TTFT {out.ttft * 1e3:.1f} ms | cached {out.cached_tokens} of {total} tokens | "
                 f"new {out.new_tokens} tokens | {quality}]")

@@ -3,8 +3,8 @@
 Unknown request fields are refused (400 naming the field; ``openai_fields.py`` says which
 fields are served and how); the extension fields (``pml``, ``documents``, ``recompute``) arrive
 top-level, which is what the ``openai`` client's ``extra_body=`` sends. One exception: the fields
-a router in front of replicas adds to every request it forwards (sglang-router re-serializes its
-own request type) are dropped when they hold their "off" value (``ROUTER_NEUTRAL``); set to
+a router in front of replicas adds to every request it forwards (sglang-router and vllm-router
+re-serialize their own request types) are dropped when they hold their "off" value (``ROUTER_NEUTRAL``); set to
 anything else they are refused like any unknown field.
 """
 
@@ -42,7 +42,7 @@ ROUTER_NEUTRAL = {"no_stop_trim": (False,), "continue_final_message": (False,), 
                   "stream_reasoning": (True,), "return_hidden_states": (False,), "top_k": (-1, 0),
                   "min_p": (0,), "repetition_penalty": (1,), "stop_token_ids": ([],), "lora_path": (),
                   "session_params": (), "chat_template_kwargs": ({},), "regex": (), "ebnf": (), "rid": (),
-                  "sampling_seed": ()}
+                  "sampling_seed": (), "include_reasoning": (True, False)}  # vllm-router: no reasoning here either way
 
 
 class BaseRequest(BaseModel):

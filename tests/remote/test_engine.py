@@ -172,7 +172,10 @@ def test_server_metrics_count_remote_hits_and_errors(redis_server, embedded):
     pc.store.shared[0].exists("x" * 64)  # one failure
 
     class Idle:  # a backend (and prefix cache) with nothing running
-        in_flight = blocks_stored = 0
+        in_flight = blocks_stored = published_blocks = 0
+
+        def stats(self):
+            return {}
 
         class scheduler:
             decode_forwards = decode_tokens = 0
