@@ -37,6 +37,10 @@ from .kvpool import KVPool
 __all__ = ["PagedRow", "paged_forward", "paged_refusal", "ATTENTION_NAME"]
 
 ATTENTION_NAME = "promptcache_paged"
+# decode rows whose own part is at most this many tokens are gathered into one padded batch; a
+# longer one (a request that computed its whole prompt) is read in place on its own: padding every
+# row to it made the gather of 64 rows behind a 1K prompt 16 ms a layer (SmolLM2, measured)
+GATHER_MAX = 256
 
 
 @dataclass(eq=False)
@@ -74,9 +78,9 @@ def _build_plan(pool: KVPool, rows: list[PagedRow], scale: float | None) -> _Pla
         t = len(row.ids)
         for key, view in row.shared:
             by_key.setdefault(key, (view, []))[1].extend(range(off, off + t))
-        if t == 1:
+        if t == 1 and len(row.own) <= GATHER_MAX:
             decodes.append((off, row.own))
-        else:
+        else:  # a chunk, or a decode row with a long own part (read in place, not padded into the gather)
             plan.prefills.append((off, off + t, row.own, len(row.own) - t))
         off += t
     plan.segments = [(v, torch.tensor(q, dtype=torch.long, device=dev)) for v, q in by_key.values()]

@@ -324,3 +324,25 @@ def test_recompute_identity_through_the_pool(family, tokenizer):
     ref = plain_logits_at(pc.model, layout.token_ids, layout.position_ids)
     assert torch.max(torch.abs(reqs[1].prefill.logits - ref)).item() <= TOL
     assert reqs[1].token_ids == pc.generate(prompt, max_new_tokens=6, temperature=0.0, recompute=1.0).token_ids
+
+
+def test_a_decode_row_with_a_long_own_part_is_read_in_place_and_stays_exact(tokenizer, monkeypatch):
+    """Rows whose own part is longer than GATHER_MAX decode outside the padded gather."""
+    import promptcache.engine.paged as paged
+
+    monkeypatch.setattr(paged, "GATHER_MAX", 8)  # the tiny prompts' own parts are longer than this
+    pc = PromptCache(make_model("llama"), tokenizer)
+    chains = ChainPlanner(pc.store, pc.model_key, block_size=8)
+    long_ids = pc.tokenizer("Paris is the capital of France, famous for museums, cafes and the Eiffel Tower.").input_ids
+    short_ids = long_ids[:5]
+    pool = KVPool(pc.runner.spec, pc.device, 1024, 8)
+    sched = ServingScheduler(pc.runner, pool, token_budget=64)
+    reqs = [Request(None, SamplingParams(max_new_tokens=6, temperature=0.0), pc.tokenizer,
+                    plan=(lambda ids: lambda p: chains.plan(ids, "ns", p))(ids)) for ids in (long_ids, short_ids)]
+    for r in reqs:
+        sched.add(r)
+    while sched.has_work:
+        sched.step()
+    for ids, r in zip((long_ids, short_ids), reqs):
+        want = pc.generate_from(lambda res, ids=ids: pc.runner.prefill_plain(ids), max_new_tokens=6, temperature=0.0)
+        assert r.token_ids == want.token_ids
