@@ -14,7 +14,7 @@ An idle entry whose key is ``pinned(key)`` (an Anthropic ``cache_control`` break
 not evicted while the pin lives.
 
 Allocation prefers one contiguous run of blocks (a request's own tokens then form one run, and
-attention reads a run as one view); when no run is long enough it takes the lowest free blocks.
+attention reads a run as one view); when no run is long enough it takes the longest free runs first (the fewest pieces).
 Nothing here is thread-safe: the serving scheduler's one thread owns the pool.
 """
 
@@ -117,17 +117,20 @@ class KVPool:
             self._free = sorted(self._free + list(blocks))
 
     def _take(self, count: int) -> list[int]:
-        free, start, run = self._free, 0, 0
-        for i, b in enumerate(free):  # first run of ``count`` consecutive ids
-            run = run + 1 if i and free[i - 1] == b - 1 else 1
-            if run == count:
-                start = i - count + 1
+        """``count`` free blocks: the first run long enough, else the longest runs first (the
+        fewest pieces: attention reads each piece of a shared prompt as its own segment)."""
+        pieces = sorted(runs(self._free), key=lambda r: -r[1])
+        fit = [r for r in runs(self._free) if r[1] >= count]
+        chosen, left = [], count
+        for first, k in fit[:1] or pieces:
+            take = min(k, left)
+            chosen += range(first, first + take)
+            left -= take
+            if not left:
                 break
-        else:
-            start = 0  # fragmented: the lowest free blocks
-        taken = free[start : start + count]
-        del free[start : start + count]
-        return taken
+        taken = set(chosen)
+        self._free = [b for b in self._free if b not in taken]
+        return chosen
 
     # -- views ------------------------------------------------------------------------------------
     def views(self, blocks: list[int], n: int) -> list[torch.Tensor]:

@@ -41,6 +41,11 @@ ATTENTION_NAME = "promptcache_paged"
 # longer one (a request that computed its whole prompt) is read in place on its own: padding every
 # row to it made the gather of 64 rows behind a 1K prompt 16 ms a layer (SmolLM2, measured)
 GATHER_MAX = 256
+# a set of queries reading more than this many separate shared segments (a prompt whose blocks
+# were allocated in pieces from a fragmented pool) reads them concatenated, one attention call a
+# layer: 256 one-block segments of a 4K prompt were 256 calls and merges a layer (375 ms a decode
+# step on SmolLM2, 7x the step of the same prompt in one run)
+SEGMENTS_MAX = 4
 
 
 @dataclass(eq=False)
@@ -63,7 +68,8 @@ class _Plan:
 
     pool: KVPool
     scale: float | None
-    segments: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # (view, query idx [m])
+    # (views read together, query idx [m]): one view, or several concatenated per layer
+    segments: list[tuple[list[torch.Tensor], torch.Tensor]] = field(default_factory=list)
     decode_q: torch.Tensor | None = None  # [B] packed query index of each decode row
     decode_slots: torch.Tensor | None = None  # [B, K] own slots (padded)
     decode_valid: torch.Tensor | None = None  # [B, K] bool
@@ -83,7 +89,7 @@ def _build_plan(pool: KVPool, rows: list[PagedRow], scale: float | None) -> _Pla
         else:  # a chunk, or a decode row with a long own part (read in place, not padded into the gather)
             plan.prefills.append((off, off + t, row.own, len(row.own) - t))
         off += t
-    plan.segments = [(v, torch.tensor(q, dtype=torch.long, device=dev)) for v, q in by_key.values()]
+    plan.segments = _group_segments(list(by_key.values()), dev)
     if decodes:
         width = max(len(s) for _, s in decodes)
         slots = torch.zeros((len(decodes), width), dtype=torch.long, device=dev)
@@ -94,6 +100,19 @@ def _build_plan(pool: KVPool, rows: list[PagedRow], scale: float | None) -> _Pla
         plan.decode_q = torch.tensor([q for q, _ in decodes], dtype=torch.long, device=dev)
         plan.decode_slots, plan.decode_valid = slots, valid
     return plan
+
+
+def _group_segments(segs: list[tuple[torch.Tensor, list[int]]], dev) -> list[tuple[list[torch.Tensor], torch.Tensor]]:
+    """Segments read by the same queries: kept apart while there are at most ``SEGMENTS_MAX`` of
+    them, else read together (concatenated a layer at a time)."""
+    by_queries: dict[tuple[int, ...], list[torch.Tensor]] = {}
+    for view, q in segs:
+        by_queries.setdefault(tuple(q), []).append(view)
+    out = []
+    for q, views in by_queries.items():
+        idx = torch.tensor(q, dtype=torch.long, device=dev)
+        out += [([v], idx) for v in views] if len(views) <= SEGMENTS_MAX else [(views, idx)]
+    return out
 
 
 def _merge(out, lse, idx, o, l) -> None:
@@ -163,10 +182,19 @@ def paged_attention(module, query, key, value, attention_mask, scaling=None, dro
         o, l = _attend(qp, ks, vs, causal.repeat(g, 1)[None])
         out[:, :, q0:q1] = o.view(hk, g, t, d)
         lse[:, :, q0:q1] = l.view(hk, g, t)
-    for view, idx in plan.segments:  # shared segments: read once for every query that needs them
-        o, l = _attend(q[:, :, idx].reshape(hk, -1, d), view[layer, 0].float(), view[layer, 1].float())
+    for views, idx in plan.segments:  # shared segments: read once for every query that needs them
+        ks, vs = _layer_kv(views, layer)
+        o, l = _attend(q[:, :, idx].reshape(hk, -1, d), ks, vs)
         _merge(out, lse, idx, o.view(hk, g, -1, d), l.view(hk, g, -1))
     return out.view(hq, n, d).transpose(0, 1)[None].to(query.dtype), None
+
+
+def _layer_kv(views: list[torch.Tensor], layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values [Hk, n, D] (float32) of one layer of segments read together."""
+    if len(views) == 1:
+        return views[0][layer, 0].float(), views[0][layer, 1].float()
+    kv = torch.cat([v[layer] for v in views], dim=2).float()  # [2, Hk, n, D]
+    return kv[0], kv[1]
 
 
 def _slots(buf: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:

@@ -346,3 +346,45 @@ def test_a_decode_row_with_a_long_own_part_is_read_in_place_and_stays_exact(toke
     for ids, r in zip((long_ids, short_ids), reqs):
         want = pc.generate_from(lambda res, ids=ids: pc.runner.prefill_plain(ids), max_new_tokens=6, temperature=0.0)
         assert r.token_ids == want.token_ids
+
+
+def test_a_fragmented_pool_allocates_the_longest_free_runs_first(tokenizer):
+    spec = PromptCache(make_model("llama"), tokenizer).runner.spec
+    pool = KVPool(spec, "cpu", 10 * 4, 4)
+    taken = pool.allocate(10)
+    pool.free([taken[i] for i in (0, 1, 3, 5, 6, 7, 9)])  # free runs: 0-1, 3, 5-7, 9
+    assert pool.allocate(2) == [0, 1]  # the first run long enough
+    pool.free([0, 1])
+    assert pool.allocate(4) == [5, 6, 7, 0]  # no run of 4: 5-7 then the next longest
+    assert pool.allocate(3) == [1, 3, 9]
+
+
+def test_a_prompt_stored_in_scattered_blocks_is_read_together_and_stays_exact(tokenizer, monkeypatch):
+    """A shared prompt whose blocks lie apart in the pool is more segments than SEGMENTS_MAX: they
+    are attended as one (concatenated a layer at a time), with the same answer as a plain prefill."""
+    import promptcache.engine.paged as paged
+
+    grouped = []
+    group = paged._group_segments
+    monkeypatch.setattr(paged, "_group_segments",
+                        lambda segs, dev: grouped.append((len(segs), len(out := group(segs, dev)))) or out)
+    pc = PromptCache(make_model("llama"), tokenizer)
+    chains = ChainPlanner(pc.store, pc.model_key, block_size=4)
+    pool = KVPool(pc.runner.spec, pc.device, 64 * 4, 4)
+    singles = [pool.allocate(1)[0] for _ in range(64)]
+    pool.free(singles[::2])  # no two free blocks adjoin: a request's blocks are all apart
+    sched = ServingScheduler(pc.runner, pool, token_budget=64)
+    ids = pc.tokenizer("Paris is the capital of France, famous for museums, cafes and the Eiffel Tower.").input_ids
+    outs = []
+    for prompt in (ids, ids + ids[:3]):
+        req = Request(None, SamplingParams(max_new_tokens=4, temperature=0.0), pc.tokenizer,
+                      plan=(lambda p, prompt=prompt: chains.plan(prompt, "ns", p)))
+        sched.add(req)
+        while sched.has_work:
+            sched.step()
+        want = pc.generate_from(lambda res, prompt=prompt: pc.runner.prefill_plain(prompt), max_new_tokens=4,
+                                temperature=0.0)
+        assert req.token_ids == want.token_ids
+        outs.append(req)
+    assert outs[1].prefill.cached_tokens >= 4 * (paged.SEGMENTS_MAX + 1)
+    assert any(n > paged.SEGMENTS_MAX and g == 1 for n, g in grouped)  # read together
