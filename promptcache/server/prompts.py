@@ -14,6 +14,8 @@ Three ways in, all validated before anything is queued (so nothing is half-serve
     refused with 400 naming ``documents``.
 
 Decisions: ``messages`` content parts must be text (others: 400); ``developer`` is ``system``;
+``tools`` and history tool calls are rendered by the chat template and their answers parsed
+(``tools.py``; plain messages only, not ``pml`` or ``documents``);
 ``recompute`` is validated (``"auto"`` or [0, 1]; absent: the engine's setting, ``"auto"`` by
 default) and passed to the engine for ``pml`` and ``documents`` prompts (selective recompute of
 their drifted cached tokens); plain messages are served from exact prefix
