@@ -136,14 +136,23 @@ def processors(req: ChatRequest, pc) -> tuple:
     if not active(req):
         return ()
     choice = req.tool_choice or "auto"
-    chosen = [t for t in req.tools if isinstance(choice, str) or t.function.name == choice.function.name]
-    tags = [Tag(f'{CALL_BEGIN}{{"name": "{t.function.name}", "arguments": ',
-                t.function.parameters if t.function.parameters is not None else {"type": "object"},
-                "}" + CALL_END) for t in chosen]
+    functions = {t.function.name: t.function.parameters for t in req.tools}
+    return call_processor(pc, functions, choice if isinstance(choice, str) else choice.function.name,
+                          single=req.parallel_tool_calls is False)
+
+
+def call_processor(pc, functions: dict[str, dict | None], choice: str, *, single: bool,
+                   param: str = "tools") -> tuple:
+    """The processor for calls to ``functions`` (name -> parameters schema; None: any object).
+    ``choice``: "auto" (text or calls), "required" (calls only) or a name (calls to it only)."""
+    if choice not in ("auto", "required"):
+        functions = {choice: functions[choice]}
+    tags = [Tag(f'{CALL_BEGIN}{{"name": "{name}", "arguments": ', schema if schema is not None else {"type": "object"},
+                "}" + CALL_END) for name, schema in functions.items()]
     try:
         return (tags_processor(pc.tokenizer, pc.model.config.vocab_size, tags, separator=SEPARATOR, trigger=BEGIN,
-                               required=choice != "auto", single=req.parallel_tool_calls is False),)
+                               required=choice != "auto", single=single),)
     except ConstraintError as e:
-        raise APIError(400, str(e), "tools") from None
+        raise APIError(400, str(e), param) from None
     except ImportError as e:
-        raise APIError(400, f"tools are not available on this server: {e}", "tools") from None
+        raise APIError(400, f"tools are not available on this server: {e}", param) from None

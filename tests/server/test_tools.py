@@ -10,49 +10,7 @@ import jsonschema
 import openai
 import pytest
 
-from promptcache import PromptCache
-from promptcache.models.embedded import embedded_model
-from promptcache.server import create_app
-from serverkit import BLOCK, MODEL, client, running
-
-HERMES_TEMPLATE = """{{ bos_token }}
-{%- if tools %}<|system|>
-{% if messages[0].role == 'system' %}{{ messages[0].content }}
-
-{% endif %}# Tools
-
-You may call one or more functions. Their signatures are within <tools></tools>:
-<tools>{% for tool in tools %}
-{{ tool | tojson }}{% endfor %}
-</tools>
-
-For each call, return a JSON object within <tool_call></tool_call> tags:
-<tool_call>
-{"name": <function-name>, "arguments": <args-json-object>}
-</tool_call><|end|>
-{% elif messages[0].role == 'system' %}<|system|>
-{{ messages[0].content }}<|end|>
-{% endif %}
-{%- for m in messages %}
-{%- if m.role == 'system' and loop.first %}
-{%- elif m.role == 'assistant' %}<|assistant|>
-{{ m.content or '' }}
-{%- for call in m.tool_calls or [] %}
-{%- set f = call.function if call.function is defined else call %}
-{%- if loop.first and not m.content %}{% else %}{{ '\\n' }}{% endif %}<tool_call>
-{"name": "{{ f.name }}", "arguments": {{ f.arguments | tojson }}}
-</tool_call>
-{%- endfor %}<|end|>
-{% elif m.role == 'tool' %}<|user|>
-<tool_response>
-{{ m.content }}
-</tool_response><|end|>
-{% else %}<|{{ m.role }}|>
-{{ m.content }}<|end|>
-{% endif %}
-{%- endfor %}
-{%- if add_generation_prompt %}<|assistant|>
-{% endif %}"""
+from serverkit import MODEL, client
 
 WEATHER = {"type": "object", "properties": {"city": {"enum": ["Paris", "Tokyo"]}, "days": {"enum": [1, 2, 3]}},
            "required": ["city", "days"], "additionalProperties": False}
@@ -64,17 +22,9 @@ SCHEMAS = {"get_weather": WEATHER, "get_time": TIME}
 MSGS = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
-@pytest.fixture(scope="module")
-def tool_pc():
-    model, tok = embedded_model(MODEL)
-    tok.chat_template = HERMES_TEMPLATE
-    return PromptCache(model, tok)
-
-
-@pytest.fixture(scope="module")
-def tools_oai(tool_pc):
-    with running(create_app(tool_pc, model_name=MODEL, block_size=BLOCK)) as url:
-        yield client(url)
+@pytest.fixture
+def tools_oai(tool_server):
+    return client(tool_server)
 
 
 def ask(oai, **kw):
