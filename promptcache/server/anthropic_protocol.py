@@ -116,7 +116,7 @@ class MessagesRequest(BaseModel):
 def message(mid: str, model: str, text: str | None, stop_reason: str | None, stop_sequence: str | None,
             usage: dict, tool_uses: list[dict] | None = None) -> dict:
     """A whole answer: a text block (absent when a tool call came without text), then its calls."""
-    content = [{"type": "text", "text": text}] if text or (stop_reason and not tool_uses) else []
+    content = [{"type": "text", "text": text or ""}] if text or (stop_reason and not tool_uses) else []
     content += tool_uses or []
     return {"id": mid, "type": "message", "role": "assistant", "model": model, "content": content,
             "stop_reason": stop_reason, "stop_sequence": stop_sequence, "usage": usage}

@@ -53,7 +53,7 @@ from .metrics import CONTENT_TYPE_LATEST, Metrics
 from .prefix import DEFAULT_BLOCK_SIZE, PrefixCache
 from .prompts import Planner
 from .tokenize import add_tokenize_routes
-from .toolcalls import CallStream, ToolCall, parse as parse_calls
+from .toolcalls import CallStream, finish_reason, openai_deltas, parse as parse_calls
 from .workerinfo import add_worker_routes
 
 log = logging.getLogger(__name__)
@@ -231,7 +231,7 @@ def create_app(pc, *, api_keys: dict[str, str] | None = None, documents=None, ma
             watcher.cancel()
         if plan.tool_calls:
             content, calls = parse_calls("".join(text))
-            return P.chat_response(rid, req.model, content, _finish(reason, calls), use, logprobs(value.logprobs),
+            return P.chat_response(rid, req.model, content, finish_reason(reason, calls), use, logprobs(value.logprobs),
                                    [c.openai() for c in calls])
         make = P.chat_response if chat else P.completion_response
         return make(rid, req.model, "".join(text), reason, use, logprobs(value.logprobs))
@@ -281,17 +281,6 @@ async def _watch_disconnect(request: Request, job, backend) -> None:
             return
 
 
-def _finish(reason: str, calls: list[ToolCall]) -> str:
-    """OpenAI's finish reason of an answer that called tools: ``tool_calls`` (a cut-off stays ``length``)."""
-    return "tool_calls" if calls and reason == "stop" else reason
-
-
-def _deltas(pieces, calls: CallStream) -> list[dict]:
-    """Chat deltas of ``CallStream`` pieces: content text, or one tool call (with its index)."""
-    return [{"content": p} if isinstance(p, str) else {"tool_calls": [p.openai(calls.calls.index(p))]}
-            for p in pieces]
-
-
 async def _sse(job, backend, rid, model, chat, include_usage, finish, logprobs, calls: CallStream | None = None):
     """SSE events of one streamed answer; a client that goes away cancels the job. Token
     log-probabilities ride on the next text chunk (text held back for a stop string, or as a
@@ -309,7 +298,7 @@ async def _sse(job, backend, rid, model, chat, include_usage, finish, logprobs, 
             if kind == "logprob":
                 pending.append(value)
             elif kind == "text" and calls is not None:
-                for delta in _deltas(calls.feed(value), calls):
+                for delta in openai_deltas(calls.feed(value), calls):
                     lp, pending = (logprobs(pending) if pending else None), []
                     yield event(P.chat_chunk(rid, model, delta, logprobs=lp))
             elif kind == "text":
@@ -321,10 +310,10 @@ async def _sse(job, backend, rid, model, chat, include_usage, finish, logprobs, 
                 done = True
                 reason, use = finish(value)
                 if calls is not None:
-                    for delta in _deltas(calls.close(), calls):
+                    for delta in openai_deltas(calls.close(), calls):
                         lp, pending = (logprobs(pending) if pending else None), []
                         yield event(P.chat_chunk(rid, model, delta, logprobs=lp))
-                    reason = _finish(reason, calls.calls)
+                    reason = finish_reason(reason, calls.calls)
                 lp = logprobs(pending, sent) if pending else None
                 yield event(P.chat_chunk(rid, model, {}, reason, logprobs=lp) if chat
                             else P.completion_chunk(rid, model, "", reason, logprobs=lp))

@@ -70,6 +70,17 @@ def parse(text: str) -> tuple[str | None, list[ToolCall]]:
     return content or None, stream.calls
 
 
+def finish_reason(reason: str, calls: list[ToolCall]) -> str:
+    """OpenAI's finish reason of an answer that called tools: ``tool_calls`` (a cut-off stays ``length``)."""
+    return "tool_calls" if calls and reason == "stop" else reason
+
+
+def openai_deltas(pieces: list, stream: "CallStream") -> list[dict]:
+    """OpenAI chat deltas of ``stream``'s pieces: content text, or one tool call with its index."""
+    return [{"content": p} if isinstance(p, str) else {"tool_calls": [p.openai(stream.calls.index(p))]}
+            for p in pieces]
+
+
 class CallStream:
     """Feeds text pieces, yields what may be sent: ``str`` (content) and ``ToolCall`` items.
 
