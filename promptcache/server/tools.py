@@ -4,8 +4,9 @@ Tools go through the model's own chat template (``apply_chat_template(..., tools
 the request's function specs as sent) and its calls are parsed from the answer
 (``toolcalls.py``). A template "supports tools" when all of these hold, else a request with
 ``tools`` is a 400 naming ``tools`` that says which one failed: the template's source uses
-``tools``; rendering a probe tool changes the prompt; the source writes ``<tool_call>``, the
-one call format parsed (Hermes / Qwen2.5: a ``{"name", "arguments"}`` JSON object per block).
+``tools``; rendering a probe tool changes the prompt; a probe call in the history renders as
+``<tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>``, the one call format parsed
+(Hermes / Qwen2.5 / Qwen3; Qwen3-Coder's ``<function=...>`` inside the tag is another format).
 A history with assistant ``tool_calls`` or ``tool`` messages needs such a template too.
 
 ``tool_choice``:
@@ -92,8 +93,17 @@ def _unsupported(tokenizer, template) -> str | None:
         return f"its chat template failed on a probe tool: {e}"
     if plain == probed:
         return "its chat template renders nothing for a probe tool"
-    if BEGIN not in template:
-        return f"its chat template's tool-call format is not one this server parses (only {BEGIN} JSON blocks)"
+    call = {"id": "call_probe", "type": "function", "function": {"name": "probe_tool_support", "arguments": {"n": 1}}}
+    history = msgs + [{"role": "assistant", "content": "", "tool_calls": [call]},
+                      {"role": "tool", "content": "ok", "tool_call_id": "call_probe"}]
+    expected = CALL_BEGIN + '{"name": "probe_tool_support", "arguments": {"n": 1}}' + CALL_END
+    try:
+        rendered = tokenizer.apply_chat_template(history, tools=_PROBE, tokenize=False)
+    except Exception as e:
+        return f"its chat template failed on a probe tool call: {e}"
+    if expected not in rendered:
+        return (f"its chat template writes tool calls in a format this server does not parse (only "
+                f"{expected!r} blocks)")
     return None
 
 

@@ -136,3 +136,21 @@ def test_a_template_without_tools_is_400_naming_tools(oai):
     with pytest.raises(openai.BadRequestError) as e:
         oai.chat.completions.create(model=MODEL, messages=history, max_tokens=2)
     assert e.value.body["param"] == "messages[1].tool_calls"
+
+
+def test_which_templates_support_tools():
+    from promptcache.models.embedded import CHAT_TEMPLATE, embedded_tokenizer
+    from promptcache.server.tools import unsupported
+    from serverkit import HERMES_TEMPLATE
+
+    def why(template):
+        tok = embedded_tokenizer()
+        tok.chat_template = template
+        return unsupported(tok)
+
+    assert why(HERMES_TEMPLATE) is None
+    assert "does not use 'tools'" in why(CHAT_TEMPLATE)
+    assert "renders nothing" in why("{# tools are not shown #}" + CHAT_TEMPLATE)
+    xml = HERMES_TEMPLATE.replace('{"name": "{{ f.name }}", "arguments": {{ f.arguments | tojson }}}',
+                                  "<function={{ f.name }}>{{ f.arguments | tojson }}</function>")
+    assert xml != HERMES_TEMPLATE and "format this server does not parse" in why(xml)
