@@ -125,7 +125,11 @@ class ToolEvents:
         return self._events(self.calls.feed(text))
 
     def close(self) -> list[str]:
+        """The last events; an answer of no text and no call has one empty text block, as when whole."""
         out = self._events(self.calls.close())
+        if self.index < 0:
+            self.index, self.text_open = 0, True
+            out.append(A.event("content_block_start", {"index": 0, "content_block": {"type": "text", "text": ""}}))
         if self.text_open:
             out.append(A.event("content_block_stop", {"index": self.index}))
         return out

@@ -118,15 +118,15 @@ def history(m: Message, i: int, content: str) -> dict:
     if m.tool_call_id is not None and m.role != "tool":
         raise APIError(400, f"tool_call_id belongs on role 'tool' messages, messages[{i}] is '{m.role}'",
                        f"messages[{i}].tool_call_id")
+    if m.tool_calls and m.role != "assistant":
+        raise APIError(400, f"tool_calls belong on assistant messages, messages[{i}] is '{m.role}'",
+                       f"messages[{i}].tool_calls")
     if m.role == "tool":
         if m.tool_call_id is None:
             raise APIError(400, f"messages[{i}] (role 'tool') needs tool_call_id", f"messages[{i}].tool_call_id")
         return {"role": "tool", "content": content, "tool_call_id": m.tool_call_id}
     out = {"role": "system" if m.role == "developer" else m.role, "content": content}
     if m.tool_calls:
-        if m.role != "assistant":
-            raise APIError(400, f"tool_calls belong on assistant messages, messages[{i}] is '{m.role}'",
-                           f"messages[{i}].tool_calls")
         out["tool_calls"] = [_call(c, f"messages[{i}].tool_calls[{j}]") for j, c in enumerate(m.tool_calls)]
     return out
 

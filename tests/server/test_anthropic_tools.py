@@ -128,3 +128,27 @@ def test_a_tool_result_breakpoint_ends_after_its_text(tool_pc):
     [bp] = prompt.breakpoints
     assert (bp.where, bp.ttl) == ("messages[2].content[0]", 3600.0)
     assert tool_pc.tokenizer.decode(prompt.ids[: bp.tokens]).endswith("Error: It is noon.")
+
+
+def test_stream_events_open_a_block_per_text_run_and_per_call():
+    import json
+
+    from promptcache.server.anthropic_tools import ToolEvents
+
+    def kinds(events):
+        out = []
+        for e in events:
+            data = json.loads(e.split("data: ", 1)[1])
+            block = data.get("content_block") or data.get("delta") or {}
+            out.append((data["type"], data["index"], block.get("type")))
+        return out
+
+    s = ToolEvents()
+    events = s.feed("Let me check. <tool_") + s.feed('call>\n{"name": "get_time", "arguments": {"zone": "UTC"}}\n'
+                                                     "</tool_call>") + s.close()
+    assert kinds(events) == [("content_block_start", 0, "text"), ("content_block_delta", 0, "text_delta"),
+                             ("content_block_stop", 0, None), ("content_block_start", 1, "tool_use"),
+                             ("content_block_delta", 1, "input_json_delta"), ("content_block_stop", 1, None)]
+    assert '"partial_json": "{\\"zone\\": \\"UTC\\"}"' in events[4]
+    empty = ToolEvents()
+    assert kinds(empty.feed("") + empty.close()) == [("content_block_start", 0, "text"), ("content_block_stop", 0, None)]
