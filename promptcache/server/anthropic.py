@@ -13,6 +13,9 @@ pinned (as the hosted API does not cache below its minimum length).
 ``cache_creation_input_tokens`` the tokens of the full blocks past those that this request
 stored, ``input_tokens`` the rest (so the three add up to the prompt, as in the API).
 
+Tools: ``anthropic_tools.py`` (checked before rendering; an answer of a request with tools is
+parsed into ``tool_use`` blocks, and streamed as content blocks opened as text and calls come).
+
 Keys: the ``x-api-key`` header (what the ``anthropic`` client sends) or ``Authorization: Bearer``.
 """
 
@@ -33,8 +36,8 @@ from . import anthropic_tools
 from .access import note
 from .anthropic_prompt import RenderedPrompt, render
 from .backend import QueueFull, Sampling
-from .toolcalls import parse as parse_calls
 from .protocol import APIError
+from .toolcalls import parse as parse_calls
 
 DISCONNECT_POLL_S = 1.0  # a non-streaming request checks this often whether its client is still there
 
