@@ -13,6 +13,9 @@ pinned (as the hosted API does not cache below its minimum length).
 ``cache_creation_input_tokens`` the tokens of the full blocks past those that this request
 stored, ``input_tokens`` the rest (so the three add up to the prompt, as in the API).
 
+Tools: ``anthropic_tools.py`` (checked before rendering; an answer of a request with tools is
+parsed into ``tool_use`` blocks, and streamed as content blocks opened as text and calls come).
+
 Keys: the ``x-api-key`` header (what the ``anthropic`` client sends) or ``Authorization: Bearer``.
 """
 
@@ -29,10 +32,12 @@ from pydantic import ValidationError
 
 from ..store import PinBudgetError, Pins
 from . import anthropic_protocol as A
+from . import anthropic_tools
 from .access import note
 from .anthropic_prompt import RenderedPrompt, render
 from .backend import QueueFull, Sampling
 from .protocol import APIError
+from .toolcalls import parse as parse_calls
 
 DISCONNECT_POLL_S = 1.0  # a non-streaming request checks this often whether its client is still there
 
@@ -60,8 +65,9 @@ def add_messages_route(app: FastAPI, ctx: MessagesContext) -> None:
         try:
             ns = ctx.namespace(request)
             req = await _parse(request, ctx.model_name)
+            anthropic_tools.check(req, ctx.pc.tokenizer)
             prompt = render(ctx.pc.tokenizer, req)
-            sampling = _sampling(req, len(prompt.ids), context)
+            sampling = _sampling(req, len(prompt.ids), context, anthropic_tools.processors(req, ctx.pc))
             _pin(ctx, prompt, ns, block_bytes)
         except APIError as e:
             raise A.AnthropicError.of(e) from None
@@ -85,12 +91,12 @@ async def _parse(request: Request, model_name: str) -> A.MessagesRequest:
     return req
 
 
-def _sampling(req: A.MessagesRequest, length: int, context: int | None) -> Sampling:
+def _sampling(req: A.MessagesRequest, length: int, context: int | None, constraints: tuple) -> Sampling:
     if context is not None and length + req.max_tokens > context:
         raise A.AnthropicError(400, f"the prompt is {length} tokens and max_tokens is {req.max_tokens}: "
                                     f"{length + req.max_tokens} is past the model's context of {context}",
                                "max_tokens")
-    return Sampling(req.max_tokens, req.temperature, req.top_p, req.stop_sequences, None)
+    return Sampling(req.max_tokens, req.temperature, req.top_p, req.stop_sequences, None, constraints)
 
 
 def _pin(ctx: MessagesContext, prompt: RenderedPrompt, ns: str, block_bytes: int) -> None:
@@ -144,21 +150,23 @@ async def _serve(request: Request, ctx: MessagesContext, req: A.MessagesRequest,
     m.requests.labels(request.url.path, "200").inc()
     mid = A.new_message_id()
 
-    def finish(gen) -> tuple[str, str | None, dict]:
+    def finish(gen, called: bool = False) -> tuple[str, str | None, dict]:
         m.generated_tokens.inc(len(gen.token_ids))
         note(request, generated=len(gen.token_ids))
         matched = _matched_stop(ctx.pc.tokenizer, gen, req.stop_sequences or [])
-        return A.stop_reason(gen.finish_reason, matched), matched, A.usage(n - read - made, made, read,
-                                                                            len(gen.token_ids))
+        return A.stop_reason(gen.finish_reason, matched, called), matched, A.usage(n - read - made, made, read,
+                                                                                    len(gen.token_ids))
 
+    tools = anthropic_tools.active(req)
     if req.stream:
         start_use = A.usage(n - read - made, made, read, 0)
-        return StreamingResponse(_events(job, ctx.backend, mid, req.model, start_use, finish),
+        events = anthropic_tools.ToolEvents() if tools else None
+        return StreamingResponse(_events(job, ctx.backend, mid, req.model, start_use, finish, events),
                                  media_type="text/event-stream")
-    return await _collect(request, job, ctx.backend, mid, req.model, finish)
+    return await _collect(request, job, ctx.backend, mid, req.model, finish, tools)
 
 
-async def _collect(request: Request, job, backend, mid: str, model: str, finish):
+async def _collect(request: Request, job, backend, mid: str, model: str, finish, tools: bool):
     text, checked = [], time.monotonic()
     try:
         while True:
@@ -173,6 +181,11 @@ async def _collect(request: Request, job, backend, mid: str, model: str, finish)
                     return Response(status_code=499)
             if kind == "text":
                 text.append(value)
+            elif kind == "done" and tools:
+                content, calls = parse_calls("".join(text))
+                reason, matched, use = finish(value, bool(calls))
+                return JSONResponse(A.message(mid, model, content, reason, matched, use,
+                                              [anthropic_tools.tool_use(c) for c in calls]))
             elif kind == "done":
                 reason, matched, use = finish(value)
                 return JSONResponse(A.message(mid, model, "".join(text), reason, matched, use))
@@ -183,16 +196,29 @@ async def _collect(request: Request, job, backend, mid: str, model: str, finish)
         raise
 
 
-async def _events(job, backend, mid: str, model: str, start_use: dict, finish):
-    """The API's event sequence; a client that goes away cancels the job."""
+async def _events(job, backend, mid: str, model: str, start_use: dict, finish,
+                  tools: anthropic_tools.ToolEvents | None = None):
+    """The API's event sequence; a client that goes away cancels the job. ``tools``: the answer
+    may call tools (content blocks open as text and calls come)."""
     done = False
     try:
-        for e in A.start_events(mid, model, start_use):
+        for e in A.start_events(mid, model, start_use, text_block=tools is None):
             yield e
         while True:
             kind, value = await job.events.get()
-            if kind == "text":
+            if kind == "text" and tools is not None:
+                for e in tools.feed(value):
+                    yield e
+            elif kind == "text":
                 yield A.delta_event(value)
+            elif kind == "done" and tools is not None:
+                done = True
+                for e in tools.close():
+                    yield e
+                reason, matched, use = finish(value, bool(tools.calls.calls))
+                for e in A.end_events(reason, matched, {"output_tokens": use["output_tokens"]}, text_block=False):
+                    yield e
+                return
             elif kind == "done":
                 done = True
                 reason, matched, use = finish(value)

@@ -5,8 +5,10 @@ so a client never gets an answer that silently ignored what it asked for. Served
 ``max_tokens`` (required, as in the API), ``messages`` and ``system`` (a string or text blocks),
 ``stop_sequences``, ``stream``, ``temperature`` ([0, 1], default 1) and ``top_p`` (clients
 whose ``create`` no longer takes them send them in ``extra_body``), ``metadata`` (accepted, not
-used), a top-level ``cache_control`` (a breakpoint after the last message's last block). Refused with a 400 naming them: ``tools``, ``tool_choice``, ``top_k``,
-``thinking`` and every other field; content blocks other than ``text``.
+used), a top-level ``cache_control`` (a breakpoint after the last message's last block), ``tools``
+and ``tool_choice`` with ``tool_use`` / ``tool_result`` blocks (``anthropic_tools.py``). Refused
+with a 400 naming them: ``top_k``, ``thinking`` and every other field; content blocks other than
+``text``, ``tool_use`` and ``tool_result``; ``cache_control`` on a tool or a ``tool_use`` block.
 """
 
 from __future__ import annotations
@@ -51,6 +53,43 @@ class TextBlock(BaseModel):
     cache_control: CacheControl | None = None
 
 
+class ToolUseBlock(BaseModel):
+    """An assistant's call in the history."""
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["tool_use"]
+    id: str
+    name: str
+    input: dict
+    cache_control: CacheControl | None = None  # refused (anthropic_tools.py): no place for it in a call's JSON
+
+
+class ToolResultBlock(BaseModel):
+    """A user turn's answer to a call; ``is_error`` shows as an ``Error: `` before its text."""
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["tool_result"]
+    tool_use_id: str
+    content: str | list[TextBlock] = ""
+    is_error: bool = False
+    cache_control: CacheControl | None = None
+
+
+class ToolSpec(BaseModel):
+    """A client tool (``type`` "custom" or absent); server tools are refused."""
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")  # written into the grammar as is
+    description: str | None = None
+    input_schema: dict
+    type: Literal["custom"] | None = None
+    cache_control: CacheControl | None = None  # refused (anthropic_tools.py): tools render inside the template
+
+
+class ToolChoice(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["auto", "any", "tool", "none"]
+    name: str | None = None  # type "tool"
+    disable_parallel_tool_use: bool = False
+
+
 class InputMessage(BaseModel):
     model_config = ConfigDict(extra="forbid")
     role: Literal["user", "assistant"]
@@ -70,11 +109,15 @@ class MessagesRequest(BaseModel):
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     metadata: dict | None = None
     cache_control: CacheControl | None = None  # automatic caching: a breakpoint after the last block
+    tools: list[ToolSpec] | None = None  # anthropic_tools.py
+    tool_choice: ToolChoice | None = None
 
 
-def message(mid: str, model: str, text: str, stop_reason: str | None, stop_sequence: str | None,
-            usage: dict) -> dict:
-    content = [{"type": "text", "text": text}] if text or stop_reason else []
+def message(mid: str, model: str, text: str | None, stop_reason: str | None, stop_sequence: str | None,
+            usage: dict, tool_uses: list[dict] | None = None) -> dict:
+    """A whole answer: a text block (absent when a tool call came without text), then its calls."""
+    content = [{"type": "text", "text": text or ""}] if text or (stop_reason and not tool_uses) else []
+    content += tool_uses or []
     return {"id": mid, "type": "message", "role": "assistant", "model": model, "content": content,
             "stop_reason": stop_reason, "stop_sequence": stop_sequence, "usage": usage}
 
@@ -86,11 +129,14 @@ def usage(input_tokens: int, created: int, read: int, output_tokens: int) -> dic
             "cache_read_input_tokens": read, "output_tokens": output_tokens}
 
 
-def stop_reason(finish: str, matched: str | None) -> str:
-    """Engine finish reason -> Anthropic's: ``length`` is ``max_tokens``; ``stop`` is
-    ``stop_sequence`` when a stop sequence ended the text, else ``end_turn`` (an EOS token)."""
+def stop_reason(finish: str, matched: str | None, called: bool = False) -> str:
+    """Engine finish reason -> Anthropic's: ``length`` is ``max_tokens``; ``stop`` is ``tool_use``
+    when the answer called tools, ``stop_sequence`` when a stop sequence ended the text, else
+    ``end_turn`` (an EOS token)."""
     if finish == "length":
         return "max_tokens"
+    if called:
+        return "tool_use"
     return "stop_sequence" if matched is not None else "end_turn"
 
 
@@ -99,18 +145,21 @@ def event(kind: str, data: dict) -> str:
     return f"event: {kind}\ndata: {json.dumps({'type': kind, **data})}\n\n"
 
 
-def start_events(mid: str, model: str, use: dict) -> list[str]:
+def start_events(mid: str, model: str, use: dict, text_block: bool = True) -> list[str]:
+    """``text_block``: open content block 0 as text at once (False: blocks open as they come)."""
+    block = [event("content_block_start", {"index": 0, "content_block": {"type": "text", "text": ""}})]
     return [event("message_start", {"message": message(mid, model, "", None, None, use)}),
-            event("content_block_start", {"index": 0, "content_block": {"type": "text", "text": ""}}),
-            event("ping", {})]
+            *(block if text_block else []), event("ping", {})]
 
 
 def delta_event(text: str) -> str:
     return event("content_block_delta", {"index": 0, "delta": {"type": "text_delta", "text": text}})
 
 
-def end_events(reason: str, matched: str | None, use: dict) -> list[str]:
-    return [event("content_block_stop", {"index": 0}),
+def end_events(reason: str, matched: str | None, use: dict, text_block: bool = True) -> list[str]:
+    """``text_block``: close content block 0 first (False: the blocks were closed as they ended)."""
+    block = [event("content_block_stop", {"index": 0})]
+    return [*(block if text_block else []),
             event("message_delta", {"delta": {"stop_reason": reason, "stop_sequence": matched}, "usage": use}),
             event("message_stop", {})]
 
@@ -124,5 +173,6 @@ def new_message_id() -> str:
 
 
 __all__ = ["AnthropicError", "CacheControl", "InputMessage", "MAX_BREAKPOINTS", "MessagesRequest", "TTL_SECONDS",
-           "TextBlock", "delta_event", "end_events", "error_event", "message", "new_message_id", "start_events",
+           "TextBlock", "ToolChoice", "ToolResultBlock", "ToolSpec", "ToolUseBlock", "delta_event", "end_events",
+           "error_event", "event", "message", "new_message_id", "start_events",
            "stop_reason", "usage"]

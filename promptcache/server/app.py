@@ -53,6 +53,7 @@ from .metrics import CONTENT_TYPE_LATEST, Metrics
 from .prefix import DEFAULT_BLOCK_SIZE, PrefixCache
 from .prompts import Planner
 from .tokenize import add_tokenize_routes
+from .toolcalls import CallStream, finish_reason, openai_deltas, parse as parse_calls
 from .workerinfo import add_worker_routes
 
 log = logging.getLogger(__name__)
@@ -205,7 +206,8 @@ def create_app(pc, *, api_keys: dict[str, str] | None = None, documents=None, ma
         metrics.requests.labels(request.url.path, "200").inc()
         if req.stream:
             include = bool(req.stream_options and req.stream_options.include_usage)
-            return StreamingResponse(_sse(job, backend, rid, req.model, chat, include, finish, logprobs),
+            calls = CallStream() if plan.tool_calls else None
+            return StreamingResponse(_sse(job, backend, rid, req.model, chat, include, finish, logprobs, calls),
                                      media_type="text/event-stream")
         text = []
         try:
@@ -227,6 +229,10 @@ def create_app(pc, *, api_keys: dict[str, str] | None = None, documents=None, ma
             raise
         finally:
             watcher.cancel()
+        if plan.tool_calls:
+            content, calls = parse_calls("".join(text))
+            return P.chat_response(rid, req.model, content, finish_reason(reason, calls), use, logprobs(value.logprobs),
+                                   [c.openai() for c in calls])
         make = P.chat_response if chat else P.completion_response
         return make(rid, req.model, "".join(text), reason, use, logprobs(value.logprobs))
 
@@ -275,10 +281,11 @@ async def _watch_disconnect(request: Request, job, backend) -> None:
             return
 
 
-async def _sse(job, backend, rid, model, chat, include_usage, finish, logprobs):
+async def _sse(job, backend, rid, model, chat, include_usage, finish, logprobs, calls: CallStream | None = None):
     """SSE events of one streamed answer; a client that goes away cancels the job. Token
-    log-probabilities ride on the next text chunk (text held back for a stop string lags its
-    tokens), the rest on the finishing chunk."""
+    log-probabilities ride on the next text chunk (text held back for a stop string, or as a
+    possible tool call, lags its tokens), the rest on the finishing chunk. ``calls``: the answer
+    is parsed for tool calls (each sent whole, once its block closes)."""
     def event(obj) -> str:
         return f"data: {json.dumps(obj)}\n\n"
 
@@ -290,6 +297,10 @@ async def _sse(job, backend, rid, model, chat, include_usage, finish, logprobs):
             kind, value = await job.events.get()
             if kind == "logprob":
                 pending.append(value)
+            elif kind == "text" and calls is not None:
+                for delta in openai_deltas(calls.feed(value), calls):
+                    lp, pending = (logprobs(pending) if pending else None), []
+                    yield event(P.chat_chunk(rid, model, delta, logprobs=lp))
             elif kind == "text":
                 lp = logprobs(pending, sent) if pending else None
                 pending, sent = [], sent + len(value)
@@ -298,6 +309,11 @@ async def _sse(job, backend, rid, model, chat, include_usage, finish, logprobs):
             elif kind == "done":
                 done = True
                 reason, use = finish(value)
+                if calls is not None:
+                    for delta in openai_deltas(calls.close(), calls):
+                        lp, pending = (logprobs(pending) if pending else None), []
+                        yield event(P.chat_chunk(rid, model, delta, logprobs=lp))
+                    reason = finish_reason(reason, calls.calls)
                 lp = logprobs(pending, sent) if pending else None
                 yield event(P.chat_chunk(rid, model, {}, reason, logprobs=lp) if chat
                             else P.completion_chunk(rid, model, "", reason, logprobs=lp))

@@ -1,9 +1,10 @@
 """The OpenAI request fields beyond plain sampling: ``logprobs`` / ``top_logprobs``,
-``response_format``, ``prompt_cache_key``, and the refusals.
+``response_format``, ``prompt_cache_key``, and the refusals (tools: ``tools.py``).
 
 Decisions:
   * Unknown fields are refused (the request models forbid extras; 400 naming the field), so a
-    client that asks for tools or a logit bias gets an error, never an answer that ignored it.
+    client that asks for a logit bias gets an error, never an answer that ignored it. ``tools``,
+    ``tool_choice`` and ``parallel_tool_calls`` are ``tools.py``'s.
     Accepted with no effect on the answer: ``user``, ``metadata``, ``prompt_cache_key`` (prefix
     reuse is automatic and keyed by content; the key is kept for a router that places requests
     by it), ``frequency_penalty`` / ``presence_penalty`` at 0, ``response_format`` ``text``.

@@ -14,6 +14,8 @@ Three ways in, all validated before anything is queued (so nothing is half-serve
     refused with 400 naming ``documents``.
 
 Decisions: ``messages`` content parts must be text (others: 400); ``developer`` is ``system``;
+``tools`` and history tool calls are rendered by the chat template and their answers parsed
+(``tools.py``; plain messages only, not ``pml`` or ``documents``);
 ``recompute`` is validated (``"auto"`` or [0, 1]; absent: the engine's setting, ``"auto"`` by
 default) and passed to the engine for ``pml`` and ``documents`` prompts (selective recompute of
 their drifted cached tokens); plain messages are served from exact prefix
@@ -33,7 +35,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from ..pml import PMLError, parse_prompt
-from . import openai_fields
+from . import openai_fields, tools
 from .backend import Sampling
 from .protocol import APIError, ChatRequest, CompletionRequest, BaseRequest
 
@@ -47,6 +49,7 @@ class Plan:
     prompt_tokens: int
     sampling: Sampling
     plan: Callable[[object], object] | None = None  # plan(pool) -> PrefillPlan (None: start only)
+    tool_calls: bool = False  # the answer is parsed for tool calls (tools.py)
 
 
 class Planner:
@@ -61,15 +64,23 @@ class Planner:
         if req.pml is not None:
             if req.messages or req.documents:
                 raise APIError(400, "send either 'messages' (and 'documents') or 'pml', not both", "pml")
+            if req.tools:
+                raise APIError(400, "tools need 'messages' (a PML prompt has no chat template to show them)", "tools")
             return self._pml(req, ns, req.max_completion_tokens or req.max_tokens, CHAT_DEFAULT_MAX_TOKENS)
         if not req.messages:
             raise APIError(400, "'messages' must hold at least one message", "messages")
+        tools.check(req, self.pc.tokenizer)
         msgs = self.chat_messages(req.messages)
         self._check_size(sum(len(m["content"]) for m in msgs), "messages")
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         if req.documents is not None:
+            if req.tools:
+                raise APIError(400, "tools cannot be combined with documents", "tools")
             return self._documents(req, msgs, ns, max_tokens)
-        return self._tokens(self.chat_ids(msgs), req, ns, max_tokens, CHAT_DEFAULT_MAX_TOKENS, "messages")
+        plan = self._tokens(self.chat_ids(msgs, tools.template_tools(req)), req, ns, max_tokens,
+                            CHAT_DEFAULT_MAX_TOKENS, "messages")
+        plan.tool_calls = tools.active(req)
+        return plan
 
     def completion(self, req: CompletionRequest, ns: str) -> Plan:
         _check_common(req)
@@ -95,16 +106,18 @@ class Planner:
         return self._tokens(ids, req, ns, req.max_tokens, COMPLETION_DEFAULT_MAX_TOKENS, "prompt")
 
     def chat_messages(self, messages) -> list[dict]:
-        """Request messages -> the template's dicts (``developer`` is ``system``; text parts only)."""
-        return [{"role": "system" if m.role == "developer" else m.role, "content": _text(m, i)}
-                for i, m in enumerate(messages)]
+        """Request messages -> the template's dicts (``developer`` is ``system``; text parts only;
+        tool calls and tool answers as ``tools.history`` writes them)."""
+        tools.check_history(messages, self.pc.tokenizer)
+        return [tools.history(m, i, _text(m, i)) for i, m in enumerate(messages)]
 
-    def chat_ids(self, msgs: list[dict]) -> list[int]:
-        """Token IDs of a conversation rendered with the chat template plus the generation prompt."""
+    def chat_ids(self, msgs: list[dict], functions: list[dict] | None = None) -> list[int]:
+        """Token IDs of a conversation rendered with the chat template plus the generation prompt
+        (``functions``: OpenAI tool specs the template renders; None: none)."""
         tok = self.pc.tokenizer
         if getattr(tok, "chat_template", None):
             try:
-                out = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
+                out = tok.apply_chat_template(msgs, tools=functions, add_generation_prompt=True, tokenize=True)
             except Exception as e:  # templates raise on role orders they refuse
                 raise APIError(400, f"the model's chat template refused the messages: {e}", "messages") from None
             return list(out["input_ids"] if hasattr(out, "keys") else out)
@@ -174,8 +187,10 @@ class Planner:
                            "max_tokens", "context_length_exceeded")
         if req.min_tokens > max_tokens:
             raise APIError(400, f"min_tokens is {req.min_tokens}, more than max_tokens ({max_tokens})", "min_tokens")
+        constraints = tools.processors(req, self.pc) if isinstance(req, ChatRequest) and tools.active(req) \
+            else openai_fields.constraints(req, self.pc)
         return Sampling(max_tokens, req.temperature, req.top_p, req.stop_list(), req.seed,
-                        openai_fields.constraints(req, self.pc), openai_fields.logprobs_k(req),
+                        constraints, openai_fields.logprobs_k(req),
                         min_tokens=req.min_tokens, ignore_eos=req.ignore_eos)
 
 

@@ -1,7 +1,7 @@
 """OpenAI's request and response shapes (the subset served), and OpenAI-style errors.
 
 Unknown request fields are refused (400 naming the field; ``openai_fields.py`` says which
-fields are served and how); the extension fields (``pml``, ``documents``, ``recompute``) arrive
+fields are served and how, ``tools.py`` the tool fields); the extension fields (``pml``, ``documents``, ``recompute``) arrive
 top-level, which is what the ``openai`` client's ``extra_body=`` sends. One exception: the fields
 a router in front of replicas adds to every request it forwards (sglang-router and vllm-router
 re-serialize their own request types) are dropped when they hold their "off" value (``ROUTER_NEUTRAL``); set to
@@ -96,10 +96,51 @@ class ContentPart(BaseModel):
     text: str | None = None
 
 
+class CallFunction(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str
+    arguments: str  # a JSON object's text, as the API sends it
+
+
+class MessageToolCall(BaseModel):
+    """A call in an assistant message of the history (``tools.py`` renders it)."""
+    model_config = ConfigDict(extra="forbid")
+    id: str
+    type: Literal["function"] = "function"
+    function: CallFunction
+
+
 class Message(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
+    tool_calls: list[MessageToolCall] | None = None  # assistant messages
+    tool_call_id: str | None = None  # tool messages: the call answered
+
+
+class FunctionDef(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")  # OpenAI's rule; it is written into the grammar as is
+    description: str | None = None
+    parameters: dict | None = None  # a JSON Schema of the arguments object (None: any object)
+    strict: bool | None = None  # accepted: arguments always follow the schema here
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class ChosenFunction(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function"]
+    function: ChosenFunction
 
 
 class ResponseFormat(BaseModel):
@@ -114,6 +155,9 @@ class ChatRequest(BaseRequest):
     logprobs: bool = False
     top_logprobs: int | None = None
     response_format: ResponseFormat | None = None
+    tools: list[Tool] | None = None  # served by tools.py
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None  # None: true
     documents: list[str] | None = None  # DocumentStore ids, placed before the last user message
 
 
@@ -143,10 +187,14 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int, exact:
             "exact": exact, "recomputed_tokens": recomputed_tokens}
 
 
-def chat_response(rid: str, model: str, text: str, finish: str, use: dict, logprobs: dict | None = None) -> dict:
+def chat_response(rid: str, model: str, text: str | None, finish: str, use: dict, logprobs: dict | None = None,
+                  tool_calls: list[dict] | None = None) -> dict:
+    """A chat answer; ``tool_calls`` (OpenAI's shape) when the answer called tools."""
+    message = {"role": "assistant", "content": text}
+    if tool_calls:
+        message["tool_calls"] = tool_calls
     return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                         "finish_reason": finish, "logprobs": logprobs}],
+            "choices": [{"index": 0, "message": message, "finish_reason": finish, "logprobs": logprobs}],
             "usage": use}
 
 

@@ -11,7 +11,7 @@ from promptcache import PromptCache  # noqa: E402
 from promptcache.models.embedded import embedded_model  # noqa: E402
 from promptcache.rag import DocumentStore  # noqa: E402
 from promptcache.server import create_app  # noqa: E402
-from serverkit import BLOCK, MODEL, ROOT, client, running  # noqa: E402
+from serverkit import BLOCK, HERMES_TEMPLATE, MODEL, ROOT, client, running  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -41,3 +41,18 @@ def server(pc, docs):
 def oai(server):
     return client(server[0])
 
+
+
+@pytest.fixture(scope="session")
+def tool_pc():
+    """An engine on the embedded model whose chat template supports tools (Hermes <tool_call>)."""
+    model, tok = embedded_model(MODEL)
+    tok.chat_template = HERMES_TEMPLATE
+    return PromptCache(model, tok)
+
+
+@pytest.fixture(scope="session")
+def tool_server(tool_pc):
+    """A server of ``tool_pc``: its base URL."""
+    with running(create_app(tool_pc, model_name=MODEL, block_size=BLOCK)) as url:
+        yield url

@@ -21,6 +21,47 @@ MODEL = "embedded"
 BLOCK = 16  # tokens per prefix block in these tests (small prompts still span several blocks)
 
 
+# a Hermes-style (Qwen2.5-like) chat template with tools, in the embedded tokenizer's roles
+HERMES_TEMPLATE = """{{ bos_token }}
+{%- if tools %}<|system|>
+{% if messages[0].role == 'system' %}{{ messages[0].content }}
+
+{% endif %}# Tools
+
+You may call one or more functions. Their signatures are within <tools></tools>:
+<tools>{% for tool in tools %}
+{{ tool | tojson }}{% endfor %}
+</tools>
+
+For each call, return a JSON object within <tool_call></tool_call> tags:
+<tool_call>
+{"name": <function-name>, "arguments": <args-json-object>}
+</tool_call><|end|>
+{% elif messages[0].role == 'system' %}<|system|>
+{{ messages[0].content }}<|end|>
+{% endif %}
+{%- for m in messages %}
+{%- if m.role == 'system' and loop.first %}
+{%- elif m.role == 'assistant' %}<|assistant|>
+{{ m.content or '' }}
+{%- for call in m.tool_calls or [] %}
+{%- set f = call.function if call.function is defined else call %}
+{%- if loop.first and not m.content %}{% else %}{{ '\\n' }}{% endif %}<tool_call>
+{"name": "{{ f.name }}", "arguments": {{ f.arguments | tojson }}}
+</tool_call>
+{%- endfor %}<|end|>
+{% elif m.role == 'tool' %}<|user|>
+<tool_response>
+{{ m.content }}
+</tool_response><|end|>
+{% else %}<|{{ m.role }}|>
+{{ m.content }}<|end|>
+{% endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}<|assistant|>
+{% endif %}"""
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
