@@ -8,10 +8,11 @@ from pathlib import Path
 
 import click
 
+from ..engine.prefix import PrefixCache
 from .chat_session import ChatSession, default_imports
-from .common import load_engine, setup_logging
-from .errors import guard
-from .options import engine_config, engine_options, model_options
+from ..frontend.common import load_engine, setup_logging
+from ..frontend.errors import guard
+from ..frontend.options import engine_config, engine_options, model_options
 
 QUIT = ("/quit", "/exit")
 
@@ -35,8 +36,6 @@ def chat(schema, imports, model, device, dtype, engine, config_file, block_size,
     Example:
       promptcache chat --schema SCHEMA.xml --model smollm2
     """
-    from ..server.prefix import PrefixCache
-
     setup_logging()
     config = engine_config(engine, config_file)
     pc = load_engine(model, device, dtype, config)

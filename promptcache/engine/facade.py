@@ -26,13 +26,13 @@ from typing import Callable
 
 import torch
 
-from .. import compiled
 from ..layout import PromptLayout, SchemaLayout, layout_prompt, layout_schema
 from ..pml import parse_prompt
 from ..pml.nodes import Prompt
 from ..progress import progress_for
 from ..store import StoreError, build_store
 from ..tokens import as_span_tokenizer
+from . import compiled
 from .assemble import assemble, leading_exact
 from .config import EngineConfig
 from .encoder import Progress, SchemaEncoder

@@ -29,8 +29,8 @@ from pathlib import Path
 
 import click
 
-from ..cli.errors import guard
-from ..cli.options import engine_config, engine_options, model_options
+from ..frontend.errors import guard
+from ..frontend.options import engine_config, engine_options, model_options
 from .limits import LOOPBACK_HOSTS, Limits
 
 LOOPBACK = {"127.0.0.1", "localhost", "::1"}
@@ -177,7 +177,7 @@ def serve(model_arg, model, device, dtype, engine, config_file, src_root, schema
         import uvicorn
     except ImportError:
         raise click.ClickException("the server needs the 'serve' extra: pip install 'promptcache[serve]'") from None
-    from ..cli.common import load_engine
+    from ..frontend.common import load_engine
     from ..progress import progress_for
     from ..store import Pins
     from .app import create_app
@@ -188,7 +188,7 @@ def serve(model_arg, model, device, dtype, engine, config_file, src_root, schema
     budget = int(cache_gb * 2**30)  # the lowest precedence: a budget from anywhere else wins
     config = engine_config(engine, config_file, defaults={"device_budget": budget, "host_budget": budget})
     keys = _keys(api_key_file, api_key_list, config.namespace)
-    pc = load_engine(model, device, dtype, config)  # errors: one line and an exit code (cli.errors.guard)
+    pc = load_engine(model, device, dtype, config)  # errors: one line and an exit code (frontend.errors.guard)
     namespaces = sorted(set(keys.values())) if keys else [pc.config.namespace]
     docs = {}
     for ns in namespaces:  # PMLError, artifact mismatches, document store errors: one line each (guard)
