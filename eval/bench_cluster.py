@@ -51,8 +51,7 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS, pyplot  # noqa: E402
+from .common import RESULTS, pyplot
 
 ROOT = Path(__file__).resolve().parents[1]
 # a worker's first failed request opens its circuit, so the router's retry goes to another worker at

@@ -23,14 +23,12 @@ import csv
 import os
 import socket
 import statistics
-import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS, text_of_tokens, pyplot  # noqa: E402
+from .common import RESULTS, text_of_tokens, pyplot
 
 
 def start_server(app):
