@@ -9,6 +9,7 @@ from pathlib import Path
 import click
 
 from ..engine.prefix import PrefixCache
+from ..tunables import BLOCK_SIZE
 from .chat_session import ChatSession, default_imports
 from ..frontend.common import load_engine, setup_logging
 from ..frontend.errors import guard
@@ -24,7 +25,8 @@ QUIT = ("/quit", "/exit")
               help="Module to import (repeatable; default: every top-level module outside a union).")
 @model_options
 @engine_options
-@click.option("--block-size", default=16, show_default=True, type=int, help="Tokens per reusable block.")
+@click.option("--block-size", default=BLOCK_SIZE, show_default=True, type=click.IntRange(min=1),
+              help="Tokens per reusable block (the server's default too).")
 @click.option("--max-new-tokens", default=64, show_default=True, help="Most tokens per answer.")
 @guard
 def chat(schema, imports, model, device, dtype, engine, config_file, block_size, max_new_tokens):

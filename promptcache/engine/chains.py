@@ -25,6 +25,7 @@ import torch
 
 from ..keys import chain_key, chain_root
 from ..store import StoreError
+from ..tunables import BLOCK_SIZE
 from .plan import PrefillPlan, Segment
 
 __all__ = ["ChainPlanner", "chained", "stored_run"]
@@ -55,7 +56,7 @@ def stored_run(store, keys) -> tuple[list[tuple[str, torch.Tensor]], Counter]:
 
 
 class ChainPlanner:
-    def __init__(self, store, model_key: str, block_size: int = 16):
+    def __init__(self, store, model_key: str, block_size: int = BLOCK_SIZE):
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1 token, got {block_size}")
         self.store, self.model_key, self.block_size = store, model_key, block_size

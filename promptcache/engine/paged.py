@@ -32,15 +32,12 @@ import torch
 from transformers import AttentionInterface
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from ..tunables import GATHER_MAX  # read here at call time (tests set paged.GATHER_MAX)
 from .kvpool import KVPool
 
 __all__ = ["PagedRow", "paged_forward", "paged_refusal", "ATTENTION_NAME"]
 
 ATTENTION_NAME = "promptcache_paged"
-# decode rows whose own part is at most this many tokens are gathered into one padded batch; a
-# longer one (a request that computed its whole prompt) is read in place on its own: padding every
-# row to it made the gather of 64 rows behind a 1K prompt 16 ms a layer (SmolLM2, measured)
-GATHER_MAX = 256
 
 
 @dataclass(eq=False)

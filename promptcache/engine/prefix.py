@@ -23,11 +23,12 @@ from typing import Callable
 
 import torch
 
+from ..tunables import BLOCK_SIZE
 from .chains import ChainPlanner, stored_run
 
 log = logging.getLogger(__name__)
 
-DEFAULT_BLOCK_SIZE = 16
+DEFAULT_BLOCK_SIZE = BLOCK_SIZE  # tunables.py: the server's and chat's default
 
 
 class PrefixCache:

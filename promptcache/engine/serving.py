@@ -46,6 +46,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..tunables import MIN_CHUNK
 from .kvpool import KVPool, PoolFull, SharedEntry
 from .paged import PagedRow, paged_forward
 from .plan import PrefillPlan
@@ -58,7 +59,6 @@ log = logging.getLogger(__name__)
 
 __all__ = ["ServingScheduler"]
 
-MIN_CHUNK = 16  # prefill tokens a step runs even when decode rows use up the budget
 
 
 @dataclass(eq=False)
