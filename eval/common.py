@@ -44,6 +44,21 @@ def child_command(module: str, *args: str) -> tuple[list[str], dict]:
     return [sys.executable, "-m", module, *args], env
 
 
+def streamed_chat(oai, model: str, messages: list[dict], max_tokens: int):
+    """One streamed greedy chat request through an OpenAI client ``oai``: (TTFT s, answer text,
+    the final usage object: prompt, completion and cached tokens)."""
+    t0, ttft, text, usage = time.perf_counter(), None, [], None
+    for chunk in oai.chat.completions.create(model=model, messages=messages, max_tokens=max_tokens, temperature=0,
+                                             stream=True, stream_options={"include_usage": True}):
+        if ttft is None:
+            ttft = time.perf_counter() - t0
+        if chunk.choices:
+            text.append(chunk.choices[0].delta.content or "")
+        if chunk.usage is not None:
+            usage = chunk.usage
+    return ttft, "".join(text), usage
+
+
 def text_of_tokens(tok, n: int, seed: int) -> str:
     """Deterministic prose of at most ``n`` tokens (as close to ``n`` as whole words allow)."""
     if n <= 0:

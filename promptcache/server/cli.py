@@ -56,37 +56,33 @@ def read_key_file(path: str | Path) -> dict[str, str]:
     return keys
 
 
-def limit_options(f):
-    """One ``--max-...`` option per ``Limits`` field (default: the field's), gathered into ``limits``."""
-    names = [fl.name for fl in dataclasses.fields(Limits)]
+def config_options(cls, into: str, kind, help_of):
+    """A decorator adding one option per field of the dataclass ``cls`` (``--name-with-dashes``,
+    default: the field's; ``kind(field)``: its click type; ``help_of(field)``: its help), whose
+    values reach the command as one ``cls`` instance under ``into``."""
+    fields = dataclasses.fields(cls)
 
-    @functools.wraps(f)
-    def wrapper(*args, **kwargs):
-        kwargs["limits"] = Limits(**{n: kwargs.pop(n) for n in names})
-        return f(*args, **kwargs)
+    def decorate(f):
+        @functools.wraps(f)
+        def wrapper(*args, **kwargs):
+            kwargs[into] = cls(**{fl.name: kwargs.pop(fl.name) for fl in fields})
+            return f(*args, **kwargs)
 
-    for fl in reversed(dataclasses.fields(Limits)):
-        wrapper = click.option(f"--{fl.name.replace('_', '-')}", fl.name, default=fl.default, show_default=True,
-                               type=click.IntRange(min=1), help=f"Request limit: {fl.name.removeprefix('max_')} "
-                               "(refused with 400/413 before any work).")(wrapper)
-    return wrapper
+        for fl in reversed(fields):
+            wrapper = click.option(f"--{fl.name.replace('_', '-')}", fl.name, default=fl.default, show_default=True,
+                                   type=kind(fl), help=help_of(fl))(wrapper)
+        return wrapper
+
+    return decorate
 
 
-def serving_options(f):
-    """One option per ``ServingConfig`` field (default, type and help: the field's), gathered into
-    ``serving``."""
-    names = [fl.name for fl in dataclasses.fields(ServingConfig)]
-
-    @functools.wraps(f)
-    def wrapper(*args, **kwargs):
-        kwargs["serving"] = ServingConfig(**{n: kwargs.pop(n) for n in names})
-        return f(*args, **kwargs)
-
-    for fl in reversed(dataclasses.fields(ServingConfig)):
-        kind = click.FloatRange(min=0, min_open=True) if isinstance(fl.default, float) else click.IntRange(min=1)
-        wrapper = click.option(f"--{fl.name.replace('_', '-')}", fl.name, default=fl.default, show_default=True,
-                               type=kind, help=fl.metadata["help"])(wrapper)
-    return wrapper
+limit_options = config_options(  # one ``--max-...`` option per ``Limits`` field
+    Limits, "limits", lambda fl: click.IntRange(min=1),
+    lambda fl: f"Request limit: {fl.name.removeprefix('max_')} (refused with 400/413 before any work).")
+serving_options = config_options(  # one option per ``ServingConfig`` field, its help from the field
+    ServingConfig, "serving",
+    lambda fl: click.FloatRange(min=0, min_open=True) if isinstance(fl.default, float) else click.IntRange(min=1),
+    lambda fl: fl.metadata["help"])
 
 
 def host_list(host: str, allowed: tuple[str, ...]) -> tuple[str, ...] | None:
