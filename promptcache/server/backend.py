@@ -273,15 +273,15 @@ class Backend:
                 self._report(job)
 
     def _report(self, job: Job) -> None:
+        """Count the request as finished (in-flight gauge, outcome counter), then tell its client:
+        a client that reads /metrics after its answer sees its request counted."""
         req = job.request
-        if req.error is not None:
+        how = "error" if req.error is not None else "cancelled" if req.finish_reason == "cancelled" else "done"
+        self._finish(job, how)
+        if how == "error":
             job.emit("error", req.error)
-            self._finish(job, "error")
-        elif req.finish_reason == "cancelled":
-            self._finish(job, "cancelled")
-        else:
+        elif how == "done":
             job.emit("done", req.generation())
-            self._finish(job, "done")
 
     @property
     def published_blocks(self) -> int:
