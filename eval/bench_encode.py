@@ -1,6 +1,6 @@
 """Encoding cost: encoding a schema vs one plain prefill of the same number of tokens.
 
-    python eval/bench_encode.py [--model embedded:bench] [--tokens 2048 8192] [--members 4] [--repeats 2] [--threads 1]
+    python -m eval.bench_encode [--model embedded:bench] [--tokens 2048 8192] [--members 4] [--repeats 2] [--threads 1]
 
 The schema: a system prompt, documents, and a union of ``--members`` alternatives (each about
 5% of the schema) in the middle, so encoding runs the default pass in chunks and then the union's
@@ -19,18 +19,16 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS, add_model_args, write_csv  # noqa: E402
+from .common import RESULTS, add_model_args, write_csv
 
-from promptcache import PromptCache, bench  # noqa: E402
-from promptcache.engine import EngineConfig  # noqa: E402
-from promptcache.models.loading import load_model  # noqa: E402
+from promptcache import PromptCache, bench
+from promptcache.engine import EngineConfig
+from promptcache.models.loading import load_model
 
 
 def build_schema(tok, tokens: int, members: int) -> str:

@@ -1,6 +1,6 @@
 """Engine benchmark: TTFT of Prompt Cache vs full prefill vs the limit, and stored bytes/token.
 
-    python eval/bench_engine.py [--model embedded:bench] [--schema-tokens 2000] [--new-tokens 32]
+    python -m eval.bench_engine [--model embedded:bench] [--schema-tokens 2000] [--new-tokens 32]
                                 [--threads 1] [--fresh-processes N]
 
 The same benchmark as ``promptcache bench`` (``promptcache/bench.py``; methods timed round-robin);
@@ -17,28 +17,26 @@ import dataclasses
 import json
 import statistics
 import subprocess
-import sys
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS, add_model_args, write_csv  # noqa: E402
+from .common import RESULTS, add_model_args, child_command, write_csv
 
-from promptcache import PromptCache, bench  # noqa: E402
-from promptcache.models.loading import load_model  # noqa: E402
+from promptcache import PromptCache, bench
+from promptcache.models.loading import load_model
 
 build_schema = bench.build_schema  # used by bench_store.py
 
 
 def fresh_processes(args) -> list[dict]:
     """``args.fresh_processes`` children of this script in ``--child`` mode, one after another."""
-    cmd = [sys.executable, __file__, "--child", "--model", args.model, "--device", args.device, "--dtype", args.dtype,
-           "--schema-tokens", str(args.schema_tokens), "--new-tokens", str(args.new_tokens),
-           "--threads", str(args.threads)]
+    cmd, env = child_command("eval.bench_engine", "--child", "--model", args.model, "--device", args.device, "--dtype",
+                     args.dtype, "--schema-tokens", str(args.schema_tokens), "--new-tokens", str(args.new_tokens),
+                     "--threads", str(args.threads))
     rows = []
     for i in range(args.fresh_processes):
-        out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+        out = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env).stdout
         r = json.loads(out.strip().splitlines()[-1])
         r["first_vs_limit"] = round(r["first_s"] / r["limit_s"], 3)
         r["inplace_vs_limit"] = round(r["inplace_s"] / r["limit_s"], 3)

@@ -1,7 +1,7 @@
 """GPU: TTFT with module states in device memory vs host memory, host copies overlapped with the
 forward (``EngineConfig.overlap_copies``, the default) or enqueued before it.
 
-    python eval/bench_host_copies.py --device cuda --dtype bfloat16 [--model embedded:1b]
+    python -m eval.bench_host_copies --device cuda --dtype bfloat16 [--model embedded:1b]
                                      [--schema-tokens 8000] [--new-tokens 16 256 1024 2048]
 
 One run: three engines on one model (device tier; host tier overlapped; host tier serial), every
@@ -20,12 +20,11 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS, add_model_args, text_of_tokens, write_csv  # noqa: E402
+from .common import RESULTS, add_model_args, text_of_tokens, write_csv
 
-from promptcache import PromptCache  # noqa: E402
-from promptcache.engine import EngineConfig  # noqa: E402
-from promptcache.models.loading import load_model  # noqa: E402
+from promptcache import PromptCache
+from promptcache.engine import EngineConfig
+from promptcache.models.loading import load_model
 
 ENGINES = {"device": {}, "host_overlap": dict(device_budget=0),
            "host_serial": dict(device_budget=0, overlap_copies=False)}

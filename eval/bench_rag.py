@@ -1,6 +1,6 @@
 """RAG workload benchmark: DocumentStore modes against no cache on a stream of retrieval requests.
 
-    nice -n 10 python eval/bench_rag.py [--docs 100] [--queries 500] [--k 4] [--zipf 1.0] [--model embedded:bench]
+    nice -n 10 python -m eval.bench_rag [--docs 100] [--queries 500] [--k 4] [--zipf 1.0] [--model embedded:bench]
 
 ``--docs`` documents of about ``--doc-tokens`` tokens; ``--queries`` requests, each retrieving
 ``--k`` distinct documents drawn with Zipf(``--zipf``) popularity (document ids are shuffled
@@ -39,18 +39,16 @@ import fcntl
 import os
 import random
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS, add_model_args, text_of_tokens, write_csv  # noqa: E402
+from .common import RESULTS, add_model_args, text_of_tokens, write_csv
 
-from promptcache import EngineConfig, PromptCache  # noqa: E402
-from promptcache.models.loading import load_model  # noqa: E402
-from promptcache.rag import DocumentStore  # noqa: E402
+from promptcache import EngineConfig, PromptCache
+from promptcache.models.loading import load_model
+from promptcache.rag import DocumentStore
 
 SYSTEM = "Answer the question from the documents only."
 MODES = ("no_cache", "exact", "exact_canonical", "independent", "hybrid")

@@ -1,7 +1,7 @@
 """Shared-tier benchmark: first-prompt TTFT of a FRESH process that encodes the schema, fetches its
 states from Redis, or loads a local compiled artifact; and the bytes each moves.
 
-    python eval/bench_remote.py [--model embedded:bench] [--schema-tokens 4000] [--repeats 3]
+    python -m eval.bench_remote [--model embedded:bench] [--schema-tokens 4000] [--repeats 3]
                                 [--remote redis://host:port/db] [--out eval/results]
 
 The parent compiles the schema once to a temporary artifact with ``EngineConfig(remote=URL)``, which
@@ -29,14 +29,11 @@ import shutil
 import socket
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-from common import RESULTS, add_model_args, forget_placement, write_csv, pyplot  # noqa: E402
+from .common import RESULTS, add_model_args, child_command, forget_placement, write_csv, pyplot
 
 MODES = ("encode", "remote", "disk")
 
@@ -112,9 +109,8 @@ def child(args) -> None:
 
 
 def run_child(args, mode: str, work: Path) -> dict:
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--child", mode, "--work", str(work), "--remote",
-           args.remote, "--model", args.model, "--device", args.device, "--dtype", args.dtype]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(HERE.parent), os.environ.get("PYTHONPATH", "")]))
+    cmd, env = child_command("eval.bench_remote", "--child", mode, "--work", str(work), "--remote", args.remote,
+                     "--model", args.model, "--device", args.device, "--dtype", args.dtype)
     out = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if out.returncode != 0:
         raise SystemExit(f"{mode} process failed:\n{out.stderr[-3000:]}")

@@ -1,7 +1,7 @@
 """Storage benchmark: loading a compiled schema vs encoding it again; bytes copied per prompt
 with and without in-place reuse; TTFT with modules in host vs device memory (GPU only).
 
-    python eval/bench_store.py [--model embedded:bench] [--schema-tokens 4000]
+    python -m eval.bench_store [--model embedded:bench] [--schema-tokens 4000]
 
 Prints ratios measured in this one run and writes eval/results/store.csv.
 """
@@ -9,19 +9,17 @@ Prints ratios measured in this one run and writes eval/results/store.csv.
 from __future__ import annotations
 
 import argparse
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import add_model_args, write_csv  # noqa: E402
+from .common import add_model_args, write_csv
 
-from promptcache import PromptCache  # noqa: E402
-from promptcache.bench import build_schema, median_time, sentences  # noqa: E402
-from promptcache.engine import EngineConfig  # noqa: E402
-from promptcache.models.loading import load_model  # noqa: E402
+from promptcache import PromptCache
+from promptcache.bench import build_schema, median_time, sentences
+from promptcache.engine import EngineConfig
+from promptcache.models.loading import load_model
 
 
 def main(argv=None) -> None:

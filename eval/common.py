@@ -1,16 +1,22 @@
-"""Shared helpers for the benchmarks: deterministic text, timing, CSV output, plotting."""
+"""Shared helpers for the benchmarks: deterministic text, timing, CSV output, plotting, children.
+
+Timing has one implementation, ``promptcache.bench.round_robin`` (one call of each method per
+round, medians); ``interleaved_medians`` adds the studies' warm-up and time budget around it.
+"""
 
 from __future__ import annotations
 
 import csv
-import statistics
+import os
+import sys
 import time
 from pathlib import Path
 
-RESULTS = Path(__file__).resolve().parent / "results"
-
 # one deterministic text generator and timer for the whole project (promptcache/bench.py)
-from promptcache.bench import WORDS, median_time, sentences  # noqa: E402,F401
+from promptcache.bench import WORDS, median_time, round_robin, sentences  # noqa: F401 (WORDS, median_time: for the studies)
+
+RESULTS = Path(__file__).resolve().parent / "results"
+ROOT = Path(__file__).resolve().parents[1]  # the repository: ``eval`` is importable from here
 
 
 def interleaved_medians(fns: dict, repeats: int, warmup: set | None = None, budget_s: float | None = None,
@@ -28,13 +34,29 @@ def interleaved_medians(fns: dict, repeats: int, warmup: set | None = None, budg
     round_s = sum(one.get(name, 0.0) for name in fns)
     if budget_s is not None and round_s > 0:
         repeats = max(1, min(repeats, int(budget_s / round_s)))
-    times = {name: [] for name in fns}
-    for _ in range(repeats):
-        for name, fn in fns.items():
-            t0 = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - t0)
-    return {name: statistics.median(t) for name, t in times.items()}
+    return round_robin(fns, repeats)
+
+
+def child_command(module: str, *args: str) -> tuple[list[str], dict]:
+    """(command, environment) that runs ``python -m module args...`` as a child process from any
+    working directory (the repository root goes first on its PYTHONPATH)."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))
+    return [sys.executable, "-m", module, *args], env
+
+
+def streamed_chat(oai, model: str, messages: list[dict], max_tokens: int):
+    """One streamed greedy chat request through an OpenAI client ``oai``: (TTFT s, answer text,
+    the final usage object: prompt, completion and cached tokens)."""
+    t0, ttft, text, usage = time.perf_counter(), None, [], None
+    for chunk in oai.chat.completions.create(model=model, messages=messages, max_tokens=max_tokens, temperature=0,
+                                             stream=True, stream_options={"include_usage": True}):
+        if ttft is None:
+            ttft = time.perf_counter() - t0
+        if chunk.choices:
+            text.append(chunk.choices[0].delta.content or "")
+        if chunk.usage is not None:
+            usage = chunk.usage
+    return ttft, "".join(text), usage
 
 
 def text_of_tokens(tok, n: int, seed: int) -> str:

@@ -1,6 +1,6 @@
 """Shipped examples on a real model: does the cached prompt give the same greedy text as full prefill?
 
-    nice -n 19 python eval/examples_check.py [--model smollm2] [--max-new-tokens 32] [--recompute 0.3]
+    nice -n 19 python -m eval.examples_check [--model smollm2] [--max-new-tokens 32] [--recompute 0.3]
 
 For every ``examples/*.xml`` prompt: its schema (``schemas/<name>.xml``, by the prompt's
 ``schema`` attribute) is added to one engine, then the prompt is generated greedily with the cache
@@ -14,7 +14,6 @@ cached), whether the cached state was exact, how many tokens were recomputed. Wr
 from __future__ import annotations
 
 import argparse
-import sys
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
@@ -22,11 +21,10 @@ import torch
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-sys.path.insert(0, str(HERE))
-from common import RESULTS, write_csv  # noqa: E402
-from metrics import kl_divergence, token_agreement  # noqa: E402
+from .common import RESULTS, write_csv
+from .metrics import kl_divergence, token_agreement
 
-from promptcache import PromptCache  # noqa: E402
+from promptcache import PromptCache
 
 
 def examples(folder: Path) -> list[tuple[Path, str]]:

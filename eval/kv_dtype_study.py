@@ -1,6 +1,6 @@
 """16-bit stored states on a real model: first-token KL against float32 storage, and accuracy.
 
-    python eval/kv_dtype_study.py [--model smollm2] [--limit 40] [--modes ...] [--threads 1] [--out DIR]
+    python -m eval.kv_dtype_study [--model smollm2] [--limit 40] [--modes ...] [--threads 1] [--out DIR]
 
 One model, three engines on it that differ only in ``EngineConfig(kv_dtype=...)``: float32,
 bfloat16 and float16 (the model computes in float32 in all three; stored spans are converted as
@@ -20,21 +20,18 @@ from __future__ import annotations
 
 import argparse
 import random
-import sys
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent / "data"))
-import retrieval_study as rs  # noqa: E402
-from common import RESULTS, write_csv  # noqa: E402
-from make_synthetic import retrieval_samples  # noqa: E402
-from metrics import kl_divergence  # noqa: E402
+from . import retrieval_study as rs
+from .common import RESULTS, write_csv
+from .data.make_synthetic import retrieval_samples
+from .metrics import kl_divergence
 
-from promptcache import PromptCache  # noqa: E402
-from promptcache.engine import EngineConfig  # noqa: E402
-from promptcache.models.loading import load_model  # noqa: E402
+from promptcache import PromptCache
+from promptcache.engine import EngineConfig
+from promptcache.models.loading import load_model
 
 DTYPES = ("float32", "bfloat16", "float16")
 # DocumentStore stores what the model computes (float32 here) whatever kv_dtype says, so its

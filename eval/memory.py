@@ -1,6 +1,6 @@
 """Memory study: bytes per cached token per model config, host/device peaks, artifact size on disk.
 
-    python eval/memory.py [--model embedded:bench] [--tokens 2048] [--out eval/results]
+    python -m eval.memory [--model embedded:bench] [--tokens 2048] [--out eval/results]
 
 1. Bytes per cached token, theory from the config (2 * layers * kv_heads * head_dim * dtype size)
    and measured from the states the engine stored, for tiny random models of several attention
@@ -29,18 +29,16 @@ import gc
 import json
 import re
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS, add_model_args, text_of_tokens, write_csv  # noqa: E402
+from .common import RESULTS, add_model_args, child_command, text_of_tokens, write_csv
 
-from promptcache import PromptCache  # noqa: E402
-from promptcache.models.embedded import embedded_tokenizer  # noqa: E402
-from promptcache.models.loading import load_model  # noqa: E402
+from promptcache import PromptCache
+from promptcache.models.embedded import embedded_tokenizer
+from promptcache.models.loading import load_model
 
 MIB = 2**20
 TINY = dict(vocab_size=4096, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=8,
@@ -289,8 +287,8 @@ def resident_rows(args) -> list[dict]:
     rows = []
     for tokens in args.resident:
         for kv in ("", "bfloat16"):
-            cmd = [sys.executable, __file__, "--resident-one", str(tokens), kv, "--model", args.model]
-            out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+            cmd, env = child_command("eval.memory", "--resident-one", str(tokens), kv, "--model", args.model)
+            out = subprocess.run(cmd, capture_output=True, text=True, check=True, env=env).stdout
             r = json.loads(out.strip().splitlines()[-1])
             theory = r["model_bytes"] + r["states"]
             engine = r["after_encode_no_buffer"] - r["after_load"]  # what encoding left resident

@@ -1,7 +1,7 @@
 """Pilot for ``qmatch``: does the question's best-matching note hold the answer, and in which order
 should the rest of a recompute budget go?
 
-    nice -n 19 python eval/note_order_pilot.py [--first 0] [--samples 24] [--shuffle]
+    nice -n 19 python -m eval.note_order_pilot [--first 0] [--samples 24] [--shuffle]
 
 Reference implementation (``recompute_reference.py``, teacher-forced answer, as ``selection_study``)
 on the retrieval task. Per question: full prefill and naive reuse; the notes ranked by
@@ -16,22 +16,18 @@ size). Writes ``note_order_pilot.csv`` (one row per question) to ``--out``.
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 import torch
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-sys.path.insert(0, str(HERE / "data"))
-from common import RESULTS, write_csv  # noqa: E402
-from make_synthetic import retrieval_samples  # noqa: E402
-from metrics import kl_divergence  # noqa: E402
-from recompute_reference import blend, independent_kv  # noqa: E402
-from selection_study import build_prompt, correct  # noqa: E402
-from selections import whole_notes, request  # noqa: E402
+from .common import RESULTS, write_csv
+from .data.make_synthetic import retrieval_samples
+from .metrics import kl_divergence
+from .recompute_reference import blend, independent_kv
+from .selection_study import build_prompt, correct
+from .selections import whole_notes, request
 
-from promptcache.engine.recompute import match_order  # noqa: E402
+from promptcache.engine.recompute import match_order
 
 FRACTIONS = (0.15, 0.3, 0.5)
 

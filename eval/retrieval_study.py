@@ -32,9 +32,9 @@ from typing import Callable
 
 import torch
 
-from metrics import kl_divergence
-from recompute_reference import Prompt, blend, greedy, independent_kv
-from selections import SELECTIONS
+from .metrics import kl_divergence
+from .recompute_reference import Prompt, blend, greedy, independent_kv
+from .selections import SELECTIONS
 
 SYSTEM = "You answer questions about the notes the user gives. Answer briefly, using the notes only."
 MODES = ("prefix_subset", "subset_gaps", "independent", "docstore_exact", "docstore_independent", "docstore_hybrid")

@@ -1,6 +1,6 @@
 """Which cached tokens to recompute: accuracy and cost of each selection against the fraction recomputed.
 
-    nice -n 10 python eval/selection_study.py [--samples 64] [--fractions 0.15 0.3 0.5 0.7] [--selections ...]
+    nice -n 10 python -m eval.selection_study [--samples 64] [--fractions 0.15 0.3 0.5 0.7] [--selections ...]
 
 The retrieval task (``make_synthetic.retrieval_samples``: 8 short notes, one 4-digit code each) on
 SmolLM2-135M-Instruct (``ensure_smollm2``). Per sample the notes are encoded independently
@@ -21,20 +21,17 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-sys.path.insert(0, str(HERE / "data"))
-from common import RESULTS, write_csv  # noqa: E402
-from make_synthetic import retrieval_samples  # noqa: E402
-from metrics import kl_divergence  # noqa: E402
-from recompute_reference import Prompt, blend, check_exact, independent_kv  # noqa: E402
-from selections import SELECTIONS  # noqa: E402
+from .common import RESULTS, write_csv
+from .data.make_synthetic import retrieval_samples
+from .metrics import kl_divergence
+from .recompute_reference import Prompt, blend, check_exact, independent_kv
+from .selections import SELECTIONS
 
 SYSTEM = "You answer questions about the notes the user gives. Answer briefly, using the notes only."
 

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from recompute_reference import KV, Prompt, blend, causal_mask, run_layers
+from . import engine_selections  # noqa: F401 (registers qattn_mix and qmatch_later with the engine)
+from .recompute_reference import KV, Prompt, blend, causal_mask, run_layers
 
 
 def _top(scores: torch.Tensor, cand: torch.Tensor, k: int) -> torch.Tensor:

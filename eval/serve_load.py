@@ -23,14 +23,12 @@ import csv
 import os
 import socket
 import statistics
-import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS, text_of_tokens, pyplot  # noqa: E402
+from .common import RESULTS, pyplot, streamed_chat, text_of_tokens
 
 
 def start_server(app):
@@ -48,16 +46,8 @@ def start_server(app):
 
 def timed_chat(oai, model: str, messages: list[dict], max_tokens: int) -> tuple[float, str, int, int]:
     """(TTFT s, answer, completion tokens, cached tokens) of one streamed greedy request."""
-    t0, ttft, text, usage = time.perf_counter(), None, [], None
-    for chunk in oai.chat.completions.create(model=model, messages=messages, max_tokens=max_tokens, temperature=0,
-                                             stream=True, stream_options={"include_usage": True}):
-        if ttft is None:
-            ttft = time.perf_counter() - t0
-        if chunk.choices:
-            text.append(chunk.choices[0].delta.content or "")
-        if chunk.usage is not None:
-            usage = chunk.usage
-    return ttft, "".join(text), usage.completion_tokens, usage.prompt_tokens_details.cached_tokens
+    ttft, answer, usage = streamed_chat(oai, model, messages, max_tokens)
+    return ttft, answer, usage.completion_tokens, usage.prompt_tokens_details.cached_tokens
 
 
 def turns_study(pc, create_app, args) -> list[dict]:

@@ -40,9 +40,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS, WORDS, pyplot, text_of_tokens, write_csv  # noqa: E402
-from peer_servers import SERVERS, RssPeak, Running, Server, Target  # noqa: E402
+from .common import RESULTS, WORDS, pyplot, text_of_tokens, write_csv
+from .peer_servers import SERVERS, RssPeak, Running, Server, Target
 
 
 def question(i: int) -> str:

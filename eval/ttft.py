@@ -1,6 +1,6 @@
 """TTFT study: full prefill vs prefix reuse vs Prompt Cache vs the limit, over prompt length and cached fraction.
 
-    python eval/ttft.py [--model embedded:bench] [--lengths 512 1024 2048 4096 8192]
+    python -m eval.ttft [--model embedded:bench] [--lengths 512 1024 2048 4096 8192]
                         [--fractions 0.5 0.9 0.99] [--threads 1] [--quick] [--out eval/results]
 
 Scenario (one schema per length L): anonymous preamble text (``--change-at`` of L), a union of
@@ -32,18 +32,16 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS, add_model_args, forget_placement, interleaved_medians, text_of_tokens, write_csv, pyplot  # noqa: E402
-from metrics import loglog_slope  # noqa: E402
+from .common import RESULTS, add_model_args, forget_placement, interleaved_medians, text_of_tokens, write_csv, pyplot
+from .metrics import loglog_slope
 
-from promptcache import PromptCache  # noqa: E402
-from promptcache.models.loading import load_model  # noqa: E402
+from promptcache import PromptCache
+from promptcache.models.loading import load_model
 
 METHODS = ("full", "prefix", "pc_device", "pc_device_inplace", "pc_r0_inplace", "pc_host", "limit")
 QUICK = dict(lengths=[64, 128], fractions=[0.5, 0.9], repeats=2, module_tokens=32)

@@ -21,6 +21,8 @@ from dataclasses import dataclass
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from .tunables import CAPACITY_GRANULE, COPY_GROUPS
+
 
 @dataclass(frozen=True)
 class KVSpec:
@@ -163,7 +165,7 @@ class SpliceCache(Cache):
         self.spec, self.batch, self.overlap = spec, batch, overlap
         self.copy_stream = None  # CUDA only: the side stream host spans are copied on, layer by layer
         self.layer_ready: list | None = None  # CUDA events: layer l's copies are done (None: nothing pending)
-        self.copy_groups = 4  # overlapped copies go in this many groups of layers (fewer, larger copies)
+        self.copy_groups = COPY_GROUPS  # overlapped copies go in this many groups of layers (tunables.py)
         self.buf = torch.empty(shape, dtype=spec.dtype, device=device, pin_memory=pin)
         self.positions = torch.zeros((batch, shape[4]), dtype=torch.long, device=device)
         self.pending: tuple[torch.Tensor, int] | None = None  # (slots [T] | [B, T], kv_len) during a slot write
@@ -381,7 +383,7 @@ class CachePool:
     Thread-safe: a cache is owned by one prompt between acquire and release.
     """
 
-    granule = 256  # slots; capacities are rounded up to a multiple
+    granule = CAPACITY_GRANULE  # slots; capacities are rounded up to a multiple (tunables.py)
 
     def __init__(self, spec: KVSpec, device, max_free: int = 2, pin: bool = False, overlap: bool = False):
         self.spec, self.device, self.max_free, self.pin, self.overlap = spec, device, max_free, pin, overlap

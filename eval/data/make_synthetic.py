@@ -1,6 +1,6 @@
 """A small synthetic LongBench-style dataset, deterministic and offline: passages with planted facts.
 
-    python eval/data/make_synthetic.py [--out eval/data/synthetic.jsonl] [--samples 4] [--paragraphs 8]
+    python -m eval.data.make_synthetic [--out eval/data/synthetic.jsonl] [--samples 4] [--paragraphs 8]
 
 Each line has LongBench's fields (``context``, ``input``, ``answers``, ``dataset``, ``length``,
 ``all_classes``, ``_id``). Three tasks, ``--samples`` of each:

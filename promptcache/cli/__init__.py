@@ -1,10 +1,13 @@
 """The ``promptcache`` command line: one click group; the commands live beside it.
 
-``commands.py`` (run, compile, inspect, validate, bench), ``demo.py``, ``chat.py``; ``options.py``
-holds the option groups (model; EngineConfig, generated from its fields), ``errors.py`` maps
-library errors to one line and an exit code, ``common.py`` loads engines and reads prompts.
-``serve`` lives in ``promptcache.server.cli`` and is resolved when asked for, so importing the
-server's command never imports this package's other commands first.
+``commands.py`` (run, compile, inspect, validate, bench), ``demo.py``, ``chat.py``. What they
+share with the server's ``serve`` (option groups, error mapping, engine loading) is
+``promptcache.frontend``. ``serve`` lives in ``promptcache.server.cli`` (the server runs on its
+own as ``python -m promptcache.server``) and is resolved when asked for, so ``promptcache --help``
+never imports the server's optional dependencies.
+
+Layering: ``cli`` is the top of the package: it imports ``server`` (for ``serve``), nothing imports
+it; ``server`` and ``cli`` both stand on ``frontend``.
 """
 
 from __future__ import annotations

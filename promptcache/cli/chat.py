@@ -8,10 +8,12 @@ from pathlib import Path
 
 import click
 
+from ..engine.prefix import PrefixCache
+from ..tunables import BLOCK_SIZE
 from .chat_session import ChatSession, default_imports
-from .common import load_engine, setup_logging
-from .errors import guard
-from .options import engine_config, engine_options, model_options
+from ..frontend.common import load_engine, setup_logging
+from ..frontend.errors import guard
+from ..frontend.options import engine_config, engine_options, model_options
 
 QUIT = ("/quit", "/exit")
 
@@ -23,7 +25,8 @@ QUIT = ("/quit", "/exit")
               help="Module to import (repeatable; default: every top-level module outside a union).")
 @model_options
 @engine_options
-@click.option("--block-size", default=16, show_default=True, type=int, help="Tokens per reusable block.")
+@click.option("--block-size", default=BLOCK_SIZE, show_default=True, type=click.IntRange(min=1),
+              help="Tokens per reusable block (the server's default too).")
 @click.option("--max-new-tokens", default=64, show_default=True, help="Most tokens per answer.")
 @guard
 def chat(schema, imports, model, device, dtype, engine, config_file, block_size, max_new_tokens):
@@ -35,8 +38,6 @@ def chat(schema, imports, model, device, dtype, engine, config_file, block_size,
     Example:
       promptcache chat --schema SCHEMA.xml --model smollm2
     """
-    from ..server.prefix import PrefixCache
-
     setup_logging()
     config = engine_config(engine, config_file)
     pc = load_engine(model, device, dtype, config)

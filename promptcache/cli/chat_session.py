@@ -53,7 +53,7 @@ def turn_prompt(schema: str | None, imports: list[str], history: list[tuple[str,
 @dataclass
 class ChatSession:
     pc: object
-    prefix: object  # server.prefix.PrefixCache
+    prefix: object  # engine.prefix.PrefixCache
     layout: object | None  # the schema's layout (None: a plain chat)
     imports: list[str] = field(default_factory=list)  # module names
     history: list[tuple[str, str]] = field(default_factory=list)

@@ -12,9 +12,9 @@ from pathlib import Path
 import click
 
 from .. import jsonsafe
-from .common import load_engine, load_tokenizer, read_prompt, setup_logging
-from .errors import guard
-from .options import engine_config, engine_options, model_options
+from ..frontend.common import load_engine, load_tokenizer, read_prompt, setup_logging
+from ..frontend.errors import guard
+from ..frontend.options import engine_config, engine_options, model_options
 
 # `run --json` prints one object with these fields (also listed in `promptcache run --help`).
 JSON_FIELDS = {

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import click
 
-from .common import load_engine, setup_logging
-from .errors import guard
+from ..frontend.common import load_engine, setup_logging
+from ..frontend.errors import guard
 
 ASSETS = Path(__file__).resolve().parents[1] / "assets" / "demo"
 DEMO_QUESTION = "How was the water supply protected during the August wildfire?"

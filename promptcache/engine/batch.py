@@ -29,6 +29,7 @@ import torch
 
 from ..cache import SpliceCache
 from ..models import UnsupportedModelError
+from ..tunables import DECODE_SLACK
 from .request import Request
 from .runner import ModelRunner
 
@@ -36,7 +37,6 @@ log = logging.getLogger(__name__)
 
 __all__ = ["DecodeBatch", "batch_refusal"]
 
-_SLACK = 64  # slots added to every (re)allocation beyond the rows' remaining generation
 
 
 def batch_refusal(runner: ModelRunner) -> str | None:
@@ -91,7 +91,7 @@ class DecodeBatch:
         (dead rows' logits are meaningless). The caller advances positions and samples per row."""
         live = self.members
         longest = int(self.valid.sum(dim=1).max())
-        if (len(self.rows) - len(live) > len(live) or self.cache.length > 2 * longest + _SLACK
+        if (len(self.rows) - len(live) > len(live) or self.cache.length > 2 * longest + DECODE_SLACK
                 or self.cache.length + 1 > self.cache.capacity):
             self._repack([])
         cache, dev = self.cache, self.cache.buf.device
@@ -128,7 +128,7 @@ class DecodeBatch:
         old = self.cache.capacity
         if capacity <= old:
             return
-        self.cache.ensure_capacity(capacity + _SLACK)
+        self.cache.ensure_capacity(capacity + DECODE_SLACK)
         self.cache.buf[..., old:, :].zero_()  # the grown tail is uninitialised memory
         valid = self.valid.new_zeros((len(self.rows), self.cache.capacity))
         valid[:, :old] = self.valid
@@ -147,7 +147,7 @@ class DecodeBatch:
             src.sync()
             spans.append((req, src.buf[:, :, 0, :, : src.length], src.positions[0, : src.length]))
         length = max(kv.shape[3] for _, kv, _ in spans)
-        capacity = length + self._need([r for r, _, _ in spans]) + 1 + _SLACK
+        capacity = length + self._need([r for r, _, _ in spans]) + 1 + DECODE_SLACK
         cache = SpliceCache(self.runner.spec, capacity, batch=len(spans), device=self.runner.device)
         cache.buf.zero_()
         valid = torch.zeros((len(spans), capacity), dtype=torch.bool, device=self.runner.device)

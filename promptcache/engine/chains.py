@@ -6,6 +6,10 @@ keys mean an equal token prefix, so a stored block's states are what a plain pre
 there and reuse is exact. The server's automatic prefix reuse and its ``documents`` prompts in
 chain mode both plan through it.
 
+The mechanism under it is two functions that every chain in the package uses (token blocks here
+and in ``prefix.py``, documents of any length in ``rag``): ``chained`` keys consecutive pieces
+after a parent, ``stored_run`` finds the leading keys the store holds.
+
 ``plan(ids, namespace, pool)`` matches the longest chain of leading blocks held by the KV pool
 (read in place) or by the store's tiers (promoted into the pool on admission), leaves at least
 one token to run (there must be logits), and names how the request's own full blocks are keyed
@@ -21,13 +25,38 @@ import torch
 
 from ..keys import chain_key, chain_root
 from ..store import StoreError
+from ..tunables import BLOCK_SIZE
 from .plan import PrefillPlan, Segment
 
-__all__ = ["ChainPlanner"]
+__all__ = ["ChainPlanner", "chained", "stored_run"]
+
+
+def chained(parent: str, pieces) -> list[str]:
+    """Keys of consecutive ``pieces`` ``(token_ids, start position)`` after the key ``parent``:
+    piece i's key hashes piece i-1's key (``parent`` for the first), its IDs and its start."""
+    out = []
+    for ids, start in pieces:
+        parent = chain_key(parent, ids, start)
+        out.append(parent)
+    return out
+
+
+def stored_run(store, keys) -> tuple[list[tuple[str, torch.Tensor]], Counter]:
+    """``([(key, kv)], tier hits)`` of the leading ``keys`` the store holds, in order: the first
+    key it does not hold (or no longer) ends the run. One ``get`` a key, no membership test."""
+    found, hits = [], Counter()
+    for key in keys:
+        try:
+            kv, tier = store.get(key)  # kv: [L, 2, H, n, D]
+        except StoreError:
+            break
+        found.append((key, kv))
+        hits[tier] += 1
+    return found, hits
 
 
 class ChainPlanner:
-    def __init__(self, store, model_key: str, block_size: int = 16):
+    def __init__(self, store, model_key: str, block_size: int = BLOCK_SIZE):
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1 token, got {block_size}")
         self.store, self.model_key, self.block_size = store, model_key, block_size
@@ -35,12 +64,9 @@ class ChainPlanner:
     def keys(self, ids: list[int], namespace: str, parent: str | None = None, start: int = 0) -> list[str]:
         """Chained keys of the full blocks of ``ids``, whose first token is at position ``start``
         (a multiple of the block size) after the chain ending in ``parent`` (None: the root)."""
-        b, out = self.block_size, []
-        parent = parent or chain_root(self.model_key, namespace)
-        for i in range(len(ids) // b):
-            parent = chain_key(parent, ids[i * b : (i + 1) * b], start + i * b)
-            out.append(parent)
-        return out
+        b = self.block_size
+        return chained(parent or chain_root(self.model_key, namespace),
+                       [(ids[i * b : (i + 1) * b], start + i * b) for i in range(len(ids) // b)])
 
     def plan(self, ids: list[int], namespace: str, pool) -> PrefillPlan:
         """The prompt's plan over ``pool`` (a ``KVPool``; membership tests only) and the store."""

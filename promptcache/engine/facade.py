@@ -26,13 +26,14 @@ from typing import Callable
 
 import torch
 
-from .. import compiled
 from ..layout import PromptLayout, SchemaLayout, layout_prompt, layout_schema
 from ..pml import parse_prompt
 from ..pml.nodes import Prompt
 from ..progress import progress_for
 from ..store import StoreError, build_store
 from ..tokens import as_span_tokenizer
+from ..tunables import PREWARM_SLACK
+from . import compiled
 from .assemble import assemble, leading_exact
 from .config import EngineConfig
 from .encoder import Progress, SchemaEncoder
@@ -130,7 +131,7 @@ class PromptCache:
         entry = self.registry.register(layout, keys, namespace, seconds)
         stored = [(keys[i], functools.partial(lambda k: self.store.get(k)[0], keys[i]), entry.positions[i])
                   for i in entry.default_order()] if place else []
-        self.runner.prewarm(layout.end + 64, stored)
+        self.runner.prewarm(layout.end + PREWARM_SLACK, stored)
         return entry
 
     def compile(self, schema: str | Path, out_dir: str | Path, progress: Progress | None = None,

@@ -29,6 +29,7 @@ import torch
 
 from ..cache import KVSpec
 from ..errors import PromptCacheError
+from ..tunables import BLOCK_SIZE
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +64,7 @@ def runs(blocks: list[int]) -> list[tuple[int, int]]:
 
 
 class KVPool:
-    def __init__(self, spec: KVSpec, device, tokens: int, block_size: int = 16,
+    def __init__(self, spec: KVSpec, device, tokens: int, block_size: int = BLOCK_SIZE,
                  spill: Callable[[str, torch.Tensor], None] | None = None,
                  pinned: Callable[[str], bool] | None = None):
         if block_size < 1:

@@ -32,20 +32,12 @@ import torch
 from transformers import AttentionInterface
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from ..tunables import GATHER_MAX, SEGMENTS_MAX  # read here at call time (tests set paged.GATHER_MAX)
 from .kvpool import KVPool
 
 __all__ = ["PagedRow", "paged_forward", "paged_refusal", "ATTENTION_NAME"]
 
 ATTENTION_NAME = "promptcache_paged"
-# decode rows whose own part is at most this many tokens are gathered into one padded batch; a
-# longer one (a request that computed its whole prompt) is read in place on its own: padding every
-# row to it made the gather of 64 rows behind a 1K prompt 16 ms a layer (SmolLM2, measured)
-GATHER_MAX = 256
-# a set of queries reading more than this many separate shared segments (a prompt whose blocks
-# were allocated in pieces from a fragmented pool) reads them concatenated, one attention call a
-# layer: 256 one-block segments of a 4K prompt were 256 calls and merges a layer (375 ms a decode
-# step on SmolLM2, 7x the step of the same prompt in one run)
-SEGMENTS_MAX = 4
 
 
 @dataclass(eq=False)

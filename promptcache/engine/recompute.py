@@ -20,10 +20,13 @@ still exactly that fraction.
 
 Selections (``SELECTIONS``, by name; ``DEFAULT_SELECTION`` chosen by measurement, see
 eval/README.md "Quality"): each is ``(scores | None, request, budget) -> slots``. Question-aware
-selections need the question's attention over the reused cache (``NEEDS_SCORES``): one extra
-forward of the new tokens over the assembled cache in eager attention with hooks that capture
-the attention probabilities (``question_attention``); it costs about one r=0 prefill of the new
-tokens more in TTFT.
+selections need the question's attention over the reused cache (``SCORED``): one extra forward of
+the new tokens over the assembled cache in eager attention with hooks that capture the attention
+probabilities (``question_attention``); it costs about one r=0 prefill of the new tokens more in
+TTFT. The library keeps the selections it uses or that stand as baselines (``tail``, ``qattn``,
+``qattn_module``, ``qmatch``); a study adds its own with ``register_selection`` (the studies'
+``qattn_mix`` and ``qmatch_later`` live in ``eval/engine_selections.py``), after which
+``EngineConfig(recompute_selection=name)`` accepts the name.
 """
 
 from __future__ import annotations
@@ -37,9 +40,9 @@ import torch
 
 from ..layout import PromptLayout
 
-__all__ = ["AUTO", "AUTO_FRACTION", "DEFAULT_SELECTION", "NEEDS_SCORES", "RecomputeRequest", "SELECTIONS",
+__all__ = ["AUTO", "AUTO_FRACTION", "DEFAULT_SELECTION", "RecomputeRequest", "SCORED", "SELECTIONS",
            "check_fraction", "check_recompute", "check_selection", "fraction_of", "recompute_request",
-           "run_recompute"]
+           "fill", "match_order", "named_spans", "register_selection", "run_recompute", "tail", "top"]
 
 AUTO = "auto"  # the engine picks the budget: nothing for exact layouts, AUTO_FRACTION of the drifted tokens
 AUTO_FRACTION = 0.15  # eval/README.md "Answers kept by default": the measured budget rule
@@ -162,7 +165,7 @@ def question_attention(model, run: Callable[[], object], n_cached: int) -> torch
 
 
 # -- selections: (scores [n_cached] | None, request, budget) -> cached slots [<= budget] ------------
-def _top(scores: torch.Tensor, slots: list[int], k: int) -> list[int]:
+def top(scores: torch.Tensor, slots: list[int], k: int) -> list[int]:
     """The ``k`` slots with the highest score, earlier slot first among equals."""
     s = scores[torch.tensor(slots, dtype=torch.long)]
     order = torch.sort(s, descending=True, stable=True).indices[:k]
@@ -176,10 +179,10 @@ def tail(scores, req: RecomputeRequest, k: int) -> list[int]:
 
 def qattn(scores, req: RecomputeRequest, k: int) -> list[int]:
     """A3 / ProphetKV-like: the candidates the question attends to most over the reused state."""
-    return _top(scores, req.candidates, k) if scores is not None else tail(None, req, k)
+    return top(scores, req.candidates, k) if scores is not None else tail(None, req, k)
 
 
-def _fill(req: RecomputeRequest, order, k: int) -> list[int]:
+def fill(req: RecomputeRequest, order, k: int) -> list[int]:
     """Up to ``k`` slots: whole candidate spans taken in ``order`` (span indices), the first that
     does not fit gets its first tokens. The spans cover the candidates, so ``k`` slots are found."""
     out: list[int] = []
@@ -197,23 +200,7 @@ def qattn_module(scores, req: RecomputeRequest, k: int) -> list[int]:
     if scores is None:
         return tail(None, req, k)
     mass = [float(scores[a:b].mean()) for a, b in req.spans]
-    return _fill(req, sorted(range(len(mass)), key=lambda i: (-mass[i], i)), k)
-
-
-def qattn_mix(scores, req: RecomputeRequest, k: int) -> list[int]:
-    """Whole spans ranked by mean question attention (late layers) while they fit in the budget,
-    then the rest of the budget by token-level question attention over the remaining candidates."""
-    if scores is None:
-        return tail(None, req, k)
-    mass = [float(scores[a:b].mean()) for a, b in req.spans]
-    out, left = [], k
-    for i in sorted(range(len(mass)), key=lambda i: (-mass[i], i)):
-        a, b = req.spans[i]
-        if b - a <= left:
-            out += range(a, b)
-            left -= b - a
-    rest = sorted(set(req.candidates) - set(out))
-    return sorted(out + (_top(scores, rest, left) if left and rest else []))
+    return fill(req, sorted(range(len(mass)), key=lambda i: (-mass[i], i)), k)
 
 
 def match_scores(req: RecomputeRequest) -> list[float]:
@@ -258,23 +245,28 @@ def qmatch(scores, req: RecomputeRequest, k: int) -> list[int]:
     if not req.spans:
         return tail(None, req, k)
     named = named_spans(req)
-    return _fill(req, named + [i for i in range(len(req.spans)) if i not in named], k)
+    return fill(req, named + [i for i in range(len(req.spans)) if i not in named], k)
 
 
-def qmatch_later(scores, req: RecomputeRequest, k: int) -> list[int]:
-    """The third step's order, kept for the record: every span in ``match_order`` (the named ones,
-    then the unmatched from the end, like ``tail``). More budget than the named spans mixes fresh
-    and stale notes and lost answers (67% of full prefill at r = 0.3 against ``qmatch``'s 106%)."""
-    if not req.spans:
-        return tail(None, req, k)
-    return _fill(req, match_order(req), k)
-
-
-SELECTIONS: dict[str, Callable] = {"tail": tail, "qattn": qattn, "qattn_module": qattn_module, "qattn_mix": qattn_mix,
-                                   "qmatch": qmatch, "qmatch_later": qmatch_later}
-NEEDS_SCORES = frozenset({"qattn", "qattn_module", "qattn_mix"})
-LATE_LAYERS = frozenset({"qattn_mix"})  # scored over the second half of the layers (the others: all)
+SELECTIONS: dict[str, Callable] = {"tail": tail, "qattn": qattn, "qattn_module": qattn_module, "qmatch": qmatch}
+# selections that read the question's attention: name -> first layer summed, as a fraction of the
+# layers (0.0: every layer; 0.5: the second half)
+SCORED: dict[str, float] = {"qattn": 0.0, "qattn_module": 0.0}
 DEFAULT_SELECTION = "qmatch"  # eval/README.md "Quality" (fourth step): the best measured, and the cheapest
+
+
+def register_selection(name: str, fn: Callable, *, scores_from: float | None = None) -> None:
+    """Make ``fn`` (``(scores | None, request, budget) -> slots``) the selection ``name``.
+    ``scores_from``: the selection reads the question's attention, summed from this fraction of the
+    layers on (None: it reads none and costs no extra forward). A name already taken by another
+    function is refused (registering the same function again is a no-op)."""
+    if SELECTIONS.get(name, fn) is not fn:
+        raise ValueError(f"recompute selection {name!r} is already registered (known: {', '.join(SELECTIONS)})")
+    if scores_from is not None and not 0.0 <= scores_from < 1.0:
+        raise ValueError(f"scores_from must be a fraction in [0, 1), got {scores_from!r}")
+    SELECTIONS[name] = fn
+    if scores_from is not None:
+        SCORED[name] = float(scores_from)
 
 
 # -- the forward --------------------------------------------------------------------------------------
@@ -291,10 +283,10 @@ def run_recompute(adapter, model, cache, req: RecomputeRequest, new_ids: list[in
     if k == 0:
         return adapter.forward(ids, pos, cache)[0], 0
     scores = None
-    if req.selection in NEEDS_SCORES:  # question over the reused state; appends the new tokens' states
+    if req.selection in SCORED:  # question over the reused state; appends the new tokens' states
         per_layer = question_attention(model, lambda: adapter.forward(ids, pos, cache), n_cached)  # [L, n_cached]
         if per_layer is not None:
-            scores = per_layer[per_layer.shape[0] // 2 if req.selection in LATE_LAYERS else 0 :].sum(0)
+            scores = per_layer[int(per_layer.shape[0] * SCORED[req.selection]) :].sum(0)
     chosen = SELECTIONS[req.selection](scores, req, k)
     # inputs in prompt order: chosen cached tokens and the new tokens (the last prompt token is new)
     rows = sorted([(req.slot_order[s], req.slot_ids[s], req.slot_pos[s], s) for s in chosen]

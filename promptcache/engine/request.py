@@ -114,6 +114,14 @@ class Request:
         self.pending = token if self.finish_reason is None else None
         return piece
 
+    def sample_next(self, logits: torch.Tensor, eos: frozenset[int]) -> tuple[int, str, TokenLogprob | None]:
+        """One decoding step's token from ``logits`` [V], taken (``accept``): (token, new text, its
+        log-probability entry or None). Both schedulers sample through here."""
+        dist = self.distribution(logits)  # None unless the request records log-probabilities
+        token = self.sampler.sample(self.mask_eos(logits, eos), self.context)
+        entry = self.record(token, dist)
+        return token, self.accept(token, eos), entry
+
     def generation(self) -> Generation:
         """The finished request as a Generation (text, ids, statistics of its prefill)."""
         assert self.finished and self.prefill is not None, (self.status, self.prefill)

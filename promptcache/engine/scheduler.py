@@ -35,7 +35,7 @@ from .runner import ModelRunner
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Scheduler", "StepOutput"]
+__all__ = ["RequestQueue", "Scheduler", "StepOutput"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -48,14 +48,13 @@ class StepOutput:
     logprob: TokenLogprob | None = None  # the token's log-probability, when its request records them
 
 
-class Scheduler:
-    def __init__(self, runner: ModelRunner):
-        self.runner = runner
+class RequestQueue:
+    """What both schedulers (``Scheduler``, ``serving.ServingScheduler``) share: requests waiting in
+    arrival order, the ones running, and adding a new request."""
+
+    def __init__(self):
         self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []
-        self.batch = DecodeBatch(runner)
-        self.batch_refusal = batch_refusal(runner)  # None: decode steps may share one forward
-        self._refusal_logged = False
+        self.running: list = []  # this scheduler's running entries (requests, or sequences over them)
         self.decode_forwards = 0  # forwards run for decoding (a batched step counts once)
         self.decode_tokens = 0  # tokens they decoded (decode_tokens / decode_forwards: mean batch size)
 
@@ -67,6 +66,15 @@ class Scheduler:
         if request.status is not Status.WAITING:
             raise ValueError(f"request {request.id} is {request.status.value}; only a new request can be added")
         self.waiting.append(request)
+
+
+class Scheduler(RequestQueue):
+    def __init__(self, runner: ModelRunner):
+        super().__init__()
+        self.runner = runner
+        self.batch = DecodeBatch(runner)
+        self.batch_refusal = batch_refusal(runner)  # None: decode steps may share one forward
+        self._refusal_logged = False
 
     def step(self) -> list[StepOutput]:
         """Cancel what was cancelled, then prefill one waiting request or decode the running ones."""
@@ -129,10 +137,7 @@ class Scheduler:
             raise
 
     def _sample(self, req: Request, logits) -> StepOutput:
-        dist = req.distribution(logits)  # None unless the request records log-probabilities
-        token = req.sampler.sample(req.mask_eos(logits, self.runner.eos_ids), req.context)
-        entry = req.record(token, dist)
-        piece = req.accept(token, self.runner.eos_ids)
+        token, piece, entry = req.sample_next(logits, self.runner.eos_ids)
         if req.finish_reason is not None:
             self._release(req)
         return StepOutput(request_id=req.id, token_id=token, text=piece, finished=req.finished,

@@ -41,24 +41,23 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import deque
 from dataclasses import dataclass, field
 
 import torch
 
+from ..tunables import MIN_CHUNK
 from .kvpool import KVPool, PoolFull, SharedEntry
 from .paged import PagedRow, paged_forward
 from .plan import PrefillPlan
 from .request import Request, Status
 from .results import PrefillResult
 from .runner import ModelRunner
-from .scheduler import StepOutput
+from .scheduler import RequestQueue, StepOutput
 
 log = logging.getLogger(__name__)
 
 __all__ = ["ServingScheduler"]
 
-MIN_CHUNK = 16  # prefill tokens a step runs even when decode rows use up the budget
 
 
 @dataclass(eq=False)
@@ -86,30 +85,19 @@ class _Seq:
         return self.done < len(self.plan.new_ids)
 
 
-class ServingScheduler:
+class ServingScheduler(RequestQueue):
     def __init__(self, runner: ModelRunner, pool: KVPool, token_budget: int = 512, max_running: int = 256,
                  on_publish=None):
         if token_budget < 1 or max_running < 1:
             raise ValueError(f"token_budget and max_running must be >= 1, got {token_budget}, {max_running}")
+        super().__init__()
         self.runner, self.pool = runner, pool
         self.token_budget, self.max_running = token_budget, max_running
         self.on_publish = on_publish  # (key, kv view [L, 2, H, n, D]) for each block a request published
-        self.waiting: deque[Request] = deque()
         self.running: list[_Seq] = []
         self.steps = 0
-        self.decode_forwards = 0  # forwards that decoded at least one token
-        self.decode_tokens = 0  # tokens they decoded (decode_tokens / decode_forwards: mean batch size)
         self.prefill_tokens = 0
         self.published_blocks = 0  # own blocks requests shared under chain keys
-
-    @property
-    def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
-
-    def add(self, request: Request) -> None:
-        if request.status is not Status.WAITING:
-            raise ValueError(f"request {request.id} is {request.status.value}; only a new request can be added")
-        self.waiting.append(request)
 
     def step(self) -> list[StepOutput]:
         outs = self._cancel()
@@ -364,10 +352,7 @@ class ServingScheduler:
 
     def _sample(self, seq: _Seq, logits: torch.Tensor) -> StepOutput:
         req = seq.req
-        dist = req.distribution(logits)  # None unless the request records log-probabilities
-        token = req.sampler.sample(req.mask_eos(logits, self.runner.eos_ids), req.context)
-        entry = req.record(token, dist)
-        piece = req.accept(token, self.runner.eos_ids)
+        token, piece, entry = req.sample_next(logits, self.runner.eos_ids)
         if req.finish_reason is not None:
             self._release(seq)
             req.status = Status.FINISHED

@@ -124,6 +124,15 @@ class Adapter:
         """Most key/value entries one forward may attend to exactly (None: unbounded)."""
         return None
 
+    @property
+    def context_limit(self) -> int | None:
+        """Most tokens one sequence (prompt plus answer) may hold and be served exactly: the
+        smallest of the context (``max_positions``, which knows bounded ropes and MPT's
+        ``max_seq_len``) and the sliding attention window (``max_entries``). None: unbounded.
+        The server's request limit reads it, not ``max_position_embeddings``."""
+        limits = [n for n in (self.max_positions, self.max_entries()) if n is not None]
+        return min(limits) if limits else None
+
     def check_limits(self, max_pos: int, entries: int) -> None:
         limit = self.max_position()
         if limit is not None and max_pos > limit:

@@ -7,13 +7,16 @@
     anthropic.py          POST /v1/messages (Anthropic's Messages API), cache_control pins
     anthropic_protocol.py its request/response/event shapes and errors
     anthropic_prompt.py   a Messages request -> token IDs and breakpoint token offsets
-    prefix.py   automatic prefix reuse: hash-chained token blocks in the engine's store
     backend.py  the worker thread stepping one shared Scheduler: bounded queue, batched decoding
     metrics.py  Prometheus counters
     access.py   one access-log line per request (ASGI middleware)
     tokenize.py POST /tokenize and /detokenize
     workerinfo.py  /model_info and /server_info: what a router reads from a replica
-    cli.py      the click command ``serve``
+    cli.py      the click command ``serve`` (options, errors and engine loading: ``promptcache.frontend``)
+
+Layering: ``promptcache.cli`` sits above ``server`` (the ``promptcache`` group resolves ``serve``
+from here); nothing here imports ``cli``. Prefix reuse for plain token prompts is
+``promptcache.engine.prefix`` (the terminal ``chat`` uses it too).
 
 Needs the ``serve`` extra: ``pip install -e ".[serve]"``.
 """

@@ -50,7 +50,7 @@ from .anthropic import MessagesContext, add_messages_route
 from .backend import Backend, QueueFull, ServingConfig
 from .limits import LOOPBACK_HOSTS, Limits, RequestGuard, parsed_body
 from .metrics import CONTENT_TYPE_LATEST, Metrics
-from .prefix import DEFAULT_BLOCK_SIZE, PrefixCache
+from ..engine.prefix import DEFAULT_BLOCK_SIZE, PrefixCache
 from .prompts import Planner
 from .tokenize import add_tokenize_routes
 from .toolcalls import CallStream, finish_reason, openai_deltas, parse as parse_calls

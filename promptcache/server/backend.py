@@ -41,6 +41,7 @@ from ..engine.kvpool import KVPool
 from ..engine.paged import paged_refusal
 from ..engine.serving import ServingScheduler
 from ..errors import PromptCacheError
+from ..tunables import BLOCK_SIZE
 
 log = logging.getLogger(__name__)
 
@@ -69,16 +70,26 @@ class Sampling:
                               ignore_eos=self.ignore_eos)
 
 
+def _opt(default, help: str):
+    """A field whose ``promptcache serve`` option (``--name-with-dashes``) is generated from it."""
+    return field(default=default, metadata={"help": help})
+
+
 @dataclass
 class ServingConfig:
-    """The serving core's settings (``promptcache serve`` options of the same names)."""
+    """The serving core's settings; ``promptcache serve`` has one option per field, generated from
+    the field (name, default, type, help), as ``EngineConfig``'s options are."""
 
-    kv_pool_tokens: int = 32768  # KV pool size in tokens (host memory on CPU: pages are touched only when used)
-    block_size: int = 16  # tokens per pool block (and per prefix-reuse block)
-    max_num_batched_tokens: int = 512  # tokens one step may run (decode rows + prefill chunks)
-    max_num_seqs: int = 256  # requests running at once (the rest wait)
-    max_unread: int = 256  # unread events before a stream's request is paused
-    pause_timeout: float = 30.0  # seconds a paused request waits for its reader before it is cancelled
+    kv_pool_tokens: int = _opt(32768, "KV pool size in tokens: running requests' own tokens and shared blocks; a "
+                               "request waits for room instead of running out of memory (CPU: pages are used only "
+                               "when written).")
+    block_size: int = _opt(BLOCK_SIZE, "Tokens per KV pool block and prefix-reuse block.")
+    max_num_batched_tokens: int = _opt(512, "Tokens one engine step may run: a token per decoding request plus "
+                                       "prefill chunks (a long prompt delays the others' next tokens by one chunk's "
+                                       "forward).")
+    max_num_seqs: int = _opt(256, "Requests running at once; the rest wait in arrival order.")
+    max_unread: int = _opt(256, "Unread events a streaming request may have before it is paused.")
+    pause_timeout: float = _opt(30.0, "Seconds a paused request waits for its reader before it is cancelled.")
 
 
 @dataclass
@@ -262,15 +273,15 @@ class Backend:
                 self._report(job)
 
     def _report(self, job: Job) -> None:
+        """Count the request as finished (in-flight gauge, outcome counter), then tell its client:
+        a client that reads /metrics after its answer sees its request counted."""
         req = job.request
-        if req.error is not None:
+        how = "error" if req.error is not None else "cancelled" if req.finish_reason == "cancelled" else "done"
+        self._finish(job, how)
+        if how == "error":
             job.emit("error", req.error)
-            self._finish(job, "error")
-        elif req.finish_reason == "cancelled":
-            self._finish(job, "cancelled")
-        else:
+        elif how == "done":
             job.emit("done", req.generation())
-            self._finish(job, "done")
 
     @property
     def published_blocks(self) -> int:

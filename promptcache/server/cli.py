@@ -16,7 +16,8 @@ reach the port can use the server, and the command says so.
 Browser rules: bound to a loopback address the server answers only ``Host`` names of this
 machine (``limits.LOOPBACK_HOSTS``) unless ``--allowed-hosts`` says otherwise; bound elsewhere it
 answers any ``Host`` unless ``--allowed-hosts`` lists them. CORS is off unless ``--cors-origin``.
-Request limits: one option per ``limits.Limits`` field (``--max-request-bytes`` ...).
+Request limits: one option per ``limits.Limits`` field (``--max-request-bytes`` ...); the serving
+core: one option per ``backend.ServingConfig`` field (``--kv-pool-tokens`` ...).
 """
 
 from __future__ import annotations
@@ -29,8 +30,9 @@ from pathlib import Path
 
 import click
 
-from ..cli.errors import guard
-from ..cli.options import engine_config, engine_options, model_options
+from ..frontend.errors import guard
+from ..frontend.options import engine_config, engine_options, model_options
+from .backend import ServingConfig
 from .limits import LOOPBACK_HOSTS, Limits
 
 LOOPBACK = {"127.0.0.1", "localhost", "::1"}
@@ -54,20 +56,33 @@ def read_key_file(path: str | Path) -> dict[str, str]:
     return keys
 
 
-def limit_options(f):
-    """One ``--max-...`` option per ``Limits`` field (default: the field's), gathered into ``limits``."""
-    names = [fl.name for fl in dataclasses.fields(Limits)]
+def config_options(cls, into: str, kind, help_of):
+    """A decorator adding one option per field of the dataclass ``cls`` (``--name-with-dashes``,
+    default: the field's; ``kind(field)``: its click type; ``help_of(field)``: its help), whose
+    values reach the command as one ``cls`` instance under ``into``."""
+    fields = dataclasses.fields(cls)
 
-    @functools.wraps(f)
-    def wrapper(*args, **kwargs):
-        kwargs["limits"] = Limits(**{n: kwargs.pop(n) for n in names})
-        return f(*args, **kwargs)
+    def decorate(f):
+        @functools.wraps(f)
+        def wrapper(*args, **kwargs):
+            kwargs[into] = cls(**{fl.name: kwargs.pop(fl.name) for fl in fields})
+            return f(*args, **kwargs)
 
-    for fl in reversed(dataclasses.fields(Limits)):
-        wrapper = click.option(f"--{fl.name.replace('_', '-')}", fl.name, default=fl.default, show_default=True,
-                               type=click.IntRange(min=1), help=f"Request limit: {fl.name.removeprefix('max_')} "
-                               "(refused with 400/413 before any work).")(wrapper)
-    return wrapper
+        for fl in reversed(fields):
+            wrapper = click.option(f"--{fl.name.replace('_', '-')}", fl.name, default=fl.default, show_default=True,
+                                   type=kind(fl), help=help_of(fl))(wrapper)
+        return wrapper
+
+    return decorate
+
+
+limit_options = config_options(  # one ``--max-...`` option per ``Limits`` field
+    Limits, "limits", lambda fl: click.IntRange(min=1),
+    lambda fl: f"Request limit: {fl.name.removeprefix('max_')} (refused with 400/413 before any work).")
+serving_options = config_options(  # one option per ``ServingConfig`` field, its help from the field
+    ServingConfig, "serving",
+    lambda fl: click.FloatRange(min=0, min_open=True) if isinstance(fl.default, float) else click.IntRange(min=1),
+    lambda fl: fl.metadata["help"])
 
 
 def host_list(host: str, allowed: tuple[str, ...]) -> tuple[str, ...] | None:
@@ -138,16 +153,7 @@ def _keys(key_file: str | None, listed: tuple[str, ...], namespace: str) -> dict
 @click.option("--api-key", "api_key_list", multiple=True,
               help="A key clients must send (repeatable); these keys share the engine's namespace.")
 @click.option("--max-queue", default=256, show_default=True, type=int, help="Requests admitted at once (503 beyond).")
-@click.option("--block-size", default=16, show_default=True, type=int,
-              help="Tokens per KV pool block and prefix-reuse block.")
-@click.option("--kv-pool-tokens", default=32768, show_default=True, type=int,
-              help="KV pool size in tokens: running requests' own tokens and shared blocks; a request waits "
-                   "for room instead of running out of memory (CPU: pages are used only when written).")
-@click.option("--max-num-batched-tokens", default=512, show_default=True, type=int,
-              help="Tokens one engine step may run: a token per decoding request plus prefill chunks "
-                   "(a long prompt delays the others' next tokens by one chunk's forward).")
-@click.option("--max-num-seqs", default=256, show_default=True, type=int,
-              help="Requests running at once; the rest wait in arrival order.")
+@serving_options
 @click.option("--drain-timeout", default=10.0, show_default=True, type=float,
               help="Seconds running requests may finish at shutdown (SIGTERM, Ctrl-C) before they are cancelled.")
 @click.option("--served-model-name", "--model-name", "model_name", default=None,
@@ -168,8 +174,7 @@ def _keys(key_file: str | None, listed: tuple[str, ...], namespace: str) -> dict
                    "would pin more is refused with a 400.")
 @guard
 def serve(model_arg, model, device, dtype, engine, config_file, src_root, schemas, compiled, documents, host, port,
-          api_key_file, api_key_list, max_queue, block_size, kv_pool_tokens, max_num_batched_tokens, max_num_seqs,
-          drain_timeout, model_name, max_model_len, allowed_hosts, cors_origins, limits, cache_gb, pin_gb):
+          api_key_file, api_key_list, max_queue, serving, drain_timeout, model_name, max_model_len, allowed_hosts, cors_origins, limits, cache_gb, pin_gb):
     """Serve an OpenAI-compatible API (chat, completions, models, health, metrics) and Anthropic's
     Messages API that reuse attention states across requests. MODEL (or --model): a Hugging Face id,
     a local directory, 'smollm2' or 'embedded'. Needs the 'serve' extra."""
@@ -177,18 +182,17 @@ def serve(model_arg, model, device, dtype, engine, config_file, src_root, schema
         import uvicorn
     except ImportError:
         raise click.ClickException("the server needs the 'serve' extra: pip install 'promptcache[serve]'") from None
-    from ..cli.common import load_engine
+    from ..frontend.common import load_engine
     from ..progress import progress_for
     from ..store import Pins
     from .app import create_app
-    from .backend import ServingConfig
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     model = _model(model_arg, model)
     budget = int(cache_gb * 2**30)  # the lowest precedence: a budget from anywhere else wins
     config = engine_config(engine, config_file, defaults={"device_budget": budget, "host_budget": budget})
     keys = _keys(api_key_file, api_key_list, config.namespace)
-    pc = load_engine(model, device, dtype, config)  # errors: one line and an exit code (cli.errors.guard)
+    pc = load_engine(model, device, dtype, config)  # errors: one line and an exit code (frontend.errors.guard)
     namespaces = sorted(set(keys.values())) if keys else [pc.config.namespace]
     docs = {}
     for ns in namespaces:  # PMLError, artifact mismatches, document store errors: one line each (guard)
@@ -201,11 +205,9 @@ def serve(model_arg, model, device, dtype, engine, config_file, src_root, schema
         if documents:
             click.echo(f"Loading documents from {documents} (namespace '{ns}') ...", err=True)
             docs[ns] = load_documents(pc, Path(documents), ns)
-    serving = ServingConfig(kv_pool_tokens=kv_pool_tokens, block_size=block_size,
-                            max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs)
     try:
         app = create_app(pc, api_keys=keys, documents=docs or None, max_queue=max_queue, model_name=model_name or model,
-                         block_size=block_size, serving=serving, drain_timeout=drain_timeout, limits=limits,
+                         block_size=serving.block_size, serving=serving, drain_timeout=drain_timeout, limits=limits,
                          allowed_hosts=host_list(host, allowed_hosts), cors_origins=cors_origins,
                          pins=Pins(int(pin_gb * 2**30)), max_model_len=max_model_len)
     except ValueError as e:

@@ -57,7 +57,7 @@ class Planner:
 
     def __init__(self, pc, prefix, documents: dict | None = None, max_chars: int = 2_000_000):
         self.pc, self.prefix, self.documents, self.max_chars = pc, prefix, documents or {}, max_chars
-        self.context = getattr(pc.model.config, "max_position_embeddings", None)
+        self.context = pc.adapter.context_limit  # the model's context, its sliding window if smaller
 
     def chat(self, req: ChatRequest, ns: str) -> Plan:
         _check_common(req)

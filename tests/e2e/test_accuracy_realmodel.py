@@ -7,18 +7,12 @@ prompts, well under a minute once the model is converted (the first run download
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-EVAL = Path(__file__).resolve().parents[2] / "eval"
-sys.path.insert(0, str(EVAL))
-sys.path.insert(0, str(EVAL / "data"))
-
-from make_synthetic import retrieval_samples  # noqa: E402
-from recompute_reference import check_exact  # noqa: E402
+from eval.data.make_synthetic import retrieval_samples
+from eval.recompute_reference import check_exact
 
 from promptcache import PromptCache  # noqa: E402
 from promptcache.models.smollm2 import ensure_smollm2  # noqa: E402
@@ -58,7 +52,7 @@ def test_cached_prompt_answers_a_retrieval_question_like_full_prefill(pc):
 
 
 def test_reference_recompute_all_equals_plain_forward(pc):
-    from selection_study import build_prompt
+    from eval.selection_study import build_prompt
 
     prompt, _ = build_prompt(pc.tokenizer, retrieval_samples(1, seed=11)[0])
     assert check_exact(pc.model, prompt, tol=1e-4) <= 1e-4

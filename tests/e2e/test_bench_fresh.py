@@ -2,21 +2,13 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
+import importlib
 
 from promptcache import bench
 
-EVAL = Path(__file__).resolve().parents[2] / "eval"
-
 
 def _bench_engine():
-    sys.path.insert(0, str(EVAL))
-    spec = importlib.util.spec_from_file_location("eval_bench_engine_fresh", EVAL / "bench_engine.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return importlib.import_module("eval.bench_engine")
 
 
 def test_round_robin_times_one_call_of_each_method_per_round():

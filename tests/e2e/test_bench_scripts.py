@@ -2,21 +2,14 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
+import importlib
 from pathlib import Path
 
 import pytest
 
-EVAL = Path(__file__).resolve().parents[2] / "eval"
-
 
 def load(name):
-    sys.path.insert(0, str(EVAL))
-    spec = importlib.util.spec_from_file_location(f"eval_{name}", EVAL / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return importlib.import_module(f"eval.{name}")
 
 
 def test_bench_store_runs(capsys):

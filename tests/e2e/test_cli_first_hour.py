@@ -17,7 +17,7 @@ from click.testing import CliRunner
 from ptyrun import cli, run_on_pty
 
 from promptcache.cli import main
-from promptcache.cli.options import FIELDS, engine_config, option_name, parse_size
+from promptcache.frontend.options import FIELDS, engine_config, option_name, parse_size
 from promptcache.engine import EngineConfig
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -252,7 +252,7 @@ def test_chat_answers_from_the_schema_from_turn_one_then_reuses_turns():
 
 
 def test_ctrl_c_exits_130():
-    from promptcache.cli.errors import guard
+    from promptcache.frontend.errors import guard
 
     @guard
     def interrupted():

@@ -24,7 +24,7 @@ def demo(extra_env: dict) -> subprocess.CompletedProcess:
 
 
 def test_demo_smollm2_converts_once_then_runs_offline():
-    from promptcache.cli.common import load_engine
+    from promptcache.frontend.common import load_engine
 
     load_engine("smollm2", "cpu", "float32")  # first use: converts (or finds the conversion)
     folder = default_dir()

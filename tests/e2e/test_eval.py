@@ -8,20 +8,14 @@ from __future__ import annotations
 import csv
 import json
 import math
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-EVAL = Path(__file__).resolve().parents[2] / "eval"
-sys.path.insert(0, str(EVAL))
-
-import accuracy  # noqa: E402
-import memory  # noqa: E402
-import metrics  # noqa: E402
-import ttft  # noqa: E402
-from tiny import make_model, make_tokenizer  # noqa: E402
+from eval import accuracy, memory, metrics, ttft
+from eval.data import make_synthetic
+from tiny import make_model, make_tokenizer
 
 
 def read_csv(path: Path) -> list[dict]:
@@ -217,9 +211,6 @@ def test_split_modules_packs_paragraphs():
 
 
 def test_synthetic_data_is_deterministic_and_answerable(tmp_path):
-    sys.path.insert(0, str(EVAL / "data"))
-    import make_synthetic
-
     a, b = make_synthetic.generate(samples=2), make_synthetic.generate(samples=2)
     assert a == b and len(a) == 6
     for s in a:

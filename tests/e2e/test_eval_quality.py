@@ -6,16 +6,13 @@ No assertion here looks at wall time; accuracy figures of random weights mean no
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
 
-EVAL = Path(__file__).resolve().parents[2] / "eval"
-sys.path.insert(0, str(EVAL))
 
-import accuracy  # noqa: E402
-import examples_check  # noqa: E402
+EVAL = Path(__file__).resolve().parents[2] / "eval"
+from eval import accuracy, examples_check
 
 pytestmark = pytest.mark.slow
 

@@ -4,18 +4,11 @@ reference (KL 0 against itself), 16-bit storage is compared with it per prompt."
 from __future__ import annotations
 
 import csv
-import importlib.util
-import sys
-from pathlib import Path
-
-EVAL = Path(__file__).resolve().parents[2] / "eval"
 
 
 def test_kv_dtype_study_compares_16_bit_storage_with_float32(tmp_path, capsys):
-    sys.path.insert(0, str(EVAL))
-    spec = importlib.util.spec_from_file_location("eval_kv_dtype_study", EVAL / "kv_dtype_study.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    from eval import kv_dtype_study as mod
+
     summary = mod.main(["--model", "embedded", "--limit", "1", "--modes", "prefix_subset", "--max-new-tokens", "2",
                         "--out", str(tmp_path)])
     by = {(s["mode"], s["kv_dtype"]): s for s in summary}

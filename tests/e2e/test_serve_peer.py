@@ -5,16 +5,11 @@ answers the official ``openai`` client; no assertion looks at wall time."""
 from __future__ import annotations
 
 import csv
-import sys
 from pathlib import Path
 
 import pytest
 
-EVAL = Path(__file__).resolve().parents[2] / "eval"
-sys.path.insert(0, str(EVAL))
-
-import peer_servers  # noqa: E402
-import serve_peer  # noqa: E402
+from eval import peer_servers, serve_peer
 
 
 def read_csv(path: Path) -> list[dict]:

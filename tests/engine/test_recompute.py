@@ -13,7 +13,8 @@ import torch
 
 from oracle import plain_logits_at
 from promptcache import EngineConfig, PromptCache
-from promptcache.engine.recompute import SELECTIONS
+from eval import engine_selections  # the studies' selections: registered, so tested here too
+from promptcache.engine.recompute import SELECTIONS, register_selection
 from tiny import FAMILIES, make_model, make_tokenizer
 
 TOL = 1e-4
@@ -161,7 +162,8 @@ def test_qmatch_recomputes_the_span_that_holds_the_questions_rare_words_first():
 
 
 def test_qmatch_names_every_span_close_to_the_best_match_and_falls_back_to_prompt_order():
-    from promptcache.engine.recompute import named_spans, qmatch, qmatch_later
+    from eval.engine_selections import qmatch_later
+    from promptcache.engine.recompute import named_spans, qmatch
 
     # spans 1 and 3 both hold the rare word 7: both named, the later first among equals
     spans = [[1, 2, 3], [1, 7, 4], [1, 2, 5], [1, 7, 8]]
@@ -191,3 +193,14 @@ def test_qmatch_through_the_engine_picks_the_union_the_question_names():
     assert qmatch(None, req, len(b)) == b
     res = pc.prefill(UNIONS, recompute=0.3)
     assert 0 < res.recomputed_tokens <= res.cached_tokens and not res.exact
+
+
+def test_a_registered_selection_is_a_config_name_and_a_taken_name_is_refused():
+    assert {"qattn_mix", "qmatch_later"} <= set(SELECTIONS)  # eval/engine_selections.py registered them
+    assert EngineConfig(recompute_selection="qmatch_later").recompute_selection == "qmatch_later"
+    register_selection("qmatch_later", engine_selections.qmatch_later)  # the same function again: no-op
+    with pytest.raises(ValueError, match="already registered"):
+        register_selection("qmatch", engine_selections.qmatch_later)
+    with pytest.raises(ValueError, match="scores_from"):
+        register_selection("study_x", engine_selections.qattn_mix, scores_from=1.5)
+    assert "study_x" not in SELECTIONS

@@ -2,12 +2,7 @@
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "eval"))
-
-import bench_rag  # noqa: E402
+from eval import bench_rag
 
 
 def test_workload_is_zipf_and_distinct():

@@ -3,21 +3,14 @@
 from __future__ import annotations
 
 import csv
-import importlib.util
-import sys
-from pathlib import Path
 
 import pytest
-
-EVAL = Path(__file__).resolve().parents[2] / "eval"
 
 
 @pytest.mark.slow
 def test_bench_remote_runs(redis_server, tmp_path, capsys):
-    sys.path.insert(0, str(EVAL))
-    spec = importlib.util.spec_from_file_location("eval_bench_remote", EVAL / "bench_remote.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    from eval import bench_remote as bench
+
     bench.main(["--model", "embedded", "--device", "cpu", "--schema-tokens", "200", "--repeats", "1",
                 "--remote", redis_server.url, "--out", str(tmp_path)])
     rows = {r["mode"]: r for r in csv.DictReader((tmp_path / "remote.csv").open())}

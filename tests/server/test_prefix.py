@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from promptcache.server.prefix import PrefixCache
+from promptcache.engine.prefix import PrefixCache
 
 TEXT = " ".join(["The quick brown fox jumps over the lazy dog while the cat watches from the warm window sill."] * 6)
 

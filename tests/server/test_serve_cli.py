@@ -148,3 +148,21 @@ def test_host_allow_list_defaults():
     assert host_list("127.0.0.1", ()) == LOOPBACK_HOSTS and host_list("0.0.0.0", ()) is None
     assert host_list("0.0.0.0", ("a.example,b.example", "c.example")) == ("a.example", "b.example", "c.example")
     assert host_list("127.0.0.1", ("*",)) is None
+
+
+def test_serve_has_one_option_per_serving_config_field_with_its_default():
+    import dataclasses
+
+    from promptcache.engine.prefix import DEFAULT_BLOCK_SIZE
+    from promptcache.server.backend import ServingConfig
+    from promptcache.server.cli import serve
+    from promptcache.tunables import BLOCK_SIZE
+
+    options = {p.name: p for p in serve.params}
+    for fl in dataclasses.fields(ServingConfig):
+        assert options[fl.name].default == fl.default and options[fl.name].help == fl.metadata["help"]
+    assert ServingConfig().block_size == DEFAULT_BLOCK_SIZE == BLOCK_SIZE == 16  # server and chat alike
+    from click.testing import CliRunner
+
+    result = CliRunner().invoke(serve, ["--block-size", "0"])
+    assert result.exit_code == 2 and "--block-size" in result.output

@@ -23,12 +23,12 @@ from typing import Callable
 
 import torch
 
-from ..engine.chains import ChainPlanner
-from ..store import StoreError
+from ..tunables import BLOCK_SIZE
+from .chains import ChainPlanner, stored_run
 
 log = logging.getLogger(__name__)
 
-DEFAULT_BLOCK_SIZE = 16
+DEFAULT_BLOCK_SIZE = BLOCK_SIZE  # tunables.py: the server's and chat's default
 
 
 class PrefixCache:
@@ -72,17 +72,12 @@ class PrefixCache:
             raise ValueError("a prompt needs at least one token")
         t0 = time.perf_counter()
         b, keys = self.block_size, self.keys(ids, namespace)
-        m, cached, hits = 0, [], {}
-        for key in keys[: (len(ids) - 1) // b]:
-            try:
-                kv, tier = self.pc.store.get(key)  # kv: [L, 2, H, B, D]; one lookup, no separate membership test
-            except StoreError:  # not stored (or no longer): the chain ends here
-                break
-            hits[tier] = hits.get(tier, 0) + 1
-            cached.append((key, kv, torch.arange(m * b, (m + 1) * b, device=self.pc.device)))
-            m += 1
+        found, hits = stored_run(self.pc.store, keys[: (len(ids) - 1) // b])  # kv: [L, 2, H, B, D]
+        cached = [(key, kv, torch.arange(i * b, (i + 1) * b, device=self.pc.device))
+                  for i, (key, kv) in enumerate(found)]
+        m = len(found)
         res = self.pc.run_spliced(cached, ids[m * b :], list(range(m * b, len(ids))), len(ids) - 1, t0,
-                                  reserve, keep_cache=True, exact=True, hit_tiers=hits)
+                                  reserve, keep_cache=True, exact=True, hit_tiers=dict(hits))
         for i in range(m, len(keys)):  # cache slot == position: the kept cache holds the prompt in order
             if keys[i] not in self.pc.store:
                 self.pc.store.put(keys[i], res.cache.read(i * b, b))

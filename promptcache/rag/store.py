@@ -1,7 +1,9 @@
-"""Retrieval-augmented generation: documents cached as chains (exact) or as independent modules.
+"""``DocumentStore``: documents cached as chains (exact) or as independent modules.
 
-(About 400 lines: the document API, the two prompt plans, and persistence with the index checks
-the hardening issue asks for; persistence is the part to move out if it grows.)
+The document API and the two prompt plans; the folder a store persists to is ``folder.py``,
+``Document`` and the errors ``documents.py``. Chains are keyed and looked up with the engine's
+chain mechanism (``engine.chains``: ``chained``, ``stored_run``), the one the server's prefix reuse
+uses.
 
     store = DocumentStore(pc, "docs.pcache")           # persisted; reopened with its states
     store.add("paris", "Paris is the capital of France ...", {"source": "wiki"})
@@ -43,16 +45,7 @@ Works with any retriever: the caller passes document ids. Keys come from ``promp
 (``alone_key``, salted by the namespace), so documents and the prefix live in the engine's store
 beside schema modules.
 
-Persistence (``path``; independent states, written atomically with ``fsutil``)::
-
-    index.json                  {"format_version": 2, "model": {fingerprint}, "model_digest": str,
-                                 "tokenizer": str, "documents": [{"id": str, "text": str,
-                                 "metadata": {}, "n_tokens": int, "digest": sha256 of the token
-                                 ids, "file": str, "sha256": codec checksum}, ...]}
-    docs/<digest[:32]>.safetensors   one state "kv" [L, 2, H, n, D] in the codec format
-                                 (portable key, model digest, checksum in its header)
-
-A store with a ``path`` encodes and persists every document's independent states (in both modes,
+Persistence (``path``; ``folder.py`` has the format). A store with a ``path`` encodes and persists every document's independent states (in both modes,
 so a folder serves either); an in-memory chain store encodes nothing at ``add``.
 Reopening checks every field of the index (a wrong type, a null or a missing field is a
 ``DocumentStoreError`` naming the file, the document and the field; nothing is changed), the
@@ -64,55 +57,25 @@ rewrites its file.
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 import time
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 
-from .engine import Generation, PrefillResult, PromptCache
-from . import jsonsafe
-from .errors import PromptCacheError
-from .engine.recompute import check_recompute, recompute_request
-from .fsutil import atomic_write
-from .keys import PORTABLE, alone_key, chain_key, chain_root, model_digest, token_digest
-from .layout import PromptLayout, Span
-from .models.relocate import check_relocatable, relocate
-from .store import StoreError
-from .store.codec import StateInfo, write_file
+from ..engine import Generation, PrefillResult, PromptCache
+from ..engine.chains import chained, stored_run
+from ..engine.recompute import check_recompute, recompute_request
+from ..keys import alone_key, chain_root, token_digest
+from ..layout import PromptLayout, Span
+from ..models.relocate import check_relocatable, relocate
+from .documents import Document, DocumentStoreError, UnknownDocumentError
+from .folder import DocumentFolder
+
+__all__ = ["DocumentStore"]
 
 log = logging.getLogger(__name__)
-
-FORMAT_VERSION = 2
-INDEX = "index.json"
-
-
-class UnknownDocumentError(PromptCacheError, KeyError):
-    """A document id that is not in the store."""
-
-    exit_code = 1
-
-    def __str__(self) -> str:
-        return str(self.args[0])
-
-
-class DocumentStoreError(PromptCacheError, RuntimeError):
-    """A persisted document store cannot be used as it is (model, tokenizer or files)."""
-
-    exit_code = 1
-
-
-@dataclass(frozen=True)
-class Document:
-    id: str
-    text: str
-    metadata: dict = field(default_factory=dict)
-    n_tokens: int = 0
-    digest: str = ""  # sha256 of the token ids: names the states file
-    token_ids: tuple[int, ...] = field(default=(), repr=False, compare=False)
 
 
 class DocumentStore:
@@ -133,10 +96,10 @@ class DocumentStore:
         self.separator = separator
         self._sep = tuple(pc.tok.encode(separator)) if separator else ()
         self.path = Path(path) if path is not None else None
+        self.folder = DocumentFolder(self.path, pc) if self.path is not None else None
         self._docs: dict[str, Document] = {}
-        self._sums: dict[str, str] = {}  # document digest -> sha256 of its stored states
         self._lock = threading.RLock()
-        if self.path is not None and (self.path / INDEX).is_file():
+        if self.folder is not None and self.folder.exists():
             self._open(reencode)
 
     # -- documents -------------------------------------------------------------------------------
@@ -153,8 +116,8 @@ class DocumentStore:
         key = self._key(ids)
         if (self.independent or self.hybrid or self.path is not None) and key not in self.pc.store:
             kv = self._put(key, self.pc.encode_span(ids))
-            if self.path is not None:
-                self._write_states(doc, kv)
+            if self.folder is not None:
+                self.folder.write_states(doc, kv)
         with self._lock:
             self._docs[doc_id] = doc
             self._save_index()
@@ -308,20 +271,21 @@ class DocumentStore:
 
     def _chain_states(self, layout: PromptLayout, docs: list[Document]) -> tuple[list, dict]:
         """(cached states, tier hits): the prefix, then the longest stored chain of the leading
-        documents (chain spans of ``layout``; the first miss ends it)."""
+        documents (chain spans of ``layout``: each document with its separator)."""
         cached, hits = [], {}
         self._prefix_state(layout, cached, hits)
-        parent = cached[0][0] if cached else chain_root(self.pc.model_key, self.namespace)
-        for span in [s for s in layout.spans if s.name.startswith("doc:")][:len(docs)]:
-            key = chain_key(parent, span.token_ids, span.position_ids[0])  # the document + separator
-            try:
-                kv, tier = self.pc.store.get(key)
-            except StoreError:
-                break
-            hits[tier] = hits.get(tier, 0) + 1
-            cached.append((key, kv, torch.tensor(span.position_ids, device=self.pc.device)))
-            parent = key
+        spans = [s for s in layout.spans if s.name.startswith("doc:")][:len(docs)]
+        found, chain_hits = stored_run(self.pc.store, self._chain_keys(cached, spans))
+        cached += [(key, kv, torch.tensor(span.position_ids, device=self.pc.device))
+                   for (key, kv), span in zip(found, spans)]
+        for tier, n in chain_hits.items():
+            hits[tier] = hits.get(tier, 0) + n
         return cached, hits
+
+    def _chain_keys(self, cached: list, spans: list[Span]) -> list[str]:
+        """Chain keys of ``spans`` after the last of ``cached`` (the prefix, or the chain's root)."""
+        parent = cached[-1][0] if cached else chain_root(self.pc.model_key, self.namespace)
+        return chained(parent, [(s.token_ids, s.position_ids[0]) for s in spans])
 
     def _prefill_chain(self, question: str, docs: list[Document], system: str | None, reserve: int,
                        keep_cache: bool, t0: float) -> PrefillResult:
@@ -331,11 +295,7 @@ class DocumentStore:
         cached, hits = self._chain_states(layout, docs)
         spans = [s for s in layout.spans if s.name.startswith("doc:")]
         matched = len(cached) - (layout.spans[0].name == "(prefix)")
-        parent = cached[-1][0] if cached else chain_root(self.pc.model_key, self.namespace)
-        links = []  # (chain key, token count) of the documents to compute and add
-        for span in spans[matched:]:
-            parent = chain_key(parent, span.token_ids, span.position_ids[0])
-            links.append((parent, len(span)))
+        links = list(zip(self._chain_keys(cached, spans[matched:]), map(len, spans[matched:])))  # (key, tokens) to add
         run = spans[matched:] + [layout.spans[-1]]
         ran = PromptLayout([Span("new", s.name, s.token_ids, s.position_ids, s.source) if s in run else s
                             for s in layout.spans], None)  # what ran: the unmatched documents are new
@@ -358,101 +318,27 @@ class DocumentStore:
         self.pc.store.put(key, kv)
         return kv
 
-    def _write_states(self, doc: Document, kv: torch.Tensor) -> None:
-        """Write (or rewrite) a document's states file: one state "kv" with its portable key."""
-        sums = write_file(self._file(doc), {"kv": (self._key(doc.token_ids, PORTABLE), kv)},
-                          model_digest(self.pc.model_key))
-        self._sums[doc.digest] = sums["kv"]
-
-    def _file(self, doc: Document) -> Path:
-        return self.path / "docs" / f"{doc.digest[:32]}.safetensors"
-
     def _save_index(self) -> None:
-        if self.path is None:
+        if self.folder is None:
             return
-        docs = []
         for d in self._docs.values():
-            if d.digest not in self._sums:  # stored in memory before (same text): persist it now
-                self._write_states(d, self.pc.store.get(self._key(d.token_ids))[0])
-            record = {k: v for k, v in asdict(d).items() if k != "token_ids"}
-            docs.append({**record, "file": self._file(d).name, "sha256": self._sums[d.digest]})
-        index = {"format_version": FORMAT_VERSION, "model": self.pc.model_fingerprint,
-                 "model_digest": model_digest(self.pc.model_key), "tokenizer": self.pc.tokenizer_fingerprint,
-                 "documents": docs}
-        atomic_write(self.path / INDEX, json.dumps(index, indent=1))
+            if not self.folder.has_states(d):  # stored in memory before (same text): persist it now
+                self.folder.write_states(d, self.pc.store.get(self._key(d.token_ids))[0])
+        self.folder.save(self._docs.values())
 
     def _open(self, reencode: bool) -> None:
-        where = self.path / INDEX
-        try:
-            index = jsonsafe.loads(where.read_text(encoding="utf-8"))
-        except (OSError, ValueError) as e:
-            raise DocumentStoreError(f"{where} is unreadable or corrupted: {e}") from None
-        docs = _check_index(index, where)
-        problems = [f"model {k.removesuffix('_sha256')} differs"
-                    for k in ("architecture", "config_sha256", "weights_sha256", "dtype")
-                    if index["model"].get(k) != self.pc.model_fingerprint.get(k)]
-        if index["tokenizer"] != self.pc.tokenizer_fingerprint:
-            problems.append("tokenizer differs")
+        records, problems = self.folder.read()
         if problems:
             if not reencode:
                 raise DocumentStoreError(f"document store {self.path} was built with another model or tokenizer: "
                                          f"{'; '.join(problems)}. Open it with that model, or build a store for this "
                                          "model in another folder; reencode=True re-encodes it in place, replacing the "
                                          "other model's states.")
-            log.warning("re-encoding %d documents in %s: %s", len(docs), self.path, "; ".join(problems))
-            for d in docs:
+            log.warning("re-encoding %d documents in %s: %s", len(records), self.path, "; ".join(problems))
+            for d in records:
                 self.add(d["id"], d["text"], d["metadata"])
             return
-        opened, spec = {}, self.pc.runner.stored_spec  # states are persisted in the stored dtype
-        for d in docs:  # check everything first: on an error nothing is registered
-            ids = tuple(self.pc.tok.encode(d["text"]))
-            doc = Document(d["id"], d["text"], d["metadata"], len(ids), d["digest"], ids)
-            if token_digest(ids) != doc.digest or d["n_tokens"] != len(ids):
-                raise DocumentStoreError(f"{where}: document '{doc.id}' tokenizes differently than when it was stored")
-            f = self._file(doc)
-            if d["file"] != f.name or not f.is_file():
-                raise DocumentStoreError(f"{where}: document '{doc.id}': states file {self.path / 'docs' / d['file']} "
-                                         f"is missing or misnamed (field 'file', expected {f.name})")
-            shape = (spec.layers, 2, spec.kv_heads, len(ids), spec.head_dim)
-            expect = StateInfo(self._key(ids, PORTABLE), str(spec.dtype).removeprefix("torch."), shape,
-                               model_digest(self.pc.model_key), d["sha256"])
-            opened[doc.id] = (doc, f, expect)
-        for doc, f, expect in opened.values():
+        for doc, f, expect in self.folder.opened(records):
             # read lazily on first use; the disk tier verifies it and never uses a bad file
             self.pc.store.register_file(f, {self._key(doc.token_ids): ("kv", expect, 0)})
-            self._sums[doc.digest] = expect.checksum
             self._docs[doc.id] = doc
-
-
-_FIELDS = {"id": str, "text": str, "metadata": dict, "n_tokens": int, "digest": str, "file": str, "sha256": str}
-
-
-def _check_index(index, where: Path) -> list[dict]:
-    """The documents of a parsed index.json, every field type-checked (else DocumentStoreError)."""
-    def bad(field: str, what: str):
-        return DocumentStoreError(f"{where}: field '{field}' {what}")
-
-    if not isinstance(index, dict):
-        raise bad("(top level)", f"must be an object, got {type(index).__name__}")
-    if index.get("format_version") != FORMAT_VERSION:
-        raise bad("format_version", f"is {index.get('format_version')!r}; this promptcache reads {FORMAT_VERSION}")
-    if not isinstance(index.get("model"), dict):
-        raise bad("model", "must be an object (the model fingerprint)")
-    if not isinstance(index.get("tokenizer"), str):
-        raise bad("tokenizer", "must be a string (the tokenizer fingerprint)")
-    docs = index.get("documents")
-    if not isinstance(docs, list):
-        raise bad("documents", "must be a list")
-    seen = set()
-    for n, d in enumerate(docs):
-        if not isinstance(d, dict):
-            raise bad(f"documents[{n}]", "must be an object")
-        for name, typ in _FIELDS.items():
-            v = d.get(name)
-            if not isinstance(v, typ) or (typ is int and isinstance(v, bool)) or (typ is str and not v and name != "text"):
-                raise bad(f"documents[{n}].{name}", f"must be a {'non-empty ' if typ is str else ''}{typ.__name__}, "
-                          f"got {v!r:.40}")
-        if d["id"] in seen:
-            raise bad(f"documents[{n}].id", f"repeats id '{d['id']}'")
-        seen.add(d["id"])
-    return docs

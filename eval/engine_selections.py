@@ -1,0 +1,42 @@
+"""Engine selections only the studies use, registered with the engine on import
+(``promptcache.engine.recompute.register_selection``); then ``EngineConfig(recompute_selection=
+"qattn_mix")`` or ``"qmatch_later"`` works like the library's own.
+
+Kept here, not in the library, because no user needs them: each lost to ``qmatch`` in the
+measurements (eval/README.md "Quality"); the studies re-run them.
+"""
+
+from __future__ import annotations
+
+from promptcache.engine.recompute import RecomputeRequest, fill, match_order, register_selection, tail, top
+
+__all__ = ["qattn_mix", "qmatch_later"]
+
+
+def qattn_mix(scores, req: RecomputeRequest, k: int) -> list[int]:
+    """Whole spans ranked by mean question attention (late layers) while they fit in the budget,
+    then the rest of the budget by token-level question attention over the remaining candidates."""
+    if scores is None:
+        return tail(None, req, k)
+    mass = [float(scores[a:b].mean()) for a, b in req.spans]
+    out, left = [], k
+    for i in sorted(range(len(mass)), key=lambda i: (-mass[i], i)):
+        a, b = req.spans[i]
+        if b - a <= left:
+            out += range(a, b)
+            left -= b - a
+    rest = sorted(set(req.candidates) - set(out))
+    return sorted(out + (top(scores, rest, left) if left and rest else []))
+
+
+def qmatch_later(scores, req: RecomputeRequest, k: int) -> list[int]:
+    """The third step's order, kept for the record: every span in ``match_order`` (the named ones,
+    then the unmatched from the end, like ``tail``). More budget than the named spans mixes fresh
+    and stale notes and lost answers (67% of full prefill at r = 0.3 against ``qmatch``'s 106%)."""
+    if not req.spans:
+        return tail(None, req, k)
+    return fill(req, match_order(req), k)
+
+
+register_selection("qattn_mix", qattn_mix, scores_from=0.5)  # the second half of the layers
+register_selection("qmatch_later", qmatch_later)

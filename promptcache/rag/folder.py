@@ -1,0 +1,145 @@
+"""A persisted ``DocumentStore``'s folder: its index and one states file a document.
+
+Layout (independent states, written atomically with ``fsutil``)::
+
+    index.json                  {"format_version": 2, "model": {fingerprint}, "model_digest": str,
+                                 "tokenizer": str, "documents": [{"id": str, "text": str,
+                                 "metadata": {}, "n_tokens": int, "digest": sha256 of the token
+                                 ids, "file": str, "sha256": codec checksum}, ...]}
+    docs/<digest[:32]>.safetensors   one state "kv" [L, 2, H, n, D] in the codec format
+                                 (portable key, model digest, checksum in its header)
+
+Reading checks every field of the index (a wrong type, a null or a missing field is a
+``DocumentStoreError`` naming the file, the document and the field), then each document against
+the tokenizer and its file's name; what a states file must hold (key, dtype, shape, model,
+checksum) is handed to the store's disk tier, which verifies the data on first read. The folder
+knows the engine only through what it reads here: ``model_key``, the fingerprints, ``tok`` and
+the stored KV spec.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+from .. import jsonsafe
+from ..fsutil import atomic_write
+from ..keys import PORTABLE, alone_key, model_digest, token_digest
+from ..store.codec import StateInfo, write_file
+from .documents import Document, DocumentStoreError
+
+__all__ = ["FORMAT_VERSION", "INDEX", "DocumentFolder"]
+
+FORMAT_VERSION = 2
+INDEX = "index.json"
+_FIELDS = {"id": str, "text": str, "metadata": dict, "n_tokens": int, "digest": str, "file": str, "sha256": str}
+
+
+class DocumentFolder:
+    """``path``: the folder; ``pc``: the engine whose states it holds. ``sums``: document digest ->
+    checksum of its states file, for every document written or opened."""
+
+    def __init__(self, path: str | Path, pc):
+        self.path, self.pc = Path(path), pc
+        self.sums: dict[str, str] = {}
+
+    @property
+    def index(self) -> Path:
+        return self.path / INDEX
+
+    def exists(self) -> bool:
+        return self.index.is_file()
+
+    def file(self, doc: Document) -> Path:
+        return self.path / "docs" / f"{doc.digest[:32]}.safetensors"
+
+    def has_states(self, doc: Document) -> bool:
+        return doc.digest in self.sums
+
+    def write_states(self, doc: Document, kv: torch.Tensor) -> None:
+        """Write (or rewrite) a document's states file: one state "kv" with its portable key."""
+        sums = write_file(self.file(doc), {"kv": (self.portable_key(doc.token_ids), kv)},
+                          model_digest(self.pc.model_key))
+        self.sums[doc.digest] = sums["kv"]
+
+    def portable_key(self, token_ids) -> str:
+        return alone_key(token_ids, self.pc.model_key, PORTABLE)
+
+    def save(self, docs) -> None:
+        """Write index.json for ``docs`` (every one's states file written before)."""
+        records = [{**{k: v for k, v in asdict(d).items() if k != "token_ids"},
+                    "file": self.file(d).name, "sha256": self.sums[d.digest]} for d in docs]
+        index = {"format_version": FORMAT_VERSION, "model": self.pc.model_fingerprint,
+                 "model_digest": model_digest(self.pc.model_key), "tokenizer": self.pc.tokenizer_fingerprint,
+                 "documents": records}
+        atomic_write(self.index, json.dumps(index, indent=1))
+
+    def read(self) -> tuple[list[dict], list[str]]:
+        """(the index's document records, field-checked; what differs from this engine's model and
+        tokenizer, empty when nothing does)."""
+        try:
+            index = jsonsafe.loads(self.index.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as e:
+            raise DocumentStoreError(f"{self.index} is unreadable or corrupted: {e}") from None
+        docs = check_index(index, self.index)
+        problems = [f"model {k.removesuffix('_sha256')} differs"
+                    for k in ("architecture", "config_sha256", "weights_sha256", "dtype")
+                    if index["model"].get(k) != self.pc.model_fingerprint.get(k)]
+        if index["tokenizer"] != self.pc.tokenizer_fingerprint:
+            problems.append("tokenizer differs")
+        return docs, problems
+
+    def opened(self, records: list[dict]) -> list[tuple[Document, Path, StateInfo]]:
+        """Each record as (document, states file, what the file must hold); everything is checked
+        before anything is returned, so on an error nothing gets registered."""
+        out, spec = [], self.pc.runner.stored_spec  # states are persisted in the stored dtype
+        for d in records:
+            ids = tuple(self.pc.tok.encode(d["text"]))
+            doc = Document(d["id"], d["text"], d["metadata"], len(ids), d["digest"], ids)
+            if token_digest(ids) != doc.digest or d["n_tokens"] != len(ids):
+                raise DocumentStoreError(f"{self.index}: document '{doc.id}' tokenizes differently than when it was "
+                                         "stored")
+            f = self.file(doc)
+            if d["file"] != f.name or not f.is_file():
+                raise DocumentStoreError(f"{self.index}: document '{doc.id}': states file {self.path / 'docs' / d['file']} "
+                                         f"is missing or misnamed (field 'file', expected {f.name})")
+            shape = (spec.layers, 2, spec.kv_heads, len(ids), spec.head_dim)
+            out.append((doc, f, StateInfo(self.portable_key(ids), str(spec.dtype).removeprefix("torch."), shape,
+                                          model_digest(self.pc.model_key), d["sha256"])))
+        for doc, _, expect in out:
+            self.sums[doc.digest] = expect.checksum
+        return out
+
+
+def check_index(index, where: Path) -> list[dict]:
+    """The documents of a parsed index.json, every field type-checked (else DocumentStoreError)."""
+    def bad(field: str, what: str):
+        return DocumentStoreError(f"{where}: field '{field}' {what}")
+
+    if not isinstance(index, dict):
+        raise bad("(top level)", f"must be an object, got {type(index).__name__}")
+    if index.get("format_version") != FORMAT_VERSION:
+        raise bad("format_version", f"is {index.get('format_version')!r}; this promptcache reads {FORMAT_VERSION}")
+    if not isinstance(index.get("model"), dict):
+        raise bad("model", "must be an object (the model fingerprint)")
+    if not isinstance(index.get("tokenizer"), str):
+        raise bad("tokenizer", "must be a string (the tokenizer fingerprint)")
+    docs = index.get("documents")
+    if not isinstance(docs, list):
+        raise bad("documents", "must be a list")
+    seen = set()
+    for n, d in enumerate(docs):
+        if not isinstance(d, dict):
+            raise bad(f"documents[{n}]", "must be an object")
+        for name, typ in _FIELDS.items():
+            v = d.get(name)
+            if not isinstance(v, typ) or (typ is int and isinstance(v, bool)) or (typ is str and not v and name != "text"):
+                raise bad(f"documents[{n}].{name}", f"must be a {'non-empty ' if typ is str else ''}{typ.__name__}, "
+                          f"got {v!r:.40}")
+        if d["id"] in seen:
+            raise bad(f"documents[{n}].id", f"repeats id '{d['id']}'")
+        seen.add(d["id"])
+    return docs

@@ -1,0 +1,40 @@
+"""Tunable constants, one place, a sentence each: sizes that trade memory for speed or set the
+granularity of reuse. None changes a result (every value gives the same tokens); they change
+what is allocated, copied or batched. Settings a user picks per engine or server are config
+fields (``EngineConfig``, ``ServingConfig``), not these; where one defaults to a value here, the
+field names it.
+"""
+
+# -- reuse granularity ----------------------------------------------------------------------------
+# Tokens per reusable block: KV pool blocks and automatic prefix reuse (the server's and the
+# terminal chat's); a prompt's first len // BLOCK_SIZE blocks can be shared. Smaller blocks share
+# more of a partly equal prompt and cost more keys and lookups; vLLM's default is 16 too.
+BLOCK_SIZE = 16
+
+# -- assembly buffers (cache.py, engine/facade.py, engine/batch.py) -------------------------------
+# Splice buffer capacities are rounded up to a multiple of this many slots, so prompts of nearby
+# lengths reuse one buffer instead of each allocating its own.
+CAPACITY_GRANULE = 256
+# Slots past a schema's end that the buffer prewarmed at registration holds: room for a prompt's
+# own text and the first generated tokens before the buffer grows.
+PREWARM_SLACK = 64
+# Slots added to every (re)allocation of a batched decode's cache beyond the rows' remaining
+# generation, so a joining row rarely forces a reallocation.
+DECODE_SLACK = 64
+# Overlapped host -> device copies go in this many groups of layers: one copy per span and group
+# (launching a copy costs CPU time; fewer groups mean larger copies and a later first layer).
+COPY_GROUPS = 4
+
+# -- serving (engine/serving.py, engine/paged.py) -------------------------------------------------
+# Prefill tokens a scheduler step runs even when decode rows use up the token budget, so a queue
+# of new prompts always moves.
+MIN_CHUNK = 16
+# Decode rows whose own part is at most this many tokens are gathered into one padded batch; a
+# longer one (a request that computed its whole prompt) is read in place on its own: padding every
+# row to it made the gather of 64 rows behind a 1K prompt 16 ms a layer (SmolLM2, measured).
+GATHER_MAX = 256
+# A set of queries reading more than this many separate shared segments (a prompt whose blocks were
+# allocated in pieces from a fragmented pool) reads them concatenated, one attention call a layer:
+# 256 one-block segments of a 4K prompt were 256 calls and merges a layer (375 ms a decode step on
+# SmolLM2, 7x the step of the same prompt in one run).
+SEGMENTS_MAX = 4
