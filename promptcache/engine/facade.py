@@ -27,6 +27,7 @@ from typing import Callable
 import torch
 
 from ..layout import PromptLayout, SchemaLayout, layout_prompt, layout_schema
+from ..models.packed import pack_linears
 from ..pml import parse_prompt
 from ..pml.nodes import Prompt
 from ..progress import progress_for
@@ -60,6 +61,8 @@ class PromptCache:
         self.tokenizer = tokenizer
         self.tok = as_span_tokenizer(tokenizer)
         device = torch.device(self.config.device) if self.config.device else None
+        if self.config.packed_linear:
+            pack_linears(model)
         self.runner = ModelRunner(model, tokenizer, device, self.config.kv_dtype, self.config.overlap_copies)
         self.model, self.adapter, self.spec, self.device = model, self.runner.adapter, self.runner.spec, self.runner.device
         self.store = build_store(self.device, self.config.store_config())
