@@ -28,7 +28,7 @@ from ..store import StoreError
 from ..tunables import BLOCK_SIZE
 from .plan import PrefillPlan, Segment
 
-__all__ = ["ChainPlanner", "chained", "stored_run"]
+__all__ = ["ChainKeys", "ChainPlanner", "chained", "stored_run"]
 
 
 def chained(parent: str, pieces) -> list[str]:
@@ -55,18 +55,39 @@ def stored_run(store, keys) -> tuple[list[tuple[str, torch.Tensor]], Counter]:
     return found, hits
 
 
+class ChainKeys:
+    """``PrefillPlan.publish`` of a chain plan: keys of the full blocks of ``ids`` (their first token
+    at position ``start``) after the key ``parent``. A request's own tokens only grow (prompt, then
+    answer) and the scheduler asks for their keys every step, so blocks already keyed are kept:
+    each block is hashed once. A call whose tokens are not an extension of those keyed before
+    starts over (never a stale key)."""
+
+    def __init__(self, block_size: int, parent: str, start: int):
+        self.block_size, self.parent, self.start = block_size, parent, start
+        self.ids: list[int] = []  # the tokens of the blocks keyed so far
+        self.keys: list[str] = []
+
+    def __call__(self, ids: list[int]) -> list[str]:
+        b, done = self.block_size, len(self.ids)
+        if ids[:done] != self.ids:
+            self.ids, self.keys, done = [], [], 0
+        n = len(ids) // b
+        if n * b > done:
+            self.ids.extend(ids[done : n * b])
+            self.keys += chained(self.keys[-1] if self.keys else self.parent,
+                                 [(ids[i * b : (i + 1) * b], self.start + i * b) for i in range(done // b, n)])
+        return self.keys[:n]
+
+
 class ChainPlanner:
     def __init__(self, store, model_key: str, block_size: int = BLOCK_SIZE):
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1 token, got {block_size}")
         self.store, self.model_key, self.block_size = store, model_key, block_size
 
-    def keys(self, ids: list[int], namespace: str, parent: str | None = None, start: int = 0) -> list[str]:
-        """Chained keys of the full blocks of ``ids``, whose first token is at position ``start``
-        (a multiple of the block size) after the chain ending in ``parent`` (None: the root)."""
-        b = self.block_size
-        return chained(parent or chain_root(self.model_key, namespace),
-                       [(ids[i * b : (i + 1) * b], start + i * b) for i in range(len(ids) // b)])
+    def keys(self, ids: list[int], namespace: str) -> list[str]:
+        """Chained keys of the full blocks of ``ids`` (a prompt at positions 0..)."""
+        return ChainKeys(self.block_size, chain_root(self.model_key, namespace), 0)(ids)
 
     def plan(self, ids: list[int], namespace: str, pool) -> PrefillPlan:
         """The prompt's plan over ``pool`` (a ``KVPool``; membership tests only) and the store."""
@@ -90,4 +111,4 @@ class ChainPlanner:
         parent = keys[len(segments) - 1] if segments else None
         return PrefillPlan(segments=segments, new_ids=list(ids[m:]), new_pos=list(range(m, len(ids))),
                            max_position=len(ids) - 1, exact=True, hit_tiers=dict(hits),
-                           publish=lambda own: self.keys(own, namespace, parent, m))
+                           publish=ChainKeys(b, parent or chain_root(self.model_key, namespace), m))

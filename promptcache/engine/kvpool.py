@@ -120,10 +120,10 @@ class KVPool:
     def _take(self, count: int) -> list[int]:
         """``count`` free blocks: the first run long enough, else the longest runs first (the
         fewest pieces: attention reads each piece of a shared prompt as its own segment)."""
-        pieces = sorted(runs(self._free), key=lambda r: -r[1])
-        fit = [r for r in runs(self._free) if r[1] >= count]
+        free_runs = runs(self._free)
+        fit = next(((a, k) for a, k in free_runs if k >= count), None)
         chosen, left = [], count
-        for first, k in fit[:1] or pieces:
+        for first, k in [fit] if fit else sorted(free_runs, key=lambda r: -r[1]):
             take = min(k, left)
             chosen += range(first, first + take)
             left -= take

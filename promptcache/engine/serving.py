@@ -69,6 +69,7 @@ class _Seq:
     entries: list[SharedEntry]  # pool entries it reads (released when it finishes)
     shared: list[tuple[str, torch.Tensor]]  # (cascade key, view [L, 2, H, n, D]) in KV order
     blocks: list[int]  # its own blocks, in token order (published ones included: they address its slots)
+    slots: torch.Tensor  # LongTensor [len(blocks) * block_size]: pool slot of each own token, in order
     own_ids: list[int] = field(default_factory=list)  # tokens whose states are in its own slots, in order
     own_pos: list[int] = field(default_factory=list)  # their positions
     published: int = 0  # leading own blocks shared under chain keys (no longer freed by it)
@@ -146,7 +147,7 @@ class ServingScheduler(RequestQueue):
     def _row(self, s: _Seq, ids: list[int], pos: list[int], logits: bool) -> PagedRow:
         s.own_ids.extend(ids)  # their states are written by this step's forward
         s.own_pos.extend(pos)
-        return PagedRow(ids, pos, s.shared, self.pool.slots(s.blocks, 0, s.done), logits=logits)
+        return PagedRow(ids, pos, s.shared, s.slots[: s.done], logits=logits)
 
     def _chunk(self, s: _Seq, budget: int) -> PagedRow:
         lo = s.done
@@ -157,6 +158,8 @@ class ServingScheduler(RequestQueue):
     def _admit(self, seqs: list[_Seq], rows: list[PagedRow], budget: int) -> list[StepOutput]:
         """Admit waiting requests in arrival order while budget is left; each gets a first chunk
         in ``rows``. A request whose next block another request is computing now waits a step."""
+        if not self.waiting:
+            return []
         outs, inflight, deferred = [], self._inflight(), []
         while self.waiting and budget > 0 and len(self.running) < self.max_running:
             req = self.waiting.popleft()
@@ -213,7 +216,11 @@ class ServingScheduler(RequestQueue):
         blocks = self.pool.allocate(self.pool.blocks_for(len(plan.new_ids) + req.params.max_new_tokens))
         if blocks is None:
             return self._no_room(req, entries, plan.cached_tokens)
-        return _Seq(req, plan, entries, shared, blocks, bytes_copied=copied)
+        return _Seq(req, plan, entries, shared, blocks, self._slots_of(blocks), bytes_copied=copied)
+
+    def _slots_of(self, blocks: list[int]) -> torch.Tensor:
+        """Pool slots of every token the request's own blocks can hold (built once: rows slice it)."""
+        return self.pool.slots(blocks, 0, len(blocks) * self.pool.block_size)
 
     def _no_room(self, req: Request, entries: list[SharedEntry], cached: int):
         for e in entries:
@@ -287,7 +294,7 @@ class ServingScheduler(RequestQueue):
         ids = [0] * n  # placeholders: only their count matters (a private prefill publishes nothing)
         plan = PrefillPlan(segments=[], new_ids=ids, new_pos=own_pos, max_position=res.next_position - 1,
                            exact=res.exact, layout=res.layout)
-        seq = _Seq(req, plan, [], [], blocks, own_ids=list(ids), own_pos=list(own_pos),
+        seq = _Seq(req, plan, [], [], blocks, self._slots_of(blocks), own_ids=list(ids), own_pos=list(own_pos),
                    bytes_copied=res.bytes_copied + n * self.pool.spec.bytes_per_token)
         req.prefill = res
         return seq
