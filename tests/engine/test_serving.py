@@ -388,3 +388,16 @@ def test_a_prompt_stored_in_scattered_blocks_is_read_together_and_stays_exact(to
         outs.append(req)
     assert outs[1].prefill.cached_tokens >= 4 * (paged.SEGMENTS_MAX + 1)
     assert any(n > paged.SEGMENTS_MAX and g == 1 for n, g in grouped)  # read together
+
+
+def test_chain_keys_hash_each_block_once_and_start_over_on_other_tokens():
+    from promptcache.engine.chains import ChainKeys, chained
+
+    def want(ids):
+        return chained("root", [(ids[i * 4 : (i + 1) * 4], 8 + i * 4) for i in range(len(ids) // 4)])
+
+    keys, ids = ChainKeys(4, "root", 8), list(range(30))
+    for n in (3, 4, 9, 17, 30):  # a request's own tokens growing
+        assert keys(ids[:n]) == want(ids[:n])
+    other = [7] + ids[1:12]
+    assert keys(other) == want(other)  # not an extension: keyed afresh
