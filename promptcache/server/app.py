@@ -48,6 +48,7 @@ from . import protocol as P
 from .access import AccessLog, note
 from .anthropic import MessagesContext, add_messages_route
 from .backend import Backend, QueueFull, ServingConfig
+from .compute import ComputeThread
 from .limits import LOOPBACK_HOSTS, Limits, RequestGuard, parsed_body
 from .metrics import CONTENT_TYPE_LATEST, Metrics
 from ..engine.prefix import DEFAULT_BLOCK_SIZE, PrefixCache
@@ -65,7 +66,8 @@ def create_app(pc, *, api_keys: dict[str, str] | None = None, documents=None, ma
                model_name: str = "promptcache", block_size: int = DEFAULT_BLOCK_SIZE,
                serving: ServingConfig | None = None, drain_timeout: float = 10.0, limits: Limits | None = None,
                allowed_hosts: tuple[str, ...] | None = LOOPBACK_HOSTS, cors_origins: tuple[str, ...] = (),
-               pins: Pins | None = None, max_model_len: int | None = None) -> FastAPI:
+               pins: Pins | None = None, max_model_len: int | None = None,
+               compute: ComputeThread | None = None) -> FastAPI:
     """An app serving ``pc`` (a PromptCache).
 
     ``api_keys``: key -> namespace (None: no keys, one namespace). ``documents``: a DocumentStore
@@ -78,7 +80,9 @@ def create_app(pc, *, api_keys: dict[str, str] | None = None, documents=None, ma
     browser page may call from (none by default).
     ``pins``: what ``cache_control`` breakpoints pin, set on ``pc.store`` (None: the store's pins,
     or new ones of ``DEFAULT_PIN_BUDGET`` bytes). ``max_model_len``: prompt plus answer tokens a
-    request may use (None: the model's context; more than it is a ValueError).
+    request may use (None: the model's context; more than it is a ValueError). ``compute``: the
+    thread that loaded ``pc``'s model, to run the engine on (None: a thread of its own; see
+    ``compute.py`` for why it matters).
     """
     limits = limits or Limits()
     serving = serving or ServingConfig()
@@ -92,7 +96,7 @@ def create_app(pc, *, api_keys: dict[str, str] | None = None, documents=None, ma
             raise ValueError(f"max_model_len must be in [1, {planner.context}] (the model's context), got {max_model_len}")
         planner.context = max_model_len
     planning = ThreadPoolExecutor(max_workers=1, thread_name_prefix="promptcache-plan")
-    backend = Backend(pc, max_queue, config=serving, spill=prefix.spill)
+    backend = Backend(pc, max_queue, config=serving, spill=prefix.spill, compute=compute)
     metrics = Metrics(backend, prefix, pc.store)
     if pins is not None or pc.store.pins is None:
         pc.store.pins = pins if pins is not None else Pins(DEFAULT_PIN_BUDGET)
@@ -103,7 +107,7 @@ def create_app(pc, *, api_keys: dict[str, str] | None = None, documents=None, ma
         yield
         await asyncio.get_running_loop().run_in_executor(None, backend.close, drain_timeout)
         planning.shutdown(wait=False, cancel_futures=True)
-        pc.store.persist()  # a named spill folder keeps what memory held for the next start (no-op otherwise)
+        backend.compute.call(pc.store.persist)  # a named spill folder keeps what memory held for the next start (no-op otherwise)
 
     app = FastAPI(title="promptcache", lifespan=lifespan)
     app.add_middleware(AccessLog)

@@ -1,5 +1,9 @@
 """The seam between the HTTP layer and the engine: one worker thread steps one scheduler.
 
+The worker is a ``ComputeThread``: ``promptcache serve`` hands in the one that loaded the model,
+so all parallel torch work of the process runs on one thread (``compute.py`` says why: a step
+costs a third more otherwise on 2 cores).
+
 The scheduler is the serving scheduler (``engine/serving.py``) over one KV pool when the model's
 attention can read the pool (``paged_refusal``): every step is ONE forward that decodes a token
 for each running request and prefills the next chunk of arriving prompts within a token budget,
@@ -33,15 +37,18 @@ import logging
 import threading
 import time
 from collections import deque
+from concurrent import futures
 from dataclasses import dataclass, field
 from typing import Callable
 
 from ..engine import Request, SamplingParams, Scheduler
+from ..engine.graphs import CompiledSteps
 from ..engine.kvpool import KVPool
 from ..engine.paged import paged_refusal
 from ..engine.serving import ServingScheduler
-from ..errors import PromptCacheError
+from ..errors import ConfigError, PromptCacheError
 from ..tunables import BLOCK_SIZE
+from .compute import ComputeThread
 
 log = logging.getLogger(__name__)
 
@@ -115,20 +122,29 @@ class Backend:
     """Owns the engine's scheduler; ``submit`` from the event loop, events back through ``job.events``."""
 
     def __init__(self, pc, max_queue: int = 64, on_finish: Callable[[Job, str], None] | None = None,
-                 config: ServingConfig | None = None, spill: Callable | None = None, paged: bool = True):
+                 config: ServingConfig | None = None, spill: Callable | None = None, paged: bool = True,
+                 compute: ComputeThread | None = None):
+        """``compute``: the thread that runs the engine (``compute.py`` says why it should be the
+        thread that loaded the model); None: a thread of its own."""
         if max_queue < 1:
             raise ValueError(f"max_queue must be >= 1, got {max_queue}")
         self.pc, self.max_queue, self.config = pc, max_queue, config or ServingConfig()
+        self.compute = compute or ComputeThread()
         self.on_finish = on_finish or (lambda job, how: None)  # how: "done", "error", "cancelled"
-        self.refusal = paged_refusal(pc.runner) if paged else "the paged pool was turned off"
+        self.refusal = self.compute.call(paged_refusal, pc.runner) if paged else "the paged pool was turned off"
         self.pool: KVPool | None = None
+        self.compiled: CompiledSteps | None = None
         if self.refusal is None:
             c = self.config
             pins = lambda key: pc.store.pins is not None and pc.store.pins.live(key)  # noqa: E731 - read per eviction
-            self.pool = KVPool(pc.runner.spec, pc.device, c.kv_pool_tokens, c.block_size, spill, pins)
+            self.pool = self.compute.call(KVPool, pc.runner.spec, pc.device, c.kv_pool_tokens, c.block_size, spill, pins)
+            self.compiled = self.compute.call(_compiled, pc) if pc.config.compile else None
             self.scheduler = ServingScheduler(pc.runner, self.pool, c.max_num_batched_tokens, c.max_num_seqs,
-                                              on_publish=_write_through(pc.store))
+                                              on_publish=_write_through(pc.store),
+                                              forward=self.compiled.forward if self.compiled else None)
         else:
+            if pc.config.compile:
+                raise ConfigError(f"EngineConfig.compile: compiled steps need the paged pool: {self.refusal}")
             log.info("serving without the KV pool (each request assembles its own buffer): %s", self.refusal)
             self.scheduler = Scheduler(pc.runner)  # stepped by the worker thread only
         self._incoming: deque[Job] = deque()
@@ -136,8 +152,7 @@ class Backend:
         self._in_flight = 0
         self._cv = threading.Condition()
         self._running = True
-        self._thread = threading.Thread(target=self._run, name="promptcache-engine", daemon=True)
-        self._thread.start()
+        self._done = self.compute.start(self._run)  # the worker loop, until close()
 
     @property
     def in_flight(self) -> int:
@@ -180,13 +195,13 @@ class Backend:
         with self._cv:
             self._deadline = time.monotonic() + timeout
             self._cv.notify()
-        self._thread.join(timeout + 5.0)
+        futures.wait([self._done], timeout + 5.0)
         with self._cv:
             self._running = False
             self._cv.notify()
-        self._thread.join(5.0)
-        if self.pool is not None and not self._thread.is_alive():
-            self.pool.clear_idle()  # shared blocks go down the store's tiers (persisted where the store persists)
+        futures.wait([self._done], 5.0)
+        if self.pool is not None and self._done.done():
+            self.compute.call(self.pool.clear_idle)  # shared blocks go down the store's tiers (persisted where the store persists)
 
     # -- worker thread ---------------------------------------------------------------------------
     _deadline: float | None = None  # set by close(): drain until then
@@ -299,6 +314,14 @@ class Backend:
         if how == "cancelled":
             job.emit("error", asyncio.CancelledError())
         self.on_finish(job, how)
+
+
+def _compiled(pc) -> CompiledSteps:
+    """The engine's compiled steps, the batch-1 decode step compiled now (a start takes that
+    long once; later starts load it from the disk cache)."""
+    steps = CompiledSteps(pc.runner)
+    steps.warm((1,))
+    return steps
 
 
 def _write_through(store):

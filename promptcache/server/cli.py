@@ -33,6 +33,7 @@ import click
 from ..frontend.errors import guard
 from ..frontend.options import engine_config, engine_options, model_options
 from .backend import ServingConfig
+from .compute import ComputeThread
 from .limits import LOOPBACK_HOSTS, Limits
 
 LOOPBACK = {"127.0.0.1", "localhost", "::1"}
@@ -92,6 +93,26 @@ def host_list(host: str, allowed: tuple[str, ...]) -> tuple[str, ...] | None:
     if names:
         return None if "*" in names else names
     return LOOPBACK_HOSTS if host in LOOPBACK else None
+
+
+def _load_namespaces(pc, namespaces: list[str], schemas, compiled, documents, src_root) -> dict:
+    """Every schema, compiled schema and document set, once per namespace (tenants never share a
+    stored state); ``{namespace: DocumentStore}``. PMLError, artifact mismatches, document store
+    errors: one line each (``guard``)."""
+    from ..progress import progress_for
+
+    docs = {}
+    for ns in namespaces:
+        for f in schemas:
+            click.echo(f"Encoding schema {f} (namespace '{ns}') ...", err=True)
+            pc.add_schema(Path(f), progress_for(Path(f).name), namespace=ns, allow_src_root=src_root)
+        for d in compiled:
+            click.echo(f"Loading compiled schema {d} (namespace '{ns}') ...", err=True)
+            pc.load_compiled(d, namespace=ns)
+        if documents:
+            click.echo(f"Loading documents from {documents} (namespace '{ns}') ...", err=True)
+            docs[ns] = load_documents(pc, Path(documents), ns)
+    return docs
 
 
 def load_documents(pc, folder: Path, namespace: str):
@@ -183,7 +204,6 @@ def serve(model_arg, model, device, dtype, engine, config_file, src_root, schema
     except ImportError:
         raise click.ClickException("the server needs the 'serve' extra: pip install 'promptcache[serve]'") from None
     from ..frontend.common import load_engine
-    from ..progress import progress_for
     from ..store import Pins
     from .app import create_app
 
@@ -192,24 +212,17 @@ def serve(model_arg, model, device, dtype, engine, config_file, src_root, schema
     budget = int(cache_gb * 2**30)  # the lowest precedence: a budget from anywhere else wins
     config = engine_config(engine, config_file, defaults={"device_budget": budget, "host_budget": budget})
     keys = _keys(api_key_file, api_key_list, config.namespace)
-    pc = load_engine(model, device, dtype, config)  # errors: one line and an exit code (frontend.errors.guard)
+    # the model is loaded, encoded and served on one thread (compute.py: why)
+    compute = ComputeThread()
+    pc = compute.call(load_engine, model, device, dtype, config)  # errors: one line and an exit code (frontend.errors.guard)
     namespaces = sorted(set(keys.values())) if keys else [pc.config.namespace]
-    docs = {}
-    for ns in namespaces:  # PMLError, artifact mismatches, document store errors: one line each (guard)
-        for f in schemas:
-            click.echo(f"Encoding schema {f} (namespace '{ns}') ...", err=True)
-            pc.add_schema(Path(f), progress_for(Path(f).name), namespace=ns, allow_src_root=src_root)
-        for d in compiled:
-            click.echo(f"Loading compiled schema {d} (namespace '{ns}') ...", err=True)
-            pc.load_compiled(d, namespace=ns)
-        if documents:
-            click.echo(f"Loading documents from {documents} (namespace '{ns}') ...", err=True)
-            docs[ns] = load_documents(pc, Path(documents), ns)
+    docs = compute.call(_load_namespaces, pc, namespaces, schemas, compiled, documents, src_root)
     try:
         app = create_app(pc, api_keys=keys, documents=docs or None, max_queue=max_queue, model_name=model_name or model,
                          block_size=serving.block_size, serving=serving, drain_timeout=drain_timeout, limits=limits,
                          allowed_hosts=host_list(host, allowed_hosts), cors_origins=cors_origins,
-                         pins=Pins(int(pin_gb * 2**30)), max_model_len=max_model_len)
+                         pins=Pins(int(pin_gb * 2**30)), max_model_len=max_model_len,
+                         compute=compute)
     except ValueError as e:
         raise click.UsageError(f"--max-model-len: {e}") from None
     if keys is None:
