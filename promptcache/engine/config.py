@@ -51,6 +51,10 @@ class EngineConfig:
     # (models/packed.py: ~2x faster decode steps on SmolLM2, within float32 rounding of the stock
     # forward; one more copy of the linear weights in memory)
     packed_linear: bool = False
+    # serving steps of few tokens (decode, short prefills) run through torch.compile, padded to
+    # buckets; CUDA graphs on a GPU (engine/graphs.py). Off by default: on CPU it was measured
+    # no faster at batch 1 (the step is bound by reading the weights)
+    compile: bool = False
 
     def __post_init__(self):
         if self.encode_chunk < 1:

@@ -35,7 +35,8 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from ..tunables import GATHER_MAX, SEGMENTS_MAX  # read here at call time (tests set paged.GATHER_MAX)
 from .kvpool import KVPool
 
-__all__ = ["PagedRow", "paged_forward", "paged_refusal", "ATTENTION_NAME"]
+__all__ = ["PagedRow", "StepPlan", "attend", "attention_swapped", "build_plan", "paged_forward", "paged_refusal",
+           "step_inputs", "write_kv", "ATTENTION_NAME"]
 
 ATTENTION_NAME = "promptcache_paged"
 
@@ -55,7 +56,7 @@ class PagedRow:
 
 
 @dataclass
-class _Plan:
+class StepPlan:
     """Per-step index structures, built once and read by every layer."""
 
     pool: KVPool
@@ -68,8 +69,8 @@ class _Plan:
     prefills: list[tuple[int, int, torch.Tensor, int]] = field(default_factory=list)  # (q0, q1, own slots, done)
 
 
-def _build_plan(pool: KVPool, rows: list[PagedRow], scale: float | None) -> _Plan:
-    plan, dev = _Plan(pool, scale), pool.buf.device
+def build_plan(pool: KVPool, rows: list[PagedRow], scale: float | None = None) -> StepPlan:
+    plan, dev = StepPlan(pool, scale), pool.buf.device
     by_key: dict[str, tuple[torch.Tensor, list[int]]] = {}
     decodes, off = [], 0
     for row in rows:
@@ -144,8 +145,11 @@ def paged_attention(module, query, key, value, attention_mask, scaling=None, dro
     if pc_plan is None:
         raise RuntimeError("promptcache_paged attention called without a step plan (a model that does not pass "
                            "its keyword arguments to attention)")
-    plan: _Plan = pc_plan
-    layer = module.layer_idx
+    return attend(pc_plan, module.layer_idx, query, scaling), None
+
+
+def attend(plan: StepPlan, layer: int, query: torch.Tensor, scaling: float | None = None) -> torch.Tensor:
+    """Attention of one layer's queries [1, Hq, N, D] over the pool as ``plan`` says; [1, N, Hq, D]."""
     _, hq, n, d = query.shape
     kbuf, vbuf = plan.pool.buf[layer, 0], plan.pool.buf[layer, 1]  # [Hk, S, D]
     hk = kbuf.shape[0]
@@ -178,7 +182,7 @@ def paged_attention(module, query, key, value, attention_mask, scaling=None, dro
         ks, vs = _layer_kv(views, layer)
         o, l = _attend(q[:, :, idx].reshape(hk, -1, d), ks, vs)
         _merge(out, lse, idx, o.view(hk, g, -1, d), l.view(hk, g, -1))
-    return out.view(hq, n, d).transpose(0, 1)[None].to(query.dtype), None
+    return out.view(hq, n, d).transpose(0, 1)[None].to(query.dtype)
 
 
 def _layer_kv(views: list[torch.Tensor], layer: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -200,6 +204,13 @@ def _slots(buf: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
 AttentionInterface.register(ATTENTION_NAME, paged_attention)
 
 
+def write_kv(pool: KVPool, layer: int, slots: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
+    """A step's new keys/values [1, H, N, D] of one layer into pool slots [N]."""
+    buf = pool.buf
+    buf[layer, 0].index_copy_(1, slots, key[0].to(buf.dtype))
+    buf[layer, 1].index_copy_(1, slots, value[0].to(buf.dtype))
+
+
 class _PagedLayer(CacheLayerMixin):
     """Writes a step's new keys/values [1, H, N, D] into their pool slots; attention reads the pool."""
 
@@ -214,9 +225,7 @@ class _PagedLayer(CacheLayerMixin):
         pass
 
     def update(self, key_states, value_states, *args, **kwargs):
-        buf = self.pool.buf
-        buf[self.index, 0].index_copy_(1, self.slots, key_states[0].to(buf.dtype))
-        buf[self.index, 1].index_copy_(1, self.slots, value_states[0].to(buf.dtype))
+        write_kv(self.pool, self.index, self.slots, key_states, value_states)
         return key_states, value_states
 
     def get_seq_length(self) -> int:
@@ -239,11 +248,11 @@ class PagedCache(Cache):
 
 
 @contextmanager
-def _attention_swapped(runner):
-    """The model's attention is ours for one forward (transformers' public setter; ~0.2 ms on
+def attention_swapped(runner, name: str = ATTENTION_NAME):
+    """The model's attention is ``name`` for one forward (transformers' public setter; ~0.2 ms on
     SmolLM2), then what it was: nothing changes for any other forward."""
     model, old = runner.model, runner.adapter.attn_implementation()
-    model.set_attn_implementation(ATTENTION_NAME)
+    model.set_attn_implementation(name)
     try:
         yield
     finally:
@@ -253,22 +262,29 @@ def _attention_swapped(runner):
 @torch.inference_mode()
 def paged_forward(runner, pool: KVPool, rows: list[PagedRow]) -> torch.Tensor:
     """One forward of every row's new tokens; logits [k, V] of the rows with ``logits`` set, in order."""
+    ids, pos, write, ends = step_inputs(pool, rows)
+    keep = torch.tensor(ends, dtype=torch.long, device=pool.buf.device)
+    plan = build_plan(pool, rows)
+    kwargs = {"position_ids": pos} if runner.adapter.passes_position_ids else {}
+    with runner.lock, attention_swapped(runner):
+        out = runner.model(input_ids=ids, past_key_values=PagedCache(pool, write), use_cache=True,
+                           logits_to_keep=keep, pc_plan=plan, **kwargs)
+    return out.logits[0]
+
+
+def step_inputs(pool: KVPool, rows: list[PagedRow]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[int]]:
+    """The packed step's ids [1, N], position IDs [1, N], pool slots its tokens go to [N], and
+    the packed index of each row's last token where the row wants logits."""
     dev = pool.buf.device
-    ids = torch.tensor([[t for r in rows for t in r.ids]], dtype=torch.long, device=dev)  # [1, N]
-    pos = torch.tensor([[p for r in rows for p in r.pos]], dtype=torch.long, device=dev)  # [1, N]
-    write = torch.cat([r.own[len(r.own) - len(r.ids):] for r in rows]).to(dev)  # [N]
+    ids = torch.tensor([[t for r in rows for t in r.ids]], dtype=torch.long, device=dev)
+    pos = torch.tensor([[p for r in rows for p in r.pos]], dtype=torch.long, device=dev)
+    write = torch.cat([r.own[len(r.own) - len(r.ids):] for r in rows]).to(dev)
     ends, off = [], 0
     for r in rows:
         off += len(r.ids)
         if r.logits:
             ends.append(off - 1)
-    keep = torch.tensor(ends, dtype=torch.long, device=dev)
-    plan = _build_plan(pool, rows, None)
-    kwargs = {"position_ids": pos} if runner.adapter.passes_position_ids else {}
-    with runner.lock, _attention_swapped(runner):
-        out = runner.model(input_ids=ids, past_key_values=PagedCache(pool, write), use_cache=True,
-                           logits_to_keep=keep, pc_plan=plan, **kwargs)
-    return out.logits[0]
+    return ids, pos, write, ends
 
 
 def paged_refusal(runner) -> str | None:

@@ -88,13 +88,16 @@ class _Seq:
 
 class ServingScheduler(RequestQueue):
     def __init__(self, runner: ModelRunner, pool: KVPool, token_budget: int = 512, max_running: int = 256,
-                 on_publish=None):
+                 on_publish=None, forward=None):
+        """``forward(pool, rows) -> logits``: the step's forward (default ``paged.paged_forward``;
+        ``graphs.CompiledSteps.forward`` compiles the small ones)."""
         if token_budget < 1 or max_running < 1:
             raise ValueError(f"token_budget and max_running must be >= 1, got {token_budget}, {max_running}")
         super().__init__()
         self.runner, self.pool = runner, pool
         self.token_budget, self.max_running = token_budget, max_running
         self.on_publish = on_publish  # (key, kv view [L, 2, H, n, D]) for each block a request published
+        self.forward = forward or (lambda pool, rows: paged_forward(runner, pool, rows))
         self.running: list[_Seq] = []
         self.steps = 0
         self.prefill_tokens = 0
@@ -302,7 +305,7 @@ class ServingScheduler(RequestQueue):
     # -- one step ---------------------------------------------------------------------------------
     def _run(self, seqs: list[_Seq], rows: list[PagedRow]) -> list[StepOutput]:
         try:
-            logits = paged_forward(self.runner, self.pool, rows)  # [k, V]
+            logits = self.forward(self.pool, rows)  # [k, V]
         except BaseException as e:
             for s in seqs:
                 s.req.error = e

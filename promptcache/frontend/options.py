@@ -45,6 +45,8 @@ _HELP = {
     "recompute": "Drifted cached tokens computed afresh per prompt: auto (exact prompts none, drifted ones a "
                  "measured budget) or a fraction in [0, 1] (0: the paper's splice).",
     "remote": "Shared tier below disk: redis://[:password@]host:port/db.",
+    "compile": "Compile serving steps of few tokens (decode, short prefills) with torch.compile, padded to "
+               "buckets; CUDA graphs on a GPU. Each bucket compiles once on first use (kept on disk).",
     "packed_linear": "CPU, float32: run every linear layer through oneDNN with its weight packed once (about "
                      "2x faster decode on SmolLM2; within float32 rounding of the stock forward; one more copy "
                      "of the linear weights in memory).",

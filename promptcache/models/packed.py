@@ -42,7 +42,20 @@ class PackedLinear:
         self.bias = None if bias is None else bias.detach()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling():  # inductor cannot lower the oneDNN op: it stays one opaque call
+            return torch.ops.promptcache.packed_linear(x, self.weight, self.bias)
         return _LINEAR(x, self.weight, self.bias, "none", [], "")
+
+
+@torch.library.custom_op("promptcache::packed_linear", mutates_args=())
+def _packed_linear_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """The packed linear inside a compiled graph: x [..., K] -> [..., N]."""
+    return _LINEAR(x, weight, bias, "none", [], "")
+
+
+@_packed_linear_op.register_fake
+def _(x, weight, bias):
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
 def packed_refusal(model) -> str | None:

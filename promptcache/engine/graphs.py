@@ -1,0 +1,223 @@
+"""Compiled serving steps (``EngineConfig.compile``, ``--compile``): ``CompiledSteps``.
+
+A serving step of few tokens (decode rows, a short new-token prefill) is bound by launching
+kernels, not by computing them: hundreds of small ops per layer, each dispatched from Python.
+``CompiledSteps.forward`` runs such a step through ``torch.compile`` of the stock model instead
+of eagerly, with the same inputs and the same answer as ``paged.paged_forward``:
+
+* **Static shapes by bucketing.** A step of n tokens with r logits rows runs as the bucket
+  (N, R) >= (n, r) from ``tunables.COMPILE_BUCKETS``: ids and position IDs are padded (pad
+  tokens at position 0, written nowhere, attending to nothing, their outputs dropped); the
+  logits rows asked for are padded by repeating the last. One graph per bucket pair, compiled
+  lazily on first use (logged with its time); a step larger than the largest bucket runs eagerly
+  (it is bound by its matrix products, where compiling gains nothing).
+* **The pool stays an input.** Attention is one opaque custom op per layer
+  (``promptcache::paged_attention``) that writes the layer's new keys/values into their pool
+  slots and reads the pool as the step's plan says (``paged.attend``: shared segments in place,
+  own tokens, log-sum-exp merges). The plan (block tables, segments) and the position IDs are
+  the step's data, never baked into a graph, so Prompt Cache's positions are untouched and one
+  graph serves every request mix of its bucket.
+* **CUDA graphs on a GPU.** On CUDA the model is compiled with ``mode="reduce-overhead"`` and
+  inductor's graph partition: everything between two attention ops is captured as a CUDA graph
+  per bucket and replayed; the attention op is tagged ``cudagraph_unsafe`` and runs eagerly
+  between them (its work depends on the step's plan). Piecewise capture, as vLLM does. (Not yet
+  measured: no GPU was available when this was written; eval/README.md says how to measure.)
+* **Cached on disk.** Inductor's compiled kernels are kept under ``<cache>/inductor`` (the
+  promptcache cache folder, unless ``TORCHINDUCTOR_CACHE_DIR`` is set): a restart compiles a
+  bucket from its cache in a fraction of the first time.
+
+Exactness: compiled and eager steps agree within float32 rounding (fused elementwise kernels
+round in another order): tests/engine/test_graphs.py checks logits within 1e-4 and equal greedy
+tokens for every family the pool serves.
+
+Measured on CPU (SmolLM2-135M, float32, packed linears, 2 threads; eval/README.md "Compiled
+steps"): a decode step is bound by reading the weights (the linears are two thirds of it), so
+compiling gains ~0% at batch 1 and ~7% at batches 16-64; hence off by default on CPU.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+from transformers import AttentionInterface
+
+from ..errors import ConfigError
+from ..tunables import COMPILE_BUCKETS
+from .kvpool import KVPool
+from .paged import PagedRow, StepPlan, attend, attention_swapped, build_plan, paged_forward, paged_refusal, \
+    step_inputs, write_kv
+
+log = logging.getLogger(__name__)
+
+__all__ = ["COMPILED_ATTENTION", "CompiledSteps", "bucket_for", "compile_refusal"]
+
+COMPILED_ATTENTION = "promptcache_compiled"
+
+
+def bucket_for(n: int, buckets: tuple[int, ...] = COMPILE_BUCKETS) -> int | None:
+    """The smallest bucket holding ``n`` (None: larger than every bucket)."""
+    for b in buckets:
+        if n <= b:
+            return b
+    return None
+
+
+# -- the attention op ---------------------------------------------------------------------------
+
+class _Step:
+    """What the attention op of the step running on this thread reads: the plan, the pool
+    slots of the n real tokens, n."""
+
+    def __init__(self, plan: StepPlan, write: torch.Tensor, n: int):
+        self.plan, self.write, self.n = plan, write, n
+
+
+_LOCAL = threading.local()  # .step: the running step's _Step (a compiled forward runs on its caller's thread)
+# torch's tag for ops a CUDA graph must not capture (inductor partitions the graph around them);
+# torch.Tag is public, the tag is newer than some builds
+_UNSAFE = getattr(torch.Tag, "cudagraph_unsafe", None)
+
+
+@torch.library.custom_op("promptcache::paged_attention", mutates_args=(),
+                         tags=(_UNSAFE,) if _UNSAFE is not None else ())
+def _paged_attention_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer: int,
+                        scaling: float) -> torch.Tensor:
+    """query [1, Hq, N, D], key/value [1, Hk, N, D] of one layer -> [1, N, Hq, D]: the first n
+    tokens' keys/values go to their pool slots, their queries attend as the plan says, the pad
+    tokens' outputs are zero."""
+    step: _Step = _LOCAL.step
+    n = step.n
+    write_kv(step.plan.pool, layer, step.write, key[:, :, :n], value[:, :, :n])
+    out = attend(step.plan, layer, query[:, :, :n], scaling if scaling > 0 else None)  # [1, n, Hq, D]
+    full = query.new_zeros((1, query.shape[2], query.shape[1], query.shape[3]))
+    full[:, :n] = out
+    return full
+
+
+@_paged_attention_op.register_fake
+def _(query, key, value, layer, scaling):
+    return query.new_empty((query.shape[0], query.shape[2], query.shape[1], query.shape[3]))
+
+
+def compiled_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """The attention function of compiled steps (registered as ``COMPILED_ATTENTION``)."""
+    return torch.ops.promptcache.paged_attention(query, key, value, module.layer_idx,
+                                                 float(scaling) if scaling is not None else 0.0), None
+
+
+AttentionInterface.register(COMPILED_ATTENTION, compiled_attention)
+
+
+@contextmanager
+def _stepping(step: _Step):
+    _LOCAL.step = step
+    try:
+        yield
+    finally:
+        _LOCAL.step = None
+
+
+# -- compiled steps -----------------------------------------------------------------------------
+
+def compile_refusal(runner) -> str | None:
+    """Why steps of this runner's model cannot be compiled (None: they can)."""
+    why = paged_refusal(runner)
+    if why is not None:
+        return f"compiled steps build on the paged pool, which this model cannot use: {why}"
+    if not hasattr(torch, "compile"):
+        return "this torch has no torch.compile"
+    return None
+
+
+def _keep_graphs(limit: int) -> None:
+    """Each bucket pair is a recompile of the same model code; dynamo keeps 8 per code object by
+    default and then runs eagerly. Raised to ``limit`` (dynamo's documented setting, reached by
+    name: its module path is underscored)."""
+    config = getattr(torch, "_dynamo").config
+    for name in ("recompile_limit", "cache_size_limit"):  # the newer name, then the older
+        if hasattr(config, name):
+            setattr(config, name, max(getattr(config, name), limit))
+            return
+
+
+def _cache_dir() -> str:
+    """Where inductor keeps compiled kernels: TORCHINDUCTOR_CACHE_DIR if set, else ours."""
+    if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+        base = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "promptcache" / "inductor"
+        base.mkdir(parents=True, exist_ok=True)
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(base)
+    return os.environ["TORCHINDUCTOR_CACHE_DIR"]
+
+
+class CompiledSteps:
+    """``forward(pool, rows)``: ``paged.paged_forward`` with steps of at most ``max(buckets)``
+    tokens compiled. ``compile_seconds``: bucket (N, R) -> seconds its first step took (tracing
+    and compiling, or loading from the disk cache)."""
+
+    def __init__(self, runner, buckets: tuple[int, ...] = COMPILE_BUCKETS):
+        why = compile_refusal(runner)
+        if why is not None:
+            raise ConfigError(f"EngineConfig.compile: {why}")
+        if not buckets or list(buckets) != sorted(set(buckets)) or buckets[0] < 1:
+            raise ConfigError(f"compile buckets must be increasing positive sizes, got {buckets!r}")
+        self.runner, self.buckets = runner, tuple(buckets)
+        self.cache_dir = _cache_dir()
+        cuda = runner.device.type == "cuda"
+        _keep_graphs(2 * len(self.buckets) ** 2)
+        options = {"graph_partition": True} if cuda else None
+        self._fn = torch.compile(runner.model, fullgraph=True, dynamic=False,
+                                 mode="reduce-overhead" if cuda else None, options=options)
+        self.compile_seconds: dict[tuple[int, int], float] = {}
+        self.compiled_steps = 0
+        self.eager_steps = 0
+
+    def shape_for(self, rows: list[PagedRow]) -> tuple[int, int] | None:
+        """The bucket pair (tokens, logits rows) a step runs as; None: it runs eagerly."""
+        n = sum(len(r.ids) for r in rows)
+        k = sum(1 for r in rows if r.logits)
+        big, rows_bucket = bucket_for(n, self.buckets), bucket_for(max(k, 1), self.buckets)
+        return None if big is None else (big, rows_bucket)
+
+    def forward(self, pool: KVPool, rows: list[PagedRow]) -> torch.Tensor:
+        """Logits [k, V] of the rows with ``logits`` set, in order (as ``paged_forward``)."""
+        shape = self.shape_for(rows)
+        if shape is None:
+            self.eager_steps += 1
+            return paged_forward(self.runner, pool, rows)
+        big, rows_bucket = shape
+        ids, pos, write, ends = step_inputs(pool, rows)
+        n, dev = ids.shape[1], pool.buf.device
+        ids = torch.nn.functional.pad(ids, (0, big - n))  # [1, N]: pad token 0
+        pos = torch.nn.functional.pad(pos, (0, big - n))  # pads at position 0 (they attend to nothing)
+        last = ends[-1] if ends else n - 1
+        keep = torch.tensor(ends + [last] * (rows_bucket - len(ends)), dtype=torch.long, device=dev)  # [R]
+        kwargs = {"position_ids": pos} if self.runner.adapter.passes_position_ids else {}
+        step = _Step(build_plan(pool, rows), write, n)
+        first = shape not in self.compile_seconds
+        if first:
+            log.info("compiling the step of %d tokens, %d logits rows (once; kept in %s) ...", big, rows_bucket,
+                     self.cache_dir)
+        t0 = time.perf_counter()
+        with torch.inference_mode(), self.runner.lock, attention_swapped(self.runner, COMPILED_ATTENTION), \
+                _stepping(step):
+            out = self._fn(input_ids=ids, use_cache=False, logits_to_keep=keep, **kwargs)
+        if first:
+            self.compile_seconds[shape] = time.perf_counter() - t0
+            log.info("compiled the step of %d tokens, %d logits rows in %.1f s", big, rows_bucket,
+                     self.compile_seconds[shape])
+        self.compiled_steps += 1
+        return out.logits[0, : len(ends)]
+
+    def warm(self, sizes: tuple[int, ...] = (1,)) -> None:
+        """Compile the decode steps of these batch sizes now (a server's start), not on first use."""
+        spec, dev = self.runner.spec, self.runner.device
+        for b in sizes:  # a throwaway pool for the warm-up steps
+            pool = KVPool(spec, dev, tokens=max(64, 16 * b), block_size=16)
+            rows = [PagedRow([0], [0], [], pool.slots(pool.allocate(1), 0, 1)) for _ in range(b)]
+            self.forward(pool, rows)

@@ -1,0 +1,101 @@
+"""Compiled serving steps (``engine/graphs.py``): bucketing, and compiled steps equal to eager ones.
+
+Exactness: every family the pool serves gets, through compiled steps, the logits (within 1e-4)
+and greedy tokens of the eager paged steps, for PML prompts with gaps, unions and parameters
+served together (decode rows batched, short prefill chunks, a step larger than every bucket run
+eagerly). Compiling takes seconds per family on 2 cores: the family sweep is marked slow.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from promptcache import PromptCache
+from promptcache.engine.graphs import CompiledSteps, bucket_for, compile_refusal
+from promptcache.engine.kvpool import KVPool
+from promptcache.engine.request import Request
+from promptcache.engine.sampling import SamplingParams
+from promptcache.engine.serving import ServingScheduler
+from promptcache.errors import ConfigError
+from tiny import make_model, make_tokenizer
+
+TOL = 1e-4
+POOLED = ["gpt2", "gpt_neox", "llama", "mistral", "opt", "phi3", "qwen2", "qwen3"]
+
+SCHEMA = """<schema name="trip">
+  <system>You are a travel planner.</system>
+  <user>
+    <module name="plan">Plan a trip of <parameter name="days" length="4" scaffold="three"/> days.</module>
+    <union scaffold="paris">
+      <module name="paris">Paris is the capital of France, famous for museums and cafes.</module>
+      <module name="tokyo">Tokyo is a huge city in Japan with temples and food markets.</module>
+    </union>
+    <module name="cheap">Keep it cheap.</module>
+  </user>
+</schema>"""
+
+PROMPTS = [
+    '<prompt schema="trip"><plan days="2"/><tokyo/> Go.</prompt>',  # a gap, a union member, an argument
+    '<prompt schema="trip"><plan days="5"/><paris/><cheap/> Highlight the food and keep it short.</prompt>',
+    '<prompt schema="trip"><paris/><cheap/></prompt>',  # no new tokens: the last cached one runs
+]
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return make_tokenizer()
+
+
+def serve(pc, forward, budget: int, max_new: int = 6) -> tuple[list[Request], ServingScheduler]:
+    pool = KVPool(pc.runner.spec, pc.device, 1024, 16)
+    sched = ServingScheduler(pc.runner, pool, token_budget=budget, forward=forward)
+    reqs = []
+    for p in PROMPTS:
+        reqs.append(Request(None, SamplingParams(max_new_tokens=max_new, temperature=0.0), pc.tokenizer,
+                            plan=lambda pool, p=p: pc.plan(p, recompute=0)))
+        sched.add(reqs[-1])
+    while sched.has_work:
+        sched.step()
+    return reqs, sched
+
+
+def test_a_step_runs_as_the_smallest_bucket_that_holds_it():
+    assert [bucket_for(n, (1, 2, 4, 8)) for n in (1, 2, 3, 4, 5, 8, 9)] == [1, 2, 4, 4, 8, 8, None]
+
+
+def test_bad_buckets_and_models_the_pool_cannot_serve_are_refused(tokenizer):
+    pc = PromptCache(make_model("llama"), tokenizer)
+    with pytest.raises(ConfigError, match="increasing"):
+        CompiledSteps(pc.runner, buckets=(4, 2))
+    bloom = PromptCache(make_model("bloom"), tokenizer)
+    assert "ALiBi" in compile_refusal(bloom.runner)
+    with pytest.raises(ConfigError, match="EngineConfig.compile"):
+        CompiledSteps(bloom.runner)
+
+
+def check_family(family, tokenizer, budget=12):
+    pc = PromptCache(make_model(family), tokenizer)
+    pc.add_schema(SCHEMA)
+    want, _ = serve(pc, None, budget)
+    steps = CompiledSteps(pc.runner, buckets=(1, 2, 4, 8))
+    got, sched = serve(pc, steps.forward, budget)
+    for prompt, a, b in zip(PROMPTS, want, got):
+        assert a.error is None and b.error is None, (family, prompt, b.error)
+        assert torch.max(torch.abs(a.prefill.logits - b.prefill.logits)).item() <= TOL, (family, prompt)
+        assert a.token_ids == b.token_ids, (family, prompt)
+    assert steps.compiled_steps > 0 and steps.eager_steps > 0  # chunks of 12 tokens pass the last bucket (8)
+    assert set(steps.compile_seconds) <= {(n, r) for n in (1, 2, 4, 8) for r in (1, 2, 4, 8)}
+    assert sched.pool.free_blocks == sched.pool.num_blocks  # pad tokens wrote nowhere they keep
+    return steps
+
+
+def test_compiled_steps_equal_eager_steps_llama(tokenizer):
+    steps = check_family("llama", tokenizer)
+    assert (1, 1) in steps.compile_seconds or (2, 2) in steps.compile_seconds or (4, 4) in steps.compile_seconds
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", [f for f in POOLED if f != "llama"])
+def test_compiled_steps_equal_eager_steps(family, tokenizer):
+    check_family(family, tokenizer)
