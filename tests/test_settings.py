@@ -92,6 +92,15 @@ def test_flat_names_are_unique_and_types_parsable_at_import():
         settings_options(Odd, "values")
 
 
+def test_two_roots_on_one_command_may_not_share_a_flat_name():
+    @dataclass(frozen=True)
+    class Other:
+        inner_rate: float = setting(1.0, "The same flat name as Root.inner.rate.")
+
+    with pytest.raises(TypeError, match="options inner_rate are added twice"):
+        settings_options(Other, "other")(settings_options(Root, "values")(lambda values, other: None))
+
+
 def test_a_bad_value_names_where_it_came_from(tmp_path):
     with pytest.raises(ValueError, match="^environment PROMPTCACHE_INNER_RATE: Inner.rate must be in"):
         settings_from(Root, {}, env={"PROMPTCACHE_INNER_RATE": "3"})
