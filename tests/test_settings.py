@@ -111,6 +111,9 @@ def test_a_bad_value_names_where_it_came_from(tmp_path):
     toml.write_text("[inner]\nrat = 2.0\n")
     with pytest.raises(ValueError, match="unknown keys inner.rat"):
         settings_from(Root, {}, toml, {})
+    toml.write_text("server = 5\n")
+    with pytest.raises(ValueError, match="server must be a table"):
+        settings_from(Root, {}, toml, {}, table_path=("server",))
 
 
 # -- the engine's file -----------------------------------------------------------------------------

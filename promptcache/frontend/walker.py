@@ -325,8 +325,11 @@ def settings_from(root: type, given: dict, config_file: str | Path | None = None
     values: dict[str, tuple] = {k: (v, "command default") for k, v in (defaults or {}).items()}
     if config_file is not None:
         data = read_toml(config_file)
-        for key in table_path:
+        for depth, key in enumerate(table_path):
             data = data.get(key, {})
+            if not isinstance(data, dict):
+                raise ValueError(f"{config_file}: {'.'.join(table_path[:depth + 1])} must be a table ([...]), "
+                                 f"got {data!r}")
         old = data.pop(old_table, None) if old_table else None
         if old is not None:
             deprecated(f"{config_file}: the [{old_table}] table is deprecated; write its keys in their sections")
