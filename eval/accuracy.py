@@ -44,7 +44,7 @@ import torch
 from .common import RESULTS, add_model_args, write_csv
 from .metrics import kl_divergence, metric_for, task_score, token_agreement
 
-from promptcache import EngineConfig, PromptCache
+from promptcache import EngineConfig, PromptCache, RecomputeConfig
 from promptcache.models.loading import load_model
 
 SYSTEM = "You answer questions about the passages the user gives. Answer briefly, using the passages only."
@@ -158,7 +158,7 @@ def parse_args(argv):
                     help="retrieval task: eval/recompute_reference.py, or the engine's prefill(recompute=)")
     ap.add_argument("--selection", default="qattn", help="retrieval task, reference recompute: selections.py name")
     ap.add_argument("--engine-selection", default=None,
-                    help="retrieval task, engine recompute: EngineConfig.recompute_selection (default: the engine's)")
+                    help="retrieval task, engine recompute: EngineConfig.recompute.selection (default: the engine's)")
     ap.add_argument("--modes", nargs="+", default=None, help="retrieval task: a subset of the modes")
     ap.add_argument("--data", type=Path, default=None, help="LongBench-style JSONL (default: synthetic)")
     ap.add_argument("--mode", choices=("independent", "chained"), default="independent")
@@ -204,7 +204,7 @@ def main_retrieval(args) -> tuple[list[dict], list[dict]]:
         rs.plot(summary, Path(args.out) / "accuracy_retrieval.png")
         return rows, summary
     torch.set_num_threads(max(1, min(args.threads, torch.get_num_threads())))
-    config = EngineConfig(recompute_selection=args.engine_selection) if args.engine_selection else None
+    config = EngineConfig(recompute=RecomputeConfig(selection=args.engine_selection)) if args.engine_selection else None
     pc = PromptCache.from_pretrained(args.model, device=args.device, dtype=args.dtype, config=config)
     samples = retrieval_samples(args.first + (args.limit or 60), seed=11)[args.first:]
     recompute = rs.reference_recompute(args.selection) if args.recompute_impl == "reference" else rs.engine_recompute

@@ -109,7 +109,8 @@ def replicas(n: int, cache_mb: float, tmp: Path, remote: str | None = None) -> t
     for i in range(n):
         port = free_port()
         cmd = [sys.executable, "-m", "promptcache.server", "--model", "embedded", "--port", str(port),
-               "--block-size", "16", "--cache-gb", str(cache_mb / 1024), "--disk-budget", "0", "--max-queue", "256"]
+               "--block-size", "16", "--host-budget", f"{cache_mb}MiB", "--device-budget", f"{cache_mb}MiB",
+               "--disk-budget", "0", "--max-queue", "256"]
         cmd += ["--remote", remote] if remote else []
         procs.append(start(cmd, tmp / f"replica{i}-{port}.log", env))
         urls.append(f"http://127.0.0.1:{port}")

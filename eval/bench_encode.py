@@ -27,7 +27,7 @@ import torch
 from .common import RESULTS, add_model_args, write_csv
 
 from promptcache import PromptCache, bench
-from promptcache.engine import EngineConfig
+from promptcache.engine import EngineConfig, RunnerConfig
 from promptcache.models.loading import load_model
 
 
@@ -45,7 +45,7 @@ def build_schema(tok, tokens: int, members: int) -> str:
 
 def measure(model, tok, tokens: int, members: int, repeats: int, kv_dtype: str | None) -> dict:
     schema = build_schema(tok, tokens, members)
-    config = EngineConfig(kv_dtype=kv_dtype)
+    config = EngineConfig(runner=RunnerConfig(kv_dtype=kv_dtype))
     total = {}
 
     pc = PromptCache(model, tok, config)

@@ -1,5 +1,5 @@
 """GPU: TTFT with module states in device memory vs host memory, host copies overlapped with the
-forward (``EngineConfig.overlap_copies``, the default) or enqueued before it.
+forward (``EngineConfig.runner.overlap_copies``, the default) or enqueued before it.
 
     python -m eval.bench_host_copies --device cuda --dtype bfloat16 [--model embedded:1b]
                                      [--schema-tokens 8000] [--new-tokens 16 256 1024 2048]
@@ -23,11 +23,11 @@ import torch
 from .common import RESULTS, add_model_args, text_of_tokens, write_csv
 
 from promptcache import PromptCache
-from promptcache.engine import EngineConfig
+from promptcache.engine import EngineConfig, RunnerConfig, StoreConfig
 from promptcache.models.loading import load_model
 
-ENGINES = {"device": {}, "host_overlap": dict(device_budget=0),
-           "host_serial": dict(device_budget=0, overlap_copies=False)}
+ENGINES = {"device": EngineConfig(), "host_overlap": EngineConfig(store=StoreConfig(device_budget=0)),
+           "host_serial": EngineConfig(runner=RunnerConfig(overlap_copies=False), store=StoreConfig(device_budget=0))}
 
 
 def main(argv=None) -> list[dict]:
@@ -43,7 +43,7 @@ def main(argv=None) -> list[dict]:
     model, tok = load_model(args.model, device=args.device, dtype=args.dtype)
     docs = [text_of_tokens(tok, args.schema_tokens // 8, seed=i) for i in range(8)]
     schema = '<schema name="p">' + "".join(f'<module name="d{i}">{d}</module>' for i, d in enumerate(docs)) + "</schema>"
-    engines = {name: PromptCache(model, tok, EngineConfig(**cfg)) for name, cfg in ENGINES.items()}
+    engines = {name: PromptCache(model, tok, cfg) for name, cfg in ENGINES.items()}
     for e in engines.values():
         e.add_schema(schema)
 

@@ -46,7 +46,7 @@ import torch
 
 from .common import RESULTS, add_model_args, text_of_tokens, write_csv
 
-from promptcache import EngineConfig, PromptCache
+from promptcache import EngineConfig, PromptCache, RecomputeConfig, StoreConfig
 from promptcache.models.loading import load_model
 from promptcache.rag import DocumentStore
 
@@ -119,7 +119,8 @@ def run(args) -> list[dict]:
     budget = int(args.budget_gib * 2**30)
     stores = {}
     for mode in args.modes:
-        pc = PromptCache(model, tok, EngineConfig(host_budget=budget, recompute=args.recompute))
+        pc = PromptCache(model, tok, EngineConfig(store=StoreConfig(host_budget=budget),
+                                                recompute=RecomputeConfig(fraction=args.recompute)))
         stores[mode] = DocumentStore(pc, independent=mode == "independent", hybrid=mode == "hybrid",
                                      canonical_order=mode == "exact_canonical")
         for d, t in texts.items():
@@ -189,7 +190,7 @@ def main(argv=None) -> list[dict]:
                     help="no_cache: time every Nth request only (its TTFT does not depend on the stream)")
     ap.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
     ap.add_argument("--recompute", default="auto", type=lambda v: v if v.strip().lower() == "auto" else float(v),
-                    help="EngineConfig.recompute of the cached modes ('auto' or a fraction)")
+                    help="EngineConfig.recompute.fraction of the cached modes ('auto' or a fraction)")
     ap.add_argument("--out", type=Path, default=RESULTS)
     args = ap.parse_args(argv)
     rows = run(args)

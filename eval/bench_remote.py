@@ -4,7 +4,7 @@ states from Redis, or loads a local compiled artifact; and the bytes each moves.
     python -m eval.bench_remote [--model embedded:bench] [--schema-tokens 4000] [--repeats 3]
                                 [--remote redis://host:port/db] [--out eval/results]
 
-The parent compiles the schema once to a temporary artifact with ``EngineConfig(remote=URL)``, which
+The parent compiles the schema once to a temporary artifact with ``EngineConfig(store=StoreConfig(remote=URL))``, which
 publishes its states to Redis (a redis-server it starts on a free port unless ``--remote`` names
 one). Then, per
 repeat and mode, a new Python process loads the model and runs one plain warm-up prompt (not
@@ -13,7 +13,7 @@ timed: a server does both at start), then times schema -> first prompt's logits 
 with its states in host memory, placement forgotten; ``acquire_s`` = ttft_s - local_prefill_s,
 the cost of getting the states):
   encode   PromptCache.add_schema (every module encoded) + prefill
-  remote   add_schema on EngineConfig(remote=URL) (nothing encoded) + prefill (states fetched)
+  remote   add_schema on EngineConfig(store=StoreConfig(remote=URL)) (nothing encoded) + prefill (states fetched)
   disk     load_compiled(artifact) + prefill (states read from the memory-mapped file)
 Modes run round-robin, so machine load falls on all of them alike; medians are reported.
 Writes remote.csv and remote.png to ``--out``; prints the ratios (target: remote >= 10x faster
@@ -59,13 +59,13 @@ def prepare(args, work: Path) -> dict:
     """Encode once, compile the artifact, publish every state; the prompt and sizes for the children."""
     from promptcache import PromptCache
     from promptcache.bench import build_prompt, build_schema
-    from promptcache.engine import EngineConfig
+    from promptcache.engine import EngineConfig, StoreConfig
     from promptcache.models.loading import load_model
 
     model, tok = load_model(args.model, device=args.device, dtype=args.dtype)
     schema = build_schema(tok, args.schema_tokens)
     (work / "schema.xml").write_text(schema)
-    pc = PromptCache(model, tok, EngineConfig(remote=args.remote))
+    pc = PromptCache(model, tok, EngineConfig(store=StoreConfig(remote=args.remote)))
     pc.compile(work / "schema.xml", work / "artifact")  # publishes every state (write-through)
     entry = pc.schema("bench")
     stats = pc.store.shared_stats()
@@ -81,12 +81,12 @@ def prepare(args, work: Path) -> dict:
 def child(args) -> None:
     """One fresh process, one mode: print {"ttft_s", "encoded", "bytes", "hit_tiers"} as JSON."""
     from promptcache import PromptCache
-    from promptcache.engine import EngineConfig
+    from promptcache.engine import EngineConfig, StoreConfig
     from promptcache.models.loading import load_model
 
     work = Path(args.work)
     model, tok = load_model(args.model, device=args.device, dtype=args.dtype)
-    pc = PromptCache(model, tok, EngineConfig(remote=args.remote) if args.child == "remote" else None)
+    pc = PromptCache(model, tok, EngineConfig(store=StoreConfig(remote=args.remote)) if args.child == "remote" else None)
     _ = pc.model_key  # fingerprints (a sampled weight hash) belong to model loading, in every mode
     pc.prefill("<prompt>warm up</prompt>")  # so does the process's first forward (a server does it at start)
     prompt = (work / "prompt.xml").read_text()

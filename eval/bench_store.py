@@ -18,7 +18,7 @@ from .common import add_model_args, write_csv
 
 from promptcache import PromptCache
 from promptcache.bench import build_schema, median_time, sentences
-from promptcache.engine import EngineConfig
+from promptcache.engine import EngineConfig, RunnerConfig, StoreConfig
 from promptcache.models.loading import load_model
 
 
@@ -71,9 +71,9 @@ def main(argv=None) -> None:
         prompt = prompts[0]
         dev = PromptCache(model, tok)
         dev.add_schema(schema)
-        host = PromptCache(model, tok, EngineConfig(device_budget=0))
+        host = PromptCache(model, tok, EngineConfig(store=StoreConfig(device_budget=0)))
         host.add_schema(schema)
-        serial = PromptCache(model, tok, EngineConfig(device_budget=0, overlap_copies=False))
+        serial = PromptCache(model, tok, EngineConfig(runner=RunnerConfig(overlap_copies=False), store=StoreConfig(device_budget=0)))
         serial.add_schema(schema)
 
         def cold(engine):

@@ -1,6 +1,7 @@
 """Engine selections only the studies use, registered with the engine on import
-(``promptcache.engine.recompute.register_selection``); then ``EngineConfig(recompute_selection=
-"qattn_mix")`` or ``"qmatch_later"`` works like the library's own.
+(``promptcache.engine.recompute.register_selection``); then
+``EngineConfig(recompute=RecomputeConfig(selection="qattn_mix"))`` or ``"qmatch_later"`` works like
+the library's own.
 
 Kept here, not in the library, because no user needs them: each lost to ``qmatch`` in the
 measurements (eval/README.md "Quality"); the studies re-run them.

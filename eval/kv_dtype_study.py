@@ -2,7 +2,7 @@
 
     python -m eval.kv_dtype_study [--model smollm2] [--limit 40] [--modes ...] [--threads 1] [--out DIR]
 
-One model, three engines on it that differ only in ``EngineConfig(kv_dtype=...)``: float32,
+One model, three engines on it that differ only in ``EngineConfig(runner=RunnerConfig(kv_dtype=...))``: float32,
 bfloat16 and float16 (the model computes in float32 in all three; stored spans are converted as
 they are copied into the splice buffer). Every prompt of the retrieval task (``retrieval_study``:
 8 notes, one access code each, per prompt shape and shuffled or not; the same samples as
@@ -30,7 +30,7 @@ from .data.make_synthetic import retrieval_samples
 from .metrics import kl_divergence
 
 from promptcache import PromptCache
-from promptcache.engine import EngineConfig
+from promptcache.engine import EngineConfig, RunnerConfig
 from promptcache.models.loading import load_model
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -97,7 +97,7 @@ def main(argv=None) -> list[dict]:
 
         name = str(ensure_smollm2(progress=print))
     model, tok = load_model(name)
-    engines = {d: PromptCache(model, tok, EngineConfig(kv_dtype=d)) for d in DTYPES}
+    engines = {d: PromptCache(model, tok, EngineConfig(runner=RunnerConfig(kv_dtype=d))) for d in DTYPES}
     rows = []
     for i, sample in enumerate(retrieval_samples(args.limit, seed=11)):
         for mode in args.modes:

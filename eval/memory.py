@@ -254,13 +254,13 @@ def _rss() -> int:
 
 def resident_one(model_name: str, tokens: int, kv_dtype: str | None, new_tokens: int = 32) -> dict:
     """In this (fresh) process: resident bytes at each step, and the theory they are held to."""
-    from promptcache.engine import EngineConfig
+    from promptcache.engine import EngineConfig, RunnerConfig
 
     base = _rss()
     model, tok = load_model(model_name, device="cpu", dtype="float32")
     model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     loaded = _rss()
-    pc = PromptCache(model, tok, EngineConfig(kv_dtype=kv_dtype))
+    pc = PromptCache(model, tok, EngineConfig(runner=RunnerConfig(kv_dtype=kv_dtype)))
     schema, prompt = build_study(tok, tokens, new_tokens)
     entry = pc.add_schema(schema)
     states = sum(t.numel() * t.element_size() for t in stored_states(pc, entry).values())

@@ -12,7 +12,7 @@ the curve ``selection_curve.png`` to ``--figures``.
 
 ``--impl engine`` measures the engine's own selections (``promptcache.engine.recompute``) instead:
 ``DocumentStore(independent=True)`` with the 8 notes as documents, ``generate(..., recompute=r)``
-with each ``EngineConfig.recompute_selection``; a sample is correct when the greedy answer (14
+with each ``EngineConfig.recompute.selection``; a sample is correct when the greedy answer (14
 tokens) holds the code; TTFT is the engine's (selection pass included). Rows ``full`` (the stock
 model over the same tokens) and ``none`` (r = 0). Writes ``selection_engine*.csv`` / PNG.
 """
@@ -93,12 +93,12 @@ def run(model, tok, samples, fractions, names, shuffle: bool, save=None):
 
 def run_engine(path, samples, fractions, names, save=None, max_new_tokens: int = 14):
     """The engine's selections on independent DocumentStore notes (see the module docstring)."""
-    from promptcache import EngineConfig, PromptCache
+    from promptcache import EngineConfig, PromptCache, RecomputeConfig
     from promptcache.rag import DocumentStore
 
     torch.set_num_threads(1)
     base = PromptCache.from_pretrained(path)
-    engines = {n: PromptCache(base.model, base.tokenizer, EngineConfig(recompute_selection=n)) for n in names}
+    engines = {n: PromptCache(base.model, base.tokenizer, EngineConfig(recompute=RecomputeConfig(selection=n))) for n in names}
     rows = []
     for si, sample in enumerate(samples):
         q = f"Question: {sample['input']}"

@@ -18,7 +18,7 @@ one model:
             (at the engine's default ``recompute="auto"``: the prompt drifts, so a budget of its
             drifted tokens is recomputed)
   pc_r0_inplace      the same at ``recompute=0`` (the paper's splice, nothing recomputed)
-  pc_host   Prompt Cache with ``EngineConfig(device_budget=0)`` (states in host memory), if the
+  pc_host   Prompt Cache with ``EngineConfig(store=StoreConfig(device_budget=0))`` (states in host memory), if the
             engine has that option
   limit     the true limit: the forward of the new tokens alone on an already assembled,
             preallocated cache computing logits for the last token only (no concatenation, no
@@ -123,12 +123,14 @@ class PrefixStore:
 
 def host_engine(model, tok) -> PromptCache | None:
     """An engine keeping module states in host memory only, or None when the option does not exist."""
-    from promptcache.engine import EngineConfig
+    from promptcache import engine
 
-    if "device_budget" not in {f.name for f in dataclasses.fields(EngineConfig)}:
+    if hasattr(engine, "StoreConfig"):  # settings by concern
+        return PromptCache(model, tok, engine.EngineConfig(store=engine.StoreConfig(device_budget=0)))
+    if "device_budget" not in {f.name for f in dataclasses.fields(engine.EngineConfig)}:
         print("note: EngineConfig has no 'device_budget' field in this checkout: pc_host (d) skipped")
         return None
-    return PromptCache(model, tok, EngineConfig(device_budget=0))
+    return PromptCache(model, tok, engine.EngineConfig(device_budget=0))  # the flat config of older checkouts
 
 
 def _sync(device: torch.device) -> None:

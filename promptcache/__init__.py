@@ -1,7 +1,8 @@
 """promptcache: modular attention reuse (Prompt Cache, Gim et al., MLSys 2024) for transformers LMs.
 
 ``from promptcache import PMLError, parse_schema, layout_schema`` needs no torch; ``PromptCache``,
-``EngineConfig`` and ``SamplingParams`` (the engine, ``promptcache.engine``) are imported lazily
+``EngineConfig`` with its sections ``RunnerConfig``, ``StoreConfig``, ``RecomputeConfig``, and
+``SamplingParams`` (the engine, ``promptcache.engine``) are imported lazily
 on first use. Every error promptcache raises on purpose derives from ``PromptCacheError``
 (``errors.py``). A ``str`` is always PML or plain text; a ``pathlib.Path`` is a file.
 """
@@ -13,8 +14,8 @@ from .pml import PMLError, parse_prompt, parse_schema
 __version__ = "0.1.0"
 
 __all__ = [
-    "ConfigError", "EngineConfig", "PMLError", "PromptCache", "PromptCacheError", "SamplingParams", "PromptLayout",
-    "SchemaLayout", "Span", "layout_prompt", "layout_schema", "parse_prompt", "parse_schema", "print_layout",
+    "ConfigError", "EngineConfig", "PMLError", "PromptCache", "PromptCacheError", "RecomputeConfig", "RunnerConfig",
+    "SamplingParams", "StoreConfig", "PromptLayout", "SchemaLayout", "Span", "layout_prompt", "layout_schema", "parse_prompt", "parse_schema", "print_layout",
 ]
 
 
@@ -26,7 +27,7 @@ def print_layout(schema, tokenizer=None) -> None:
     print(layout_schema(schema, tokenizer or WordTokenizer()).table())
 
 
-_ENGINE_NAMES = ("EngineConfig", "PromptCache", "SamplingParams")
+_ENGINE_NAMES = ("EngineConfig", "PromptCache", "RecomputeConfig", "RunnerConfig", "SamplingParams", "StoreConfig")
 
 
 def __getattr__(name: str):

@@ -38,7 +38,7 @@ GATHER_MAX = 256
 # 256 one-block segments of a 4K prompt were 256 calls and merges a layer (375 ms a decode step on
 # SmolLM2, 7x the step of the same prompt in one run).
 SEGMENTS_MAX = 4
-# Compiled steps (EngineConfig.compile) pad a step's tokens and its logits rows up to one of these
+# Compiled steps (RunnerConfig.compile) pad a step's tokens and its logits rows up to one of these
 # sizes; each pair is one graph, compiled once. Steps larger than the last run eagerly: past ~64
 # tokens a step is bound by its matrix products and compiling gains nothing (engine/graphs.py).
 COMPILE_BUCKETS = (1, 2, 4, 8, 16, 32, 64)

@@ -130,7 +130,7 @@ def _private(name: str) -> bool:
 
 
 LAYERS = [
-    {"errors", "fsutil", "jsonsafe", "progress", "tunables", "cache", "bench"},  # foundations: no model, no language
+    {"errors", "fsutil", "jsonsafe", "progress", "tunables", "settings", "cache", "bench"},  # foundations: no model, no language
     {"pml", "tokens", "layout", "keys", "builder", "models", "store", "artifact"},  # language, models, storage
     {"engine"},
     {"rag", "compiled", "frontend"},  # built on the engine (``compiled``: the deprecated name of engine.compiled)

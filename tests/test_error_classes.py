@@ -58,16 +58,18 @@ def test_old_bases_still_hold():
 
 
 def test_bad_settings_are_config_errors():
-    from promptcache import EngineConfig, SamplingParams
+    from promptcache import EngineConfig, RecomputeConfig, RunnerConfig, SamplingParams, StoreConfig
 
-    for bad in (dict(encode_chunk=0), dict(namespace=""), dict(namespace="a b"), dict(recompute=2.0),
-                dict(kv_dtype="int3")):
+    for make in (lambda: RunnerConfig(encode_chunk=0), lambda: EngineConfig(namespace=""),
+                 lambda: EngineConfig(namespace="a b"), lambda: RecomputeConfig(fraction=2.0),
+                 lambda: RunnerConfig(kv_dtype="int3"), lambda: StoreConfig(remote="http://x"),
+                 lambda: EngineConfig(store=RunnerConfig())):
         with pytest.raises(ConfigError):
-            EngineConfig(**bad)
+            make()
     with pytest.raises(ConfigError, match="SamplingParams.temperature"):
         SamplingParams(temperature=-1.0)
-    with pytest.raises(ConfigError, match="host_budget"):
-        EngineConfig(host_budget=-1).store_config()
+    with pytest.raises(ConfigError, match="StoreConfig.host_budget"):
+        StoreConfig(host_budget=-1)
     with pytest.raises(ConfigError, match="bad namespace"):
         EngineConfig().namespace_for("")
 

@@ -14,11 +14,12 @@ from .chat_session import ChatSession, default_imports
 from ..frontend.common import load_engine, setup_logging
 from ..frontend.errors import guard
 from ..frontend.options import engine_config, engine_options, model_options
+from ..frontend.walker import SettingsCommand
 
 QUIT = ("/quit", "/exit")
 
 
-@click.command()
+@click.command(cls=SettingsCommand)
 @click.option("--schema", "-s", type=click.Path(exists=True, dir_okay=False), default=None,
               help="A schema file whose modules open every turn (omit for a plain chat).")
 @click.option("--use", "imports", multiple=True,

@@ -90,7 +90,7 @@ class ChatSession:
         self.pc.release(self.prefix.prefill(ids, self.pc.config.namespace))
 
     def stats(self, out) -> str:
-        r = self.pc.config.recompute
+        r = self.pc.config.recompute.fraction
         quality = "exact" if out.exact else f"approximate (recompute {r if isinstance(r, str) else format(r, 'g')})"
         total = out.cached_tokens + out.new_tokens
         return (f"[TTFT {out.ttft * 1e3:.1f} ms | cached {out.cached_tokens} of {total} tokens | "

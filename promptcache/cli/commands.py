@@ -15,6 +15,7 @@ from .. import jsonsafe
 from ..frontend.common import load_engine, load_tokenizer, read_prompt, setup_logging
 from ..frontend.errors import guard
 from ..frontend.options import engine_config, engine_options, model_options
+from ..frontend.walker import SettingsCommand
 
 # `run --json` prints one object with these fields (also listed in `promptcache run --help`).
 JSON_FIELDS = {
@@ -61,7 +62,7 @@ def _load_compiled(pc, folder: str, schema: Path | None, recompile: bool) -> Non
         click.echo(f"Recompiled {folder}{f' from {schema}' if schema else ''}: {' '.join(str(e).split())}", err=True)
 
 
-@click.command()
+@click.command(cls=SettingsCommand)
 @click.argument("prompt", required=False)
 @click.option("--prompt", "-p", "prompt_text", default=None, help="The prompt as text (PML or plain), not a file.")
 @click.option("--schema", "-s", "schemas", multiple=True, type=click.Path(exists=True, dir_okay=False),
@@ -177,7 +178,7 @@ def _check_schema_given(pc, source) -> None:
 run.help = cleandoc(run.help or "") + "\n" + _JSON_HELP  # the fields, from the one list above
 
 
-@click.command()
+@click.command(cls=SettingsCommand)
 @click.argument("schema", type=click.Path(exists=True, dir_okay=False))
 @click.option("--out", "-o", required=True, type=click.Path(file_okay=False), help="Artifact folder to write.")
 @model_options
@@ -289,7 +290,7 @@ def validate(files, model, src_root):
     sys.exit(1 if failed else 0)
 
 
-@click.command()
+@click.command(cls=SettingsCommand)
 @click.option("--model", "-m", default="embedded:bench", show_default=True, help="The model to time (see run --model).")
 @click.option("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda when available).")
 @click.option("--dtype", default="auto", show_default=True, type=click.Choice(("auto", "float32", "bfloat16", "float16")),

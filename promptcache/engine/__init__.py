@@ -6,7 +6,8 @@
 ``scheduler``, ``stream``, ``results``, ``config``.
 """
 
-from .config import EngineConfig
+from ..store import StoreConfig
+from .config import EngineConfig, RecomputeConfig, RunnerConfig
 from .facade import PromptCache
 from .registry import EncodedSchema
 from .request import Request
@@ -17,4 +18,5 @@ from .scheduler import Scheduler, StepOutput
 from .stream import GenerationStream
 
 __all__ = ["EncodedSchema", "EngineConfig", "Generation", "GenerationStream", "ModelRunner", "PrefillResult",
-           "PromptCache", "Request", "SamplingParams", "Scheduler", "StepOutput", "Usage"]
+           "PromptCache", "RecomputeConfig", "Request", "RunnerConfig", "SamplingParams", "Scheduler", "StepOutput",
+           "StoreConfig", "Usage"]

@@ -6,7 +6,7 @@ exactly what the engine needs (``StateInfo``: the portable content key, dtype, s
 states file that is not that (another model's, another schema's, a flipped header byte) is
 refused at load. Registering replaces any stale entry for the same keys: after a corrupted
 artifact was refused (and its states dropped from every local tier), loading a good one works.
-Compiling also publishes the states to the store's shared tiers (``EngineConfig(remote=...)``):
+Compiling also publishes the states to the store's shared tiers (``StoreConfig.remote``):
 under their namespace keys, what replicas running ``add_schema`` look up.
 
 Dtype: an artifact records the dtype its states are stored in (the engine's ``kv_dtype``, else

@@ -1,15 +1,41 @@
-"""``EngineConfig``: the engine's settings, one frozen dataclass validated on construction."""
+"""``EngineConfig``: the engine's settings by concern, each concern one frozen dataclass.
+
+    EngineConfig(runner=RunnerConfig(kv_dtype="bfloat16"),
+                 store=StoreConfig(host_budget=4 << 30, spill_dir="spill"),
+                 recompute=RecomputeConfig(fraction=0.2),
+                 namespace="tenant-a")
+
+Decisions:
+- One owner per setting, no copies: ``RunnerConfig`` (the model's forwards: device, encoding
+  chunks, stored dtype, copies, packed linears), ``StoreConfig`` (``store/config.py``: budgets,
+  tiers, spill folder, remote), ``RecomputeConfig`` (how much drifted context is computed afresh
+  and which tokens), and ``namespace`` (tenancy: salts every key, so it belongs to no concern
+  below it). Each class validates itself on construction (``ConfigError`` naming the field).
+- Option, environment variable and flat config key names stay those of the flat config that came
+  before (``--host-budget``, ``PROMPTCACHE_RECOMPUTE``): ``settings.leaves`` walks the sections;
+  ``RecomputeConfig.fraction`` keeps the flat name ``recompute``.
+- The flat spelling still works and warns (``DeprecationWarning`` naming the new one):
+  ``EngineConfig(host_budget=..., recompute=0.2, packed_linear=True)`` routes each keyword into
+  its section (on top of a section given beside it, so ``dataclasses.replace(cfg,
+  host_budget=...)`` works too); ``cfg.host_budget`` reads ``cfg.store.host_budget``.
+  ``recompute`` is both: ``recompute=`` takes a ``RecomputeConfig`` or, deprecated, a fraction or
+  ``"auto"``; ``cfg.recompute`` is the ``RecomputeConfig``, which compares equal (deprecated) to
+  its fraction, so ``cfg.recompute == "auto"`` keeps its meaning. Read ``cfg.recompute.fraction``.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import re
+import warnings
 from dataclasses import dataclass
 
 from ..errors import ConfigError
+from ..settings import leaves, nested, setting
 from ..store import StoreConfig
 from .recompute import AUTO, DEFAULT_SELECTION, check_recompute, check_selection
 
-__all__ = ["EngineConfig", "check_namespace"]
+__all__ = ["EngineConfig", "RecomputeConfig", "RunnerConfig", "check_namespace"]
 
 KV_DTYPES = (None, "float32", "bfloat16", "float16")
 _NAMESPACE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@-]{0,127}")
@@ -25,54 +51,101 @@ def check_namespace(namespace: object) -> str:
 
 
 @dataclass(frozen=True)
-class EngineConfig:
-    """Engine settings. Budgets are bytes of stored module states per tier (None: unbounded);
-    on a CPU-only engine device memory is host memory and ``host_budget`` applies."""
+class RunnerConfig:
+    """How the model runs: where, in what chunks, what it stores states as."""
 
-    device: str | None = None  # default: the model's device
-    encode_chunk: int = 2048  # tokens per forward while encoding the default pass
-    encode_batch_bytes: int = 256 << 20  # KV bytes a batched encoding forward may allocate
-    device_budget: int | None = None
-    host_budget: int | None = None
-    spill_dir: str | None = None  # evicted states with no artifact go here (default: a temp dir); a named folder persists
-    disk_budget: int | None = None  # bytes of spill files in spill_dir (None: unbounded); the least recently used are deleted
-    disk_policy: str = "on_evict"  # "through": every new state is written to spill_dir at once (survives a kill)
-    pin_memory: bool = True
-    overlap_copies: bool = False  # on a GPU, copy host-held states in layer groups on a side stream beside the forward (pays off when the GPU, not the CPU, bounds the forward)
-    namespace: str = "default"  # cache namespace (salt): states are never shared across namespaces
-    kv_dtype: str | None = None  # stored module states: None = the model's dtype, or "bfloat16" / "float16" / "float32"
-    # drifted cached tokens computed afresh: "auto" (exact layouts none, drifted ones a measured
-    # budget: engine/recompute.py AUTO_FRACTION) or a fraction (0: the paper's splice)
-    recompute: float | str = AUTO
-    recompute_selection: str = DEFAULT_SELECTION  # which cached tokens recompute chooses (engine/recompute.py SELECTIONS)
-    remote: str | None = None  # shared tier below disk: "redis://[:password@]host:port/db" or "redis+cluster://host:port" (None: this process only)
-    remote_policy: str = "through"  # publish to ``remote`` every new state ("through") or what memory evicts ("on_evict")
+    device: str | None = setting(None, "Device the model runs on (default: the model's).")
+    encode_chunk: int = setting(2048, "Tokens per forward while encoding a schema.")
+    encode_batch_bytes: int = setting(256 << 20, "KV bytes a batched encoding forward may allocate (a size).")
+    kv_dtype: str | None = setting(
+        None, "dtype of stored module states: float32, bfloat16 or float16 (default: the model's).")
+    overlap_copies: bool = setting(
+        False, "On a GPU, copy host-held states in layer groups on a side stream beside the forward (helps "
+               "GPU-bound forwards).")
     # CPU, float32: every nn.Linear of the model computes through oneDNN with its weight packed once
     # (models/packed.py: ~2x faster decode steps on SmolLM2, within float32 rounding of the stock
     # forward; one more copy of the linear weights in memory)
-    packed_linear: bool = False
-    # serving steps of few tokens (decode, short prefills) run through torch.compile, padded to
-    # buckets; CUDA graphs on a GPU (engine/graphs.py). Off by default: on CPU it was measured
-    # no faster at batch 1 (the step is bound by reading the weights)
-    compile: bool = False
+    packed_linear: bool = setting(
+        False, "CPU, float32: run every linear layer through oneDNN with its weight packed once (about 2x faster "
+               "decode on SmolLM2; within float32 rounding of the stock forward; one more copy of the linear "
+               "weights in memory).")
+    # serving steps of few tokens run through torch.compile, padded to buckets; CUDA graphs on a GPU
+    # (engine/graphs.py). Off by default: on CPU a decode step is bound by reading the weights and
+    # compiling was measured no faster (1.02x at batch 1, 1.04x at 64, SmolLM2)
+    compile: bool = setting(
+        False, "Compile serving steps of few tokens (decode, short prefills) with torch.compile, padded to "
+               "buckets; CUDA graphs on a GPU. Each bucket compiles once on first use (kept on disk).")
 
     def __post_init__(self):
-        if self.encode_chunk < 1:
-            raise ConfigError(f"EngineConfig.encode_chunk must be >= 1, got {self.encode_chunk}")
-        if self.encode_batch_bytes < 0:
-            raise ConfigError(f"EngineConfig.encode_batch_bytes must be >= 0, got {self.encode_batch_bytes}")
-        check_namespace(self.namespace)
+        if isinstance(self.encode_chunk, bool) or not isinstance(self.encode_chunk, int) or self.encode_chunk < 1:
+            raise ConfigError(f"RunnerConfig.encode_chunk must be an integer >= 1, got {self.encode_chunk!r}")
+        if not isinstance(self.encode_batch_bytes, int) or self.encode_batch_bytes < 0:
+            raise ConfigError(f"RunnerConfig.encode_batch_bytes must be >= 0 bytes, got {self.encode_batch_bytes!r}")
         if self.kv_dtype not in KV_DTYPES:
-            raise ConfigError(f"EngineConfig.kv_dtype must be one of {', '.join(map(str, KV_DTYPES))}, got {self.kv_dtype!r}")
+            raise ConfigError(f"RunnerConfig.kv_dtype must be one of {', '.join(map(str, KV_DTYPES))}, "
+                              f"got {self.kv_dtype!r}")
+
+
+@dataclass(frozen=True, eq=False)
+class RecomputeConfig:
+    """Drifted cached tokens computed afresh: ``fraction`` "auto" (exact layouts none, drifted ones
+    a measured budget: engine/recompute.py AUTO_FRACTION) or a fraction in [0, 1] (0: the paper's
+    splice); ``selection`` which tokens (engine/recompute.py SELECTIONS)."""
+
+    fraction: float | str = setting(
+        AUTO, "Drifted cached tokens computed afresh per prompt: auto (exact prompts none, drifted ones a measured "
+              "budget) or a fraction in [0, 1] (0: the paper's splice).", flat="recompute")
+    selection: str = setting(DEFAULT_SELECTION, "Which drifted cached tokens recompute chooses.",
+                             flat="recompute_selection")
+
+    def __post_init__(self):
         try:
-            object.__setattr__(self, "recompute", check_recompute(self.recompute, "EngineConfig.recompute"))
+            object.__setattr__(self, "fraction", check_recompute(self.fraction, "RecomputeConfig.fraction (--recompute)"))
+            check_selection(self.selection)
         except ValueError as e:
             raise ConfigError(str(e)) from None
-        check_selection(self.recompute_selection)
-        if self.remote is not None and not str(self.remote).startswith(
-                ("redis://", "rediss://", "unix://", "redis+cluster://", "rediss+cluster://")):
-            raise ConfigError(f"EngineConfig.remote must be a redis:// (or redis+cluster://) URL, got {self.remote!r}")
-        self.store_config()  # validates the store's fields (remote_policy) now, not when the engine starts
+
+    def __eq__(self, other):
+        if isinstance(other, RecomputeConfig):
+            return (self.fraction, self.selection) == (other.fraction, other.selection)
+        if isinstance(other, (int, float, str)) and not isinstance(other, bool):
+            warnings.warn("comparing EngineConfig.recompute with a fraction is deprecated: it is a RecomputeConfig "
+                          "now; compare config.recompute.fraction", DeprecationWarning, stacklevel=2)
+            return self.fraction == (other.strip().lower() if isinstance(other, str) else other)
+        return NotImplemented
+
+    def __hash__(self):
+        return hash((self.fraction, self.selection))
+
+
+@dataclass(frozen=True, init=False)
+class EngineConfig:
+    """Engine settings by concern (see the module's docstring). Budgets are bytes of stored
+    module states per tier (None: unbounded); on a CPU-only engine device memory is host memory
+    and ``store.host_budget`` applies."""
+
+    TITLE = "Engine (EngineConfig)"  # the --help heading of its own fields (settings.sections)
+
+    runner: RunnerConfig = nested(RunnerConfig, "Runner (EngineConfig.runner)")
+    store: StoreConfig = nested(StoreConfig, "Store (EngineConfig.store)")
+    recompute: RecomputeConfig = nested(RecomputeConfig, "Recompute (EngineConfig.recompute)")
+    namespace: str = setting("default", "Cache namespace: states are never shared across namespaces.")
+
+    def __init__(self, runner: RunnerConfig | None = None, store: StoreConfig | None = None,
+                 recompute: RecomputeConfig | float | str | None = None, namespace: str = "default", **flat):
+        if recompute is not None and not isinstance(recompute, RecomputeConfig):
+            flat["recompute"] = recompute  # the flat spelling: a fraction or "auto"
+            recompute = None
+        parts = {"runner": runner or RunnerConfig(), "store": store or StoreConfig(),
+                 "recompute": recompute or RecomputeConfig()}
+        for name, changes in _route(flat).items():
+            parts[name] = dataclasses.replace(parts[name], **changes)
+        for name, part in parts.items():
+            cls = _SECTIONS[name]
+            if not isinstance(part, cls):
+                raise ConfigError(f"EngineConfig.{name} must be a {cls.__name__}, got {type(part).__name__}")
+            object.__setattr__(self, name, part)
+        object.__setattr__(self, "namespace", check_namespace(namespace))
 
     def namespace_for(self, namespace: str | None) -> str:
         """The namespace a call uses: ``None`` means this config's; anything else must be valid
@@ -80,5 +153,44 @@ class EngineConfig:
         return self.namespace if namespace is None else check_namespace(namespace)
 
     def store_config(self) -> StoreConfig:
-        return StoreConfig(self.device_budget, self.host_budget, self.spill_dir, self.pin_memory, self.remote,
-                           self.remote_policy, self.disk_budget, self.disk_policy)
+        """Deprecated: ``config.store`` is the StoreConfig (no copy is made any more)."""
+        warnings.warn("EngineConfig.store_config() is deprecated: read config.store", DeprecationWarning, stacklevel=2)
+        return self.store
+
+
+_SECTIONS = {"runner": RunnerConfig, "store": StoreConfig, "recompute": RecomputeConfig}
+# flat keyword -> (section, field): every leaf below a section, by its flat name
+FLAT = {leaf.name: leaf.path for leaf in leaves(EngineConfig) if len(leaf.path) == 2}
+
+
+def _route(flat: dict) -> dict[str, dict]:
+    """{section: {field: value}} for the flat keywords, with one DeprecationWarning naming the new
+    spelling; an unknown keyword is a TypeError, as a dataclass's own ``__init__`` raises."""
+    unknown = sorted(set(flat) - set(FLAT))
+    if unknown:
+        raise TypeError(f"EngineConfig() got unexpected keyword arguments {', '.join(unknown)}")
+    routed: dict[str, dict] = {}
+    for name, value in flat.items():
+        section, field = FLAT[name]
+        routed.setdefault(section, {})[field] = value
+    if routed:
+        spelled = ", ".join(f"{s}={_SECTIONS[s].__name__}({', '.join(f'{f}=...' for f in fs)})"
+                            for s, fs in routed.items())
+        warnings.warn(f"EngineConfig({', '.join(f'{k}=...' for k in flat)}) is deprecated: write EngineConfig({spelled})",
+                      DeprecationWarning, stacklevel=3)
+    return routed
+
+
+def _flat_property(name: str, section: str, field: str) -> property:
+    def read(self):
+        warnings.warn(f"EngineConfig.{name} is deprecated: read config.{section}.{field}", DeprecationWarning,
+                      stacklevel=2)
+        return getattr(getattr(self, section), field)
+
+    return property(read, doc=f"Deprecated: ``config.{section}.{field}``.")
+
+
+for _name, (_section, _field) in FLAT.items():
+    if _name not in _SECTIONS:  # ``recompute`` is the section itself (RecomputeConfig.__eq__ keeps old reads)
+        setattr(EngineConfig, _name, _flat_property(_name, _section, _field))
+del _name, _section, _field

@@ -60,14 +60,14 @@ class PromptCache:
         self.config = config or EngineConfig()
         self.tokenizer = tokenizer
         self.tok = as_span_tokenizer(tokenizer)
-        device = torch.device(self.config.device) if self.config.device else None
-        if self.config.packed_linear:
+        device = torch.device(self.config.runner.device) if self.config.runner.device else None
+        if self.config.runner.packed_linear:
             pack_linears(model)
-        self.runner = ModelRunner(model, tokenizer, device, self.config.kv_dtype, self.config.overlap_copies)
+        self.runner = ModelRunner(model, tokenizer, device, self.config.runner.kv_dtype, self.config.runner.overlap_copies)
         self.model, self.adapter, self.spec, self.device = model, self.runner.adapter, self.runner.spec, self.runner.device
-        self.store = build_store(self.device, self.config.store_config())
+        self.store = build_store(self.device, self.config.store)
         self.registry = SchemaRegistry(model, tokenizer, self.runner.stored_spec.bytes_per_token, self.device)
-        self.encoder = SchemaEncoder(self.runner, self.config.encode_chunk, self.config.encode_batch_bytes,
+        self.encoder = SchemaEncoder(self.runner, self.config.runner.encode_chunk, self.config.runner.encode_batch_bytes,
                                      self.tok.pad_id)
 
     @classmethod
@@ -181,7 +181,7 @@ class PromptCache:
         re-encoded with the schema's other missing states and the plan retried once (a warning).
 
         ``recompute``: ``"auto"`` or the fraction of the drifted cached tokens computed afresh in
-        the prompt's own context (None: ``config.recompute``, default ``"auto"``; see
+        the prompt's own context (None: ``config.recompute.fraction``, default ``"auto"``; see
         ``engine/recompute.py``). ``"auto"`` recomputes nothing for an exact layout and
         ``AUTO_FRACTION`` of the drifted tokens otherwise; 1.0 equals a plain forward over the
         prompt's tokens in prompt order at the layout's positions. ``res.exact`` and
@@ -200,7 +200,7 @@ class PromptCache:
             plan = assemble(layout, entry, self.store)
         req = None
         if r > 0 and not plan.exact:  # exact plans (and r = 0) skip this walk over the layout
-            req = recompute_request(layout, leading_exact(layout, entry), r, self.config.recompute_selection,
+            req = recompute_request(layout, leading_exact(layout, entry), r, self.config.recompute.selection,
                                     plan.moved_last)
         return self.runner.prefill_spliced(plan.cached, plan.new_ids, plan.new_pos, plan.max_position, t0, reserve,
                                            keep_cache, exact=plan.exact, layout=layout, hit_tiers=plan.hit_tiers,
@@ -231,9 +231,9 @@ class PromptCache:
                            exact=a.exact, layout=layout, hit_tiers=a.hit_tiers)
 
     def recompute_fraction(self, recompute: float | str | None) -> float:
-        """The fraction a call uses: ``None`` means ``config.recompute``; else checked to be
+        """The fraction a call uses: ``None`` means ``config.recompute.fraction``; else checked to be
         ``"auto"`` (``AUTO_FRACTION`` of the drifted tokens) or a fraction in [0, 1]."""
-        return fraction_of(self.config.recompute if recompute is None else check_recompute(recompute))
+        return fraction_of(self.config.recompute.fraction if recompute is None else check_recompute(recompute))
 
     def run_spliced(self, cached: list[tuple[str, torch.Tensor, torch.Tensor]], new_ids: list[int],
                     new_pos: list[int], max_position: int, t0: float | None = None, reserve: int = 0,

@@ -1,4 +1,4 @@
-"""Compiled serving steps (``EngineConfig.compile``, ``--compile``): ``CompiledSteps``.
+"""Compiled serving steps (``RunnerConfig.compile``, ``--compile``): ``CompiledSteps``.
 
 A serving step of few tokens (decode rows, a short new-token prefill) is bound by launching
 kernels, not by computing them: hundreds of small ops per layer, each dispatched from Python.
@@ -163,7 +163,7 @@ class CompiledSteps:
     def __init__(self, runner, buckets: tuple[int, ...] = COMPILE_BUCKETS):
         why = compile_refusal(runner)
         if why is not None:
-            raise ConfigError(f"EngineConfig.compile: {why}")
+            raise ConfigError(f"RunnerConfig.compile (--compile): {why}")
         if not buckets or list(buckets) != sorted(set(buckets)) or buckets[0] < 1:
             raise ConfigError(f"compile buckets must be increasing positive sizes, got {buckets!r}")
         self.runner, self.buckets = runner, tuple(buckets)

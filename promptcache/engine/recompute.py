@@ -26,7 +26,7 @@ probabilities (``question_attention``); it costs about one r=0 prefill of the ne
 TTFT. The library keeps the selections it uses or that stand as baselines (``tail``, ``qattn``,
 ``qattn_module``, ``qmatch``); a study adds its own with ``register_selection`` (the studies'
 ``qattn_mix`` and ``qmatch_later`` live in ``eval/engine_selections.py``), after which
-``EngineConfig(recompute_selection=name)`` accepts the name.
+``RecomputeConfig(selection=name)`` accepts the name.
 """
 
 from __future__ import annotations

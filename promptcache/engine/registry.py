@@ -29,7 +29,7 @@ class EncodedSchema:
     positions: dict[int, torch.Tensor]  # span -> its position IDs [n] on the engine's device
     contexts: dict[int, tuple[int, ...]]  # span -> the spans before it in its encoding pass
     namespace: str
-    bytes_per_token: int  # of the stored dtype (EngineConfig.kv_dtype, else the model's)
+    bytes_per_token: int  # of the stored dtype (RunnerConfig.kv_dtype, else the model's)
     encode_seconds: float = 0.0
 
     @property

@@ -1,7 +1,9 @@
 """What every command-line front end shares: the ``promptcache`` commands (``cli/``) and the
 server's ``serve`` (``server/cli.py``).
 
-    options.py  option groups: the model, and one option per EngineConfig field (generated)
+    walker.py   settings dataclasses -> options (a --help heading per section), PROMPTCACHE_*
+                variables and config-file keys; generic over any nested settings tree
+    options.py  option groups: the model, and one option per EngineConfig leaf (generated)
     errors.py   library errors -> one line and an exit code (``guard``)
     common.py   the device check, loading an engine or a tokenizer, reading a prompt, logging
 

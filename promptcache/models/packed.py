@@ -10,7 +10,7 @@ last-token logits within 7.8e-5 of the stock forward (float32 rounding order; ev
 The model object is changed in place: each ``nn.Linear`` gets a ``forward`` that calls the packed
 weight (its parameters stay, so a tied embedding and everything that reads weights still work;
 the packed copies cost one more copy of the linear weights in memory). It is an opt-in
-(``EngineConfig.packed_linear``, ``--packed-linear``): every forward of that model, inside
+(``RunnerConfig.packed_linear``, ``--packed-linear``): every forward of that model, inside
 promptcache or not, then computes with the packed weights, equal to the stock forward within
 float32 rounding, not bit for bit. A self-check on the first layer refuses to pack when the two
 disagree beyond that.
@@ -86,13 +86,13 @@ def pack_linears(model) -> int:
     ConfigError naming ``packed_linear`` when the model cannot take it."""
     why = packed_refusal(model)
     if why is not None:
-        raise ConfigError(f"EngineConfig.packed_linear: {why}")
+        raise ConfigError(f"RunnerConfig.packed_linear (--packed-linear): {why}")
     linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
     if not linears:
         return 0
     err = _self_check(linears[0])
     if not err <= 1e-5:
-        raise ConfigError(f"EngineConfig.packed_linear: the packed linear differs from F.linear by {err:.2g} "
+        raise ConfigError(f"RunnerConfig.packed_linear (--packed-linear): the packed linear differs from F.linear by {err:.2g} "
                           "(relative) on this machine; leave it off")
     n = 0
     for m in linears:

@@ -19,7 +19,7 @@ then the question and the template's tail. Two ways to reuse the documents' stat
   later request whose leading documents match reuses them; the rest (and the question) run in one
   forward and are added to the tree. The answer equals a plain prefill of the same tokens
   (``res.exact``). Chain states live in the engine's store under its budgets and LRU; they persist
-  where the store does (a named ``EngineConfig.spill_dir``: indexed at start, written at
+  where the store does (a named ``StoreConfig.spill_dir``: indexed at start, written at
   ``pc.store.persist()``), otherwise a reopened store rebuilds them on first use. ``canonical_order=True`` sorts a
   request's documents by id first, so requests retrieving the same set in any order share a chain.
   Works with every supported family (nothing is relocated).
@@ -151,7 +151,7 @@ class DocumentStore:
     def prefill(self, question: str, doc_ids: list[str], system: str | None = None, reserve: int = 0,
                 keep_cache: bool = False, *, recompute: float | str | None = None) -> PrefillResult:
         """Next-token logits after the prompt. ``recompute`` (independent and hybrid stores; None:
-        the engine's ``config.recompute``, default ``"auto"``): ``"auto"`` or the fraction of the
+        the engine's ``config.recompute.fraction``, default ``"auto"``): ``"auto"`` or the fraction of the
         drifted documents' tokens computed afresh in the prompt's context (1.0 equals a plain
         prefill). Chains are exact and have nothing to recompute."""
         t0 = time.perf_counter()
@@ -247,7 +247,7 @@ class DocumentStore:
             hits[tier] = hits.get(tier, 0) + n
         new = [s for s in layout.spans if s.kind == "new"]
         drifted = chained < len(docs)
-        req = recompute_request(layout, n_exact, r, self.pc.config.recompute_selection, False) \
+        req = recompute_request(layout, n_exact, r, self.pc.config.recompute.selection, False) \
             if r > 0 and drifted else None
         return self.pc.run_spliced(cached, [t for s in new for t in s.token_ids],
                                    [p for s in new for p in s.position_ids], max(layout.position_ids), t0,
@@ -312,7 +312,7 @@ class DocumentStore:
         return res
 
     def _put(self, key: str, kv: torch.Tensor) -> torch.Tensor:
-        """Store a document's states in the engine's stored dtype (``EngineConfig.kv_dtype``, like
+        """Store a document's states in the engine's stored dtype (``RunnerConfig.kv_dtype``, like
         schema modules; the splice buffer upcasts them); returns what was stored."""
         kv = kv.to(self.pc.runner.stored_spec.dtype)
         self.pc.store.put(key, kv)

@@ -27,6 +27,7 @@ loop. Any exception that escapes a route is logged and answered as an OpenAI err
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import time
@@ -42,7 +43,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 
 from ..engine.encoder import release_free_memory
-from ..store import Pins
+from ..store import DEFAULT_PIN_BUDGET, Pins  # noqa: F401 - DEFAULT_PIN_BUDGET: its old home
 from . import openai_fields
 from . import protocol as P
 from .access import AccessLog, note
@@ -58,9 +59,6 @@ from .toolcalls import CallStream, finish_reason, openai_deltas, parse as parse_
 from .workerinfo import add_worker_routes
 
 log = logging.getLogger(__name__)
-
-DEFAULT_PIN_BUDGET = 1 << 30  # bytes of states cache_control breakpoints may pin at once
-
 
 def create_app(pc, *, api_keys: dict[str, str] | None = None, documents=None, max_queue: int = 64,
                model_name: str = "promptcache", block_size: int = DEFAULT_BLOCK_SIZE,
@@ -79,14 +77,14 @@ def create_app(pc, *, api_keys: dict[str, str] | None = None, documents=None, ma
     answered (None: any; the default suits a server bound to loopback). ``cors_origins``: origins a
     browser page may call from (none by default).
     ``pins``: what ``cache_control`` breakpoints pin, set on ``pc.store`` (None: the store's pins,
-    or new ones of ``DEFAULT_PIN_BUDGET`` bytes). ``max_model_len``: prompt plus answer tokens a
+    or new ones of the engine's ``config.store.pin_budget`` bytes). ``max_model_len``: prompt plus answer tokens a
     request may use (None: the model's context; more than it is a ValueError). ``compute``: the
     thread that loaded ``pc``'s model, to run the engine on (None: a thread of its own; see
     ``compute.py`` for why it matters).
     """
     limits = limits or Limits()
     serving = serving or ServingConfig()
-    serving = ServingConfig(**{**serving.__dict__, "block_size": block_size})
+    serving = dataclasses.replace(serving, block_size=block_size)
     prefix = PrefixCache(pc, block_size)
     if documents is not None and not isinstance(documents, dict):
         documents = {documents.namespace: documents}
@@ -99,7 +97,7 @@ def create_app(pc, *, api_keys: dict[str, str] | None = None, documents=None, ma
     backend = Backend(pc, max_queue, config=serving, spill=prefix.spill, compute=compute)
     metrics = Metrics(backend, prefix, pc.store)
     if pins is not None or pc.store.pins is None:
-        pc.store.pins = pins if pins is not None else Pins(DEFAULT_PIN_BUDGET)
+        pc.store.pins = pins if pins is not None else Pins(pc.config.store.pin_budget)
     backend.on_finish = lambda job, how: metrics.finished.labels(how).inc()
 
     @asynccontextmanager

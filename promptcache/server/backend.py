@@ -38,7 +38,7 @@ import threading
 import time
 from collections import deque
 from concurrent import futures
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Callable
 
 from ..engine import Request, SamplingParams, Scheduler
@@ -47,6 +47,7 @@ from ..engine.kvpool import KVPool
 from ..engine.paged import paged_refusal
 from ..engine.serving import ServingScheduler
 from ..errors import ConfigError, PromptCacheError
+from ..settings import setting
 from ..tunables import BLOCK_SIZE
 from .compute import ComputeThread
 
@@ -77,26 +78,29 @@ class Sampling:
                               ignore_eos=self.ignore_eos)
 
 
-def _opt(default, help: str):
-    """A field whose ``promptcache serve`` option (``--name-with-dashes``) is generated from it."""
-    return field(default=default, metadata={"help": help})
-
-
-@dataclass
+@dataclass(frozen=True)
 class ServingConfig:
     """The serving core's settings; ``promptcache serve`` has one option per field, generated from
-    the field (name, default, type, help), as ``EngineConfig``'s options are."""
+    the field (name, default, type, help) as every settings class's are (``ServerConfig.serving``).
+    Validated on construction: counts >= 1, times > 0."""
 
-    kv_pool_tokens: int = _opt(32768, "KV pool size in tokens: running requests' own tokens and shared blocks; a "
-                               "request waits for room instead of running out of memory (CPU: pages are used only "
-                               "when written).")
-    block_size: int = _opt(BLOCK_SIZE, "Tokens per KV pool block and prefix-reuse block.")
-    max_num_batched_tokens: int = _opt(512, "Tokens one engine step may run: a token per decoding request plus "
-                                       "prefill chunks (a long prompt delays the others' next tokens by one chunk's "
-                                       "forward).")
-    max_num_seqs: int = _opt(256, "Requests running at once; the rest wait in arrival order.")
-    max_unread: int = _opt(256, "Unread events a streaming request may have before it is paused.")
-    pause_timeout: float = _opt(30.0, "Seconds a paused request waits for its reader before it is cancelled.")
+    kv_pool_tokens: int = setting(32768, "KV pool size in tokens: running requests' own tokens and shared blocks; a "
+                                  "request waits for room instead of running out of memory (CPU: pages are used "
+                                  "only when written).")
+    block_size: int = setting(BLOCK_SIZE, "Tokens per KV pool block and prefix-reuse block.")
+    max_num_batched_tokens: int = setting(512, "Tokens one engine step may run: a token per decoding request plus "
+                                          "prefill chunks (a long prompt delays the others' next tokens by one "
+                                          "chunk's forward).")
+    max_num_seqs: int = setting(256, "Requests running at once; the rest wait in arrival order.")
+    max_unread: int = setting(256, "Unread events a streaming request may have before it is paused.")
+    pause_timeout: float = setting(30.0, "Seconds a paused request waits for its reader before it is cancelled.")
+
+    def __post_init__(self):
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0 or (f.type == "int" and not isinstance(v, int)):
+                raise ConfigError(f"ServingConfig.{f.name} must be {'an integer >= 1' if f.type == 'int' else '> 0'}, "
+                                  f"got {v!r}")
 
 
 @dataclass
@@ -138,13 +142,13 @@ class Backend:
             c = self.config
             pins = lambda key: pc.store.pins is not None and pc.store.pins.live(key)  # noqa: E731 - read per eviction
             self.pool = self.compute.call(KVPool, pc.runner.spec, pc.device, c.kv_pool_tokens, c.block_size, spill, pins)
-            self.compiled = self.compute.call(_compiled, pc) if pc.config.compile else None
+            self.compiled = self.compute.call(_compiled, pc) if pc.config.runner.compile else None
             self.scheduler = ServingScheduler(pc.runner, self.pool, c.max_num_batched_tokens, c.max_num_seqs,
                                               on_publish=_write_through(pc.store),
                                               forward=self.compiled.forward if self.compiled else None)
         else:
-            if pc.config.compile:
-                raise ConfigError(f"EngineConfig.compile: compiled steps need the paged pool: {self.refusal}")
+            if pc.config.runner.compile:
+                raise ConfigError(f"RunnerConfig.compile (--compile): compiled steps need the paged pool: {self.refusal}")
             log.info("serving without the KV pool (each request assembles its own buffer): %s", self.refusal)
             self.scheduler = Scheduler(pc.runner)  # stepped by the worker thread only
         self._incoming: deque[Job] = deque()

@@ -16,14 +16,16 @@ reach the port can use the server, and the command says so.
 Browser rules: bound to a loopback address the server answers only ``Host`` names of this
 machine (``limits.LOOPBACK_HOSTS``) unless ``--allowed-hosts`` says otherwise; bound elsewhere it
 answers any ``Host`` unless ``--allowed-hosts`` lists them. CORS is off unless ``--cors-origin``.
-Request limits: one option per ``limits.Limits`` field (``--max-request-bytes`` ...); the serving
-core: one option per ``backend.ServingConfig`` field (``--kv-pool-tokens`` ...).
+Settings: one option per ``ServerConfig`` leaf (``config.py``: ``--host``, ``--port``,
+``--max-queue`` ...; its ``serving`` section ``--kv-pool-tokens`` ..., its ``limits`` section
+``--max-request-bytes`` ...), generated as the engine's are (``frontend/walker.py``), also read
+from ``PROMPTCACHE_<FIELD>`` and the config file's ``[server]`` tables. The model, what to load,
+the keys and the served name are the command's own options. Budgets are the store's:
+``--cache-gb`` / ``--pin-gb`` are hidden deprecated aliases (``resolve_aliases``).
 """
 
 from __future__ import annotations
 
-import dataclasses
-import functools
 import logging
 import sys
 from pathlib import Path
@@ -32,9 +34,10 @@ import click
 
 from ..frontend.errors import guard
 from ..frontend.options import engine_config, engine_options, model_options
-from .backend import ServingConfig
+from ..frontend.walker import SettingsCommand, deprecated, option_name, settings_from, settings_options
 from .compute import ComputeThread
-from .limits import LOOPBACK_HOSTS, Limits
+from .config import ServerConfig
+from .limits import LOOPBACK_HOSTS
 
 LOOPBACK = {"127.0.0.1", "localhost", "::1"}
 
@@ -57,33 +60,40 @@ def read_key_file(path: str | Path) -> dict[str, str]:
     return keys
 
 
-def config_options(cls, into: str, kind, help_of):
-    """A decorator adding one option per field of the dataclass ``cls`` (``--name-with-dashes``,
-    default: the field's; ``kind(field)``: its click type; ``help_of(field)``: its help), whose
-    values reach the command as one ``cls`` instance under ``into``."""
-    fields = dataclasses.fields(cls)
-
-    def decorate(f):
-        @functools.wraps(f)
-        def wrapper(*args, **kwargs):
-            kwargs[into] = cls(**{fl.name: kwargs.pop(fl.name) for fl in fields})
-            return f(*args, **kwargs)
-
-        for fl in reversed(fields):
-            wrapper = click.option(f"--{fl.name.replace('_', '-')}", fl.name, default=fl.default, show_default=True,
-                                   type=kind(fl), help=help_of(fl))(wrapper)
-        return wrapper
-
-    return decorate
+SERVE_DEFAULTS = {"device_budget": 4 << 30, "host_budget": 4 << 30}  # serve's memory for stored states
+server_options = settings_options(ServerConfig, "server")  # one option per ServerConfig leaf
 
 
-limit_options = config_options(  # one ``--max-...`` option per ``Limits`` field
-    Limits, "limits", lambda fl: click.IntRange(min=1),
-    lambda fl: f"Request limit: {fl.name.removeprefix('max_')} (refused with 400/413 before any work).")
-serving_options = config_options(  # one option per ``ServingConfig`` field, its help from the field
-    ServingConfig, "serving",
-    lambda fl: click.FloatRange(min=0, min_open=True) if isinstance(fl.default, float) else click.IntRange(min=1),
-    lambda fl: fl.metadata["help"])
+def server_config(given: dict, config_file: str | Path | None = None, env=None) -> ServerConfig:
+    """The ServerConfig from command line > environment > ``[server]`` of the config file >
+    defaults; a bad value is a usage error (exit 2) naming where it came from."""
+    try:
+        return settings_from(ServerConfig, given, config_file, env, table_path=("server",))
+    except ValueError as e:
+        raise click.UsageError(str(e)) from None
+
+
+ALIASES = {"cache_gb": ("host_budget", "device_budget"), "pin_gb": ("pin_budget",)}  # deprecated GiB options
+
+
+def resolve_aliases(engine: dict, old: dict) -> dict:
+    """``engine`` (the engine options given) with the deprecated ``--cache-gb`` / ``--pin-gb`` (in
+    GiB) mapped onto the store's budget options they stand for, with a warning. Given beside one
+    of those options it is a usage error: two options never set one budget silently."""
+    engine = dict(engine)
+    for name, value in old.items():
+        if value is None:
+            continue
+        flag, targets = "--" + name.replace("_", "-"), ALIASES[name]
+        both = [option_name(t) for t in targets if t in engine]
+        if both:
+            raise click.UsageError(f"{flag} and {' '.join(both)} both set the same budget: give {' / '.join(both)} "
+                                   f"only ({flag} is deprecated)")
+        if value < 0:
+            raise click.UsageError(f"{flag} must be >= 0 GiB, got {value}")
+        deprecated(f"{flag} is deprecated: use {' and '.join(option_name(t) for t in targets)} (sizes: {value:g}GiB)")
+        engine.update({t: int(value * 2**30) for t in targets})
+    return engine
 
 
 def host_list(host: str, allowed: tuple[str, ...]) -> tuple[str, ...] | None:
@@ -154,10 +164,9 @@ def _keys(key_file: str | None, listed: tuple[str, ...], namespace: str) -> dict
     return keys or None
 
 
-@click.command("serve")
+@click.command("serve", cls=SettingsCommand)
 @click.argument("model_arg", metavar="[MODEL]", required=False)
 @model_options
-@engine_options
 @click.option("--src-root", type=click.Path(exists=True, file_okay=False), default=None,
               help="Folder src= files may come from (default: each schema file's folder).")
 @click.option("--schema", "schemas", multiple=True, type=click.Path(exists=True, dir_okay=False),
@@ -166,36 +175,20 @@ def _keys(key_file: str | None, listed: tuple[str, ...], namespace: str) -> dict
               help="A compiled schema folder to load (repeatable).")
 @click.option("--documents", type=click.Path(exists=True, file_okay=False), default=None,
               help="A DocumentStore folder (index.json) or a folder of .txt/.md documents.")
-@click.option("--host", default="127.0.0.1", show_default=True,
-              help="Address to bind: 127.0.0.1 serves this machine only, 0.0.0.0 every network.")
-@click.option("--port", default=8000, show_default=True, type=int, help="TCP port to listen on.")
 @click.option("--api-key-file", type=click.Path(exists=True, dir_okay=False), default=None,
               help="Lines 'KEY NAMESPACE'; keys map to cache namespaces (tenants).")
 @click.option("--api-key", "api_key_list", multiple=True,
               help="A key clients must send (repeatable); these keys share the engine's namespace.")
-@click.option("--max-queue", default=256, show_default=True, type=int, help="Requests admitted at once (503 beyond).")
-@serving_options
-@click.option("--drain-timeout", default=10.0, show_default=True, type=float,
-              help="Seconds running requests may finish at shutdown (SIGTERM, Ctrl-C) before they are cancelled.")
 @click.option("--served-model-name", "--model-name", "model_name", default=None,
               help="The model id clients send (default: the model as given).")
-@click.option("--max-model-len", type=click.IntRange(min=1), default=None,
-              help="Prompt plus answer tokens a request may use (default: the model's context).")
-@click.option("--allowed-hosts", multiple=True, help="Host header names answered, comma-separated or repeated; '*' "
-              "any (default: localhost names when bound to loopback, else any).")
-@click.option("--cors-origin", "cors_origins", multiple=True,
-              help="An origin (https://app.example) whose browser pages may call the API (repeatable; default none).")
-@limit_options
-@click.option("--cache-gb", default=4.0, show_default=True, type=float,
-              help="Memory for stored states (prefix blocks, schemas, documents) in GiB; the least recently "
-                   "used spill to disk beyond it. --device-budget / --host-budget (or their environment "
-                   "variables or config keys) override it per tier.")
-@click.option("--pin-gb", default=1.0, show_default=True, type=float,
-              help="Memory that Anthropic cache_control breakpoints may pin at once (GiB); a request that "
-                   "would pin more is refused with a 400.")
+@click.option("--cache-gb", type=float, default=None, hidden=True,
+              help="Deprecated: --host-budget and --device-budget (sizes, e.g. 4GiB).")
+@click.option("--pin-gb", type=float, default=None, hidden=True, help="Deprecated: --pin-budget (a size, e.g. 1GiB).")
+@server_options
+@engine_options(defaults=SERVE_DEFAULTS)
 @guard
-def serve(model_arg, model, device, dtype, engine, config_file, src_root, schemas, compiled, documents, host, port,
-          api_key_file, api_key_list, max_queue, serving, drain_timeout, model_name, max_model_len, allowed_hosts, cors_origins, limits, cache_gb, pin_gb):
+def serve(model_arg, model, device, dtype, engine, config_file, server, src_root, schemas, compiled, documents,
+          api_key_file, api_key_list, model_name, cache_gb, pin_gb):
     """Serve an OpenAI-compatible API (chat, completions, models, health, metrics) and Anthropic's
     Messages API that reuse attention states across requests. MODEL (or --model): a Hugging Face id,
     a local directory, 'smollm2' or 'embedded'. Needs the 'serve' extra."""
@@ -209,8 +202,9 @@ def serve(model_arg, model, device, dtype, engine, config_file, src_root, schema
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     model = _model(model_arg, model)
-    budget = int(cache_gb * 2**30)  # the lowest precedence: a budget from anywhere else wins
-    config = engine_config(engine, config_file, defaults={"device_budget": budget, "host_budget": budget})
+    settings = server_config(server, config_file)
+    config = engine_config(resolve_aliases(engine, {"cache_gb": cache_gb, "pin_gb": pin_gb}), config_file,
+                           defaults=SERVE_DEFAULTS)
     keys = _keys(api_key_file, api_key_list, config.namespace)
     # the model is loaded, encoded and served on one thread (compute.py: why)
     compute = ComputeThread()
@@ -218,22 +212,25 @@ def serve(model_arg, model, device, dtype, engine, config_file, src_root, schema
     namespaces = sorted(set(keys.values())) if keys else [pc.config.namespace]
     docs = compute.call(_load_namespaces, pc, namespaces, schemas, compiled, documents, src_root)
     try:
-        app = create_app(pc, api_keys=keys, documents=docs or None, max_queue=max_queue, model_name=model_name or model,
-                         block_size=serving.block_size, serving=serving, drain_timeout=drain_timeout, limits=limits,
-                         allowed_hosts=host_list(host, allowed_hosts), cors_origins=cors_origins,
-                         pins=Pins(int(pin_gb * 2**30)), max_model_len=max_model_len,
-                         compute=compute)
+        app = create_app(pc, api_keys=keys, documents=docs or None, max_queue=settings.max_queue,
+                         model_name=model_name or model, block_size=settings.serving.block_size,
+                         serving=settings.serving, drain_timeout=settings.drain_timeout, limits=settings.limits,
+                         allowed_hosts=host_list(settings.host, settings.allowed_hosts),
+                         cors_origins=settings.cors_origins, pins=Pins(config.store.pin_budget),
+                         max_model_len=settings.max_model_len, compute=compute)
     except ValueError as e:
         raise click.UsageError(f"--max-model-len: {e}") from None
     if keys is None:
+        host = settings.host
         click.echo("No --api-key / --api-key-file: no keys are checked and every client shares one namespace; "
                    f"{'binding ' + host + ' (this machine only)' if host in LOOPBACK else 'WARNING: ' + host + ' is reachable by others'}.",
                    err=True)
     else:
         click.echo(f"{len(keys)} API keys in {len(namespaces)} namespaces.", err=True)
-    click.echo(f"Ready: http://{host}:{port}/v1 (model '{model_name or model}'); Ctrl-C stops.", err=True)
+    click.echo(f"Ready: http://{settings.host}:{settings.port}/v1 (model '{model_name or model}'); Ctrl-C stops.", err=True)
     sys.stderr.flush()
     # uvicorn waits for open connections this long at shutdown (a stalled stream included), then the
     # app's shutdown drains the engine for the same time
-    uvicorn.run(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=drain_timeout)
+    uvicorn.run(app, host=settings.host, port=settings.port, log_level="warning",
+                timeout_graceful_shutdown=settings.drain_timeout)
     click.echo("Stopped.", err=True)

@@ -21,6 +21,7 @@ import asyncio
 import json
 from dataclasses import dataclass, fields
 
+from ..settings import setting
 from .protocol import APIError
 
 LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")  # the allow-list when bound to a loopback address
@@ -33,10 +34,10 @@ class Limits:
     """What one request may hold. The defaults are far above any prompt that fits a model's
     context (a 128K-token prompt is about 500K characters) and far below what hurts the server."""
 
-    max_request_bytes: int = 8 * 2**20  # 8 MiB
-    max_messages: int = 2048
-    max_chars: int = 2_000_000  # characters in all strings of the body together
-    max_json_depth: int = 32
+    max_request_bytes: int = setting(8 * 2**20, "Request limit: bytes of a body (refused with 413 before it is read).")
+    max_messages: int = setting(2048, "Request limit: messages of a body (refused with 400 before any work).")
+    max_chars: int = setting(2_000_000, "Request limit: characters in all strings of a body together (400).")
+    max_json_depth: int = setting(32, "Request limit: nesting depth of a JSON body (400).")
 
     def __post_init__(self):
         for f in fields(self):

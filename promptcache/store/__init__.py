@@ -4,10 +4,11 @@ write policies, and the codec every stored byte goes through. See base.py for th
 from .base import StoreError, Tier
 from .bytetier import ByteTier
 from .codec import CodecError, StateInfo, StatesFile
+from .config import DEFAULT_PIN_BUDGET, StoreConfig
 from .disk import DiskTier
 from .memory import MemoryTier
 from .pins import PinBudgetError, Pins
-from .tiered import StoreConfig, TieredStore, build_store
+from .tiered import TieredStore, build_store
 
-__all__ = ["ByteTier", "CodecError", "DiskTier", "MemoryTier", "PinBudgetError", "Pins", "StateInfo", "StatesFile", "StoreConfig",
+__all__ = ["DEFAULT_PIN_BUDGET", "ByteTier", "CodecError", "DiskTier", "MemoryTier", "PinBudgetError", "Pins", "StateInfo", "StatesFile", "StoreConfig",
            "StoreError", "Tier", "TieredStore", "build_store"]

@@ -33,47 +33,18 @@ from __future__ import annotations
 
 import logging
 import threading
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable
 
 import torch
 
-from ..errors import ConfigError
-from .base import WRITE_POLICIES, StoreError, Tier, nbytes
+from .base import StoreError, Tier, nbytes
+from .config import StoreConfig
 from .disk import DiskTier
 from .memory import MemoryTier
 from .pins import Pins
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class StoreConfig:
-    """Byte budgets per tier (None: unbounded). On a CPU-only engine the device *is* host memory:
-    there is one memory tier, named "host", with ``host_budget``. ``remote``: a Redis/Valkey URL
-    whose tier is appended below disk (needs the ``redis`` client: the ``remote`` extra), with
-    ``remote_policy`` "through" (publish every new state) or "on_evict" (publish what memory
-    tiers evict)."""
-
-    device_budget: int | None = None
-    host_budget: int | None = None
-    spill_dir: str | None = None  # where evicted states go when no file holds them (default: a temp dir)
-    pin_memory: bool = True  # pin host states when a GPU is used
-    remote: str | None = None  # "redis://[:password@]host:port/db" (None: this process only)
-    remote_policy: str = "through"
-    disk_budget: int | None = None  # bytes of spill files (None: unbounded)
-    disk_policy: str = "on_evict"  # "through": every new state is also written to disk at once (survives a kill)
-
-    def __post_init__(self):
-        for name in ("device_budget", "host_budget", "disk_budget"):
-            v = getattr(self, name)
-            if v is not None and v < 0:
-                raise ConfigError(f"{name} must be >= 0 bytes, got {v}")
-        if self.remote_policy not in WRITE_POLICIES:
-            raise ConfigError(f"remote_policy must be one of {', '.join(WRITE_POLICIES)}, got {self.remote_policy!r}")
-        if self.disk_policy not in WRITE_POLICIES:
-            raise ConfigError(f"disk_policy must be one of {', '.join(WRITE_POLICIES)}, got {self.disk_policy!r}")
 
 
 def build_store(device: torch.device | str, config: StoreConfig | None = None) -> "TieredStore":

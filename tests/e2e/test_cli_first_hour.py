@@ -4,7 +4,6 @@ tokenizer and unknown schemas, progress on a terminal and none when piped, chat,
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import re
@@ -19,6 +18,7 @@ from ptyrun import cli, run_on_pty
 from promptcache.cli import main
 from promptcache.frontend.options import FIELDS, engine_config, option_name, parse_size
 from promptcache.engine import EngineConfig
+from promptcache.settings import leaves
 
 ROOT = Path(__file__).resolve().parents[2]
 SCHEMA = ROOT / "schemas" / "travel.xml"
@@ -118,8 +118,8 @@ def test_bad_pml_is_one_line_with_file_and_line(tmp_path):
 
 # -- the EngineConfig options ------------------------------------------------------------------
 def test_every_engine_config_field_has_an_option_everywhere():
-    fields = {f.name for f in dataclasses.fields(EngineConfig)} - {"device"}  # device: --device
-    assert set(FIELDS) == fields
+    fields = {leaf.name for leaf in leaves(EngineConfig)} - {"device"}  # device: --device
+    assert set(FIELDS) == fields and {"host_budget", "recompute", "recompute_selection", "packed_linear"} <= fields
     for cmd in ("run", "compile", "bench", "serve", "chat"):
         out = invoke(cmd, "--help").output
         for name in fields:
@@ -129,14 +129,14 @@ def test_every_engine_config_field_has_an_option_everywhere():
 
 def test_precedence_command_line_over_environment_over_file_over_defaults(tmp_path):
     cfg = tmp_path / "engine.toml"
-    cfg.write_text('[engine]\nnamespace = "from-file"\nhost_budget = "1GiB"\nspill_dir = "/tmp/file"\n'
-                   'encode_chunk = 7\n')
+    cfg.write_text('namespace = "from-file"\n[store]\nhost_budget = "1GiB"\nspill_dir = "/tmp/file"\n'
+                   '[runner]\nencode_chunk = 7\n')
     env = {"PROMPTCACHE_NAMESPACE": "from-env", "PROMPTCACHE_HOST_BUDGET": "2GiB", "PROMPTCACHE_PIN_MEMORY": "0"}
     c = engine_config({"namespace": "from-cli"}, cfg, env=env)
     assert c.namespace == "from-cli"  # command line wins
-    assert c.host_budget == 2 * 2**30 and c.pin_memory is False  # environment over the file
-    assert c.spill_dir == "/tmp/file" and c.encode_chunk == 7  # the file over the defaults
-    assert c.device_budget is None and c.recompute == "auto"  # defaults
+    assert c.store.host_budget == 2 * 2**30 and c.store.pin_memory is False  # environment over the file
+    assert c.store.spill_dir == "/tmp/file" and c.runner.encode_chunk == 7  # the file over the defaults
+    assert c.store.device_budget is None and c.recompute.fraction == "auto"  # defaults
     assert engine_config({}, None, env={}) == EngineConfig()
 
 
@@ -150,7 +150,7 @@ def test_sizes():
 def test_bad_setting_names_its_source(tmp_path):
     res = invoke("run", "-p", "hi", env={"PROMPTCACHE_RECOMPUTE": "2"})
     assert res.exit_code == 1 and "Loading model" not in res.output
-    assert one_error_line(res.output).startswith("error: environment PROMPTCACHE_RECOMPUTE: EngineConfig.recompute")
+    assert one_error_line(res.output).startswith("error: environment PROMPTCACHE_RECOMPUTE: RecomputeConfig.fraction")
     ok = invoke("run", "-p", "hi", "--recompute", "0", "--max-new-tokens", "1", env={"PROMPTCACHE_RECOMPUTE": "2"})
     assert ok.exit_code == 0  # the command line wins over the bad environment value
     cfg = tmp_path / "c.toml"
@@ -278,10 +278,11 @@ def test_reprs_are_short():
 
 
 def test_recompute_setting_takes_auto_or_a_fraction():
-    assert engine_config({}, env={}).recompute == "auto"  # the default
-    assert engine_config({"recompute": "0.3"}, env={}).recompute == 0.3
-    assert engine_config({}, env={"PROMPTCACHE_RECOMPUTE": "AUTO"}).recompute == "auto"
-    with pytest.raises(ValueError, match="^--recompute: EngineConfig.recompute must be 'auto' or a fraction in"):
+    assert engine_config({}, env={}).recompute.fraction == "auto"  # the default
+    assert engine_config({"recompute": "0.3"}, env={}).recompute.fraction == 0.3
+    assert engine_config({}, env={"PROMPTCACHE_RECOMPUTE": "AUTO"}).recompute.fraction == "auto"
+    with pytest.raises(ValueError, match="^--recompute: RecomputeConfig.fraction .--recompute. must be 'auto' or a "
+                                         "fraction in"):
         engine_config({"recompute": "sometimes"}, env={})
 
 

@@ -12,7 +12,7 @@ import torch
 
 from promptcache import PromptCache, SamplingParams
 from promptcache.cache import KVSpec, SpliceCache
-from promptcache.engine import EngineConfig, Request, Scheduler
+from promptcache.engine import EngineConfig, Request, RunnerConfig, Scheduler, StoreConfig
 from tiny import fresh_model, make_tokenizer
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -33,9 +33,9 @@ PROMPTS = ['<prompt schema="s"><plan days="3"/><tokyo/><tips/> Highlight the foo
            '<prompt schema="s"><tokyo/><tips/> What should I pack?</prompt>']
 
 
-def engine(device: str, **config) -> PromptCache:
+def engine(device: str, config: EngineConfig | None = None) -> PromptCache:
     model = fresh_model("llama", seed=0).to(device)  # never move the shared cached model
-    pc = PromptCache(model, make_tokenizer(), EngineConfig(**config))
+    pc = PromptCache(model, make_tokenizer(), config)
     pc.add_schema(SCHEMA)
     return pc
 
@@ -78,8 +78,9 @@ def test_overlapped_copy_equals_serial_copy_bit_for_bit():
 
 @pytest.mark.parametrize("kv_dtype", ["bfloat16", "float16"])
 def test_sixteen_bit_states_upcast_on_the_gpu(kv_dtype):
-    cpu16 = engine("cpu", kv_dtype=kv_dtype)
-    gpu16 = engine("cuda", kv_dtype=kv_dtype, device_budget=0, overlap_copies=True)
+    cpu16 = engine("cpu", EngineConfig(runner=RunnerConfig(kv_dtype=kv_dtype)))
+    gpu16 = engine("cuda", EngineConfig(runner=RunnerConfig(kv_dtype=kv_dtype, overlap_copies=True),
+                                       store=StoreConfig(device_budget=0)))
     for text in PROMPTS:
         got, want = gpu16.prefill(text), cpu16.prefill(text)
         # the same rounded states on both: only float32 arithmetic differs
@@ -87,7 +88,7 @@ def test_sixteen_bit_states_upcast_on_the_gpu(kv_dtype):
 
 
 def test_generation_on_the_gpu_equals_the_stock_model(cpu):
-    gpu = engine("cuda", device_budget=0)
+    gpu = engine("cuda", EngineConfig(store=StoreConfig(device_budget=0)))
     for text in PROMPTS:
         res = gpu.generate(text, max_new_tokens=12)
         assert res.token_ids == cpu.generate(text, max_new_tokens=12).token_ids

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from oracle import definition_state
-from promptcache import EngineConfig, PMLError, PromptCache, layout_schema
+from promptcache import EngineConfig, PMLError, PromptCache, RecomputeConfig, RunnerConfig, layout_schema
 from promptcache.cache import SpliceCache
 from promptcache.models import UnsupportedModelError, get_adapter, supported_model_types
 from tiny import FAMILIES, fresh_model, make_model, make_tokenizer
@@ -29,7 +29,7 @@ PROMPT = '<prompt schema="s"><plan days="3"/><tokyo/> Highlight the food.</promp
 
 @pytest.fixture(scope="module")
 def pc():
-    engine = PromptCache(make_model("llama"), make_tokenizer(), EngineConfig(recompute=0))  # compared to the definition
+    engine = PromptCache(make_model("llama"), make_tokenizer(), EngineConfig(recompute=RecomputeConfig(fraction=0)))  # compared to the definition
     engine.add_schema(SCHEMA)
     return engine
 
@@ -285,5 +285,5 @@ def test_public_names_and_results_built_by_keyword():
         5, 2, 3, 7)
     with pytest.raises(ValueError, match="finish_reason must be one of"):
         Generation.from_prefill(res, "hi", [5], "done")
-    with pytest.raises(ValueError, match="EngineConfig.encode_chunk must be >= 1, got 0"):
-        EngineConfig(encode_chunk=0)
+    with pytest.raises(ValueError, match="RunnerConfig.encode_chunk must be an integer >= 1, got 0"):
+        RunnerConfig(encode_chunk=0)

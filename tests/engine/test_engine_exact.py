@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from oracle import definition_greedy, definition_state, plain_logits
-from promptcache import EngineConfig, PromptCache
+from promptcache import EngineConfig, PromptCache, RecomputeConfig
 from tiny import FAMILIES, make_model, make_tokenizer
 
 TOL = 1e-4
@@ -62,7 +62,7 @@ def tokenizer():
 
 
 def _engine(family, tokenizer, schema):
-    pc = PromptCache(make_model(family), tokenizer, EngineConfig(recompute=0))  # the definition is the splice
+    pc = PromptCache(make_model(family), tokenizer, EngineConfig(recompute=RecomputeConfig(fraction=0)))  # the definition is the splice
     pc.add_schema(schema)
     return pc
 

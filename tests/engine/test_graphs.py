@@ -70,7 +70,7 @@ def test_bad_buckets_and_models_the_pool_cannot_serve_are_refused(tokenizer):
         CompiledSteps(pc.runner, buckets=(4, 2))
     bloom = PromptCache(make_model("bloom"), tokenizer)
     assert "ALiBi" in compile_refusal(bloom.runner)
-    with pytest.raises(ConfigError, match="EngineConfig.compile"):
+    with pytest.raises(ConfigError, match="RunnerConfig.compile"):
         CompiledSteps(bloom.runner)
 
 

@@ -17,7 +17,7 @@ import torch
 
 from promptcache import PromptCache
 from promptcache.artifact import ArtifactError
-from promptcache.engine import EngineConfig
+from promptcache.engine import EngineConfig, RunnerConfig, StoreConfig
 from tiny import make_model, make_tokenizer
 
 SCHEMA = """<schema name="s">
@@ -34,9 +34,9 @@ PROMPT = '<prompt schema="s"><plan days="3"/><tokyo/> Highlight the food.</promp
 SIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
-def engine(kv_dtype, **config) -> PromptCache:
+def engine(kv_dtype, **store) -> PromptCache:
     torch.manual_seed(0)
-    return PromptCache(make_model("llama"), make_tokenizer(), EngineConfig(kv_dtype=kv_dtype, **config))
+    return PromptCache(make_model("llama"), make_tokenizer(), EngineConfig(runner=RunnerConfig(kv_dtype=kv_dtype), store=StoreConfig(**store)))
 
 
 def theory(pc: PromptCache, dtype: str) -> int:

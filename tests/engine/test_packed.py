@@ -1,4 +1,4 @@
-"""Packed linears (``EngineConfig.packed_linear``): the engine's results stay exact against the
+"""Packed linears (``EngineConfig.runner.packed_linear``): the engine's results stay exact against the
 same (packed) model, and the packed model stays within float32 rounding of the stock one."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from oracle import plain_logits
-from promptcache import EngineConfig, PromptCache
+from promptcache import EngineConfig, PromptCache, RecomputeConfig, RunnerConfig
 from promptcache.errors import ConfigError
 from promptcache.models.packed import PackedLinear, pack_linears
 from tiny import FAMILIES, fresh_model, make_tokenizer
@@ -29,7 +29,7 @@ def tokenizer():
 def test_packed_linears_stay_within_rounding_and_the_engine_stays_exact(family, tokenizer):
     stock = fresh_model(family)
     packed = fresh_model(family)
-    pc = PromptCache(packed, tokenizer, EngineConfig(packed_linear=True, recompute=0))
+    pc = PromptCache(packed, tokenizer, EngineConfig(runner=RunnerConfig(packed_linear=True), recompute=RecomputeConfig(fraction=0)))
     assert any(isinstance(m.__dict__.get("forward"), PackedLinear) for m in packed.modules())
     ids = tokenizer("Paris is the capital of France, famous for museums, cafes and the Eiffel Tower.").input_ids
     with torch.inference_mode():

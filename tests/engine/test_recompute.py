@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from oracle import plain_logits_at
-from promptcache import EngineConfig, PromptCache
+from promptcache import EngineConfig, PromptCache, RecomputeConfig
 from eval import engine_selections  # the studies' selections: registered, so tested here too
 from promptcache.engine.recompute import SELECTIONS, register_selection
 from tiny import FAMILIES, make_model, make_tokenizer
@@ -34,9 +34,9 @@ UNIONS = '<prompt schema="s"><a/><b/><c/><d/><user>Which city has temples?</user
 NO_NEW = '<prompt schema="s"><b/><c/></prompt>'
 
 
-def _engine(family: str, **cfg) -> PromptCache:
+def _engine(family: str, **recompute) -> PromptCache:
     name, _, attn = family.partition(":")
-    pc = PromptCache(make_model(name, attn=attn or None), make_tokenizer(), EngineConfig(**cfg))
+    pc = PromptCache(make_model(name, attn=attn or None), make_tokenizer(), EngineConfig(recompute=RecomputeConfig(**recompute)))
     pc.add_schema(SCHEMA)
     return pc
 
@@ -71,7 +71,7 @@ def test_decoding_after_recompute_all_follows_the_plain_forward(family):
 
 @pytest.mark.parametrize("selection", sorted(SELECTIONS))
 def test_partial_recompute_reports_its_count_and_is_not_exact(selection):
-    pc = _engine("llama", recompute_selection=selection)
+    pc = _engine("llama", selection=selection)
     full = pc.prefill(UNIONS, recompute=1.0).recomputed_tokens  # every drifted cached token
     res = pc.prefill(UNIONS, recompute=0.5)
     assert res.recomputed_tokens == round(0.5 * full) and not res.exact
@@ -82,7 +82,7 @@ def test_partial_recompute_reports_its_count_and_is_not_exact(selection):
 
 
 def test_exact_prompts_have_nothing_to_recompute_and_the_config_applies():
-    pc = _engine("llama", recompute=0.3)  # EngineConfig.recompute applies when a call passes None
+    pc = _engine("llama", fraction=0.3)  # EngineConfig.recompute.fraction applies when a call passes None
     prefix = '<prompt schema="s"><a/><user>Hi</user></prompt>'
     res = pc.prefill(prefix)
     assert res.exact and res.recomputed_tokens == 0
@@ -94,7 +94,7 @@ def test_auto_is_the_default_exact_prompts_recompute_nothing_drifted_ones_the_bu
     from promptcache.engine.recompute import AUTO_FRACTION
 
     pc = _engine("llama")
-    assert pc.config.recompute == "auto"
+    assert pc.config.recompute.fraction == "auto"
     prefix = '<prompt schema="s"><a/><user>Hi</user></prompt>'
     exact, splice = pc.prefill(prefix), pc.prefill(prefix, recompute=0)
     assert exact.exact and exact.recomputed_tokens == 0 and torch.equal(exact.logits, splice.logits)
@@ -114,9 +114,10 @@ def test_auto_is_the_default_exact_prompts_recompute_nothing_drifted_ones_the_bu
 def test_bad_config_recompute_names_the_field(bad):
     from promptcache.errors import ConfigError
 
-    with pytest.raises(ConfigError, match="EngineConfig.recompute must be 'auto' or a fraction in \\[0, 1\\], got"):
-        EngineConfig(recompute=bad)
-    assert EngineConfig(recompute=" Auto ").recompute == "auto" and EngineConfig(recompute=1).recompute == 1.0
+    with pytest.raises(ConfigError, match="RecomputeConfig.fraction .--recompute. must be 'auto' or a fraction in "
+                                          "\\[0, 1\\], got"):
+        RecomputeConfig(fraction=bad)
+    assert RecomputeConfig(fraction=" Auto ").fraction == "auto" and RecomputeConfig(fraction=1).fraction == 1.0
 
 
 @pytest.mark.parametrize("bad", [-0.1, 1.5, "0.3", True, "never"])
@@ -130,7 +131,7 @@ def test_bad_fraction_is_a_clear_error(bad):
 
 def test_unknown_selection_is_refused():
     with pytest.raises(ValueError, match="unknown recompute selection 'nope'"):
-        EngineConfig(recompute_selection="nope")
+        RecomputeConfig(selection="nope")
 
 
 def _request(spans_ids: list[list[int]], question: list[int], fraction: float):
@@ -182,7 +183,7 @@ def test_qmatch_names_every_span_close_to_the_best_match_and_falls_back_to_promp
 def test_qmatch_through_the_engine_picks_the_union_the_question_names():
     from promptcache.engine.recompute import qmatch, recompute_request
 
-    pc = _engine("llama", recompute_selection="qmatch")
+    pc = _engine("llama", selection="qmatch")
     layout = pc.layout(UNIONS)  # "Which city has temples?": only module b mentions temples
     req = recompute_request(layout, 0, 0.3, "qmatch", False)
     slot, b = 0, None
@@ -197,7 +198,7 @@ def test_qmatch_through_the_engine_picks_the_union_the_question_names():
 
 def test_a_registered_selection_is_a_config_name_and_a_taken_name_is_refused():
     assert {"qattn_mix", "qmatch_later"} <= set(SELECTIONS)  # eval/engine_selections.py registered them
-    assert EngineConfig(recompute_selection="qmatch_later").recompute_selection == "qmatch_later"
+    assert RecomputeConfig(selection="qmatch_later").selection == "qmatch_later"
     register_selection("qmatch_later", engine_selections.qmatch_later)  # the same function again: no-op
     with pytest.raises(ValueError, match="already registered"):
         register_selection("qmatch", engine_selections.qmatch_later)

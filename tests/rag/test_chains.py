@@ -101,10 +101,10 @@ def test_bad_recompute_is_refused_before_any_work():
 
 @pytest.mark.parametrize("independent", [False, True], ids=["chains", "independent"])
 def test_documents_are_stored_in_kv_dtype(tmp_path, independent):
-    from promptcache.engine import EngineConfig
+    from promptcache.engine import EngineConfig, RunnerConfig
 
     def engine(kv_dtype):
-        return PromptCache(make_model("llama"), make_tokenizer(), EngineConfig(kv_dtype=kv_dtype))
+        return PromptCache(make_model("llama"), make_tokenizer(), EngineConfig(runner=RunnerConfig(kv_dtype=kv_dtype)))
 
     ref = DocumentStore(engine(None), path=tmp_path / "ref", independent=independent)  # the same states kept
     half = DocumentStore(engine("bfloat16"), path=tmp_path / "docs", independent=independent)
@@ -161,9 +161,9 @@ def test_hybrid_and_independent_exclude_each_other():
 
 
 def test_chains_survive_a_restart_on_the_engines_spill_folder(tmp_path):
-    from promptcache import EngineConfig
+    from promptcache import EngineConfig, StoreConfig
 
-    model, cfg = make_model("llama"), EngineConfig(spill_dir=str(tmp_path / "spill"))
+    model, cfg = make_model("llama"), EngineConfig(store=StoreConfig(spill_dir=str(tmp_path / "spill")))
     store = DocumentStore(PromptCache(model, make_tokenizer(), cfg))
     for k, v in DOCS.items():
         store.add(k, v)

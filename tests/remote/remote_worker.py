@@ -1,6 +1,6 @@
 """A replica for the cross-process tests: ``python remote_worker.py ROLE URL OUT``.
 
-A fresh process with an engine built from ``EngineConfig(remote=URL)`` (nothing else shared with
+A fresh process with an engine built from ``EngineConfig(store=StoreConfig(remote=URL))`` (nothing else shared with
 the test's process) that adds the travel schema and answers the travel prompt. Roles:
 
     consume   at once (the test's process published every state before)
@@ -26,11 +26,11 @@ SCHEMA, PROMPT = ROOT / "schemas" / "travel.xml", ROOT / "examples" / "travel_to
 
 def replica(url: str, out: Path, wait_for_go: bool) -> dict:
     from promptcache import PromptCache
-    from promptcache.engine import EngineConfig
+    from promptcache.engine import EngineConfig, StoreConfig
     from promptcache.models.loading import load_model
 
     model, tok = load_model("embedded")
-    pc = PromptCache(model, tok, EngineConfig(remote=url))
+    pc = PromptCache(model, tok, EngineConfig(store=StoreConfig(remote=url)))
     encodes = []
     encode = pc.encoder.encode
     pc.encoder.encode = lambda *a, **k: encodes.append(1) or encode(*a, **k)  # count this process's encodes

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from promptcache import PromptCache
-from promptcache.engine import EngineConfig
+from promptcache.engine import EngineConfig, StoreConfig
 from promptcache.models.loading import load_model
 from promptcache.store.remote import PREFIX, RedisTier
 
@@ -76,12 +76,12 @@ def test_replicas_on_a_cluster_with_a_dead_node_answer_exactly(redis_cluster):
     reference = PromptCache(*model)
     reference.add_schema(SCHEMA)
     want = reference.prefill(PROMPT).logits
-    first = PromptCache(*model, EngineConfig(remote=redis_cluster.url))
+    first = PromptCache(*model, EngineConfig(store=StoreConfig(remote=redis_cluster.url)))
     first.add_schema(SCHEMA)  # encodes and publishes every state (write-through)
     published = holders(redis_cluster)
     assert len(set().union(*published.values())) >= 2
     redis_cluster.nodes[2].stop()
-    fresh = PromptCache(*model, EngineConfig(remote=redis_cluster.url))  # a replica started after the failure
+    fresh = PromptCache(*model, EngineConfig(store=StoreConfig(remote=redis_cluster.url)))  # a replica started after the failure
     fresh.add_schema(SCHEMA)
     res = fresh.prefill(PROMPT)
     assert res.hit_tiers.get("remote", 0) > 0  # the live nodes' states were fetched

@@ -1,4 +1,4 @@
-"""The shared tier through the engine (``EngineConfig(remote=...)``), several engines in this process
+"""The shared tier through the engine (``EngineConfig(store=StoreConfig(remote=...))``), several engines in this process
 standing for replicas: bad values, outages, namespaces, passwords, write policies, metrics."""
 
 from __future__ import annotations
@@ -33,9 +33,9 @@ def reference(embedded):
     return pc.prefill(PROMPT).logits
 
 
-def replica(embedded, url, **config) -> PromptCache:
+def replica(embedded, url, namespace: str = "default", **store) -> PromptCache:
     """A fresh engine on the shared model; ``pc.encodes`` counts its schema encodings."""
-    pc = PromptCache(*embedded, EngineConfig(remote=url, **config))
+    pc = PromptCache(*embedded, EngineConfig(store=StoreConfig(remote=url, **store), namespace=namespace))
     encode, pc.encodes = pc.encoder.encode, []
     pc.encoder.encode = lambda *a, **k: pc.encodes.append(1) or encode(*a, **k)
     return pc
@@ -150,7 +150,7 @@ def test_on_evict_publishes_what_memory_evicts_and_compile_publishes_always(redi
     published = {k for k in keys if f"{PREFIX}:{{{k}}}:h".encode() in values(client)}
     assert published and all(tight.store.tier_of(k) == "disk" for k in published)  # only evicted ones
     with pytest.raises(ValueError, match="remote_policy"):
-        EngineConfig(remote=redis_server.url, remote_policy="sometimes")
+        StoreConfig(remote=redis_server.url, remote_policy="sometimes")
 
 
 def test_missing_redis_client_names_the_extra(monkeypatch):

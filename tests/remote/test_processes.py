@@ -1,4 +1,4 @@
-"""Across OS processes, through ``EngineConfig(remote=...)`` only: a compile in one process serves
+"""Across OS processes, through ``EngineConfig(store=StoreConfig(remote=...))`` only: a compile in one process serves
 another that encodes nothing, and two replicas missing the same schema at once encode it once
 (the replicas are in ``remote_worker.py``)."""
 
@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from promptcache import PromptCache
-from promptcache.engine import EngineConfig
+from promptcache.engine import EngineConfig, StoreConfig
 from promptcache.models.loading import load_model
 
 WORKER = Path(__file__).resolve().parent / "remote_worker.py"
@@ -35,7 +35,7 @@ def finish(proc: subprocess.Popen, out: Path) -> dict:
 
 
 def test_compile_publishes_and_a_fresh_process_encodes_nothing(redis_server, tmp_path):
-    a = PromptCache(*load_model("embedded"), EngineConfig(remote=redis_server.url))  # process A: this one
+    a = PromptCache(*load_model("embedded"), EngineConfig(store=StoreConfig(remote=redis_server.url)))  # process A: this one
     a.compile(SCHEMA, tmp_path / "travel")
     want = a.prefill(PROMPT, recompute=0).logits  # bit-equal states give bit-equal splices
     assert a.store.shared_stats()["bytes_out"] > 0 and a.store.shared_stats()["errors"] == 0

@@ -7,7 +7,7 @@ from __future__ import annotations
 import anthropic
 import pytest
 
-from promptcache import EngineConfig, PromptCache
+from promptcache import EngineConfig, PromptCache, StoreConfig
 from promptcache.models.embedded import embedded_model
 from promptcache.server import create_app
 from promptcache.server.backend import ServingConfig
@@ -124,7 +124,7 @@ def pressured(tmp_path_factory):
     model, tok = embedded_model(MODEL)
     probe = PromptCache(model, tok)
     block = BLOCK * probe.runner.stored_spec.bytes_per_token
-    pc = PromptCache(model, tok, EngineConfig(host_budget=16 * block, spill_dir=str(tmp_path_factory.mktemp("spill"))))
+    pc = PromptCache(model, tok, EngineConfig(store=StoreConfig(host_budget=16 * block, spill_dir=str(tmp_path_factory.mktemp("spill")))))
     clock = Clock()
     app = create_app(pc, model_name=MODEL, block_size=BLOCK, pins=Pins(12 * block, clock=clock),
                      serving=ServingConfig(kv_pool_tokens=32 * BLOCK))

@@ -24,7 +24,7 @@ MESSAGES = [{"role": "system", "content": "You are a terse travel agent who know
 
 def serve(folder, port: int) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "promptcache.server", "--model", "embedded", "--port", str(port),
-           "--block-size", "16", "--spill-dir", str(folder), "--disk-budget", str(BUDGET), "--cache-gb", "0.0002"]
+           "--block-size", "16", "--spill-dir", str(folder), "--disk-budget", str(BUDGET), "--host-budget", "214748"]
     proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
     deadline, log = time.monotonic() + 120, []
     while not any("Ready" in line for line in log):

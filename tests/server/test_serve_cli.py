@@ -160,9 +160,105 @@ def test_serve_has_one_option_per_serving_config_field_with_its_default():
 
     options = {p.name: p for p in serve.params}
     for fl in dataclasses.fields(ServingConfig):
-        assert options[fl.name].default == fl.default and options[fl.name].help == fl.metadata["help"]
+        help_ = options[fl.name].help
+        assert help_.startswith(fl.metadata["help"]) and f"default {fl.default};" in help_, help_
+        assert options[fl.name].heading == "Serving core (ServerConfig.serving)"
     assert ServingConfig().block_size == DEFAULT_BLOCK_SIZE == BLOCK_SIZE == 16  # server and chat alike
     from click.testing import CliRunner
 
     result = CliRunner().invoke(serve, ["--block-size", "0"])
     assert result.exit_code == 2 and "--block-size" in result.output
+
+
+def _capture_config(monkeypatch):
+    """Run ``serve`` up to uvicorn; returns the list the engine configs it loaded go to."""
+    import uvicorn
+
+    import promptcache.frontend.common as common
+
+    configs, load = [], common.load_engine
+    monkeypatch.setattr(common, "load_engine", lambda *a: configs.append(a[3]) or load(*a))
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: configs.append(kw))
+    return configs
+
+
+def test_old_budget_flags_are_deprecated_aliases_of_the_store_budgets(monkeypatch):
+    from click.testing import CliRunner
+
+    from promptcache.server.cli import serve
+
+    configs = _capture_config(monkeypatch)
+    out = CliRunner().invoke(serve, ["embedded", "--cache-gb", "0.5", "--pin-gb", "0.25"])
+    assert out.exit_code == 0, out.output
+    assert "warning: --cache-gb is deprecated: use --host-budget and --device-budget" in out.output
+    assert "warning: --pin-gb is deprecated: use --pin-budget" in out.output
+    store = configs[0].store
+    assert store.host_budget == store.device_budget == 2**29 and store.pin_budget == 2**28
+    out = CliRunner().invoke(serve, ["embedded", "--host-budget", "1GiB"])  # serve's default: 4GiB each
+    assert out.exit_code == 0 and configs[2].store.host_budget == 2**30 and configs[2].store.device_budget == 4 * 2**30
+    for args in (["--cache-gb", "1", "--host-budget", "1GiB"], ["--pin-gb", "1", "--pin-budget", "1GiB"]):
+        out = CliRunner().invoke(serve, ["embedded", *args])
+        assert out.exit_code == 2 and "both set the same budget" in out.output, out.output
+        assert "Loading model" not in out.output
+    help_ = CliRunner().invoke(serve, ["--help"]).output
+    assert "--cache-gb" not in help_ and "--pin-gb" not in help_  # hidden: still accepted, never advertised
+
+
+def test_server_settings_come_from_the_environment_and_the_config_file(monkeypatch, tmp_path):
+    from click.testing import CliRunner
+
+    from promptcache.server.cli import serve
+
+    configs = _capture_config(monkeypatch)
+    toml = tmp_path / "serve.toml"
+    toml.write_text('[store]\nhost_budget = "64MiB"\n[server]\nport = 9100\ndrain_timeout = 2.5\n'
+                    '[server.serving]\nmax_num_seqs = 8\n')
+    out = CliRunner().invoke(serve, ["embedded", "--config", str(toml)], env={"PROMPTCACHE_PORT": "9200"})
+    assert out.exit_code == 0, out.output
+    assert configs[0].store.host_budget == 64 * 2**20
+    assert configs[1]["port"] == 9200 and configs[1]["timeout_graceful_shutdown"] == 2.5  # environment over file
+    toml.write_text("[server]\nprot = 1\n")
+    out = CliRunner().invoke(serve, ["embedded", "--config", str(toml)])
+    assert out.exit_code == 2 and "unknown keys prot" in out.output
+
+
+def test_serve_and_run_help_list_every_flag_under_its_section():
+    from click.testing import CliRunner
+
+    from promptcache.cli import main
+
+    serve_help = CliRunner().invoke(main, ["serve", "--help"]).output
+    run_help = CliRunner().invoke(main, ["run", "--help"]).output
+    for heading in ("Server (ServerConfig):", "Serving core (ServerConfig.serving):",
+                    "Request limits (ServerConfig.limits):", "Runner (EngineConfig.runner):",
+                    "Store (EngineConfig.store):", "Recompute (EngineConfig.recompute):"):
+        assert heading in serve_help
+    for flag in ("--host ", "--port ", "--max-queue", "--drain-timeout", "--max-model-len", "--allowed-hosts",
+                 "--cors-origin", "--kv-pool-tokens", "--max-chars", "--host-budget", "--device-budget",
+                 "--pin-budget", "--recompute ", "--packed-linear", "--api-key-file", "--schema"):
+        assert flag in serve_help, flag
+    assert "Store (EngineConfig.store):" in run_help and "--host-budget" in run_help and "--port" not in run_help
+    assert serve_help.index("--schema") < serve_help.index("Server (ServerConfig):") < serve_help.index("--host-budget")
+
+
+def test_the_default_config_raises_no_deprecation_warning(monkeypatch):
+    """Building an engine and serving a request with the defaults uses no deprecated name."""
+    import warnings
+
+    import uvicorn
+    from click.testing import CliRunner
+    from serverkit import http, running
+
+    from promptcache.server.cli import serve
+
+    apps = []
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: apps.append(app))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DeprecationWarning)
+        out = CliRunner().invoke(serve, ["embedded"], catch_exceptions=False)
+        assert out.exit_code == 0, out.output
+        with running(apps[0]) as url:
+            status, _, text = http("POST", url + "/v1/chat/completions",
+                                   {"model": "embedded", "messages": [{"role": "user", "content": "Hi"}],
+                                    "max_tokens": 2})
+        assert status == 200, text

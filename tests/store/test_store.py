@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from promptcache import PMLError, PromptCache
-from promptcache.engine import EngineConfig
+from promptcache.engine import EngineConfig, StoreConfig
 from promptcache.store import StoreError
 from promptcache import artifact as artifact_mod
 from promptcache import fsutil
@@ -150,7 +150,7 @@ def test_eviction_under_budget_stays_exact_and_within_budget(tmp_path, reference
     full = engine()
     entry = full.add_schema(SCHEMA)
     budget = entry.stored_bytes // 3  # smaller than the working set
-    small = engine(EngineConfig(host_budget=budget, spill_dir=str(tmp_path / "spill")))
+    small = engine(EngineConfig(store=StoreConfig(host_budget=budget, spill_dir=str(tmp_path / "spill"))))
     small.add_schema(SCHEMA)
     assert small.store.usage()["host"] <= budget
     assert small.store.usage()["disk"] > 0  # evicted states went down to disk
@@ -161,11 +161,11 @@ def test_eviction_under_budget_stays_exact_and_within_budget(tmp_path, reference
 
 
 def test_promotion_after_eviction(tmp_path):
-    pc = engine(EngineConfig(host_budget=0, spill_dir=str(tmp_path)))
+    pc = engine(EngineConfig(store=StoreConfig(host_budget=0, spill_dir=str(tmp_path))))
     entry = pc.add_schema(SCHEMA)
     key = next(iter(entry.keys.values()))
     assert pc.store.tier_of(key) == "disk"
-    roomy = engine(EngineConfig(host_budget=10 * entry.stored_bytes, spill_dir=str(tmp_path / "s2")))
+    roomy = engine(EngineConfig(store=StoreConfig(host_budget=10 * entry.stored_bytes, spill_dir=str(tmp_path / "s2"))))
     e2 = roomy.add_schema(SCHEMA)
     keys = list(e2.keys.values())
     roomy.store.tiers[0].budget = e2.stored_bytes // 4  # shrink: most states go down
@@ -205,7 +205,7 @@ def test_concurrent_generate_under_eviction_is_exact(tmp_path):
     ref = engine()
     ref.add_schema(SCHEMA)
     expected = {p: ref.generate(p, max_new_tokens=5).token_ids for p in PROMPTS}
-    pc = engine(EngineConfig(host_budget=ref.schema("trip").stored_bytes // 2, spill_dir=str(tmp_path)))
+    pc = engine(EngineConfig(store=StoreConfig(host_budget=ref.schema("trip").stored_bytes // 2, spill_dir=str(tmp_path))))
     pc.add_schema(SCHEMA)
     with cf.ThreadPoolExecutor(4) as ex:
         results = list(ex.map(lambda p: (p, pc.generate(p, max_new_tokens=5).token_ids), PROMPTS * 5))
