@@ -85,7 +85,8 @@ def create_app(pc, *, api_keys: dict[str, str] | None = None, documents=None, ma
     limits = limits or Limits()
     serving = serving or ServingConfig()
     serving = dataclasses.replace(serving, block_size=block_size)
-    prefix = PrefixCache(pc, block_size)
+    compute = compute or ComputeThread()
+    prefix = compute.call(PrefixCache, pc, block_size)  # reads pc.model_key: a hash over the weights, torch work
     if documents is not None and not isinstance(documents, dict):
         documents = {documents.namespace: documents}
     planner = Planner(pc, prefix, documents, max_chars=limits.max_chars)

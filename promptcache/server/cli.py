@@ -61,7 +61,22 @@ def read_key_file(path: str | Path) -> dict[str, str]:
 
 
 SERVE_DEFAULTS = {"device_budget": 4 << 30, "host_budget": 4 << 30}  # serve's memory for stored states
-server_options = settings_options(ServerConfig, "server")  # one option per ServerConfig leaf
+server_options = settings_options(ServerConfig, "server")
+
+
+def serve_defaults(device: str | None, dtype: str) -> dict:
+    """serve's defaults, above the dataclasses' and below everything a user sets: 4 GiB of memory
+    per tier for stored states, and on a CPU in float32 the linears packed for oneDNN (what vLLM's
+    CPU build does: a SmolLM2 decode step 39 -> 20 ms, within float32 rounding of the stock
+    forward; ``--no-packed-linear`` turns it off). The library's default stays off: it changes
+    the model object in place, which a server that loaded the model may do, a library may not."""
+    import torch
+
+    from ..frontend.common import check_device, resolve_dtype
+
+    device = check_device(device)
+    cpu_f32 = device == "cpu" and resolve_dtype(dtype, device) == "float32" and torch.backends.mkldnn.is_available()
+    return {**SERVE_DEFAULTS, "packed_linear": cpu_f32}  # one option per ServerConfig leaf
 
 
 def server_config(given: dict, config_file: str | Path | None = None, env=None) -> ServerConfig:
@@ -191,7 +206,8 @@ def serve(model_arg, model, device, dtype, engine, config_file, server, src_root
           api_key_file, api_key_list, model_name, cache_gb, pin_gb):
     """Serve an OpenAI-compatible API (chat, completions, models, health, metrics) and Anthropic's
     Messages API that reuse attention states across requests. MODEL (or --model): a Hugging Face id,
-    a local directory, 'smollm2' or 'embedded'. Needs the 'serve' extra."""
+    a local directory, 'smollm2' or 'embedded'. Needs the 'serve' extra. On a CPU in float32 serve
+    packs the linear layers for oneDNN unless --no-packed-linear (about 2x faster decoding)."""
     try:
         import uvicorn
     except ImportError:
@@ -204,7 +220,7 @@ def serve(model_arg, model, device, dtype, engine, config_file, server, src_root
     model = _model(model_arg, model)
     settings = server_config(server, config_file)
     config = engine_config(resolve_aliases(engine, {"cache_gb": cache_gb, "pin_gb": pin_gb}), config_file,
-                           defaults=SERVE_DEFAULTS)
+                           defaults=serve_defaults(device, dtype))
     keys = _keys(api_key_file, api_key_list, config.namespace)
     # the model is loaded, encoded and served on one thread (compute.py: why)
     compute = ComputeThread()

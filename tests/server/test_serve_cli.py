@@ -262,3 +262,16 @@ def test_the_default_config_raises_no_deprecation_warning(monkeypatch):
                                    {"model": "embedded", "messages": [{"role": "user", "content": "Hi"}],
                                     "max_tokens": 2})
         assert status == 200, text
+
+
+def test_serve_packs_linears_by_default_on_a_cpu_in_float32_and_a_user_setting_wins():
+    from promptcache.frontend.options import engine_config
+    from promptcache.server.cli import serve_defaults
+
+    assert serve_defaults("cpu", "auto")["packed_linear"] is True
+    assert serve_defaults("cpu", "bfloat16")["packed_linear"] is False  # packed linears are float32 only
+    assert engine_config({}, None, env={}, defaults=serve_defaults("cpu", "float32")).runner.packed_linear
+    off = engine_config({"packed_linear": False}, None, env={}, defaults=serve_defaults("cpu", "float32"))
+    assert off.runner.packed_linear is False
+    env = engine_config({}, None, env={"PROMPTCACHE_PACKED_LINEAR": "0"}, defaults=serve_defaults("cpu", "float32"))
+    assert env.runner.packed_linear is False
