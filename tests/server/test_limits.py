@@ -126,7 +126,10 @@ def test_cors_origin_and_allowed_hosts_when_asked_for(pc):
 def test_bad_json_is_400_naming_where(server, body, param, words):
     status, _, text = http_raw(server[0], body.encode())
     err = json.loads(text)["error"]
-    assert status == 400 and err["param"] == param and words in err["message"], err
+    # 1000 levels: json's C parser stops at the interpreter's recursion limit (no path then), or,
+    # where something raised that limit (torch.compile does), parses and the walk names the path
+    params = (param, "[0]" * 32) if body.startswith("[" * 1000) else (param,)
+    assert status == 400 and err["param"] in params and words in err["message"], err
 
 
 def test_message_and_character_limits(pc):
