@@ -134,6 +134,18 @@ def _attend(q, k, v, mask=None):
     return (p @ v) / total, (top + total.log()).squeeze(-1)
 
 
+def _attend_causal(q, k, v):
+    """q [Hk, G, t, D] (scaled) causally against the same t tokens' k, v [Hk, t, D] (query i sees
+    keys 0..i). Returns (out [Hk, G, t, D], lse [Hk, G, t])."""
+    hk, g, t, d = q.shape
+    if q.device.type == "cpu" and _CPU_FLASH is not None:
+        kx, vx = k[:, None].expand(hk, g, t, d), v[:, None].expand(hk, g, t, d)  # views: no copy
+        return _CPU_FLASH(q, kx, vx, 0.0, True, scale=1.0)[:2]
+    causal = torch.ones((t, t), dtype=torch.bool, device=q.device).tril()
+    o, l = _attend(q.reshape(hk, g * t, d), k, v, causal.repeat(g, 1)[None])
+    return o.view(hk, g, t, d), l.view(hk, g, t)
+
+
 # torch's fused CPU attention returns the log-sum-exp the merge needs (3x faster than the same in
 # separate ops on SmolLM2's shapes); its absence (another torch build) falls back to the ops above
 _CPU_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
@@ -171,13 +183,14 @@ def attend(plan: StepPlan, layer: int, query: torch.Tensor, scaling: float | Non
         out[:, :, plan.decode_q] = o.view(hk, b, g, d).permute(0, 2, 1, 3)
         lse[:, :, plan.decode_q] = l.view(hk, b, g).permute(0, 2, 1)
     for q0, q1, own, done in plan.prefills:  # prefill chunks: own keys, causal among the new ones
-        t = q1 - q0
+        t, rows = q1 - q0, slice(q0, q1)
         ks, vs = _slots(kbuf, own).float(), _slots(vbuf, own).float()  # [Hk, done + t, D]
-        causal = torch.ones((t, done + t), dtype=torch.bool, device=query.device).tril(done)
-        qp = q[:, :, q0:q1].reshape(hk, g * t, d)  # queries of every head of a group, then by token
-        o, l = _attend(qp, ks, vs, causal.repeat(g, 1)[None])
-        out[:, :, q0:q1] = o.view(hk, g, t, d)
-        lse[:, :, q0:q1] = l.view(hk, g, t)
+        # the chunk among itself (causal, no mask tensor), then its earlier own tokens (no mask):
+        # a 2K prefill in 512-token chunks spent 46% of its time in one masked call per chunk
+        out[:, :, rows], lse[:, :, rows] = _attend_causal(q[:, :, rows], ks[:, done:], vs[:, done:])
+        if done:
+            o, l = _attend(q[:, :, rows].reshape(hk, g * t, d), ks[:, :done], vs[:, :done])
+            _merge(out, lse, rows, o.view(hk, g, t, d), l.view(hk, g, t))
     for views, idx in plan.segments:  # shared segments: read once for every query that needs them
         ks, vs = _layer_kv(views, layer)
         o, l = _attend(q[:, :, idx].reshape(hk, -1, d), ks, vs)
