@@ -19,6 +19,7 @@ disagree beyond that.
 from __future__ import annotations
 
 import logging
+import threading
 
 import torch
 
@@ -26,7 +27,7 @@ from ..errors import ConfigError
 
 log = logging.getLogger(__name__)
 
-__all__ = ["PackedLinear", "pack_linears", "packed_refusal"]
+__all__ = ["GROUPS", "GroupMember", "PackedGroup", "PackedLinear", "pack_linears", "packed_refusal"]
 
 # torch's oneDNN linear ops (what inductor's weight freezing emits on CPU); underscored in torch, so
 # looked up once here: a build without them makes ``packed_refusal`` say so, never a crash
@@ -81,9 +82,74 @@ def _self_check(linear: torch.nn.Linear) -> float:
     return ((got - want).abs().max() / want.abs().max().clamp_min(1e-30)).item()
 
 
+# sibling linears that read the same input in the stock modeling code (query/key/value of an
+# attention; gate/up of a gated MLP): packed as one matrix, read in one pass
+GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+
+
+class PackedGroup:
+    """Linears that read the same input, packed as one [sum N, K] matrix. The first member called
+    with an input computes every member's output at once; the others, called with that same
+    tensor object (the stock modeling code passes one ``hidden_states`` to each), return their
+    slice; a member called with another input computes afresh, so nothing else can be served a
+    stale result. Fewer, larger matrix products: on SmolLM2 a decode step's linears went from 211
+    calls to 121 and 11.5 -> 9.9 ms (30 layers, 2 threads)."""
+
+    def __init__(self, linears: list[torch.nn.Linear]):
+        weight = torch.cat([m.weight.detach() for m in linears])
+        biases = [m.bias for m in linears]
+        bias = None if all(b is None for b in biases) else torch.cat(
+            [b.detach() if b is not None else torch.zeros(m.out_features, dtype=weight.dtype)
+             for b, m in zip(biases, linears)])
+        self.packed = PackedLinear(weight, bias)
+        ends = torch.tensor([m.out_features for m in linears]).cumsum(0).tolist()
+        self.spans = list(zip([0] + ends[:-1], ends))
+        # per thread (two threads may run the model): the input whose outputs are held, the outputs,
+        # and how many members have yet to take their slice
+        self._held = threading.local()
+
+    def member(self, i: int) -> "GroupMember":
+        return GroupMember(self, i)
+
+    def output(self, x: torch.Tensor, i: int) -> torch.Tensor:
+        a, b = self.spans[i]
+        if torch.compiler.is_compiling():  # a traced graph holds no state: each member computes (a pure op)
+            return self.packed(x)[..., a:b]
+        held = self._held
+        if getattr(held, "x", None) is not x or held.left == 0:
+            held.x, held.y, held.left = x, self.packed(x), len(self.spans)
+        y = held.y
+        held.left -= 1
+        if held.left == 0:
+            held.x = held.y = None
+        return y[..., a:b]
+
+
+class GroupMember:
+    """The ``forward`` of one linear of a ``PackedGroup``."""
+
+    def __init__(self, group: PackedGroup, index: int):
+        self.group, self.index = group, index
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.group.output(x, self.index)
+
+
+def _groups(model) -> list[list[torch.nn.Linear]]:
+    """Sibling linears named as in ``GROUPS`` that take the same input size."""
+    found = []
+    for parent in model.modules():
+        for names in GROUPS:
+            members = [getattr(parent, n, None) for n in names]
+            if all(isinstance(m, torch.nn.Linear) for m in members) and len({m.in_features for m in members}) == 1:
+                found.append(members)
+    return found
+
+
 def pack_linears(model) -> int:
-    """Give every ``nn.Linear`` of ``model`` a packed forward; returns how many. Raises
-    ConfigError naming ``packed_linear`` when the model cannot take it."""
+    """Give every ``nn.Linear`` of ``model`` a packed forward (siblings of ``GROUPS`` packed
+    together); returns how many linears. Raises ConfigError naming ``packed_linear`` when the
+    model cannot take it."""
     why = packed_refusal(model)
     if why is not None:
         raise ConfigError(f"RunnerConfig.packed_linear (--packed-linear): {why}")
@@ -95,9 +161,20 @@ def pack_linears(model) -> int:
         raise ConfigError(f"RunnerConfig.packed_linear (--packed-linear): the packed linear differs from F.linear by {err:.2g} "
                           "(relative) on this machine; leave it off")
     n = 0
+    for members in _groups(model):
+        if any(_packed(m) for m in members):
+            continue
+        group = PackedGroup(members)
+        for i, m in enumerate(members):
+            m.forward = group.member(i)
+            n += 1
     for m in linears:
-        if not isinstance(m.__dict__.get("forward"), PackedLinear):
+        if not _packed(m):
             m.forward = PackedLinear(m.weight, m.bias)
             n += 1
     log.info("packed %d linear layers for oneDNN", n)
     return n
+
+
+def _packed(linear: torch.nn.Linear) -> bool:
+    return isinstance(linear.__dict__.get("forward"), (PackedLinear, GroupMember))

@@ -49,3 +49,21 @@ def test_packing_twice_changes_nothing_and_other_models_are_refused(tokenizer):
     assert n > 0 and pack_linears(model) == 0
     with pytest.raises(ConfigError, match="packed_linear.*float32"):
         pack_linears(fresh_model("llama").to(torch.bfloat16))
+
+
+def test_sibling_linears_are_packed_together_and_a_member_given_another_input_computes_afresh():
+    from promptcache.models.packed import GroupMember
+
+    stock, model = fresh_model("llama"), fresh_model("llama")
+    pack_linears(model)
+    attn, ref = model.model.layers[0].self_attn, stock.model.layers[0].self_attn
+    assert all(isinstance(getattr(attn, n).__dict__.get("forward"), GroupMember) for n in ("q_proj", "k_proj", "v_proj"))
+    mlp = model.model.layers[0].mlp
+    assert all(isinstance(getattr(mlp, n).__dict__.get("forward"), GroupMember) for n in ("gate_proj", "up_proj"))
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(2, 5, attn.q_proj.in_features, generator=g), torch.randn(2, 5, attn.q_proj.in_features, generator=g)
+    with torch.inference_mode():
+        got = [attn.q_proj(x), attn.k_proj(y), attn.v_proj(x), attn.k_proj(x), attn.q_proj(y)]  # out of the usual order
+        want = [ref.q_proj(x), ref.k_proj(y), ref.v_proj(x), ref.k_proj(x), ref.q_proj(y)]
+    for a, b in zip(got, want):
+        assert a.shape == b.shape and (a - b).abs().max().item() <= 1e-5 * max(1.0, b.abs().max().item())
