@@ -66,6 +66,7 @@ class StepPlan:
     decode_q: torch.Tensor | None = None  # [B] packed query index of each decode row
     decode_slots: torch.Tensor | None = None  # [B, K] own slots (padded)
     decode_valid: torch.Tensor | None = None  # [B, K] bool
+    decode_bias: torch.Tensor | None = None  # [Hk * B, 1, K] float32: 0 where valid, -inf at padding (every layer's)
     prefills: list[tuple[int, int, torch.Tensor, int]] = field(default_factory=list)  # (q0, q1, own slots, done)
 
 
@@ -92,6 +93,9 @@ def build_plan(pool: KVPool, rows: list[PagedRow], scale: float | None = None) -
             valid[i, : len(s)] = True
         plan.decode_q = torch.tensor([q for q, _ in decodes], dtype=torch.long, device=dev)
         plan.decode_slots, plan.decode_valid = slots, valid
+        hk, b = pool.buf.shape[2], len(decodes)
+        mask = valid[None, :, None, :].expand(hk, b, 1, width).reshape(hk * b, 1, width)
+        plan.decode_bias = torch.zeros(mask.shape, dtype=torch.float32, device=dev).masked_fill_(~mask, float("-inf"))
     return plan
 
 
@@ -115,6 +119,21 @@ def _merge(out, lse, idx, o, l) -> None:
     new = torch.logaddexp(old, l)
     out[:, :, idx] = out[:, :, idx] * torch.exp(old - new)[..., None] + o * torch.exp(l - new)[..., None]
     lse[:, :, idx] = new
+
+
+def _merge_all(out, lse, o, l) -> None:
+    """``_merge`` for a partial result over every query: in place, no gathers."""
+    new = torch.logaddexp(lse, l)
+    out.mul_(torch.exp(lse - new)[..., None]).add_(o * torch.exp(l - new)[..., None])
+    lse.copy_(new)
+
+
+def _attend_biased(q, k, v, bias):
+    """``_attend`` with an additive bias [X, m, n] (0 or -inf) built once per step."""
+    if q.device.type == "cpu" and _CPU_FLASH is not None:
+        out, lse = _CPU_FLASH(q[:, None], k[:, None], v[:, None], 0.0, False, attn_mask=bias[:, None], scale=1.0)[:2]
+        return out[:, 0], lse[:, 0]
+    return _attend(q, k, v, bias == 0)
 
 
 def _attend(q, k, v, mask=None):
@@ -178,8 +197,7 @@ def attend(plan: StepPlan, layer: int, query: torch.Tensor, scaling: float | Non
         ks = kbuf.index_select(1, flat).float().view(hk * b, width, d)
         vs = vbuf.index_select(1, flat).float().view(hk * b, width, d)
         qd = q[:, :, plan.decode_q].permute(0, 2, 1, 3).reshape(hk * b, g, d)  # [Hk * B, G, D]
-        mask = plan.decode_valid[None, :, None, :].expand(hk, b, 1, width).reshape(hk * b, 1, width)
-        o, l = _attend(qd, ks, vs, mask)
+        o, l = _attend_biased(qd, ks, vs, plan.decode_bias)
         out[:, :, plan.decode_q] = o.view(hk, b, g, d).permute(0, 2, 1, 3)
         lse[:, :, plan.decode_q] = l.view(hk, b, g).permute(0, 2, 1)
     for q0, q1, own, done in plan.prefills:  # prefill chunks: own keys, causal among the new ones
@@ -193,8 +211,12 @@ def attend(plan: StepPlan, layer: int, query: torch.Tensor, scaling: float | Non
             _merge(out, lse, rows, o.view(hk, g, t, d), l.view(hk, g, t))
     for views, idx in plan.segments:  # shared segments: read once for every query that needs them
         ks, vs = _layer_kv(views, layer)
-        o, l = _attend(q[:, :, idx].reshape(hk, -1, d), ks, vs)
-        _merge(out, lse, idx, o.view(hk, g, -1, d), l.view(hk, g, -1))
+        if idx.numel() == n:  # every query of the step reads it (one request, or one shared prompt)
+            o, l = _attend(q.reshape(hk, g * n, d), ks, vs)
+            _merge_all(out, lse, o.view(hk, g, n, d), l.view(hk, g, n))
+        else:
+            o, l = _attend(q[:, :, idx].reshape(hk, -1, d), ks, vs)
+            _merge(out, lse, idx, o.view(hk, g, -1, d), l.view(hk, g, -1))
     return out.view(hq, n, d).transpose(0, 1)[None].to(query.dtype)
 
 
