@@ -107,15 +107,16 @@ class PackedGroup:
         # per thread (two threads may run the model): the input whose outputs are held, the outputs,
         # and how many members have yet to take their slice
         self._held = threading.local()
+        # the same while dynamo traces a compiled graph: it follows a plain object's attributes (and
+        # decides ``is`` between traced tensors), so the graph computes each group once
+        self._traced = _Held()
 
     def member(self, i: int) -> "GroupMember":
         return GroupMember(self, i)
 
     def output(self, x: torch.Tensor, i: int) -> torch.Tensor:
         a, b = self.spans[i]
-        if torch.compiler.is_compiling():  # a traced graph holds no state: each member computes (a pure op)
-            return self.packed(x)[..., a:b]
-        held = self._held
+        held = self._traced if torch.compiler.is_compiling() else self._held
         if getattr(held, "x", None) is not x or held.left == 0:
             held.x, held.y, held.left = x, self.packed(x), len(self.spans)
         y = held.y
@@ -123,6 +124,12 @@ class PackedGroup:
         if held.left == 0:
             held.x = held.y = None
         return y[..., a:b]
+
+
+class _Held:
+    x: torch.Tensor | None = None
+    y: torch.Tensor | None = None
+    left: int = 0
 
 
 class GroupMember:

@@ -18,7 +18,7 @@ from promptcache.engine.request import Request
 from promptcache.engine.sampling import SamplingParams
 from promptcache.engine.serving import ServingScheduler
 from promptcache.errors import ConfigError
-from tiny import make_model, make_tokenizer
+from tiny import fresh_model, make_model, make_tokenizer
 
 TOL = 1e-4
 POOLED = ["gpt2", "gpt_neox", "llama", "mistral", "opt", "phi3", "qwen2", "qwen3"]
@@ -99,3 +99,18 @@ def test_compiled_steps_equal_eager_steps_llama(tokenizer):
 @pytest.mark.parametrize("family", [f for f in POOLED if f != "llama"])
 def test_compiled_steps_equal_eager_steps(family, tokenizer):
     check_family(family, tokenizer)
+
+
+def test_compiled_steps_of_a_packed_model_equal_its_eager_steps(tokenizer):
+    """Packed linears (q/k/v and gate/up one product each) inside the compiled graph."""
+    from promptcache import EngineConfig, RunnerConfig
+
+    pc = PromptCache(fresh_model("llama"), tokenizer, EngineConfig(runner=RunnerConfig(packed_linear=True)))
+    pc.add_schema(SCHEMA)
+    want, _ = serve(pc, None, 12)
+    steps = CompiledSteps(pc.runner, buckets=(1, 2, 4, 8))
+    got, _ = serve(pc, steps.forward, 12)
+    for a, b in zip(want, got):
+        assert torch.max(torch.abs(a.prefill.logits - b.prefill.logits)).item() <= TOL
+        assert a.token_ids == b.token_ids
+    assert steps.compiled_steps > 0
