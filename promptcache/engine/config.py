@@ -71,7 +71,7 @@ class RunnerConfig:
                "weights in memory).")
     # serving steps of few tokens run through torch.compile, padded to buckets; CUDA graphs on a GPU
     # (engine/graphs.py). Off by default: on CPU a decode step is bound by reading the weights and
-    # compiling was measured no faster (1.02x at batch 1, 1.04x at 64, SmolLM2)
+    # a compiled step was measured no faster (0.93-0.99x eager at batches 1-64, SmolLM2)
     compile: bool = setting(
         False, "Compile serving steps of few tokens (decode, short prefills) with torch.compile, padded to "
                "buckets; CUDA graphs on a GPU. Each bucket compiles once on first use (kept on disk).")
