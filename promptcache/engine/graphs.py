@@ -17,8 +17,8 @@ of eagerly, with the same inputs and the same answer as ``paged.paged_forward``:
   own tokens, log-sum-exp merges). The plan (block tables, segments) and the position IDs are
   the step's data, never baked into a graph, so Prompt Cache's positions are untouched and one
   graph serves every request mix of its bucket.
-* **CUDA graphs on a GPU.** On CUDA the model is compiled with ``mode="reduce-overhead"`` and
-  inductor's graph partition: everything between two attention ops is captured as a CUDA graph
+* **CUDA graphs on a GPU.** On CUDA the model is compiled with inductor's CUDA graphs (what
+  ``mode="reduce-overhead"`` sets) and its graph partition (``compile_options``): everything between two attention ops is captured as a CUDA graph
   per bucket and replayed; the attention op is tagged ``cudagraph_unsafe`` and runs eagerly
   between them (its work depends on the step's plan). Piecewise capture, as vLLM does. (Not yet
   measured: no GPU was available when this was written; eval/README.md says how to measure.)
@@ -55,7 +55,7 @@ from .paged import PagedRow, StepPlan, attend, attention_swapped, build_plan, pa
 
 log = logging.getLogger(__name__)
 
-__all__ = ["COMPILED_ATTENTION", "CompiledSteps", "bucket_for", "compile_refusal"]
+__all__ = ["COMPILED_ATTENTION", "CompiledSteps", "bucket_for", "compile_options", "compile_refusal"]
 
 COMPILED_ATTENTION = "promptcache_compiled"
 
@@ -135,6 +135,15 @@ def compile_refusal(runner) -> str | None:
     return None
 
 
+def compile_options(device: torch.device) -> dict | None:
+    """inductor's options for ``device``: on CUDA, CUDA graphs (what ``mode="reduce-overhead"``
+    sets; torch.compile takes a mode or options, not both) captured piecewise around the
+    attention operations (graph partition); on CPU the defaults."""
+    if device.type != "cuda":
+        return None
+    return {"triton.cudagraphs": True, "graph_partition": True}
+
+
 def _keep_graphs(limit: int) -> None:
     """Each bucket pair is a recompile of the same model code; dynamo keeps 8 per code object by
     default and then runs eagerly. Raised to ``limit`` (dynamo's documented setting, reached by
@@ -170,9 +179,8 @@ class CompiledSteps:
         self.cache_dir = _cache_dir()
         cuda = runner.device.type == "cuda"
         _keep_graphs(2 * len(self.buckets) ** 2)
-        options = {"graph_partition": True} if cuda else None
-        self._fn = torch.compile(runner.model, fullgraph=True, dynamic=False,
-                                 mode="reduce-overhead" if cuda else None, options=options)
+        self._cuda = cuda
+        self._fn = torch.compile(runner.model, fullgraph=True, dynamic=False, options=compile_options(runner.device))
         self.compile_seconds: dict[tuple[int, int], float] = {}
         self.compiled_steps = 0
         self.eager_steps = 0
@@ -212,7 +220,10 @@ class CompiledSteps:
             log.info("compiled the step of %d tokens, %d logits rows in %.1f s", big, rows_bucket,
                      self.compile_seconds[shape])
         self.compiled_steps += 1
-        return out.logits[0, : len(ends)]
+        logits = out.logits[0, : len(ends)]
+        # a CUDA graph's outputs live in its memory pool and the next replay overwrites them: a
+        # prefill's logits are kept past this step
+        return logits.clone() if self._cuda else logits
 
     def warm(self, sizes: tuple[int, ...] = (1,)) -> None:
         """Compile the decode steps of these batch sizes now (a server's start), not on first use."""

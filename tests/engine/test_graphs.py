@@ -114,3 +114,18 @@ def test_compiled_steps_of_a_packed_model_equal_its_eager_steps(tokenizer):
         assert torch.max(torch.abs(a.prefill.logits - b.prefill.logits)).item() <= TOL
         assert a.token_ids == b.token_ids
     assert steps.compiled_steps > 0
+
+
+def test_the_cuda_options_are_ones_torch_compile_takes_and_the_attention_op_is_kept_out_of_cuda_graphs():
+    """The CUDA path cannot run here; what can be checked on a CPU is checked: torch.compile
+    validates option names when it is called (an unknown one raises), and the attention op
+    carries the tag inductor's graph partition reads."""
+    from promptcache.engine.graphs import compile_options
+
+    assert compile_options(torch.device("cpu")) is None
+    options = compile_options(torch.device("cuda"))
+    assert options["triton.cudagraphs"] and options["graph_partition"]
+    torch.compile(torch.nn.Linear(2, 2), options=options)  # raises on an option name torch does not know
+    tag = getattr(torch.Tag, "cudagraph_unsafe", None)
+    if tag is not None:
+        assert tag in torch.ops.promptcache.paged_attention.default.tags
