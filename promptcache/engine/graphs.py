@@ -18,9 +18,9 @@ of eagerly, with the same inputs and the same answer as ``paged.paged_forward``:
   the step's data, never baked into a graph, so Prompt Cache's positions are untouched and one
   graph serves every request mix of its bucket.
 * **CUDA graphs on a GPU.** On CUDA the model is compiled with inductor's CUDA graphs (what
-  ``mode="reduce-overhead"`` sets) and its graph partition (``compile_options``): everything between two attention ops is captured as a CUDA graph
-  per bucket and replayed; the attention op is tagged ``cudagraph_unsafe`` and runs eagerly
-  between them (its work depends on the step's plan). Piecewise capture, as vLLM does. (Not yet
+  ``mode="reduce-overhead"`` sets) and its graph partition (``compile_options``): everything
+  between two attention ops is captured as a CUDA graph per bucket and replayed; the attention
+  op is tagged ``cudagraph_unsafe`` and runs eagerly between them (its work depends on the step's plan). Piecewise capture, as vLLM does. (Not yet
   measured: no GPU was available when this was written; eval/README.md says how to measure.)
 * **Cached on disk.** Inductor's compiled kernels are kept under ``<cache>/inductor`` (the
   promptcache cache folder, unless ``TORCHINDUCTOR_CACHE_DIR`` is set): a restart compiles a
