@@ -85,10 +85,13 @@ def grid_cell(t: Target, tok, length: int, c: int, args) -> dict:
         wall = time.perf_counter() - t0
     ttfts = [s.ttft for s in out]
     gen = sum(s.completion_tokens for s in out)
+    gaps = [b - a for s in out for a, b in zip(s.token_times, s.token_times[1:])]  # inter-token latency
     return {"server": t.name, "system_tokens": length, "concurrency": c, "requests": n,
             "gen_mean": round(gen / n, 1), "wall_s": round(wall, 3), "tok_s": round(gen / wall, 2),
             "ttft_p50_s": round(statistics.median(ttfts), 4), "ttft_p99_s": round(quantile(ttfts, 0.99), 4),
-            "ttft_max_s": round(max(ttfts), 4), "rss_before_mb": round(rss.before / 2**20, 1),
+            "ttft_max_s": round(max(ttfts), 4),
+            "itl_p50_ms": round(1000 * statistics.median(gaps), 2) if gaps else "",
+            "rss_before_mb": round(rss.before / 2**20, 1),
             "rss_growth_mb": rss.growth_mb, "load1": load1()}
 
 
@@ -178,7 +181,8 @@ def measure(server: Server, tok, args) -> dict[str, list[dict]]:
                 r = grid_cell(t, tok, length, c, args)
                 out["grid"].append(r)
                 say(f"[{t.name}] system {length:5d} x c{c:<3d}: {r['tok_s']:7.1f} tok/s ({r['gen_mean']} tokens each), "
-                    f"TTFT p50 {r['ttft_p50_s']:.3f} s p99 {r['ttft_p99_s']:.3f} s, RSS +{r['rss_growth_mb']} MB")
+                    f"TTFT p50 {r['ttft_p50_s']:.3f} s p99 {r['ttft_p99_s']:.3f} s, ITL p50 {r['itl_p50_ms']} ms, "
+                    f"RSS +{r['rss_growth_mb']} MB")
         out["stall"] = [stall(t, tok, args)]
         r = out["stall"][0]
         say(f"[{t.name}] stall: a {r['long_tokens']}-token prompt while {r['streams']} decode: max gap "
@@ -207,6 +211,7 @@ def ratios(rows: dict[str, list[dict]], ours: str = "promptcache") -> None:
                 say(f"  system {r['system_tokens']:5d} x c{r['concurrency']:<3d}: "
                     f"tok/s {m['tok_s'] / r['tok_s']:.2f}x, "
                     f"TTFT p50 {m['ttft_p50_s'] / r['ttft_p50_s']:.2f}x, p99 {m['ttft_p99_s'] / r['ttft_p99_s']:.2f}x, "
+                    f"ITL p50 {m['itl_p50_ms']} vs {r['itl_p50_ms']} ms, "
                     f"RSS growth {m['rss_growth_mb']} MB vs {r['rss_growth_mb']} MB")
         for r in (r for r in rows["warm"] if r["server"] == peer):
             if mine_warm:

@@ -23,13 +23,14 @@ def test_quick_run_writes_every_table(tmp_path, capsys):
     q = serve_peer.QUICK
     grid = read_csv(tmp_path / "serve_peer_grid.csv")
     assert list(grid[0]) == ["server", "system_tokens", "concurrency", "requests", "gen_mean", "wall_s", "tok_s",
-                             "ttft_p50_s", "ttft_p99_s", "ttft_max_s", "rss_before_mb", "rss_growth_mb", "load1"]
+                             "ttft_p50_s", "ttft_p99_s", "ttft_max_s", "itl_p50_ms", "rss_before_mb", "rss_growth_mb", "load1"]
     assert [(int(r["system_tokens"]), int(r["concurrency"])) for r in grid] == \
         [(n, c) for n in q["lengths"] for c in q["concurrency"]]
     for r in grid:
         assert r["server"] == "promptcache" and int(r["requests"]) == max(int(r["concurrency"]), q["min_requests"])
         assert 0 < float(r["gen_mean"]) <= q["gen"] and float(r["tok_s"]) > 0
         assert 0 < float(r["ttft_p50_s"]) <= float(r["ttft_p99_s"]) <= float(r["ttft_max_s"]) <= float(r["wall_s"])
+        assert 0 < float(r["itl_p50_ms"]) < 1000 * float(r["wall_s"])  # between two tokens of one stream
         assert float(r["rss_before_mb"]) > 50  # a Python process with torch and a model, found through /proc
 
     (warm,) = read_csv(tmp_path / "serve_peer_warm.csv")
