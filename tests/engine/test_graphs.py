@@ -19,29 +19,9 @@ from promptcache.engine.sampling import SamplingParams
 from promptcache.engine.serving import ServingScheduler
 from promptcache.errors import ConfigError
 from tiny import fresh_model, make_model, make_tokenizer
+from trip import POOLED, PROMPTS, SCHEMA
 
 TOL = 1e-4
-POOLED = ["gpt2", "gpt_neox", "llama", "mistral", "opt", "phi3", "qwen2", "qwen3"]
-
-SCHEMA = """<schema name="trip">
-  <system>You are a travel planner.</system>
-  <user>
-    <module name="plan">Plan a trip of <parameter name="days" length="4" scaffold="three"/> days.</module>
-    <union scaffold="paris">
-      <module name="paris">Paris is the capital of France, famous for museums and cafes.</module>
-      <module name="tokyo">Tokyo is a huge city in Japan with temples and food markets.</module>
-    </union>
-    <module name="cheap">Keep it cheap.</module>
-  </user>
-</schema>"""
-
-PROMPTS = [
-    '<prompt schema="trip"><plan days="2"/><tokyo/> Go.</prompt>',  # a gap, a union member, an argument
-    '<prompt schema="trip"><plan days="5"/><paris/><cheap/> Highlight the food and keep it short.</prompt>',
-    '<prompt schema="trip"><paris/><cheap/></prompt>',  # no new tokens: the last cached one runs
-]
-
-
 @pytest.fixture(scope="module")
 def tokenizer():
     return make_tokenizer()
