@@ -65,7 +65,6 @@ class StepPlan:
     segments: list[tuple[list[torch.Tensor], torch.Tensor]] = field(default_factory=list)
     decode_q: torch.Tensor | None = None  # [B] packed query index of each decode row
     decode_slots: torch.Tensor | None = None  # [B, K] own slots (padded)
-    decode_valid: torch.Tensor | None = None  # [B, K] bool
     decode_bias: torch.Tensor | None = None  # [Hk * B, 1, K] float32: 0 where valid, -inf at padding (every layer's)
     prefills: list[tuple[int, int, torch.Tensor, int]] = field(default_factory=list)  # (q0, q1, own slots, done)
 
@@ -92,10 +91,9 @@ def build_plan(pool: KVPool, rows: list[PagedRow], scale: float | None = None) -
             slots[i, : len(s)] = s
             valid[i, : len(s)] = True
         plan.decode_q = torch.tensor([q for q, _ in decodes], dtype=torch.long, device=dev)
-        plan.decode_slots, plan.decode_valid = slots, valid
+        plan.decode_slots = slots
         hk, b = pool.buf.shape[2], len(decodes)
-        mask = valid[None, :, None, :].expand(hk, b, 1, width).reshape(hk * b, 1, width)
-        plan.decode_bias = torch.zeros(mask.shape, dtype=torch.float32, device=dev).masked_fill_(~mask, float("-inf"))
+        plan.decode_bias = _bias(valid[None, :, None, :].expand(hk, b, 1, width).reshape(hk * b, 1, width))
     return plan
 
 
@@ -128,25 +126,21 @@ def _merge_all(out, lse, o, l) -> None:
     lse.copy_(new)
 
 
-def _attend_biased(q, k, v, bias):
-    """``_attend`` with an additive bias [X, m, n] (0 or -inf) built once per step."""
-    if q.device.type == "cpu" and _CPU_FLASH is not None:
-        out, lse = _CPU_FLASH(q[:, None], k[:, None], v[:, None], 0.0, False, attn_mask=bias[:, None], scale=1.0)[:2]
-        return out[:, 0], lse[:, 0]
-    return _attend(q, k, v, bias == 0)
+def _bias(mask: torch.Tensor) -> torch.Tensor:
+    """An additive float32 bias from a bool mask (True = attend): 0 there, -inf elsewhere."""
+    return torch.zeros(mask.shape, dtype=torch.float32, device=mask.device).masked_fill_(~mask, float("-inf"))
 
 
-def _attend(q, k, v, mask=None):
-    """q [X, m, D] against k, v [X, n, D] (float32; q already scaled); mask [X or 1, m, n] bool
-    (True = attend) or None. Returns (out [X, m, D], lse [X, m])."""
+def _attend(q, k, v, bias=None):
+    """q [X, m, D] against k, v [X, n, D] (float32; q already scaled); bias [X or 1, m, n]
+    additive (``_bias``) or None. Returns (out [X, m, D], lse [X, m])."""
     if q.device.type == "cpu" and _CPU_FLASH is not None:
-        bias = None if mask is None else torch.zeros(mask.shape, dtype=q.dtype).masked_fill_(~mask, float("-inf"))
         out, lse = _CPU_FLASH(q[:, None], k[:, None], v[:, None], 0.0, False,
                               attn_mask=None if bias is None else bias[:, None], scale=1.0)[:2]
         return out[:, 0], lse[:, 0]
     s = q @ k.transpose(-1, -2)  # [X, m, n]
-    if mask is not None:
-        s = s.masked_fill(~mask, float("-inf"))
+    if bias is not None:
+        s = s + bias
     top = s.amax(dim=-1, keepdim=True)
     p = torch.exp(s - top)
     total = p.sum(dim=-1, keepdim=True)
@@ -161,7 +155,7 @@ def _attend_causal(q, k, v):
         kx, vx = k[:, None].expand(hk, g, t, d), v[:, None].expand(hk, g, t, d)  # views: no copy
         return _CPU_FLASH(q, kx, vx, 0.0, True, scale=1.0)[:2]
     causal = torch.ones((t, t), dtype=torch.bool, device=q.device).tril()
-    o, l = _attend(q.reshape(hk, g * t, d), k, v, causal.repeat(g, 1)[None])
+    o, l = _attend(q.reshape(hk, g * t, d), k, v, _bias(causal.repeat(g, 1)[None]))
     return o.view(hk, g, t, d), l.view(hk, g, t)
 
 
@@ -197,7 +191,7 @@ def attend(plan: StepPlan, layer: int, query: torch.Tensor, scaling: float | Non
         ks = kbuf.index_select(1, flat).float().view(hk * b, width, d)
         vs = vbuf.index_select(1, flat).float().view(hk * b, width, d)
         qd = q[:, :, plan.decode_q].permute(0, 2, 1, 3).reshape(hk * b, g, d)  # [Hk * B, G, D]
-        o, l = _attend_biased(qd, ks, vs, plan.decode_bias)
+        o, l = _attend(qd, ks, vs, plan.decode_bias)
         out[:, :, plan.decode_q] = o.view(hk, b, g, d).permute(0, 2, 1, 3)
         lse[:, :, plan.decode_q] = l.view(hk, b, g).permute(0, 2, 1)
     for q0, q1, own, done in plan.prefills:  # prefill chunks: own keys, causal among the new ones
