@@ -22,9 +22,10 @@ of eagerly, with the same inputs and the same answer as ``paged.paged_forward``:
   between two attention ops is captured as a CUDA graph per bucket and replayed; the attention
   op is tagged ``cudagraph_unsafe`` and runs eagerly between them (its work depends on the step's plan). Piecewise capture, as vLLM does. (Not yet
   measured: no GPU was available when this was written; eval/README.md says how to measure.)
-* **Cached on disk.** Inductor's compiled kernels are kept under ``<cache>/inductor`` (the
-  promptcache cache folder, unless ``TORCHINDUCTOR_CACHE_DIR`` is set): a restart compiles a
-  bucket from its cache in a fraction of the first time.
+* **Cached on disk.** Inductor keeps the compiled kernels in its own cache folder
+  (``TORCHINDUCTOR_CACHE_DIR``, by default ``/tmp/torchinductor_<user>``: set it to a lasting
+  folder to keep them across reboots): a restart compiles a bucket from that cache in a
+  fraction of the first time.
 
 Exactness: compiled and eager steps agree within float32 rounding (fused elementwise kernels
 round in another order): tests/engine/test_graphs.py checks logits within 1e-4 and equal greedy
@@ -42,7 +43,6 @@ import os
 import threading
 import time
 from contextlib import contextmanager
-from pathlib import Path
 
 import torch
 from transformers import AttentionInterface
@@ -95,6 +95,8 @@ def _paged_attention_op(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
     n = step.n
     write_kv(step.plan.pool, layer, step.write, key[:, :, :n], value[:, :, :n])
     out = attend(step.plan, layer, query[:, :, :n], scaling if scaling > 0 else None)  # [1, n, Hq, D]
+    if n == query.shape[2]:  # no padding
+        return out.contiguous()
     full = query.new_zeros((1, query.shape[2], query.shape[1], query.shape[3]))
     full[:, :n] = out
     return full
@@ -128,11 +130,7 @@ def _stepping(step: _Step):
 def compile_refusal(runner) -> str | None:
     """Why steps of this runner's model cannot be compiled (None: they can)."""
     why = paged_refusal(runner)
-    if why is not None:
-        return f"compiled steps build on the paged pool, which this model cannot use: {why}"
-    if not hasattr(torch, "compile"):
-        return "this torch has no torch.compile"
-    return None
+    return None if why is None else f"compiled steps build on the paged pool, which this model cannot use: {why}"
 
 
 def compile_options(device: torch.device) -> dict | None:
@@ -155,15 +153,6 @@ def _keep_graphs(limit: int) -> None:
             return
 
 
-def _cache_dir() -> str:
-    """Where inductor keeps compiled kernels: TORCHINDUCTOR_CACHE_DIR if set, else ours."""
-    if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
-        base = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "promptcache" / "inductor"
-        base.mkdir(parents=True, exist_ok=True)
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(base)
-    return os.environ["TORCHINDUCTOR_CACHE_DIR"]
-
-
 class CompiledSteps:
     """``forward(pool, rows)``: ``paged.paged_forward`` with steps of at most ``max(buckets)``
     tokens compiled. ``compile_seconds``: bucket (N, R) -> seconds its first step took (tracing
@@ -176,10 +165,10 @@ class CompiledSteps:
         if not buckets or list(buckets) != sorted(set(buckets)) or buckets[0] < 1:
             raise ConfigError(f"compile buckets must be increasing positive sizes, got {buckets!r}")
         self.runner, self.buckets = runner, tuple(buckets)
-        self.cache_dir = _cache_dir()
-        cuda = runner.device.type == "cuda"
+        # inductor's own cache folder (it sets the variable to its default when torch.compile loads)
+        self.cache_dir = os.environ.get("TORCHINDUCTOR_CACHE_DIR", "inductor's cache folder")
         _keep_graphs(2 * len(self.buckets) ** 2)
-        self._cuda = cuda
+        self._cuda = runner.device.type == "cuda"
         self._fn = torch.compile(runner.model, fullgraph=True, dynamic=False, options=compile_options(runner.device))
         self.compile_seconds: dict[tuple[int, int], float] = {}
         self.compiled_steps = 0
