@@ -106,7 +106,7 @@ def create_app(pc, *, api_keys: dict[str, str] | None = None, documents=None, ma
         yield
         await asyncio.get_running_loop().run_in_executor(None, backend.close, drain_timeout)
         planning.shutdown(wait=False, cancel_futures=True)
-        backend.compute.call(pc.store.persist)  # a named spill folder keeps what memory held for the next start (no-op otherwise)
+        backend.after_close(pc.store.persist)  # a named spill folder keeps what memory held for the next start (no-op otherwise)
 
     app = FastAPI(title="promptcache", lifespan=lifespan)
     app.add_middleware(AccessLog)

@@ -205,7 +205,16 @@ class Backend:
             self._cv.notify()
         futures.wait([self._done], 5.0)
         if self.pool is not None and self._done.done():
-            self.compute.call(self.pool.clear_idle)  # shared blocks go down the store's tiers (persisted where the store persists)
+            self.after_close(self.pool.clear_idle)  # shared blocks go down the store's tiers (persisted where the store persists)
+
+    def after_close(self, fn: Callable[[], object]) -> None:
+        """``fn()`` after ``close``: on the compute thread once the worker loop has ended, else (the
+        drain timed out with a step still running) here, as it ran before there was a compute
+        thread: queued behind a loop that never ends it would never run."""
+        if self._done.done():
+            self.compute.call(fn)
+        else:
+            fn()
 
     # -- worker thread ---------------------------------------------------------------------------
     _deadline: float | None = None  # set by close(): drain until then
