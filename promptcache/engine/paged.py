@@ -67,6 +67,8 @@ class StepPlan:
     decode_slots: torch.Tensor | None = None  # [B, K] own slots (padded)
     decode_bias: torch.Tensor | None = None  # [Hk * B, 1, K] float32: 0 where valid, -inf at padding (every layer's)
     prefills: list[tuple[int, int, torch.Tensor, int]] = field(default_factory=list)  # (q0, q1, own slots, done)
+    # every row a decode row and every segment read by every query: ``_attend_decodes`` (fewer ops)
+    decodes_only: bool = False
 
 
 def build_plan(pool: KVPool, rows: list[PagedRow], scale: float | None = None) -> StepPlan:
@@ -94,6 +96,7 @@ def build_plan(pool: KVPool, rows: list[PagedRow], scale: float | None = None) -
         plan.decode_slots = slots
         hk, b = pool.buf.shape[2], len(decodes)
         plan.decode_bias = _bias(valid[None, :, None, :].expand(hk, b, 1, width).reshape(hk * b, 1, width))
+        plan.decodes_only = not plan.prefills and all(idx.numel() == off for _, idx in plan.segments)
     return plan
 
 
@@ -131,14 +134,16 @@ def _bias(mask: torch.Tensor) -> torch.Tensor:
     return torch.zeros(mask.shape, dtype=torch.float32, device=mask.device).masked_fill_(~mask, float("-inf"))
 
 
-def _attend(q, k, v, bias=None):
-    """q [X, m, D] against k, v [X, n, D] (float32; q already scaled); bias [X or 1, m, n]
+def _attend(q, k, v, bias=None, scale: float = 1.0):
+    """q [X, m, D] against k, v [X, n, D] (float32; scores scaled by ``scale``); bias [X or 1, m, n]
     additive (``_bias``) or None. Returns (out [X, m, D], lse [X, m])."""
     if q.device.type == "cpu" and _CPU_FLASH is not None:
         out, lse = _CPU_FLASH(q[:, None], k[:, None], v[:, None], 0.0, False,
-                              attn_mask=None if bias is None else bias[:, None], scale=1.0)[:2]
+                              attn_mask=None if bias is None else bias[:, None], scale=scale)[:2]
         return out[:, 0], lse[:, 0]
     s = q @ k.transpose(-1, -2)  # [X, m, n]
+    if scale != 1.0:
+        s = s * scale
     if bias is not None:
         s = s + bias
     top = s.amax(dim=-1, keepdim=True)
@@ -180,6 +185,8 @@ def attend(plan: StepPlan, layer: int, query: torch.Tensor, scaling: float | Non
     hk = kbuf.shape[0]
     g = hq // hk
     scale = plan.scale if plan.scale is not None else (scaling if scaling is not None else 1 / math.sqrt(d))
+    if plan.decodes_only:
+        return _attend_decodes(plan, layer, query, scale)
     q = (query[0].float() * scale).view(hk, g, n, d)  # q head h reads kv head h // g
     # every query belongs to one row and sees that row's own tokens: their partial results are
     # assigned first, then the shared segments' are merged in
@@ -212,6 +219,33 @@ def attend(plan: StepPlan, layer: int, query: torch.Tensor, scaling: float | Non
             o, l = _attend(q[:, :, idx].reshape(hk, -1, d), ks, vs)
             _merge(out, lse, idx, o.view(hk, g, -1, d), l.view(hk, g, -1))
     return out.view(hq, n, d).transpose(0, 1)[None].to(query.dtype)
+
+
+def _attend_decodes(plan: StepPlan, layer: int, query: torch.Tensor, scale: float) -> torch.Tensor:
+    """``attend`` for a step of decode rows only (row i's query is query i), every segment read by
+    all of them: no scatter of partial results into a step-wide buffer, the scale passed to the
+    fused kernel, and two partial results merged as one interpolation,
+    out = o2 + sigmoid(l1 - l2) (o1 - o2): the log-sum-exp merge rewritten (weights
+    e^l1 / (e^l1 + e^l2) and its complement). ~20 ops a layer instead of ~50."""
+    _, hq, b, d = query.shape
+    kbuf, vbuf = plan.pool.buf[layer]  # [Hk, S, D] each
+    hk, width = kbuf.shape[0], plan.decode_slots.shape[1]
+    g = hq // hk
+    q = query[0].float().view(hk, g, b, d).transpose(1, 2).reshape(hk * b, g, d)  # [Hk * B, G, D]
+    flat = plan.decode_slots.view(-1)
+    ks = kbuf.index_select(1, flat).float().view(hk * b, width, d)
+    vs = vbuf.index_select(1, flat).float().view(hk * b, width, d)
+    out, lse = _attend(q, ks, vs, plan.decode_bias, scale)  # own tokens: [Hk * B, G, D], [Hk * B, G]
+    out, lse = out.view(hk, b * g, d), lse.view(hk, b * g)  # the same memory as [Hk, B * G, ...]
+    for i, (views, _) in enumerate(plan.segments):
+        sk, sv = _layer_kv(views, layer)
+        o, l = _attend(q.view(hk, b * g, d), sk, sv, None, scale)
+        w = torch.sigmoid(lse - l)
+        if i + 1 < len(plan.segments):  # a later merge needs the running log-sum-exp
+            lse = torch.logaddexp(lse, l)
+        out = torch.lerp(o, out, w[..., None])
+    # [Hk, B, G, D] -> [1, B, Hq, D]
+    return out.view(hk, b, g, d).transpose(0, 1).reshape(1, b, hq, d).to(query.dtype)
 
 
 def _layer_kv(views: list[torch.Tensor], layer: int) -> tuple[torch.Tensor, torch.Tensor]:

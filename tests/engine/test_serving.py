@@ -378,3 +378,48 @@ def test_chain_keys_hash_each_block_once_and_start_over_on_other_tokens():
         assert keys(ids[:n]) == want(ids[:n])
     other = [7] + ids[1:12]
     assert keys(other) == want(other)  # not an extension: keyed afresh
+
+
+@pytest.mark.parametrize("segments", [0, 1, 2, 5])
+@pytest.mark.parametrize("fused", [True, False])
+def test_a_decode_only_step_attends_as_plain_attention_over_the_concatenated_keys(segments, fused, monkeypatch):
+    """The decode-only attention (interpolated merges, no step-wide scatter) equals softmax
+    attention over each row's segments followed by its own tokens, and the general path."""
+    import promptcache.cache as cache
+    import promptcache.engine.paged as paged
+
+    if not fused:
+        monkeypatch.setattr(paged, "_CPU_FLASH", None)
+    g = torch.Generator().manual_seed(segments)
+    spec = cache.KVSpec(layers=2, kv_heads=2, head_dim=8, dtype=torch.float32)
+    pool = KVPool(spec, torch.device("cpu"), tokens=512, block_size=4)
+    pool.buf.copy_(torch.randn(pool.buf.shape, generator=g))
+    views = [pool.views(pool.allocate(2), 5 + i)[0] for i in range(segments)]  # 5, 6, ... tokens each
+    shared = [(f"s{i}", v) for i, v in enumerate(views)]
+    owns = [pool.slots(pool.allocate(2), 0, n) for n in (1, 3, 7)]  # own tokens so far, this one included
+    rows = [paged.PagedRow([0], [0], shared, own) for own in owns]
+    plan = paged.build_plan(pool, rows)
+    assert plan.decodes_only
+    query = torch.randn((1, 6, len(rows), 8), generator=g)  # 6 query heads over 2 kv heads
+    got = paged.attend(plan, 1, query)  # [1, B, Hq, D]
+    plan.decodes_only = False
+    general = paged.attend(plan, 1, query)
+    for b, own in enumerate(owns):
+        k = torch.cat([v[1, 0] for v in views] + [pool.buf[1, 0][:, own]], dim=1)  # [Hk, n, D]
+        v = torch.cat([v[1, 1] for v in views] + [pool.buf[1, 1][:, own]], dim=1)
+        q = query[0, :, b].view(2, 3, 8)  # query head h reads kv head h // 3
+        want = torch.softmax(q @ k.transpose(1, 2) / 8 ** 0.5, dim=-1) @ v  # [Hk, G, D]
+        assert torch.allclose(got[0, b], want.reshape(6, 8), atol=1e-5, rtol=0)
+        assert torch.allclose(general[0, b], want.reshape(6, 8), atol=1e-5, rtol=0)
+
+
+def test_a_step_with_a_chunk_or_a_segment_some_rows_skip_takes_the_general_path():
+    import promptcache.cache as cache
+    import promptcache.engine.paged as paged
+
+    spec = cache.KVSpec(layers=1, kv_heads=1, head_dim=4, dtype=torch.float32)
+    pool = KVPool(spec, torch.device("cpu"), tokens=64, block_size=4)
+    seg = [("s", pool.views(pool.allocate(1), 4)[0])]
+    a, b = pool.slots(pool.allocate(1), 0, 2), pool.slots(pool.allocate(1), 0, 2)
+    assert not paged.build_plan(pool, [paged.PagedRow([0], [0], seg, a), paged.PagedRow([0], [0], [], b)]).decodes_only
+    assert not paged.build_plan(pool, [paged.PagedRow([0, 0], [0, 1], seg, a)]).decodes_only
