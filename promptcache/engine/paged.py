@@ -32,7 +32,7 @@ import torch
 from transformers import AttentionInterface
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from ..tunables import GATHER_MAX, SEGMENTS_MAX  # read here at call time (tests set paged.GATHER_MAX)
+from ..tunables import DECODE_MATMUL_ROWS, GATHER_MAX, SEGMENTS_MAX  # read at call time (tests set them here)
 from .kvpool import KVPool
 
 __all__ = ["PagedRow", "StepPlan", "attend", "attention_swapped", "build_plan", "paged_forward", "paged_refusal",
@@ -134,18 +134,20 @@ def _bias(mask: torch.Tensor) -> torch.Tensor:
     return torch.zeros(mask.shape, dtype=torch.float32, device=mask.device).masked_fill_(~mask, float("-inf"))
 
 
-def _attend(q, k, v, bias=None, scale: float = 1.0):
+def _attend(q, k, v, bias=None, scale: float = 1.0, fused: bool = True):
     """q [X, m, D] against k, v [X, n, D] (float32; scores scaled by ``scale``); bias [X or 1, m, n]
-    additive (``_bias``) or None. Returns (out [X, m, D], lse [X, m])."""
-    if q.device.type == "cpu" and _CPU_FLASH is not None:
+    additive (``_bias``) or None. ``fused``: torch's fused CPU kernel where there is one, else
+    matrix products. Returns (out [X, m, D], lse [X, m])."""
+    if fused and q.device.type == "cpu" and _CPU_FLASH is not None:
         out, lse = _CPU_FLASH(q[:, None], k[:, None], v[:, None], 0.0, False,
                               attn_mask=None if bias is None else bias[:, None], scale=scale)[:2]
         return out[:, 0], lse[:, 0]
-    s = q @ k.transpose(-1, -2)  # [X, m, n]
-    if scale != 1.0:
-        s = s * scale
-    if bias is not None:
-        s = s + bias
+    if bias is None:
+        s = q @ k.transpose(-1, -2)  # [X, m, n]
+        if scale != 1.0:
+            s = s * scale
+    else:
+        s = torch.baddbmm(bias, q, k.transpose(-1, -2), alpha=scale)
     top = s.amax(dim=-1, keepdim=True)
     p = torch.exp(s - top)
     total = p.sum(dim=-1, keepdim=True)
@@ -235,7 +237,8 @@ def _attend_decodes(plan: StepPlan, layer: int, query: torch.Tensor, scale: floa
     flat = plan.decode_slots.view(-1)
     ks = kbuf.index_select(1, flat).float().view(hk * b, width, d)
     vs = vbuf.index_select(1, flat).float().view(hk * b, width, d)
-    out, lse = _attend(q, ks, vs, plan.decode_bias, scale)  # own tokens: [Hk * B, G, D], [Hk * B, G]
+    # own tokens: [Hk * B, G, D], [Hk * B, G]
+    out, lse = _attend(q, ks, vs, plan.decode_bias, scale, fused=b < DECODE_MATMUL_ROWS)
     out, lse = out.view(hk, b * g, d), lse.view(hk, b * g)  # the same memory as [Hk, B * G, ...]
     for i, (views, _) in enumerate(plan.segments):
         sk, sv = _layer_kv(views, layer)

@@ -381,14 +381,17 @@ def test_chain_keys_hash_each_block_once_and_start_over_on_other_tokens():
 
 
 @pytest.mark.parametrize("segments", [0, 1, 2, 5])
-@pytest.mark.parametrize("fused", [True, False])
-def test_a_decode_only_step_attends_as_plain_attention_over_the_concatenated_keys(segments, fused, monkeypatch):
-    """The decode-only attention (interpolated merges, no step-wide scatter) equals softmax
-    attention over each row's segments followed by its own tokens, and the general path."""
+@pytest.mark.parametrize("kernel", ["fused", "own-by-matmul", "no-fused-kernel"])
+def test_a_decode_only_step_attends_as_plain_attention_over_the_concatenated_keys(segments, kernel, monkeypatch):
+    """The decode-only attention (interpolated merges, no step-wide scatter; the rows' own tokens
+    through the fused kernel or matrix products) equals softmax attention over each row's
+    segments followed by its own tokens, and the general path."""
     import promptcache.cache as cache
     import promptcache.engine.paged as paged
 
-    if not fused:
+    if kernel == "own-by-matmul":
+        monkeypatch.setattr(paged, "DECODE_MATMUL_ROWS", 1)
+    if kernel == "no-fused-kernel":
         monkeypatch.setattr(paged, "_CPU_FLASH", None)
     g = torch.Generator().manual_seed(segments)
     spec = cache.KVSpec(layers=2, kv_heads=2, head_dim=8, dtype=torch.float32)
