@@ -5,12 +5,21 @@ kernels, not by computing them: hundreds of small ops per layer, each dispatched
 ``CompiledSteps.forward`` runs such a step through ``torch.compile`` of the stock model instead
 of eagerly, with the same inputs and the same answer as ``paged.paged_forward``:
 
-* **Static shapes by bucketing.** A step of n tokens with r logits rows runs as the bucket
-  (N, R) >= (n, r) from ``tunables.COMPILE_BUCKETS``: ids and position IDs are padded (pad
-  tokens at position 0, written nowhere, attending to nothing, their outputs dropped); the
-  logits rows asked for are padded by repeating the last. One graph per bucket pair, compiled
-  lazily on first use (logged with its time); a step larger than the largest bucket runs eagerly
-  (it is bound by its matrix products, where compiling gains nothing).
+* **Shapes.** A step of at most ``max(tunables.COMPILE_BUCKETS)`` tokens is compiled; a larger
+  one runs eagerly (it is bound by its matrix products, where compiling gains nothing).
+  - On CPU the graph has **symbolic sizes** (``dynamic=True``): a step of n tokens and r logits
+    rows runs as it is, unpadded, and dynamo keeps one graph for one token, one for 2 or more
+    with one logits row, one for 2 or more rows (it specializes sizes 0 and 1): three compiles in
+    all, where one graph per bucket pair would be dozens, each a stall of ~15 s on first use.
+    ``warm`` compiles the three at a server's start.
+  - With CUDA graphs (``pad``, the default on CUDA) shapes are static by **bucketing**: a step
+    runs as the bucket pair (N, R) >= (n, r); ids and position IDs are padded (pad tokens at
+    position 0, written nowhere, attending to nothing, their outputs dropped), the logits rows
+    by repeating the last. One graph per bucket pair, compiled lazily (logged with its time).
+* **Guards.** The compiled model's modules do not change after compiling (packing happens
+  before), so dynamo is told not to guard on them (``torch.compiler``'s
+  ``skip_guard_on_all_nn_modules_unsafe``): checking ~300 parameters' guards cost 1.3 ms a step
+  on SmolLM2, most of what compiling saved. Inputs' shapes and dtypes are still guarded.
 * **The pool stays an input.** Attention is one opaque custom op per layer
   (``promptcache::paged_attention``) that writes the layer's new keys/values into their pool
   slots and reads the pool as the step's plan says (``paged.attend``: shared segments in place,
@@ -32,8 +41,9 @@ round in another order): tests/engine/test_graphs.py checks logits within 1e-4 a
 tokens for every family the pool serves.
 
 Measured on CPU (SmolLM2-135M, float32, packed linears, 2 threads; eval/README.md "Compiled
-steps"): the linears, reading the weights, are two thirds of a decode step, and a compiled
-step ran at 0.93-0.99x the eager one's speed at batches 1-64; hence off by default on CPU.
+steps"): the linears, reading the weights, are half to two thirds of a decode step; a compiled
+step is 5-12% faster than the eager one (batch 1-64), and costs ~20 s of compiling per graph
+at the first start (less from inductor's cache); hence opt-in.
 """
 
 from __future__ import annotations
@@ -133,13 +143,18 @@ def compile_refusal(runner) -> str | None:
     return None if why is None else f"compiled steps build on the paged pool, which this model cannot use: {why}"
 
 
-def compile_options(device: torch.device) -> dict | None:
-    """inductor's options for ``device``: on CUDA, CUDA graphs (what ``mode="reduce-overhead"``
-    sets; torch.compile takes a mode or options, not both) captured piecewise around the
-    attention operations (graph partition); on CPU the defaults."""
-    if device.type != "cuda":
-        return None
-    return {"triton.cudagraphs": True, "graph_partition": True}
+def compile_options(device: torch.device) -> dict:
+    """torch.compile's options for ``device``: no guards on the model's modules (where torch has
+    the filter); on CUDA, CUDA graphs (what ``mode="reduce-overhead"`` sets; torch.compile
+    takes a mode or options, not both) captured piecewise around the attention operations
+    (graph partition)."""
+    options = {}
+    skip = getattr(torch.compiler, "skip_guard_on_all_nn_modules_unsafe", None)  # torch >= 2.8
+    if skip is not None:
+        options["guard_filter_fn"] = skip
+    if device.type == "cuda":
+        options.update({"triton.cudagraphs": True, "graph_partition": True})
+    return options
 
 
 def _keep_graphs(limit: int) -> None:
@@ -155,10 +170,13 @@ def _keep_graphs(limit: int) -> None:
 
 class CompiledSteps:
     """``forward(pool, rows)``: ``paged.paged_forward`` with steps of at most ``max(buckets)``
-    tokens compiled. ``compile_seconds``: bucket (N, R) -> seconds its first step took (tracing
-    and compiling, or loading from the disk cache)."""
+    tokens compiled. ``pad``: steps padded to bucket pairs (static shapes; default on CUDA,
+    where CUDA graphs need them), else run unpadded through symbolic sizes (the default on CPU).
+    ``compile_seconds``: graph -> seconds its first step took (tracing and compiling, or loading
+    from the disk cache); a graph is a bucket pair (N, R) when padding, else (1, 1), (2, 1) or
+    (2, 2): one token; 2 or more with one logits row; 2 or more rows."""
 
-    def __init__(self, runner, buckets: tuple[int, ...] = COMPILE_BUCKETS):
+    def __init__(self, runner, buckets: tuple[int, ...] = COMPILE_BUCKETS, pad: bool | None = None):
         why = compile_refusal(runner)
         if why is not None:
             raise ConfigError(f"RunnerConfig.compile (--compile): {why}")
@@ -169,17 +187,24 @@ class CompiledSteps:
         self.cache_dir = os.environ.get("TORCHINDUCTOR_CACHE_DIR", "inductor's cache folder")
         _keep_graphs(2 * len(self.buckets) ** 2)
         self._cuda = runner.device.type == "cuda"
-        self._fn = torch.compile(runner.model, fullgraph=True, dynamic=False, options=compile_options(runner.device))
+        self.pad = self._cuda if pad is None else pad
+        self._fn = torch.compile(runner.model, fullgraph=True, dynamic=not self.pad,
+                                 options=compile_options(runner.device))
         self.compile_seconds: dict[tuple[int, int], float] = {}
         self.compiled_steps = 0
         self.eager_steps = 0
 
     def shape_for(self, rows: list[PagedRow]) -> tuple[int, int] | None:
-        """The bucket pair (tokens, logits rows) a step runs as; None: it runs eagerly."""
+        """The (tokens, logits rows) a step runs as, padded or not; None: it runs eagerly."""
         n = sum(len(r.ids) for r in rows)
-        k = sum(1 for r in rows if r.logits)
-        big, rows_bucket = bucket_for(n, self.buckets), bucket_for(max(k, 1), self.buckets)
-        return None if big is None else (big, rows_bucket)
+        k = max(1, sum(1 for r in rows if r.logits))
+        if n > self.buckets[-1]:
+            return None
+        return (bucket_for(n, self.buckets), bucket_for(k, self.buckets)) if self.pad else (n, k)
+
+    def graph_for(self, shape: tuple[int, int]) -> tuple[int, int]:
+        """The compiled graph a step of this shape runs in (``compile_seconds``' keys)."""
+        return shape if self.pad else (min(shape[0], 2), min(shape[1], 2))
 
     def forward(self, pool: KVPool, rows: list[PagedRow]) -> torch.Tensor:
         """Logits [k, V] of the rows with ``logits`` set, in order (as ``paged_forward``)."""
@@ -196,28 +221,40 @@ class CompiledSteps:
         keep = torch.tensor(ends + [last] * (rows_bucket - len(ends)), dtype=torch.long, device=dev)  # [R]
         kwargs = {"position_ids": pos} if self.runner.adapter.passes_position_ids else {}
         step = _Step(build_plan(pool, rows), write, n)
-        first = shape not in self.compile_seconds
+        graph = self.graph_for(shape)
+        first = graph not in self.compile_seconds
         if first:
-            log.info("compiling the step of %d tokens, %d logits rows (once; kept in %s) ...", big, rows_bucket,
+            log.info("compiling the step of %s tokens, %s logits rows (once; kept in %s) ...", *self._sizes(graph),
                      self.cache_dir)
         t0 = time.perf_counter()
         with torch.inference_mode(), self.runner.lock, attention_swapped(self.runner, COMPILED_ATTENTION), \
                 _stepping(step):
             out = self._fn(input_ids=ids, use_cache=False, logits_to_keep=keep, **kwargs)
         if first:
-            self.compile_seconds[shape] = time.perf_counter() - t0
-            log.info("compiled the step of %d tokens, %d logits rows in %.1f s", big, rows_bucket,
-                     self.compile_seconds[shape])
+            self.compile_seconds[graph] = time.perf_counter() - t0
+            log.info("compiled the step of %s tokens, %s logits rows in %.1f s", *self._sizes(graph),
+                     self.compile_seconds[graph])
         self.compiled_steps += 1
         logits = out.logits[0, : len(ends)]
         # a CUDA graph's outputs live in its memory pool and the next replay overwrites them: a
         # prefill's logits are kept past this step
         return logits.clone() if self._cuda else logits
 
-    def warm(self, sizes: tuple[int, ...] = (1,)) -> None:
-        """Compile the decode steps of these batch sizes now (a server's start), not on first use."""
+    def _sizes(self, graph: tuple[int, int]) -> tuple[str, str]:
+        return tuple(str(x) if self.pad or x == 1 else f"{x} or more" for x in graph)
+
+    def warm(self, sizes: tuple[int, ...] | None = None) -> None:
+        """Compile now (a server's start), not on first use: the decode steps of these batch
+        sizes; by default batch 1 when padding, else every graph (decode rows of 1 and 2, and
+        one request's 2-token chunk)."""
         spec, dev = self.runner.spec, self.runner.device
-        for b in sizes:  # a throwaway pool for the warm-up steps
-            pool = KVPool(spec, dev, tokens=max(64, 16 * b), block_size=16)
-            rows = [PagedRow([0], [0], [], pool.slots(pool.allocate(1), 0, 1)) for _ in range(b)]
-            self.forward(pool, rows)
+        pool = KVPool(spec, dev, tokens=max(64, 16 * max(sizes or (2,))), block_size=16)  # throwaway
+        steps = [[1] * b for b in (sizes or ((1,) if self.pad else (1, 2)))]
+        if sizes is None and not self.pad:
+            steps.append([2])
+        for lengths in steps:
+            blocks = [pool.allocate(1) for _ in lengths]
+            self.forward(pool, [PagedRow([0] * t, list(range(t)), [], pool.slots(own, 0, t))
+                                for t, own in zip(lengths, blocks)])
+            for own in blocks:
+                pool.free(own)

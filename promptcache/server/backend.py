@@ -330,10 +330,10 @@ class Backend:
 
 
 def _compiled(pc) -> CompiledSteps:
-    """The engine's compiled steps, the batch-1 decode step compiled now (a start takes that
-    long once; later starts load it from the disk cache)."""
+    """The engine's compiled steps, compiled now (``CompiledSteps.warm``: a first start takes
+    that long once; later starts load them from inductor's disk cache)."""
     steps = CompiledSteps(pc.runner)
-    steps.warm((1,))
+    steps.warm()
     return steps
 
 

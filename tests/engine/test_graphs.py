@@ -54,25 +54,45 @@ def test_bad_buckets_and_models_the_pool_cannot_serve_are_refused(tokenizer):
         CompiledSteps(bloom.runner)
 
 
-def check_family(family, tokenizer, budget=12):
+def check_family(family, tokenizer, budget=12, pad=False):
     pc = PromptCache(make_model(family), tokenizer)
     pc.add_schema(SCHEMA)
     want, _ = serve(pc, None, budget)
-    steps = CompiledSteps(pc.runner, buckets=(1, 2, 4, 8))
+    steps = CompiledSteps(pc.runner, buckets=(1, 2, 4, 8), pad=pad)
     got, sched = serve(pc, steps.forward, budget)
     for prompt, a, b in zip(PROMPTS, want, got):
         assert a.error is None and b.error is None, (family, prompt, b.error)
         assert torch.max(torch.abs(a.prefill.logits - b.prefill.logits)).item() <= TOL, (family, prompt)
         assert a.token_ids == b.token_ids, (family, prompt)
     assert steps.compiled_steps > 0 and steps.eager_steps > 0  # chunks of 12 tokens pass the last bucket (8)
-    assert set(steps.compile_seconds) <= {(n, r) for n in (1, 2, 4, 8) for r in (1, 2, 4, 8)}
+    if pad:
+        assert set(steps.compile_seconds) <= {(n, r) for n in (1, 2, 4, 8) for r in (1, 2, 4, 8)}
+    else:  # symbolic sizes: one graph for one token, one for more with one logits row, one for more rows
+        assert set(steps.compile_seconds) <= {(1, 1), (2, 1), (2, 2)}
     assert sched.pool.free_blocks == sched.pool.num_blocks  # pad tokens wrote nowhere they keep
     return steps
 
 
 def test_compiled_steps_equal_eager_steps_llama(tokenizer):
     steps = check_family("llama", tokenizer)
+    assert not steps.pad  # CPU: symbolic sizes, steps unpadded
+    assert (2, 2) in steps.compile_seconds  # decode rows batched
+
+
+def test_padded_compiled_steps_equal_eager_steps_llama(tokenizer):
+    """Bucketing, as CUDA graphs use it: pad tokens attend to nothing and are written nowhere."""
+    steps = check_family("llama", tokenizer, pad=True)
     assert (1, 1) in steps.compile_seconds or (2, 2) in steps.compile_seconds or (4, 4) in steps.compile_seconds
+
+
+def test_warm_compiles_every_graph_of_unpadded_steps_and_serving_needs_no_other(tokenizer):
+    pc = PromptCache(make_model("llama"), tokenizer)
+    pc.add_schema(SCHEMA)
+    steps = CompiledSteps(pc.runner, buckets=(1, 2, 4, 8))
+    steps.warm()
+    assert set(steps.compile_seconds) == {(1, 1), (2, 1), (2, 2)}
+    serve(pc, steps.forward, 12)
+    assert set(steps.compile_seconds) == {(1, 1), (2, 1), (2, 2)} and steps.compiled_steps > 3
 
 
 @pytest.mark.slow
@@ -102,7 +122,9 @@ def test_the_cuda_options_are_ones_torch_compile_takes_and_the_attention_op_is_k
     carries the tag inductor's graph partition reads."""
     from promptcache.engine.graphs import compile_options
 
-    assert compile_options(torch.device("cpu")) is None
+    cpu = compile_options(torch.device("cpu"))
+    assert "triton.cudagraphs" not in cpu
+    torch.compile(torch.nn.Linear(2, 2), options=cpu)
     options = compile_options(torch.device("cuda"))
     assert options["triton.cudagraphs"] and options["graph_partition"]
     torch.compile(torch.nn.Linear(2, 2), options=options)  # raises on an option name torch does not know
