@@ -14,7 +14,13 @@ An idle entry whose key is ``pinned(key)`` (an Anthropic ``cache_control`` break
 not evicted while the pin lives.
 
 Allocation prefers one contiguous run of blocks (a request's own tokens then form one run, and
-attention reads a run as one view); when no run is long enough it takes the longest free runs first (the fewest pieces).
+attention reads a run as one view, and so does every later request that reads those tokens as a
+shared prompt). When no free run is long enough but a window of blocks that are free or held by
+idle, unpinned entries is, those entries are evicted to open it (the window with the fewest such
+blocks): after a pool has filled, free space lies in pieces between idle entries, and a 4K-token
+prompt allocated from the pieces was read as 120 segments, concatenated a layer at a time at
+every decode step (SmolLM2: 49 ms a token instead of 31). Only when no such window exists does
+it take the longest free runs first (the fewest pieces).
 Nothing here is thread-safe: the serving scheduler's one thread owns the pool.
 """
 
@@ -108,9 +114,32 @@ class KVPool:
                            f"{self.num_blocks} ({self.num_blocks * self.block_size} tokens); raise the pool size")
         if count > self.available_blocks:
             return None
+        if not any(k >= count for _, k in runs(self._free)):
+            self._open_window(count)
         while len(self._free) < count:
             self._evict_one()
         return self._take(count)
+
+    def _open_window(self, count: int) -> None:
+        """Evict the idle, unpinned entries inside the window of ``count`` consecutive blocks that
+        holds the fewest of their blocks and nothing else but free blocks (none: no such window)."""
+        owner = {b: key for key, e in self._idle.items() if not self._is_pinned(key) for b in e.blocks}
+        free = set(self._free)
+        best, best_cost, start, cost = None, count + 1, 0, 0  # window [start, i]; cost: owned blocks in it
+        for i in range(self.num_blocks):
+            if i not in free and i not in owner:  # a running request's or a read entry's: no window spans it
+                start, cost = i + 1, 0
+                continue
+            cost += i in owner
+            if i - start + 1 > count:
+                cost -= start in owner
+                start += 1
+            if i - start + 1 == count and cost < best_cost:
+                best, best_cost = start, cost
+        if best is None:
+            return
+        for key in dict.fromkeys(owner[b] for b in range(best, best + count) if b in owner):
+            self._evict(key)
 
     def free(self, blocks: list[int]) -> None:
         """Give a request's own blocks back."""
@@ -203,7 +232,10 @@ class KVPool:
 
     def _evict_one(self, pins: bool = True) -> None:
         """Evict the least recently used idle entry (skipping pinned ones unless ``pins`` is False)."""
-        key = next(k for k in self._idle if not (pins and self._is_pinned(k)))
+        self._evict(next(k for k in self._idle if not (pins and self._is_pinned(k))))
+
+    def _evict(self, key: str) -> None:
+        """Evict the idle entry ``key``: its states go down the store's tiers, its blocks are free."""
         e = self._idle.pop(key)
         del self._entries[key]
         if self.spill is not None:
