@@ -15,12 +15,11 @@ not evicted while the pin lives.
 
 Allocation prefers one contiguous run of blocks (a request's own tokens then form one run, and
 attention reads a run as one view, and so does every later request that reads those tokens as a
-shared prompt). When no free run is long enough but a window of blocks that are free or held by
-idle, unpinned entries is, those entries are evicted to open it (the window with the fewest such
-blocks): after a pool has filled, free space lies in pieces between idle entries, and a 4K-token
-prompt allocated from the pieces was read as 120 segments, concatenated a layer at a time at
-every decode step (SmolLM2: 49 ms a token instead of 31). Only when no such window exists does
-it take the longest free runs first (the fewest pieces).
+shared prompt). When no free run is long enough, idle entries are evicted, least recently used
+first, until one is (up to twice the blocks asked for): after a pool has filled, free space lies
+in pieces between idle entries, and a 4K-token prompt allocated from the pieces was read as 120
+segments, concatenated a layer at a time at every decode step (SmolLM2: 49 ms a token instead of
+31). Only when that opens no run does it take the longest free runs first (the fewest pieces).
 Nothing here is thread-safe: the serving scheduler's one thread owns the pool.
 """
 
@@ -115,31 +114,30 @@ class KVPool:
         if count > self.available_blocks:
             return None
         if not any(k >= count for _, k in runs(self._free)):
-            self._open_window(count)
+            self._open_run(count)
         while len(self._free) < count:
             self._evict_one()
         return self._take(count)
 
-    def _open_window(self, count: int) -> None:
-        """Evict the idle, unpinned entries inside the window of ``count`` consecutive blocks that
-        holds the fewest of their blocks and nothing else but free blocks (none: no such window)."""
-        owner = {b: key for key, e in self._idle.items() if not self._is_pinned(key) for b in e.blocks}
-        free = set(self._free)
-        best, best_cost, start, cost = None, count + 1, 0, 0  # window [start, i]; cost: owned blocks in it
-        for i in range(self.num_blocks):
-            if i not in free and i not in owner:  # a running request's or a read entry's: no window spans it
-                start, cost = i + 1, 0
-                continue
-            cost += i in owner
-            if i - start + 1 > count:
-                cost -= start in owner
-                start += 1
-            if i - start + 1 == count and cost < best_cost:
-                best, best_cost = start, cost
-        if best is None:
-            return
-        for key in dict.fromkeys(owner[b] for b in range(best, best + count) if b in owner):
+    def _open_run(self, count: int) -> None:
+        """Evict idle, unpinned entries, least recently used first, until ``count`` free blocks
+        lie in one run; at most ``2 * count`` blocks' worth (past that, the free pieces do)."""
+        free, budget = set(self._free), 2 * count
+        for key in [k for k in self._idle if not self._is_pinned(k)]:
+            if budget <= 0:
+                return
+            blocks = self._idle[key].blocks
             self._evict(key)
+            budget -= len(blocks)
+            free.update(blocks)
+            for b in blocks:
+                lo, hi = b, b
+                while lo - 1 in free:
+                    lo -= 1
+                while hi + 1 in free:
+                    hi += 1
+                if hi - lo + 1 >= count:
+                    return
 
     def free(self, blocks: list[int]) -> None:
         """Give a request's own blocks back."""

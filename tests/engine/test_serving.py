@@ -336,25 +336,25 @@ def test_a_fragmented_pool_allocates_the_longest_free_runs_first(tokenizer):
     assert pool.allocate(3) == [1, 3, 9]
 
 
-def test_a_pool_full_of_idle_entries_opens_a_contiguous_window_evicting_the_fewest(tokenizer):
+def test_a_pool_full_of_idle_entries_evicts_the_oldest_until_one_run_holds_a_request(tokenizer):
     """After a pool filled, free blocks lie between idle entries: a request gets one run by evicting
-    the idle entries of the cheapest window, never a running request's blocks or a pinned entry."""
+    idle entries, least recently used first, never a running request's blocks or a pinned entry."""
     spec = PromptCache(make_model("llama"), tokenizer).runner.spec
     pinned = {"p"}
     spilled = []
     pool = KVPool(spec, "cpu", 12 * 4, 4, spill=lambda k, kv: spilled.append(k), pinned=lambda k: k in pinned)
     taken = pool.allocate(12)
     # blocks: 0 running, 1 entry a, 2 free, 3 entry b, 4 free, 5 free, 6 entry p (pinned), 7 free,
-    # 8 entry c, 9 free, 10 entry d, 11 free
+    # 8 entry c, 9 free, 10 entry d, 11 free; a is the least recently used, d the most
     for key, block in (("a", 1), ("b", 3), ("p", 6), ("c", 8), ("d", 10)):
         pool.publish(key, [block], 4, torch.arange(4))
     pool.free([taken[i] for i in (2, 4, 5, 7, 9, 11)])
-    assert pool.allocate(3) == [2, 3, 4] and spilled == ["b"]  # 2-4 costs one entry (1-3 costs two), the first such
-    assert pool.allocate(4) == [7, 8, 9, 10] and spilled == ["b", "c", "d"]  # no window of 4 costs less than two
-    assert pool.allocate(2) == [5, 11] and spilled == ["b", "c", "d"]  # no window of 2 at all: the free pieces
-    pool.free([2, 3, 4, 5, 7, 8, 9, 10, 11])
-    got = pool.allocate(10)  # the pinned entry splits the pool: 10 blocks come in two pieces, a evicted
-    assert sorted(got) == [1, 2, 3, 4, 5, 7, 8, 9, 10, 11] and spilled[-1] == "a"
+    assert pool.allocate(3) == [1, 2, 3] and spilled == ["a", "b"]  # a alone opened a run of 2: b too
+    assert pool.allocate(4) == [7, 8, 9, 10] and spilled == ["a", "b", "c", "d"]  # p is pinned: c, d
+    assert pool.allocate(2) == [4, 5] and len(spilled) == 4  # a free run: nothing evicted
+    pool.free([1, 2, 3, 4, 5, 7, 8, 9, 10])
+    got = pool.allocate(10)  # the pinned entry splits the pool: 10 blocks come in two pieces
+    assert sorted(got) == [1, 2, 3, 4, 5, 7, 8, 9, 10, 11] and "p" not in spilled
 
 
 def test_a_prompt_stored_in_scattered_blocks_is_read_together_and_stays_exact(tokenizer, monkeypatch):
