@@ -121,7 +121,8 @@ class KVPool:
 
     def _open_run(self, count: int) -> None:
         """Evict idle, unpinned entries, least recently used first, until ``count`` free blocks
-        lie in one run; at most ``2 * count`` blocks' worth (past that, the free pieces do)."""
+        lie in one run; it stops once ``2 * count`` blocks' worth are evicted (the free pieces
+        then do). A pinned entry or a block in use splits runs: no eviction joins across it."""
         free, budget = set(self._free), 2 * count
         for key in [k for k in self._idle if not self._is_pinned(k)]:
             if budget <= 0:

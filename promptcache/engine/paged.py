@@ -16,7 +16,10 @@ queries to:
     per request) are gathered into one padded tensor, the only copy on the hot path.
 
 Partial results are merged by log-sum-exp in float32, which is exact algebra: the result equals
-attention over the concatenated keys up to float rounding. Segments keep their position IDs (the
+attention over the concatenated keys up to float rounding. A step of decode rows only (the steady
+state of serving) takes a shorter path with the same algebra (``_attend_decodes``); from
+``tunables.DECODE_MATMUL_ROWS`` rows on, the rows' own tokens go through matrix products instead
+of the fused kernel. Segments keep their position IDs (the
 keys were rotated when they were computed), so Prompt Cache's gaps, unions and parameters need
 nothing here. ``paged_refusal`` says why a model cannot run this way (ALiBi, sliding windows, or
 a self-check against the stock forward that fails); the server then keeps the older path.
