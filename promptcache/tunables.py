@@ -34,9 +34,10 @@ MIN_CHUNK = 16
 # row to it made the gather of 64 rows behind a 1K prompt 16 ms a layer (SmolLM2, measured).
 GATHER_MAX = 256
 # Decode rows' own tokens are attended with plain matrix products (one batched product, softmax,
-# one product) from this many rows on, with torch's fused CPU attention below it: the fused kernel
-# pays per (row, head) item, 37 vs 63 us a layer at 8 rows, 99 vs 48 at 16, 385 vs 105 at 64; below 8 rows the fused kernel is as fast or faster
-# (SmolLM2's heads, 16-128 own tokens, 2 threads).
+# one product) from this many rows on, with torch's fused CPU attention below it. The fused kernel
+# pays per (row, head) item: matrix products vs fused, 37 vs 63 us a layer at 8 rows, 48 vs 99 at
+# 16, 105 vs 385 at 64; below 8 rows the fused kernel is as fast or faster (SmolLM2's heads,
+# 16-128 own tokens, 2 threads).
 DECODE_MATMUL_ROWS = 8
 # A set of queries reading more than this many separate shared segments (a prompt whose blocks were
 # allocated in pieces from a fragmented pool) reads them concatenated, one attention call a layer:
@@ -45,6 +46,7 @@ DECODE_MATMUL_ROWS = 8
 SEGMENTS_MAX = 4
 # Compiled steps (RunnerConfig.compile) of at most the last size's tokens are compiled; with CUDA
 # graphs a step's tokens and logits rows are padded up to one of these sizes, each pair one graph,
-# compiled once (lazily: only the pairs that occur). Steps larger than the last run eagerly: they are bound by their matrix products and compiling gains nothing
-# there; 128 holds the new tokens of a 99%-cached 8K prompt (engine/graphs.py).
+# compiled once (lazily: only the pairs that occur). Steps larger than the last run eagerly: they
+# are bound by their matrix products and compiling gains nothing there; 128 holds the new tokens
+# of a 99%-cached 8K prompt (engine/graphs.py).
 COMPILE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)

@@ -186,12 +186,12 @@ def paged_attention(module, query, key, value, attention_mask, scaling=None, dro
 def attend(plan: StepPlan, layer: int, query: torch.Tensor, scaling: float | None = None) -> torch.Tensor:
     """Attention of one layer's queries [1, Hq, N, D] over the pool as ``plan`` says; [1, N, Hq, D]."""
     _, hq, n, d = query.shape
-    kbuf, vbuf = plan.pool.buf[layer, 0], plan.pool.buf[layer, 1]  # [Hk, S, D]
-    hk = kbuf.shape[0]
-    g = hq // hk
     scale = plan.scale if plan.scale is not None else (scaling if scaling is not None else 1 / math.sqrt(d))
     if plan.decodes_only:
         return _attend_decodes(plan, layer, query, scale)
+    kbuf, vbuf = plan.pool.buf[layer, 0], plan.pool.buf[layer, 1]  # [Hk, S, D]
+    hk = kbuf.shape[0]
+    g = hq // hk
     q = (query[0].float() * scale).view(hk, g, n, d)  # q head h reads kv head h // g
     # every query belongs to one row and sees that row's own tokens: their partial results are
     # assigned first, then the shared segments' are merged in
