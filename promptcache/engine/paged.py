@@ -36,6 +36,7 @@ from transformers import AttentionInterface
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from ..tunables import DECODE_MATMUL_ROWS, GATHER_MAX, SEGMENTS_MAX  # read at call time (tests set them here)
+from . import cpu_attention
 from .kvpool import KVPool
 
 __all__ = ["PagedRow", "StepPlan", "attend", "attention_swapped", "build_plan", "paged_forward", "paged_refusal",
@@ -68,6 +69,7 @@ class StepPlan:
     segments: list[tuple[list[torch.Tensor], torch.Tensor]] = field(default_factory=list)
     decode_q: torch.Tensor | None = None  # [B] packed query index of each decode row
     decode_slots: torch.Tensor | None = None  # [B, K] own slots (padded)
+    decode_lengths: torch.Tensor | None = None  # [B] own slots of each row (the rest is padding)
     decode_bias: torch.Tensor | None = None  # [Hk * B, 1, K] float32: 0 where valid, -inf at padding (every layer's)
     prefills: list[tuple[int, int, torch.Tensor, int]] = field(default_factory=list)  # (q0, q1, own slots, done)
     # every row a decode row and every segment read by every query: ``_attend_decodes`` (fewer ops)
@@ -97,6 +99,7 @@ def build_plan(pool: KVPool, rows: list[PagedRow], scale: float | None = None) -
             valid[i, : len(s)] = True
         plan.decode_q = torch.tensor([q for q, _ in decodes], dtype=torch.long, device=dev)
         plan.decode_slots = slots
+        plan.decode_lengths = torch.tensor([len(s) for _, s in decodes], dtype=torch.long, device=dev)
         hk, b = pool.buf.shape[2], len(decodes)
         plan.decode_bias = _bias(valid[None, :, None, :].expand(hk, b, 1, width).reshape(hk * b, 1, width))
         plan.decodes_only = not plan.prefills and all(idx.numel() == off for _, idx in plan.segments)
@@ -139,8 +142,11 @@ def _bias(mask: torch.Tensor) -> torch.Tensor:
 
 def _attend(q, k, v, bias=None, scale: float = 1.0, fused: bool = True):
     """q [X, m, D] against k, v [X, n, D] (float32; scores scaled by ``scale``); bias [X or 1, m, n]
-    additive (``_bias``) or None. ``fused``: torch's fused CPU kernel where there is one, else
-    matrix products. Returns (out [X, m, D], lse [X, m])."""
+    additive (``_bias``) or None. ``fused``: a fused CPU kernel where there is one (the native
+    kernel without a bias, else torch's), else matrix products. Returns (out [X, m, D], lse [X, m])."""
+    native = cpu_attention.kernel_for(q) if fused and bias is None else None
+    if native is not None:
+        return native(q, k, v, scale, 0)
     if fused and q.device.type == "cpu" and _CPU_FLASH is not None:
         out, lse = _CPU_FLASH(q[:, None], k[:, None], v[:, None], 0.0, False,
                               attn_mask=None if bias is None else bias[:, None], scale=scale)[:2]
@@ -161,6 +167,10 @@ def _attend_causal(q, k, v):
     """q [Hk, G, t, D] (scaled) causally against the same t tokens' k, v [Hk, t, D] (query i sees
     keys 0..i). Returns (out [Hk, G, t, D], lse [Hk, G, t])."""
     hk, g, t, d = q.shape
+    native = cpu_attention.kernel_for(q)
+    if native is not None:  # query j of each group sees keys 0..j
+        o, l = native(q.reshape(hk, g * t, d), k, v, 1.0, t)
+        return o.view(hk, g, t, d), l.view(hk, g, t)
     if q.device.type == "cpu" and _CPU_FLASH is not None:
         kx, vx = k[:, None].expand(hk, g, t, d), v[:, None].expand(hk, g, t, d)  # views: no copy
         return _CPU_FLASH(q, kx, vx, 0.0, True, scale=1.0)[:2]
@@ -170,7 +180,8 @@ def _attend_causal(q, k, v):
 
 
 # torch's fused CPU attention returns the log-sum-exp the merge needs (3x faster than the same in
-# separate ops on SmolLM2's shapes); its absence (another torch build) falls back to the ops above
+# separate ops on SmolLM2's shapes) and takes a mask; the native kernel (cpu_attention) is 2-3x
+# faster still where it applies. Without either (another torch build): the ops above
 _CPU_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
 
@@ -197,15 +208,10 @@ def attend(plan: StepPlan, layer: int, query: torch.Tensor, scaling: float | Non
     # assigned first, then the shared segments' are merged in
     out = torch.empty((hk, g, n, d), dtype=torch.float32, device=query.device)
     lse = torch.empty((hk, g, n), dtype=torch.float32, device=query.device)
-    if plan.decode_q is not None:  # decode rows: own keys gathered, [Hk * B, K, D]
-        b, width = plan.decode_slots.shape
-        flat = plan.decode_slots.view(-1)  # index_select: 10x faster than advanced indexing here
-        ks = kbuf.index_select(1, flat).float().view(hk * b, width, d)
-        vs = vbuf.index_select(1, flat).float().view(hk * b, width, d)
-        qd = q[:, :, plan.decode_q].permute(0, 2, 1, 3).reshape(hk * b, g, d)  # [Hk * B, G, D]
-        o, l = _attend(qd, ks, vs, plan.decode_bias)
-        out[:, :, plan.decode_q] = o.view(hk, b, g, d).permute(0, 2, 1, 3)
-        lse[:, :, plan.decode_q] = l.view(hk, b, g).permute(0, 2, 1)
+    if plan.decode_q is not None:  # decode rows: their own keys
+        o, l = _attend_own(plan, q[:, :, plan.decode_q].transpose(1, 2).contiguous(), kbuf, vbuf, 1.0)
+        out[:, :, plan.decode_q] = o.transpose(1, 2)
+        lse[:, :, plan.decode_q] = l.transpose(1, 2)
     for q0, q1, own, done in plan.prefills:  # prefill chunks: own keys, causal among the new ones
         t, rows = q1 - q0, slice(q0, q1)
         ks, vs = _slots(kbuf, own).float(), _slots(vbuf, own).float()  # [Hk, done + t, D]
@@ -234,14 +240,10 @@ def _attend_decodes(plan: StepPlan, layer: int, query: torch.Tensor, scale: floa
     e^l1 / (e^l1 + e^l2) and its complement). ~20 ops a layer instead of ~50."""
     _, hq, b, d = query.shape
     kbuf, vbuf = plan.pool.buf[layer]  # [Hk, S, D] each
-    hk, width = kbuf.shape[0], plan.decode_slots.shape[1]
+    hk = kbuf.shape[0]
     g = hq // hk
-    q = query[0].float().view(hk, g, b, d).transpose(1, 2).reshape(hk * b, g, d)  # [Hk * B, G, D]
-    flat = plan.decode_slots.view(-1)
-    ks = kbuf.index_select(1, flat).float().view(hk * b, width, d)
-    vs = vbuf.index_select(1, flat).float().view(hk * b, width, d)
-    # own tokens: [Hk * B, G, D], [Hk * B, G]
-    out, lse = _attend(q, ks, vs, plan.decode_bias, scale, fused=b < DECODE_MATMUL_ROWS)
+    q = query[0].float().view(hk, g, b, d).transpose(1, 2).contiguous()  # [Hk, B, G, D]
+    out, lse = _attend_own(plan, q, kbuf, vbuf, scale)
     out, lse = out.view(hk, b * g, d), lse.view(hk, b * g)  # the same memory as [Hk, B * G, ...]
     for i, (views, _) in enumerate(plan.segments):
         sk, sv = _layer_kv(views, layer)
@@ -252,6 +254,21 @@ def _attend_decodes(plan: StepPlan, layer: int, query: torch.Tensor, scale: floa
         out = torch.lerp(o, out, w[..., None])
     # [Hk, B, G, D] -> [1, B, Hq, D]
     return out.view(hk, b, g, d).transpose(0, 1).reshape(1, b, hq, d).to(query.dtype)
+
+
+def _attend_own(plan: StepPlan, q: torch.Tensor, kbuf: torch.Tensor, vbuf: torch.Tensor, scale: float):
+    """Decode rows' queries q [Hk, B, G, D] (contiguous) over their own keys (``plan.decode_slots``
+    of a layer's pool buffers [Hk, S, D]). Returns (out [Hk, B, G, D], lse [Hk, B, G])."""
+    hk, b, g, d = q.shape
+    gather = cpu_attention.gather_kernel_for(q, kbuf)
+    if gather is not None:  # read from their slots in place
+        return gather(q, kbuf, vbuf, plan.decode_slots, plan.decode_lengths, scale)
+    width = plan.decode_slots.shape[1]
+    flat = plan.decode_slots.view(-1)  # index_select: 10x faster than advanced indexing here
+    ks = kbuf.index_select(1, flat).float().view(hk * b, width, d)
+    vs = vbuf.index_select(1, flat).float().view(hk * b, width, d)
+    o, l = _attend(q.view(hk * b, g, d), ks, vs, plan.decode_bias, scale, fused=b < DECODE_MATMUL_ROWS)
+    return o.view(hk, b, g, d), l.view(hk, b, g)
 
 
 def _layer_kv(views: list[torch.Tensor], layer: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,0 +1,396 @@
+// Attention of float32 queries over float32 keys/values on the CPU, returning the log-sum-exp the
+// paged engine merges partial results with (engine/paged.py). Registered as
+// torch.ops.promptcache_native.attend(q, k, v, scale, causal_t) -> (out, lse):
+//   q [X, M, D], k and v [X, N, D] (last dimension contiguous; other strides free, so the KV pool's
+//   blocks are read in place), D a multiple of 16 up to 256;
+//   causal_t = 0: every query sees every key; causal_t = t > 0: query r sees keys 0 .. r % t
+//   (q holds G groups of t consecutive queries over the same t keys);
+//   out [X, M, D] = softmax(scale * q k^T) v, lse [X, M] = logsumexp(scale * q k^T) (natural log);
+// and torch.ops.promptcache_native.attend_gather(q, k, v, slots, lengths, scale) -> (out, lse):
+//   decode rows over their own keys, read from the pool by slot (no gathered copy):
+//   q [X, B, G, D] contiguous, k and v [X, S, D] (a pool layer's buffers), slots int64 [B, W],
+//   lengths int64 [B]: queries (x, b, :) see keys slots[b, 0 .. lengths[b]); out [X, B, G, D],
+//   lse [X, B, G].
+//
+// Why: torch's fused CPU kernel (_scaled_dot_product_flash_attention_for_cpu) does its products
+// through MKL's sgemm, which takes its AVX2 path on AMD CPUs: ~170 GFLOP/s on SmolLM2's shapes on
+// the 2-core EPYC promptcache is measured on, where oneDNN's linears reach ~508. This is one pass
+// of online softmax (flash attention) over tiles that stay in L1: 48 queries x 64 keys, Q K^T and
+// P V in register-blocked vector loops (6 query rows x 64 keys, 6 query rows x D; 24 accumulators),
+// exp in a vector polynomial, K^T packed once per call: 360-400 GFLOP/s there.
+//
+// Portable C++: GCC/Clang vector extensions, lowered to AVX-512, AVX2 or SSE by -march; threads
+// from ATen's parallel_for (torch's own pool).
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/Exception.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <tuple>
+#include <type_traits>
+
+namespace {
+
+typedef float v16 __attribute__((vector_size(64)));
+typedef int32_t i16 __attribute__((vector_size(64)));
+
+constexpr int kRows = 48;  // queries per tile
+constexpr int kKeys = 64;  // keys per tile (4 vectors)
+constexpr int kRR = 6;     // query rows per register block: 24 accumulators + 4 operands
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+inline v16 splat(float x) { return v16{x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
+inline v16 load(const float* p) {
+  v16 v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+inline void store(float* p, v16 v) { std::memcpy(p, &v, sizeof v); }
+
+// exp(x) for x <= 0 (scores minus their running max), 0 below -87 (and at -inf): Cody-Waite
+// reduction x = n ln2 + r, |r| <= ln2/2, Cephes' degree-6 polynomial, 2^n from the exponent bits.
+// Relative error ~1e-7.
+inline v16 vexp(v16 x) {
+  const i16 live = x > splat(-87.0f);
+  x = x > splat(-87.0f) ? x : splat(-87.0f);
+  const v16 magic = splat(12582912.0f);  // 1.5 * 2^23: adding it rounds to an integer
+  v16 n = (x * splat(1.44269504088896341f) + magic) - magic;
+  v16 r = x - n * splat(0.693359375f) - n * splat(-2.12194440e-4f);
+  v16 p = splat(1.9875691500e-4f);
+  p = p * r + splat(1.3981999507e-3f);
+  p = p * r + splat(8.3334519073e-3f);
+  p = p * r + splat(4.1665795894e-2f);
+  p = p * r + splat(1.6666665459e-1f);
+  p = p * r + splat(5.0000001201e-1f);
+  p = p * r * r + r + splat(1.0f);
+  const i16 bits = (__builtin_convertvector(n, i16) + 127) << 23;
+  v16 scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  const i16 out = (i16)(p * scale) & live;
+  v16 res;
+  std::memcpy(&res, &out, sizeof res);
+  return res;
+}
+
+inline v16 vmax(v16 a, v16 b) { return a > b ? a : b; }
+inline float hmax(v16 v) {  // a shuffle tree
+  v = vmax(v, __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7));
+  v = vmax(v, __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11));
+  v = vmax(v, __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13));
+  v = vmax(v, __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14));
+  return v[0];
+}
+inline float hsum(v16 v) {
+  v += __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
+  v += __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
+  v += __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
+  v += __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
+  return v[0];
+}
+
+// S[RR][kKeys] = scale * Q[RR][D] . Kt[D][kKeys]
+template <int ND, int RR>
+inline void scores(const float* q, int64_t q_stride, const float* kt, float scale, float* s) {
+  v16 acc[RR][4];
+  for (int i = 0; i < RR; ++i)
+    for (int c = 0; c < 4; ++c) acc[i][c] = v16{};
+  for (int d = 0; d < ND * 16; ++d) {
+    const float* row = kt + d * kKeys;
+    const v16 k0 = load(row), k1 = load(row + 16), k2 = load(row + 32), k3 = load(row + 48);
+    for (int i = 0; i < RR; ++i) {
+      const v16 qd = splat(q[i * q_stride + d]);
+      acc[i][0] += qd * k0;
+      acc[i][1] += qd * k1;
+      acc[i][2] += qd * k2;
+      acc[i][3] += qd * k3;
+    }
+  }
+  const v16 sc = splat(scale);
+  for (int i = 0; i < RR; ++i)
+    for (int c = 0; c < 4; ++c) store(s + i * kKeys + c * 16, acc[i][c] * sc);
+}
+
+// O[RR][D] += P[RR][kn] . V[kn][D]
+template <int ND, int RR>
+inline void values(const float* p, const float* v, int64_t v_stride, int kn, float* o) {
+  v16 acc[RR][ND];
+  for (int i = 0; i < RR; ++i)
+    for (int c = 0; c < ND; ++c) acc[i][c] = load(o + i * ND * 16 + c * 16);
+  for (int j = 0; j < kn; ++j) {
+    const float* vj = v + j * v_stride;
+    v16 vv[ND];
+    for (int c = 0; c < ND; ++c) vv[c] = load(vj + c * 16);
+    for (int i = 0; i < RR; ++i) {
+      const v16 pij = splat(p[i * kKeys + j]);
+      for (int c = 0; c < ND; ++c) acc[i][c] += pij * vv[c];
+    }
+  }
+  for (int i = 0; i < RR; ++i)
+    for (int c = 0; c < ND; ++c) store(o + i * ND * 16 + c * 16, acc[i][c]);
+}
+
+template <int ND>
+void scores_rows(const float* q, int64_t q_stride, const float* kt, float scale, float* s, int rows) {
+  int i = 0;
+  for (; i + kRR <= rows; i += kRR) scores<ND, kRR>(q + i * q_stride, q_stride, kt, scale, s + i * kKeys);
+  for (; i < rows; ++i) scores<ND, 1>(q + i * q_stride, q_stride, kt, scale, s + i * kKeys);
+}
+
+template <int ND>
+void values_rows(const float* p, const float* v, int64_t v_stride, int kn, float* o, int rows) {
+  constexpr int rr = ND <= 4 ? kRR : 2;  // accumulators and operands stay in 32 vector registers
+  int i = 0;
+  for (; i + rr <= rows; i += rr) values<ND, rr>(p + i * kKeys, v, v_stride, kn, o + i * ND * 16);
+  for (; i < rows; ++i) values<ND, 1>(p + i * kKeys, v, v_stride, kn, o + i * ND * 16);
+}
+
+// Online-softmax attention of `rows` (<= kRows) queries q (row stride q_stride) over keys
+// 0 .. n-1, query i seeing keys 0 .. limit[i]; key tile j0 comes from
+// tiles(j0, kn) -> {K^T [D][kKeys] zero-padded, V rows, V row stride}. Writes out rows (stride D)
+// and lse.
+template <int ND, class Tiles>
+void attend_rows(const float* q, int64_t q_stride, int rows, const int64_t* limit, int64_t n, float scale,
+                 Tiles&& tiles, float* out, float* lse) {
+  constexpr int D = ND * 16;
+  alignas(64) float s[kRows * kKeys];
+  alignas(64) float o[kRows * D];
+  float mx[kRows], l[kRows];
+  int64_t last = -1;
+  for (int i = 0; i < rows; ++i) {
+    last = std::max(last, limit[i]);
+    mx[i] = kNegInf;
+    l[i] = 0.0f;
+  }
+  std::memset(o, 0, sizeof(float) * rows * D);
+  n = std::min(n, last + 1);
+  for (int64_t j0 = 0; j0 < n; j0 += kKeys) {
+    const int kn = static_cast<int>(std::min<int64_t>(kKeys, n - j0));
+    const auto [kt, v, v_stride] = tiles(j0, kn);
+    scores_rows<ND>(q, q_stride, kt, scale, s, rows);
+    for (int i = 0; i < rows; ++i) {
+      float* si = s + i * kKeys;
+      const int64_t see = std::min<int64_t>(kn, limit[i] - j0 + 1);  // keys of this tile row i sees
+      if (see <= 0) {  // row i sees none of these keys (causal only): they weigh 0
+        std::memset(si, 0, sizeof(float) * kKeys);
+        continue;
+      }
+      for (int64_t j = see; j < kKeys; ++j) si[j] = kNegInf;
+      v16 m4 = load(si);
+      for (int c = 1; c < 4; ++c) m4 = vmax(m4, load(si + c * 16));
+      const float m_new = std::max(mx[i], hmax(m4));
+      const float alpha = std::exp(mx[i] - m_new);  // 0 on the first tile (mx = -inf)
+      v16 sum = v16{};
+      for (int c = 0; c < 4; ++c) {
+        const v16 p = vexp(load(si + c * 16) - splat(m_new));
+        store(si + c * 16, p);
+        sum += p;
+      }
+      l[i] = l[i] * alpha + hsum(sum);
+      mx[i] = m_new;
+      if (alpha != 1.0f) {
+        float* oi = o + i * D;
+        for (int c = 0; c < ND; ++c) store(oi + c * 16, load(oi + c * 16) * splat(alpha));
+      }
+    }
+    values_rows<ND>(s, v, v_stride, kn, o, rows);
+  }
+  for (int i = 0; i < rows; ++i) {
+    const float inv = l[i] > 0.0f ? 1.0f / l[i] : 0.0f;
+    for (int c = 0; c < ND; ++c) store(out + i * D + c * 16, load(o + i * D + c * 16) * splat(inv));
+    lse[i] = l[i] > 0.0f ? mx[i] + std::log(l[i]) : kNegInf;
+  }
+}
+
+struct TileRef {
+  const float* kt;
+  const float* v;
+  int64_t v_stride;
+};
+
+// K^T of one key tile (kn keys, row pointers from key(j)) into kt [D][kKeys], zero-padded.
+template <int D, class Key>
+inline void pack_tile(float* kt, int kn, Key&& key) {
+  for (int j = 0; j < kn; ++j) {
+    const float* kj = key(j);
+    for (int d = 0; d < D; ++d) kt[d * kKeys + j] = kj[d];
+  }
+  for (int d = 0; d < D; ++d)
+    for (int j = kn; j < kKeys; ++j) kt[d * kKeys + j] = 0.0f;
+}
+
+struct Args {
+  const float *q, *k, *v;
+  float* kt;  // K^T in key tiles: [X][N / kKeys rounded up][D][kKeys]
+  float *out, *lse;
+  int64_t qs0, qs1, ks0, ks1, vs0, vs1;  // strides (elements) of dims 0 and 1
+  int64_t m, n, causal_t;
+  float scale;
+};
+
+template <int ND>
+void run(const Args& a, int64_t heads) {
+  constexpr int D = ND * 16;
+  const int64_t blocks = (a.n + kKeys - 1) / kKeys;
+  // K^T of every key tile of every head, packed once: every query tile of the head reads it
+  at::parallel_for(0, heads * blocks, 4, [&](int64_t b, int64_t e) {
+    for (int64_t w = b; w < e; ++w) {
+      const int64_t x = w / blocks, j0 = (w % blocks) * kKeys;
+      const float* k = a.k + x * a.ks0 + j0 * a.ks1;
+      pack_tile<D>(a.kt + w * D * kKeys, static_cast<int>(std::min<int64_t>(kKeys, a.n - j0)),
+                   [&](int j) { return k + j * a.ks1; });
+    }
+  });
+  const int64_t tiles = (a.m + kRows - 1) / kRows;
+  at::parallel_for(0, heads * tiles, 1, [&](int64_t b, int64_t e) {
+    for (int64_t w = b; w < e; ++w) {
+      const int64_t x = w / tiles, r0 = (w % tiles) * kRows;
+      const int rows = static_cast<int>(std::min<int64_t>(kRows, a.m - r0));
+      int64_t limit[kRows];  // the last key each query sees
+      for (int i = 0; i < rows; ++i) limit[i] = a.causal_t > 0 ? (r0 + i) % a.causal_t : a.n - 1;
+      const float* v = a.v + x * a.vs0;
+      attend_rows<ND>(a.q + x * a.qs0 + r0 * a.qs1, a.qs1, rows, limit, a.n, a.scale,
+                      [&](int64_t j0, int) { return TileRef{a.kt + (x * blocks + j0 / kKeys) * D * kKeys, v + j0 * a.vs1, a.vs1}; },
+                      a.out + (x * a.m + r0) * D, a.lse + x * a.m + r0);
+    }
+  });
+}
+
+// Decode rows over their own keys, gathered from the pool by slot: query row group b (G queries)
+// of head x sees keys slots[b, 0 .. lengths[b]).
+template <int ND>
+void run_gather(const float* q, const float* kbuf, const float* vbuf, int64_t ks0, int64_t ks1, int64_t vs0,
+                int64_t vs1, const int64_t* slots, int64_t width, const int64_t* lengths, int64_t heads, int64_t b,
+                int64_t g, float scale, float* out, float* lse) {
+  constexpr int D = ND * 16;
+  at::parallel_for(0, heads * b, 1, [&](int64_t lo, int64_t hi) {
+    alignas(64) float kt[D * kKeys];
+    alignas(64) float vt[kKeys * D];
+    for (int64_t w = lo; w < hi; ++w) {
+      const int64_t x = w / b, row = w % b, n = lengths[row];
+      const int64_t* sl = slots + row * width;
+      const float* k = kbuf + x * ks0;
+      const float* v = vbuf + x * vs0;
+      auto tiles = [&](int64_t j0, int kn) {
+        pack_tile<D>(kt, kn, [&](int j) { return k + sl[j0 + j] * ks1; });
+        for (int j = 0; j < kn; ++j) std::memcpy(vt + j * D, v + sl[j0 + j] * vs1, sizeof(float) * D);
+        return TileRef{kt, vt, D};
+      };
+      for (int64_t r0 = 0; r0 < g; r0 += kRows) {
+        const int rows = static_cast<int>(std::min<int64_t>(kRows, g - r0));
+        int64_t limit[kRows];
+        for (int i = 0; i < rows; ++i) limit[i] = n - 1;
+        attend_rows<ND>(q + (w * g + r0) * D, D, rows, limit, n, scale, tiles, out + (w * g + r0) * D, lse + w * g + r0);
+      }
+    }
+  });
+}
+
+template <class F>
+void by_head_dim(int64_t d, F&& f) {
+  switch (d / 16) {
+    case 1: f(std::integral_constant<int, 1>{}); break;
+    case 2: f(std::integral_constant<int, 2>{}); break;
+    case 3: f(std::integral_constant<int, 3>{}); break;
+    case 4: f(std::integral_constant<int, 4>{}); break;
+    case 5: f(std::integral_constant<int, 5>{}); break;
+    case 6: f(std::integral_constant<int, 6>{}); break;
+    case 7: f(std::integral_constant<int, 7>{}); break;
+    case 8: f(std::integral_constant<int, 8>{}); break;
+    case 9: f(std::integral_constant<int, 9>{}); break;
+    case 10: f(std::integral_constant<int, 10>{}); break;
+    case 11: f(std::integral_constant<int, 11>{}); break;
+    case 12: f(std::integral_constant<int, 12>{}); break;
+    case 13: f(std::integral_constant<int, 13>{}); break;
+    case 14: f(std::integral_constant<int, 14>{}); break;
+    case 15: f(std::integral_constant<int, 15>{}); break;
+    case 16: f(std::integral_constant<int, 16>{}); break;
+  }
+}
+
+void check_common(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const char* name) {
+  TORCH_CHECK(q.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu(), name, ": CPU tensors only");
+  TORCH_CHECK(q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat,
+              name, ": float32 tensors only");
+  const int64_t d = q.size(-1);
+  TORCH_CHECK(d % 16 == 0 && d >= 16 && d <= 256, name, ": head dim ", d, " is not a multiple of 16 up to 256");
+  TORCH_CHECK(q.stride(-1) == 1 && k.stride(-1) == 1 && v.stride(-1) == 1, name, ": the last dimension must be contiguous");
+}
+
+std::tuple<at::Tensor, at::Tensor> attend_gather(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                                 const at::Tensor& slots, const at::Tensor& lengths, double scale) {
+  const char* name = "promptcache_native.attend_gather";
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 3 && v.dim() == 3, name, ": q must be [X, B, G, D], k and v [X, S, D]");
+  check_common(q, k, v, name);
+  const int64_t heads = q.size(0), b = q.size(1), g = q.size(2), d = q.size(3), slots_n = k.size(1);
+  TORCH_CHECK(q.is_contiguous(), name, ": q must be contiguous");
+  TORCH_CHECK(k.size(0) == heads && v.size(0) == heads && v.size(1) == slots_n && k.size(2) == d && v.size(2) == d,
+              name, ": q ", q.sizes(), ", k ", k.sizes(), ", v ", v.sizes(), " do not match");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && lengths.scalar_type() == at::kLong && slots.dim() == 2 &&
+                  slots.size(0) == b && slots.is_contiguous() && lengths.dim() == 1 && lengths.size(0) == b &&
+                  lengths.is_contiguous(),
+              name, ": slots must be int64 [B, W] and lengths int64 [B], B = ", b);
+  const int64_t width = slots.size(1);
+  const int64_t* sl = slots.data_ptr<int64_t>();
+  const int64_t* len = lengths.data_ptr<int64_t>();
+  for (int64_t i = 0; i < b; ++i) {
+    TORCH_CHECK(len[i] >= 1 && len[i] <= width, name, ": row ", i, " has length ", len[i], " (slots hold ", width, ")");
+    for (int64_t j = 0; j < len[i]; ++j)
+      TORCH_CHECK(sl[i * width + j] >= 0 && sl[i * width + j] < slots_n, name, ": row ", i, " slot ", sl[i * width + j],
+                  " is outside the ", slots_n, " slots of k and v");
+  }
+  at::Tensor out = at::empty({heads, b, g, d}, q.options());
+  at::Tensor lse = at::empty({heads, b, g}, q.options());
+  if (heads == 0 || b == 0 || g == 0) return {out, lse};
+  by_head_dim(d, [&](auto nd) {
+    run_gather<decltype(nd)::value>(q.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(), k.stride(0),
+                                    k.stride(1), v.stride(0), v.stride(1), sl, width, len, heads, b, g,
+                                    static_cast<float>(scale), out.data_ptr<float>(), lse.data_ptr<float>());
+  });
+  return {out, lse};
+}
+
+std::tuple<at::Tensor, at::Tensor> attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                          double scale, int64_t causal_t) {
+  const char* name = "promptcache_native.attend";
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, name, ": q, k, v must be [X, rows, D]");
+  check_common(q, k, v, name);
+  const int64_t heads = q.size(0), m = q.size(1), d = q.size(2), n = k.size(1);
+  TORCH_CHECK(k.size(0) == heads && v.size(0) == heads && v.size(1) == n && k.size(2) == d && v.size(2) == d,
+              name, ": q ", q.sizes(), ", k ", k.sizes(), ", v ", v.sizes(), " do not match");
+  TORCH_CHECK(causal_t >= 0 && (causal_t == 0 || (m % causal_t == 0 && n == causal_t)),
+              name, ": causal_t ", causal_t, " needs rows a multiple of it and as many keys");
+  at::Tensor out = at::empty({heads, m, d}, q.options());
+  at::Tensor lse = at::empty({heads, m}, q.options());
+  if (heads == 0 || m == 0) return {out, lse};
+  if (n == 0) {  // no keys: nothing to attend (a log-sum-exp of -inf, weight 0 in a merge)
+    out.zero_();
+    lse.fill_(-std::numeric_limits<float>::infinity());
+    return {out, lse};
+  }
+  at::Tensor kt = at::empty({heads * ((n + kKeys - 1) / kKeys) * d * kKeys}, q.options());
+  Args a{q.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(), kt.data_ptr<float>(),
+         out.data_ptr<float>(), lse.data_ptr<float>(),
+         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), m, n, causal_t,
+         static_cast<float>(scale)};
+  by_head_dim(d, [&](auto nd) { run<decltype(nd)::value>(a, heads); });
+  return {out, lse};
+}
+
+}  // namespace
+
+TORCH_LIBRARY(promptcache_native, m) {
+  m.def("attend(Tensor q, Tensor k, Tensor v, float scale, int causal_t) -> (Tensor, Tensor)");
+  m.def("attend_gather(Tensor q, Tensor k, Tensor v, Tensor slots, Tensor lengths, float scale) -> (Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(promptcache_native, CPU, m) {
+  m.impl("attend", &attend);
+  m.impl("attend_gather", &attend_gather);
+}

@@ -1,0 +1,169 @@
+"""The native CPU attention kernel (engine/cpu_attention.py, engine/native/attention.cpp) against
+attention computed in float64, and the engine's use of it."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from promptcache.engine import cpu_attention
+
+
+@pytest.fixture(scope="module")
+def op():
+    # CI installs a C++ compiler and ninja: a machine that cannot build the kernel fails here, loudly
+    assert cpu_attention.available(), cpu_attention.unavailable_reason()
+    return cpu_attention.kernel_for(torch.zeros(1, 1, 16))
+
+
+def reference(q, k, v, scale, causal_t=0):
+    s = (q.double() @ k.double().transpose(-1, -2)) * scale  # [X, M, N]
+    if causal_t:
+        r = torch.arange(q.shape[1])[:, None] % causal_t
+        s = s.masked_fill(torch.arange(k.shape[1])[None, :] > r, float("-inf"))
+    return torch.softmax(s, -1) @ v.double(), torch.logsumexp(s, -1)
+
+
+def close(got, want):
+    (o, l), (ro, rl) = got, want
+    assert o.dtype == torch.float32 and l.dtype == torch.float32
+    assert (o.double() - ro).abs().max().item() < 1e-5
+    assert (l.double() - rl).abs().max().item() < 1e-5
+
+
+@pytest.mark.parametrize("x,m,n,d", [(3, 192, 1024, 64), (3, 3, 300, 64), (2, 5, 70, 16), (4, 49, 129, 32),
+                                     (1, 1, 1, 128), (2, 33, 65, 80), (1, 7, 64, 256), (2, 100, 2, 48)])
+def test_equals_float64_attention(op, x, m, n, d):
+    g = torch.Generator().manual_seed(m * n + d)
+    q, k, v = (torch.randn(x, r, d, generator=g) * 2 for r in (m, n, n))
+    close(op(q, k, v, d ** -0.5, 0), reference(q, k, v, d ** -0.5))
+
+
+@pytest.mark.parametrize("x,groups,t,d", [(3, 3, 130, 64), (2, 2, 7, 16), (1, 3, 1, 32), (2, 1, 64, 16)])
+def test_causal_chunks(op, x, groups, t, d):
+    """causal_t = t: query r of each group of t sees keys 0 .. r % t (a prefill chunk among itself)."""
+    g = torch.Generator().manual_seed(t)
+    q, k, v = torch.randn(x, groups * t, d, generator=g), torch.randn(x, t, d, generator=g), torch.randn(x, t, d, generator=g)
+    close(op(q, k, v, 0.3, t), reference(q, k, v, 0.3, causal_t=t))
+
+
+def test_reads_strided_pool_views(op):
+    """Keys/values as the engine passes them: views into a [L, 2, H, S, D] buffer, not copies."""
+    buf = torch.randn(3, 2, 3, 500, 64)
+    k, v = buf[1, 0, :, 37:291], buf[1, 1, :, 37:291]
+    assert not k.is_contiguous()
+    q = torch.randn(3, 20, 64)
+    close(op(q, k, v, 0.125, 0), reference(q, k, v, 0.125))
+
+
+@pytest.mark.parametrize("b,g,d", [(1, 3, 64), (64, 3, 64), (5, 1, 16), (3, 7, 32), (2, 49, 16)])
+def test_gather_reads_each_rows_slots(b, g, d):
+    """attend_gather: decode rows over their own keys, read from a pool layer by slot."""
+    gather = cpu_attention.gather_kernel_for(torch.zeros(1, 1, 1, d), torch.zeros(1))
+    assert gather is not None
+    gen = torch.Generator().manual_seed(b * g + d)
+    buf = torch.randn(2, 2, 3, 700, d, generator=gen)  # [L, 2, Hk, S, D], as the pool holds it
+    kbuf, vbuf = buf[1, 0], buf[1, 1]
+    lengths = torch.randint(1, 150, (b,), generator=gen)
+    width = int(lengths.max())
+    slots = torch.zeros(b, width, dtype=torch.long)
+    for i, n in enumerate(lengths.tolist()):
+        slots[i, :n] = torch.randperm(700, generator=gen)[:n]  # scattered, in any order
+    q = torch.randn(3, b, g, d, generator=gen)
+    out, lse = gather(q, kbuf, vbuf, slots, lengths, 0.2)
+    assert out.shape == (3, b, g, d) and lse.shape == (3, b, g)
+    for i, n in enumerate(lengths.tolist()):
+        idx = slots[i, :n]
+        close((out[:, i], lse[:, i]), reference(q[:, i], kbuf[:, idx], vbuf[:, idx], 0.2))
+
+
+def test_gather_refuses_slots_outside_the_pool():
+    gather = cpu_attention.gather_kernel_for(torch.zeros(1, 1, 1, 16), torch.zeros(1))
+    q, k = torch.randn(1, 2, 1, 16), torch.randn(1, 10, 16)
+    slots, lengths = torch.tensor([[0, 1], [9, 10]]), torch.tensor([2, 2])
+    with pytest.raises(RuntimeError, match="row 1 slot 10 is outside the 10 slots"):
+        gather(q, k, k, slots, lengths, 1.0)
+    with pytest.raises(RuntimeError, match="row 0 has length 3"):
+        gather(q, k, k, slots, torch.tensor([3, 1]), 1.0)
+
+
+def test_extreme_scores_stay_finite(op):
+    """Scores far apart (exp underflows for all but the largest) and equal keys: a proper softmax."""
+    q = torch.full((1, 4, 16), 30.0)
+    k = torch.cat([torch.full((1, 1, 16), 1.0), torch.full((1, 99, 16), -1.0)], 1)
+    v = torch.randn(1, 100, 16)
+    got = op(q, k, v, 1.0, 0)
+    assert torch.isfinite(got[0]).all() and torch.isfinite(got[1]).all()
+    close(got, reference(q, k, v, 1.0))
+
+
+def test_bad_input_is_refused_with_its_shapes(op):
+    with pytest.raises(RuntimeError, match="do not match"):
+        op(torch.randn(2, 4, 16), torch.randn(3, 5, 16), torch.randn(3, 5, 16), 1.0, 0)
+    with pytest.raises(RuntimeError, match="float32"):
+        op(torch.randn(1, 4, 16).double(), torch.randn(1, 5, 16), torch.randn(1, 5, 16), 1.0, 0)
+    with pytest.raises(RuntimeError, match="causal_t"):
+        op(torch.randn(1, 4, 16), torch.randn(1, 5, 16), torch.randn(1, 5, 16), 1.0, 3)
+
+
+def test_shapes_it_does_not_cover_go_to_torch():
+    for q in (torch.zeros(1, 2, 8), torch.zeros(1, 2, 24), torch.zeros(1, 2, 272), torch.zeros(1, 2, 64).double()):
+        assert cpu_attention.kernel_for(q) is None
+        assert cpu_attention.gather_kernel_for(q, torch.zeros(1)) is None
+    assert cpu_attention.gather_kernel_for(torch.zeros(1, 1, 1, 16), torch.zeros(1, dtype=torch.bfloat16)) is None
+
+
+def test_switched_off_by_the_environment():
+    code = ("import torch; from promptcache.engine import cpu_attention as c; "
+            "print(c.kernel_for(torch.zeros(1, 1, 16)), c.unavailable_reason())")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, cpu_attention.ENV_SWITCH: "0"})
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == f"None turned off by {cpu_attention.ENV_SWITCH}"
+
+
+def test_the_serving_engine_attends_through_it_and_stays_exact(op, monkeypatch):
+    """Requests served together (chunked prefill, batched decode) call the native kernel, and their
+    logits and greedy tokens still equal the oracle's (test_serving holds every family to it)."""
+    from oracle import definition_greedy, definition_state
+    from promptcache import PromptCache
+    from promptcache.engine.kvpool import KVPool
+    from promptcache.engine.request import Request
+    from promptcache.engine.sampling import SamplingParams
+    from promptcache.engine.serving import ServingScheduler
+    from tiny import make_model, make_tokenizer
+    from trip import PROMPTS, SCHEMA
+
+    calls = {"kernel_for": [], "gather_kernel_for": []}
+
+    def counted(name):
+        real = getattr(cpu_attention, name)
+
+        def wrapper(*args):
+            kernel = real(*args)
+            calls[name].append(kernel is not None)
+            return kernel
+        return wrapper
+
+    for name in calls:
+        monkeypatch.setattr(cpu_attention, name, counted(name))
+    pc = PromptCache(make_model("llama"), make_tokenizer())
+    pc.add_schema(SCHEMA)
+    sched = ServingScheduler(pc.runner, KVPool(pc.runner.spec, pc.device, 1024, 16), token_budget=12)
+    reqs = [Request(None, SamplingParams(max_new_tokens=6, temperature=0.0), pc.tokenizer,
+                    plan=lambda pool, p=p: pc.plan(p, recompute=0)) for p in PROMPTS]
+    for r in reqs:
+        sched.add(r)
+    while sched.has_work:
+        sched.step()
+    for name, used in calls.items():  # head dim 16: every CPU attention call went native
+        assert used and all(used), name
+    schema = pc.schema("trip").layout
+    for prompt, req in zip(PROMPTS, reqs):
+        ref, _, _ = definition_state(pc.model, schema, pc.layout(prompt))
+        assert torch.max(torch.abs(req.prefill.logits - ref)).item() <= 1e-4, prompt
+        assert req.token_ids == definition_greedy(pc.model, schema, pc.layout(prompt), 6, eos=3), prompt
