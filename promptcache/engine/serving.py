@@ -46,6 +46,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..tunables import MIN_CHUNK
+from . import cpu_attention
 from .kvpool import KVPool, PoolFull, SharedEntry
 from .paged import PagedRow, paged_forward
 from .plan import PrefillPlan
@@ -102,6 +103,8 @@ class ServingScheduler(RequestQueue):
         self.steps = 0
         self.prefill_tokens = 0
         self.published_blocks = 0  # own blocks requests shared under chain keys
+        if pool.buf.device.type == "cpu":
+            cpu_attention.available()  # build or load the native kernel now, not in the first request's step
 
     def step(self) -> list[StepOutput]:
         outs = self._cancel()
