@@ -136,11 +136,20 @@ inline void values(const float* p, const float* v, int64_t v_stride, int kn, flo
     for (int c = 0; c < ND; ++c) store(o + i * ND * 16 + c * 16, acc[i][c]);
 }
 
+// The rows left after whole register blocks, in one block of their own (K^T or V read once for them).
+template <int ND, int RR, class F>
+inline void remainder(int left, F&& f) {
+  if constexpr (RR > 1) {
+    if (left == RR - 1) return f(std::integral_constant<int, RR - 1>{});
+    remainder<ND, RR - 1>(left, f);
+  }
+}
+
 template <int ND>
 void scores_rows(const float* q, int64_t q_stride, const float* kt, float scale, float* s, int rows) {
   int i = 0;
   for (; i + kRR <= rows; i += kRR) scores<ND, kRR>(q + i * q_stride, q_stride, kt, scale, s + i * kKeys);
-  for (; i < rows; ++i) scores<ND, 1>(q + i * q_stride, q_stride, kt, scale, s + i * kKeys);
+  remainder<ND, kRR>(rows - i, [&](auto rr) { scores<ND, rr>(q + i * q_stride, q_stride, kt, scale, s + i * kKeys); });
 }
 
 template <int ND>
@@ -148,7 +157,7 @@ void values_rows(const float* p, const float* v, int64_t v_stride, int kn, float
   constexpr int rr = ND <= 4 ? kRR : 2;  // accumulators and operands stay in 32 vector registers
   int i = 0;
   for (; i + rr <= rows; i += rr) values<ND, rr>(p + i * kKeys, v, v_stride, kn, o + i * ND * 16);
-  for (; i < rows; ++i) values<ND, 1>(p + i * kKeys, v, v_stride, kn, o + i * ND * 16);
+  remainder<ND, rr>(rows - i, [&](auto r) { values<ND, r>(p + i * kKeys, v, v_stride, kn, o + i * ND * 16); });
 }
 
 // Online-softmax attention of `rows` (<= kRows) queries q (row stride q_stride) over keys
@@ -214,15 +223,17 @@ struct TileRef {
   int64_t v_stride;
 };
 
-// K^T of one key tile (kn keys, row pointers from key(j)) into kt [D][kKeys], zero-padded.
-template <int D, class Key>
+// K^T of one key tile (kn keys, row pointers from key(j)) into kt [D][kKeys]; Pad: zeros after
+// kn (else whatever finite values kt held: those scores are masked before they are used).
+template <int D, bool Pad, class Key>
 inline void pack_tile(float* kt, int kn, Key&& key) {
   for (int j = 0; j < kn; ++j) {
     const float* kj = key(j);
     for (int d = 0; d < D; ++d) kt[d * kKeys + j] = kj[d];
   }
-  for (int d = 0; d < D; ++d)
-    for (int j = kn; j < kKeys; ++j) kt[d * kKeys + j] = 0.0f;
+  if constexpr (Pad)
+    for (int d = 0; d < D; ++d)
+      for (int j = kn; j < kKeys; ++j) kt[d * kKeys + j] = 0.0f;
 }
 
 struct Args {
@@ -243,7 +254,7 @@ void run(const Args& a, int64_t heads) {
     for (int64_t w = b; w < e; ++w) {
       const int64_t x = w / blocks, j0 = (w % blocks) * kKeys;
       const float* k = a.k + x * a.ks0 + j0 * a.ks1;
-      pack_tile<D>(a.kt + w * D * kKeys, static_cast<int>(std::min<int64_t>(kKeys, a.n - j0)),
+      pack_tile<D, true>(a.kt + w * D * kKeys, static_cast<int>(std::min<int64_t>(kKeys, a.n - j0)),
                    [&](int j) { return k + j * a.ks1; });
     }
   });
@@ -272,13 +283,14 @@ void run_gather(const float* q, const float* kbuf, const float* vbuf, int64_t ks
   at::parallel_for(0, heads * b, 1, [&](int64_t lo, int64_t hi) {
     alignas(64) float kt[D * kKeys];
     alignas(64) float vt[kKeys * D];
+    std::memset(kt, 0, sizeof kt);  // finite from the start: tiles are packed without padding
     for (int64_t w = lo; w < hi; ++w) {
       const int64_t x = w / b, row = w % b, n = lengths[row];
       const int64_t* sl = slots + row * width;
       const float* k = kbuf + x * ks0;
       const float* v = vbuf + x * vs0;
       auto tiles = [&](int64_t j0, int kn) {
-        pack_tile<D>(kt, kn, [&](int j) { return k + sl[j0 + j] * ks1; });
+        pack_tile<D, false>(kt, kn, [&](int j) { return k + sl[j0 + j] * ks1; });
         for (int j = 0; j < kn; ++j) std::memcpy(vt + j * D, v + sl[j0 + j] * vs1, sizeof(float) * D);
         return TileRef{kt, vt, D};
       };
