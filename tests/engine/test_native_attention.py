@@ -36,7 +36,9 @@ def close(got, want):
 
 
 @pytest.mark.parametrize("x,m,n,d", [(3, 192, 1024, 64), (3, 3, 300, 64), (2, 5, 70, 16), (4, 49, 129, 32),
-                                     (1, 1, 1, 128), (2, 33, 65, 80), (1, 7, 64, 256), (2, 100, 2, 48)])
+                                     (1, 1, 1, 128), (2, 33, 65, 80), (1, 7, 64, 256), (2, 100, 2, 48),
+                                     # few query rows over many keys: the keys are split, the parts merged
+                                     (3, 3, 2048, 64), (1, 2, 1000, 32)])
 def test_equals_float64_attention(op, x, m, n, d):
     g = torch.Generator().manual_seed(m * n + d)
     q, k, v = (torch.randn(x, r, d, generator=g) * 2 for r in (m, n, n))

@@ -258,17 +258,52 @@ void run(const Args& a, int64_t heads) {
                    [&](int j) { return k + j * a.ks1; });
     }
   });
-  const int64_t tiles = (a.m + kRows - 1) / kRows;
-  at::parallel_for(0, heads * tiles, 1, [&](int64_t b, int64_t e) {
+  // few query tiles (decode rows over a long prompt): the keys are split too, so both threads
+  // work, and the splits' partial results merged by log-sum-exp (flash decoding)
+  const int64_t tiles = (a.m + kRows - 1) / kRows, items = heads * tiles;
+  int64_t splits = 1;
+  if (a.causal_t == 0 && items < 4 * at::get_num_threads())
+    splits = std::max<int64_t>(1, std::min<int64_t>((4 * at::get_num_threads() + items - 1) / items, blocks / 4));
+  const int64_t per = (blocks + splits - 1) / splits * kKeys;  // keys per split: whole key tiles
+  splits = (a.n + per - 1) / per;
+  at::Tensor part;
+  float *po = a.out, *pl = a.lse;
+  if (splits > 1) {
+    part = at::empty({splits * heads * a.m * (D + 1)}, at::TensorOptions().dtype(at::kFloat));
+    po = part.data_ptr<float>();
+    pl = po + splits * heads * a.m * D;
+  }
+  at::parallel_for(0, splits * items, 1, [&](int64_t b, int64_t e) {
     for (int64_t w = b; w < e; ++w) {
-      const int64_t x = w / tiles, r0 = (w % tiles) * kRows;
+      const int64_t sp = w / items, x = (w % items) / tiles, r0 = (w % tiles) * kRows;
+      const int64_t k0 = sp * per, kn = std::min(per, a.n - k0);
       const int rows = static_cast<int>(std::min<int64_t>(kRows, a.m - r0));
-      int64_t limit[kRows];  // the last key each query sees
-      for (int i = 0; i < rows; ++i) limit[i] = a.causal_t > 0 ? (r0 + i) % a.causal_t : a.n - 1;
-      const float* v = a.v + x * a.vs0;
-      attend_rows<ND>(a.q + x * a.qs0 + r0 * a.qs1, a.qs1, rows, limit, a.n, a.scale,
-                      [&](int64_t j0, int) { return TileRef{a.kt + (x * blocks + j0 / kKeys) * D * kKeys, v + j0 * a.vs1, a.vs1}; },
-                      a.out + (x * a.m + r0) * D, a.lse + x * a.m + r0);
+      int64_t limit[kRows];  // the last key each query sees (from k0)
+      for (int i = 0; i < rows; ++i) limit[i] = a.causal_t > 0 ? (r0 + i) % a.causal_t : kn - 1;
+      const float* v = a.v + x * a.vs0 + k0 * a.vs1;
+      const int64_t block0 = x * blocks + k0 / kKeys;
+      attend_rows<ND>(a.q + x * a.qs0 + r0 * a.qs1, a.qs1, rows, limit, kn, a.scale,
+                      [&](int64_t j0, int) { return TileRef{a.kt + (block0 + j0 / kKeys) * D * kKeys, v + j0 * a.vs1, a.vs1}; },
+                      po + ((sp * heads + x) * a.m + r0) * D, pl + (sp * heads + x) * a.m + r0);
+    }
+  });
+  if (splits == 1) return;
+  const int64_t total = heads * a.m;
+  at::parallel_for(0, total, 16, [&](int64_t b, int64_t e) {
+    for (int64_t r = b; r < e; ++r) {
+      float top = kNegInf;
+      for (int64_t sp = 0; sp < splits; ++sp) top = std::max(top, pl[sp * total + r]);
+      v16 acc[ND];
+      for (int c = 0; c < ND; ++c) acc[c] = v16{};
+      float sum = 0.0f;
+      for (int64_t sp = 0; sp < splits; ++sp) {
+        const float wgt = std::exp(pl[sp * total + r] - top);
+        sum += wgt;
+        const float* o = po + (sp * total + r) * D;
+        for (int c = 0; c < ND; ++c) acc[c] += load(o + c * 16) * splat(wgt);
+      }
+      for (int c = 0; c < ND; ++c) store(a.out + r * D + c * 16, acc[c] * splat(1.0f / sum));
+      a.lse[r] = top + std::log(sum);
     }
   });
 }
