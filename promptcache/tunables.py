@@ -33,8 +33,9 @@ MIN_CHUNK = 16
 # longer one (a request that computed its whole prompt) is read in place on its own: padding every
 # row to it made the gather of 64 rows behind a 1K prompt 16 ms a layer (SmolLM2, measured).
 GATHER_MAX = 256
-# Decode rows' own tokens are attended with plain matrix products (one batched product, softmax,
-# one product) from this many rows on, with torch's fused CPU attention below it. The fused kernel
+# Without the native CPU kernel (engine/cpu_attention.py; it reads decode rows' own keys by slot
+# itself), decode rows' own tokens are attended with plain matrix products (one batched product,
+# softmax, one product) from this many rows on, with torch's fused CPU attention below it. The fused kernel
 # pays per (row, head) item: matrix products vs fused, 37 vs 63 us a layer at 8 rows, 48 vs 99 at
 # 16, 105 vs 385 at 64; below 8 rows the fused kernel is as fast or faster (SmolLM2's heads,
 # 16-128 own tokens, 2 threads).

@@ -69,12 +69,13 @@ class RunnerConfig:
         False, "CPU, float32: run every linear layer through oneDNN with its weight packed once (about 2x faster "
                "decode on SmolLM2; within float32 rounding of the stock forward; one more copy of the linear "
                "weights in memory).")
-    # serving steps of few tokens run through torch.compile, padded to buckets; CUDA graphs on a GPU
-    # (engine/graphs.py). Off by default: on CPU a decode step is bound by reading the weights and
-    # a compiled step was measured no faster (0.93-0.99x eager at batches 1-64, SmolLM2)
+    # serving steps of few tokens run through torch.compile (engine/graphs.py): on a CPU one graph
+    # with symbolic sizes, on a GPU padded buckets captured as CUDA graphs. Off by default: it adds
+    # the compiles to a server's start (~15-40 s), for 2-11% faster steps on SmolLM2 (eval/README)
     compile: bool = setting(
-        False, "Compile serving steps of few tokens (decode, short prefills) with torch.compile, padded to "
-               "buckets; CUDA graphs on a GPU. Each bucket compiles once on first use (kept on disk).")
+        False, "Compile serving steps of few tokens (decode, short prefills) with torch.compile: on a CPU one "
+               "graph with symbolic sizes, compiled at start; on a GPU padded buckets as CUDA graphs. Compiled "
+               "graphs are kept on disk (inductor's cache).")
 
     def __post_init__(self):
         if isinstance(self.encode_chunk, bool) or not isinstance(self.encode_chunk, int) or self.encode_chunk < 1:

@@ -13,13 +13,16 @@ queries to:
     (their queries stacked into one matrix product: cascade attention); and
   * its **own tokens** (earlier chunks, generated tokens and this step's tokens, causal among
     the new ones), from its pool slots. Decode rows are batched: their own keys (a few dozen
-    per request) are gathered into one padded tensor, the only copy on the hot path.
+    per request) are gathered into one padded tensor, the only copy on the hot path (none with
+    the native CPU kernel, which reads them by slot).
 
 Partial results are merged by log-sum-exp in float32, which is exact algebra: the result equals
 attention over the concatenated keys up to float rounding. A step of decode rows only (the steady
-state of serving) takes a shorter path with the same algebra (``_attend_decodes``); from
+state of serving) takes a shorter path with the same algebra (``_attend_decodes``). On a CPU the
+attention calls run in the native kernel (``cpu_attention``: 2-3x torch's fused kernel here),
+which also reads decode rows' own keys from their slots without the gather; without it, from
 ``tunables.DECODE_MATMUL_ROWS`` rows on, the rows' own tokens go through matrix products instead
-of the fused kernel. Segments keep their position IDs (the
+of torch's fused kernel. Segments keep their position IDs (the
 keys were rotated when they were computed), so Prompt Cache's gaps, unions and parameters need
 nothing here. ``paged_refusal`` says why a model cannot run this way (ALiBi, sliding windows, or
 a self-check against the stock forward that fails); the server then keeps the older path.
