@@ -80,7 +80,8 @@ inline v16 vexp(v16 x) {
 }
 
 inline v16 vmax(v16 a, v16 b) { return a > b ? a : b; }
-inline float hmax(v16 v) {  // a shuffle tree
+#if defined(__clang__) || (defined(__GNUC__) && __GNUC__ >= 12)  // __builtin_shufflevector: a shuffle tree
+inline float hmax(v16 v) {
   v = vmax(v, __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7));
   v = vmax(v, __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11));
   v = vmax(v, __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13));
@@ -94,6 +95,18 @@ inline float hsum(v16 v) {
   v += __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
   return v[0];
 }
+#else  // an older GCC: lane by lane
+inline float hmax(v16 v) {
+  float m = v[0];
+  for (int i = 1; i < 16; ++i) m = std::max(m, v[i]);
+  return m;
+}
+inline float hsum(v16 v) {
+  float s = 0.0f;
+  for (int i = 0; i < 16; ++i) s += v[i];
+  return s;
+}
+#endif
 
 // S[RR][kKeys] = scale * Q[RR][D] . Kt[D][kKeys]
 template <int ND, int RR>
