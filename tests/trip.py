@@ -1,5 +1,6 @@
 """The travel schema and prompts the serving tests share: a module gap, a union, parameters, an
-uncached module, and a prompt with no new tokens; ``POOLED``: the families the KV pool serves."""
+uncached module, and a prompt with no new tokens; ``POOLED``: the families the KV pool serves;
+``serve_together``: prompts served at once through the serving core."""
 
 POOLED = ["gpt2", "gpt_neox", "llama", "mistral", "opt", "phi3", "qwen2", "qwen3"]
 
@@ -23,3 +24,23 @@ PROMPTS = [
     '<prompt schema="trip"><cheap/><note/> Now.</prompt>',  # an uncached module
     '<prompt schema="trip"><paris/><cheap/></prompt>',  # no new tokens: the last cached one runs
 ]
+
+
+def serve_together(pc, prompts: list[str], max_new: int = 6, budget: int = 12, forward=None) -> list:
+    """``prompts`` (PML) served together by one ``ServingScheduler`` over a fresh 1024-token KV pool
+    (chunks of at most ``budget`` tokens, states read in place: recompute=0, greedy, ``max_new``
+    tokens each; ``forward``: the step's forward, default the eager one). The finished requests."""
+    from promptcache.engine.kvpool import KVPool
+    from promptcache.engine.request import Request
+    from promptcache.engine.sampling import SamplingParams
+    from promptcache.engine.serving import ServingScheduler
+
+    sched = ServingScheduler(pc.runner, KVPool(pc.runner.spec, pc.device, 1024, 16), token_budget=budget,
+                             forward=forward)
+    reqs = [Request(None, SamplingParams(max_new_tokens=max_new, temperature=0.0), pc.tokenizer,
+                    plan=lambda pool, p=p: pc.plan(p, recompute=0)) for p in prompts]
+    for r in reqs:
+        sched.add(r)
+    while sched.has_work:
+        sched.step()
+    return reqs

@@ -119,25 +119,12 @@ def test_compiled_steps_with_cuda_graphs_equal_eager_steps_on_the_gpu():
     """engine/graphs.py on CUDA: graphs between attention operations captured and replayed; the
     answers equal the eager paged steps' (float32 logits within 1e-4, the same greedy tokens)."""
     from promptcache.engine.graphs import CompiledSteps
-    from promptcache.engine.kvpool import KVPool
-    from promptcache.engine.serving import ServingScheduler
+    from trip import serve_together
 
     pc = engine("cuda")  # float32 on the GPU
-
-    def serve(forward):
-        pool = KVPool(pc.runner.spec, pc.device, 1024, 16)
-        sched = ServingScheduler(pc.runner, pool, token_budget=12, forward=forward)
-        reqs = [Request(None, SamplingParams(max_new_tokens=6, temperature=0.0), pc.tokenizer,
-                        plan=lambda pool, p=p: pc.plan(p, recompute=0)) for p in PROMPTS]
-        for r in reqs:
-            sched.add(r)
-        while sched.has_work:
-            sched.step()
-        return reqs
-
-    want = serve(None)
+    want = serve_together(pc, PROMPTS)
     steps = CompiledSteps(pc.runner, buckets=(1, 2, 4, 8))
-    got = serve(steps.forward)
+    got = serve_together(pc, PROMPTS, forward=steps.forward)
     got_again = serve(steps.forward)  # replayed graphs
     for a, b, c in zip(want, got, got_again):
         assert torch.max(torch.abs(a.prefill.logits - b.prefill.logits)).item() <= 1e-4

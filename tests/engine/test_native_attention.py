@@ -133,12 +133,8 @@ def test_the_serving_engine_attends_through_it_and_stays_exact(op, monkeypatch):
     logits and greedy tokens still equal the oracle's (test_serving holds every family to it)."""
     from oracle import definition_greedy, definition_state
     from promptcache import PromptCache
-    from promptcache.engine.kvpool import KVPool
-    from promptcache.engine.request import Request
-    from promptcache.engine.sampling import SamplingParams
-    from promptcache.engine.serving import ServingScheduler
     from tiny import make_model, make_tokenizer
-    from trip import PROMPTS, SCHEMA
+    from trip import PROMPTS, SCHEMA, serve_together
 
     calls = {"kernel_for": [], "gather_kernel_for": []}
 
@@ -155,13 +151,7 @@ def test_the_serving_engine_attends_through_it_and_stays_exact(op, monkeypatch):
         monkeypatch.setattr(cpu_attention, name, counted(name))
     pc = PromptCache(make_model("llama"), make_tokenizer())
     pc.add_schema(SCHEMA)
-    sched = ServingScheduler(pc.runner, KVPool(pc.runner.spec, pc.device, 1024, 16), token_budget=12)
-    reqs = [Request(None, SamplingParams(max_new_tokens=6, temperature=0.0), pc.tokenizer,
-                    plan=lambda pool, p=p: pc.plan(p, recompute=0)) for p in PROMPTS]
-    for r in reqs:
-        sched.add(r)
-    while sched.has_work:
-        sched.step()
+    reqs = serve_together(pc, PROMPTS)
     for name, used in calls.items():  # head dim 16: every CPU attention call went native
         assert used and all(used), name
     schema = pc.schema("trip").layout
