@@ -66,6 +66,7 @@ def _build():
     digest = hashlib.sha256(source + " ".join(_CFLAGS).encode() + _cpu_flags().encode()
                             + torch.__version__.encode()).hexdigest()[:12]
     t0 = time.perf_counter()
+    log.info("loading the native CPU attention kernel (compiled on first use on this machine: ~10 s)")
     cpp_extension.load(name=f"promptcache_attention_{digest}", sources=[str(_SOURCE)], extra_cflags=_CFLAGS,
                        extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
     ops = torch.ops.promptcache_native
