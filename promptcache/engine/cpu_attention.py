@@ -59,7 +59,7 @@ def _cpu_flags() -> str:
 
 
 def _build():
-    """Compile (or find compiled) and load the extension; returns the op."""
+    """Compile (or find compiled) and load the extension; returns its ops (torch.ops.promptcache_native)."""
     from torch.utils import cpp_extension  # heavy: only when the kernel is wanted
 
     source = _SOURCE.read_bytes()
