@@ -175,7 +175,7 @@ void values_rows(const float* p, const float* v, int64_t v_stride, int kn, float
 
 // Online-softmax attention of `rows` (<= kRows) queries q (row stride q_stride) over keys
 // 0 .. n-1, query i seeing keys 0 .. limit[i]; key tile j0 comes from
-// tiles(j0, kn) -> {K^T [D][kKeys] zero-padded, V rows, V row stride}. Writes out rows (stride D)
+// tiles(j0, kn) -> {K^T [D][kKeys] (finite past kn: masked), V rows, V row stride}. Writes out rows (stride D)
 // and lse.
 template <int ND, class Tiles>
 void attend_rows(const float* q, int64_t q_stride, int rows, const int64_t* limit, int64_t n, float scale,
