@@ -19,7 +19,10 @@ of eagerly, with the same inputs and the same answer as ``paged.paged_forward``:
 * **Guards.** The compiled model's modules do not change after compiling (packing happens
   before), so dynamo is told not to guard on them (``torch.compiler``'s
   ``skip_guard_on_all_nn_modules_unsafe``): checking ~300 parameters' guards cost 1.3 ms a step
-  on SmolLM2, most of what compiling saved. Inputs' shapes and dtypes are still guarded.
+  on SmolLM2, most of what compiling saved. Inputs' shapes and dtypes are still guarded. Dynamo
+  keeps graphs per code object, so without those guards two models of one class would share a
+  graph (the second then ran with the first one's dtype and constants): each ``CompiledSteps``
+  compiles a step function with a code object of its own (``_own_step``).
 * **The pool stays an input.** Attention is one opaque custom op per layer
   (``promptcache::paged_attention``) that writes the layer's new keys/values into their pool
   slots and reads the pool as the step's plan says (``paged.attend``: shared segments in place,
@@ -48,10 +51,12 @@ at the first start (less from inductor's cache); hence opt-in.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import threading
 import time
+import types
 from contextlib import contextmanager
 
 import torch
@@ -157,6 +162,20 @@ def compile_options(device: torch.device) -> dict:
     return options
 
 
+_steps_made = itertools.count()
+
+
+def _own_step(model):
+    """``model(**kwargs)`` as a function whose code object is this model's alone: dynamo caches
+    compiled graphs on code objects and, not guarding the modules, would hand a graph traced for
+    one model to another of the same class (seen: a bfloat16 model given a float32 one's graph)."""
+    def step(**kwargs):
+        return model(**kwargs)
+
+    code = step.__code__.replace(co_name=f"compiled_step_{next(_steps_made)}")
+    return types.FunctionType(code, step.__globals__, code.co_name, None, step.__closure__)
+
+
 def _keep_graphs(limit: int) -> None:
     """Each bucket pair is a recompile of the same model code; dynamo keeps 8 per code object by
     default and then runs eagerly. Raised to ``limit`` (dynamo's documented setting, reached by
@@ -188,7 +207,7 @@ class CompiledSteps:
         _keep_graphs(2 * len(self.buckets) ** 2)
         self._cuda = runner.device.type == "cuda"
         self.pad = self._cuda if pad is None else pad
-        self._fn = torch.compile(runner.model, fullgraph=True, dynamic=not self.pad,
+        self._fn = torch.compile(_own_step(runner.model), fullgraph=True, dynamic=not self.pad,
                                  options=compile_options(runner.device))
         self.compile_seconds: dict[tuple[int, int], float] = {}
         self.compiled_steps = 0

@@ -101,6 +101,25 @@ def test_compiled_steps_equal_eager_steps(family, tokenizer):
     check_family(family, tokenizer)
 
 
+def test_two_models_of_one_class_get_graphs_of_their_own(tokenizer):
+    """The modules are not guarded, so a graph must never pass from one model to another of the
+    same class: a bfloat16 model compiled after a float32 one (its graph has float32 weights
+    baked into its kernels' types) runs graphs of its own and agrees with its eager steps
+    within bfloat16's rounding (the rule of the test below)."""
+    first = PromptCache(make_model("llama"), tokenizer)
+    first.add_schema(SCHEMA)
+    serve(first, CompiledSteps(first.runner, buckets=(1, 2, 4, 8)).forward, 12)
+    second = PromptCache(fresh_model("llama").to(torch.bfloat16), tokenizer)
+    second.add_schema(SCHEMA)
+    want, _ = serve(second, None, 12)
+    steps = CompiledSteps(second.runner, buckets=(1, 2, 4, 8))
+    got, _ = serve(second, steps.forward, 12)
+    assert steps.compiled_steps > 0
+    for prompt, a, b in zip(PROMPTS, want, got):
+        assert a.error is None and b.error is None, (prompt, b.error)
+        assert torch.max(torch.abs(a.prefill.logits.float() - b.prefill.logits.float())).item() <= 0.4, prompt
+
+
 @pytest.mark.slow
 def test_bfloat16_compiled_steps_stay_as_close_to_the_float32_oracle_as_eager_ones(tokenizer):
     """bfloat16 (docs/DESIGN.md section 4): compiled and eager steps round differently, so they are
