@@ -131,8 +131,8 @@ class KVPool:
             self._evict(key)
             budget -= len(blocks)
             free.update(blocks)
-            for b in blocks:
-                lo, hi = b, b
+            for first, k in runs(sorted(blocks)):  # the free run around each piece, walked once
+                lo, hi = first, first + k - 1
                 while lo - 1 in free:
                     lo -= 1
                 while hi + 1 in free:
