@@ -447,3 +447,38 @@ def test_a_step_with_a_chunk_or_a_segment_some_rows_skip_takes_the_general_path(
     a, b = pool.slots(pool.allocate(1), 0, 2), pool.slots(pool.allocate(1), 0, 2)
     assert not paged.build_plan(pool, [paged.PagedRow([0], [0], seg, a), paged.PagedRow([0], [0], [], b)]).decodes_only
     assert not paged.build_plan(pool, [paged.PagedRow([0, 0], [0, 1], seg, a)]).decodes_only
+
+
+@pytest.mark.parametrize("runs", [1, 3, 6])
+@pytest.mark.parametrize("head_dim", [8, 16])
+def test_a_chunk_whose_earlier_tokens_lie_in_pieces_attends_as_plain_causal_attention(runs, head_dim):
+    """A prefill chunk whose row's earlier own tokens lie in several pool runs (a reused prefix's
+    blocks, then blocks of its own) reads each run in place, or all of them gathered past
+    SEGMENTS_MAX runs; either way it equals causal softmax attention over the row's tokens in order."""
+    import promptcache.cache as cache
+    import promptcache.engine.paged as paged
+
+    g = torch.Generator().manual_seed(runs * head_dim)
+    spec = cache.KVSpec(layers=2, kv_heads=2, head_dim=head_dim, dtype=torch.float32)
+    pool = KVPool(spec, torch.device("cpu"), tokens=512, block_size=4)
+    pool.buf.copy_(torch.randn(pool.buf.shape, generator=g))
+    pieces = [pool.allocate(2) for _ in range(runs + 1)]
+    for _ in range(runs):  # blocks in between, so each piece is a run of its own
+        pool.allocate(1)
+    earlier = torch.cat([pool.slots(b, 0, 7) for b in pieces[:runs]])  # 7 tokens of each piece
+    new = pool.slots(pieces[runs], 0, 5)
+    own = torch.cat([earlier, new])
+    plan = paged.build_plan(pool, [paged.PagedRow([0] * 5, list(range(5)), [], own)])
+    (_, _, new_part, parts), = plan.prefills
+    assert isinstance(new_part, slice)
+    assert len(parts) == (runs if runs <= paged.SEGMENTS_MAX else 1)
+    assert all(isinstance(p, slice) for p in parts) == (runs <= paged.SEGMENTS_MAX)
+    query = torch.randn((1, 6, 5, head_dim), generator=g)  # 6 query heads over 2 kv heads
+    got = paged.attend(plan, 1, query)  # [1, 5, Hq, D]
+    k, v = pool.buf[1, 0][:, own], pool.buf[1, 1][:, own]  # [Hk, n, D]
+    n = own.numel()
+    for i in range(5):  # new token i sees the earlier tokens and new tokens 0..i
+        q = query[0, :, i].view(2, 3, head_dim)
+        seen = n - 5 + i + 1
+        want = torch.softmax(q @ k[:, :seen].transpose(1, 2) / head_dim ** 0.5, dim=-1) @ v[:, :seen]
+        assert torch.allclose(got[0, i], want.reshape(6, head_dim), atol=1e-5, rtol=0)
