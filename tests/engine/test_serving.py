@@ -462,8 +462,9 @@ def test_a_chunk_whose_earlier_tokens_lie_in_pieces_attends_as_plain_causal_atte
     spec = cache.KVSpec(layers=2, kv_heads=2, head_dim=head_dim, dtype=torch.float32)
     pool = KVPool(spec, torch.device("cpu"), tokens=512, block_size=4)
     pool.buf.copy_(torch.randn(pool.buf.shape, generator=g))
-    pieces = [pool.allocate(2) for _ in range(runs + 1)]
-    for _ in range(runs):  # blocks in between, so each piece is a run of its own
+    pieces = []
+    for _ in range(runs + 1):  # a block between pieces, so each piece is a run of its own
+        pieces.append(pool.allocate(2))
         pool.allocate(1)
     earlier = torch.cat([pool.slots(b, 0, 7) for b in pieces[:runs]])  # 7 tokens of each piece
     new = pool.slots(pieces[runs], 0, 5)
