@@ -26,7 +26,7 @@ import torch
 from promptcache.bench import load_avg, round_robin
 from promptcache.engine import cpu_attention
 
-from .common import RESULTS, pyplot, write_csv
+from .common import RESULTS, pyplot, save_table
 
 HK, G, D = 3, 3, 64  # SmolLM2-135M: key/value heads, query heads per key/value head, head dim
 OWN = 40  # own keys of each decode row (its prompt's last part and generated tokens)
@@ -126,9 +126,7 @@ def main(argv=None) -> list[dict]:
     for r in rows:
         print(f"{r['cell']:48s} {r['op']:14s} {r['native_ms']:10.3f} {r['torch_ms']:9.3f} "
               f"{r['native_gflops']:7.0f} /{r['torch_gflops']:6.0f} {r['speedup']:7.2f}x")
-    path = write_csv("attention.csv", rows, args.out)
-    plot(rows, Path(args.out) / "attention.png")
-    print(f"wrote {path} and attention.png (load {load_avg()})")
+    save_table("attention", rows, args.out, plot)
     return rows
 
 

@@ -28,7 +28,7 @@ import torch
 
 from promptcache.bench import load_avg
 
-from .common import RESULTS, pyplot, write_csv
+from .common import RESULTS, pyplot, save_table
 
 # a process that spins for ``duty`` of every 10 ms and sleeps the rest, until killed
 _HOG = """
@@ -143,9 +143,7 @@ def main(argv=None) -> list[dict]:
     print(f"{'rows':>5s} {'CPU taken':>10s} {'step ms':>8s} {'slowdown':>9s}")
     for r in rows:
         print(f"{r['rows']:5d} {100 * r['cores_taken']:9.1f}% {r['step_ms']:8.1f} {r['slowdown']:8.3f}x")
-    path = write_csv("contention.csv", rows, args.out)
-    plot(rows, Path(args.out) / "contention.png")
-    print(f"wrote {path} and contention.png (load {load_avg()})")
+    save_table("contention", rows, args.out, plot)
     return rows
 
 

@@ -95,6 +95,16 @@ def write_csv(name: str, rows: list[dict], out: Path | str | None = None) -> Pat
     return path
 
 
+def save_table(stem: str, rows: list[dict], out: Path | str | None, plot) -> None:
+    """``rows`` to ``out/stem.csv`` (``write_csv``) and ``plot(rows, out/stem.png)``; says where, and
+    the load average at the end (a figure taken under load is no figure)."""
+    from promptcache.bench import load_avg
+
+    path = write_csv(f"{stem}.csv", rows, out)
+    plot(rows, path.with_suffix(".png"))
+    print(f"wrote {path} and {stem}.png (load {load_avg()})")
+
+
 def add_model_args(ap, model: str = "embedded:bench") -> None:
     """--model / --device / --dtype, the same in every study and benchmark."""
     import torch
