@@ -8,8 +8,9 @@ products through MKL's sgemm, which on an AMD CPU takes its AVX2 path: on the 2-
 where promptcache is measured, a 1024^3 ``torch.mm`` runs at ~225 GFLOP/s and the fused attention
 at ~170, while oneDNN's packed linear reaches ~508. The kernel here (one pass of online softmax
 over tiles that stay in L1, register-blocked vector loops, torch's own OpenMP threads) ran
-SmolLM2's shapes at 360-400 GFLOP/s on that machine: 2.0-2.2x torch's kernel, 3.1x on the causal
-chunk of a prefill, 1.2-1.3x for a single decode row (``eval/README.md``).
+SmolLM2's shapes with 16 or more query rows at 258-407 GFLOP/s on that machine: 1.7-2.4x
+torch's kernel, 3.6x on the causal chunk of a prefill, 1.5x for a single decode row
+(``eval/bench_attention.py``, eval/README.md).
 
 It is compiled at first use with torch's C++ extension loader (the system's C++ compiler and
 ``ninja``; ``-march=native``, so the build is keyed by this machine's CPU flags) into torch's

@@ -113,11 +113,13 @@ class KVPool:
                            f"{self.num_blocks} ({self.num_blocks * self.block_size} tokens); raise the pool size")
         if count > self.available_blocks:
             return None
-        if not any(k >= count for _, k in runs(self._free)):
+        free_runs = runs(self._free)
+        if not any(k >= count for _, k in free_runs):  # (with a run that fits, nothing is evicted)
             self._open_run(count)
-        while len(self._free) < count:
-            self._evict_one()
-        return self._take(count)
+            while len(self._free) < count:
+                self._evict_one()
+            free_runs = runs(self._free)
+        return self._take(count, free_runs)
 
     def _open_run(self, count: int) -> None:
         """Evict idle, unpinned entries, least recently used first, until ``count`` free blocks
@@ -145,10 +147,10 @@ class KVPool:
         if blocks:
             self._free = sorted(self._free + list(blocks))
 
-    def _take(self, count: int) -> list[int]:
-        """``count`` free blocks: the first run long enough, else the longest runs first (the
-        fewest pieces: attention reads each piece of a shared prompt as its own segment)."""
-        free_runs = runs(self._free)
+    def _take(self, count: int, free_runs: list[tuple[int, int]]) -> list[int]:
+        """``count`` free blocks (``free_runs``: ``runs`` of the free list): the first run long
+        enough, else the longest runs first (the fewest pieces: attention reads each piece of a
+        shared prompt as its own segment)."""
         fit = next(((a, k) for a, k in free_runs if k >= count), None)
         chosen, left = [], count
         for first, k in [fit] if fit else sorted(free_runs, key=lambda r: -r[1]):

@@ -17,7 +17,8 @@
 // the 2-core EPYC promptcache is measured on, where oneDNN's linears reach ~508. This is one pass
 // of online softmax (flash attention) over tiles that stay in L1: 48 queries x 64 keys, Q K^T and
 // P V in register-blocked vector loops (6 query rows x 64 keys, 6 query rows x D; 24 accumulators),
-// exp in a vector polynomial, K^T packed once per call: 360-400 GFLOP/s there.
+// exp in a vector polynomial, K^T packed once per call: 258-407 GFLOP/s there with 16 or more
+// query rows (eval/bench_attention.py).
 //
 // Portable C++: GCC/Clang vector extensions, lowered to AVX-512, AVX2 or SSE by -march; threads
 // from ATen's parallel_for (torch's own pool).
