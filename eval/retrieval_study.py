@@ -32,6 +32,8 @@ from typing import Callable
 
 import torch
 
+from promptcache.engine import PrefilledPrompt
+
 from .metrics import kl_divergence
 from .recompute_reference import Prompt, blend, greedy, independent_kv
 from .selections import SELECTIONS
@@ -79,7 +81,7 @@ def engine_answer(pc, req: Request, max_new_tokens: int, **kw) -> Answer:
     logits, ttft = res.logits.clone(), res.ttft
     n_cached = max(res.cached_tokens, 1)
     rec = getattr(res, "recomputed_tokens", 0) / n_cached
-    text = pc.generate_from(lambda reserve: res, max_new_tokens=max_new_tokens).text
+    text = pc.generate(PrefilledPrompt(res), max_new_tokens=max_new_tokens).text
     return Answer(logits, text, ttft, rec)
 
 

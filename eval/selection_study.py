@@ -26,6 +26,8 @@ from pathlib import Path
 
 import torch
 
+from promptcache.engine import PrefilledPrompt
+
 HERE = Path(__file__).resolve().parent
 from .common import RESULTS, write_csv
 from .data.make_synthetic import retrieval_samples
@@ -123,7 +125,7 @@ def run_engine(path, samples, fractions, names, save=None, max_new_tokens: int =
             for f in ([0.0] if n == names[0] else []) + list(fractions):
                 res = stores[n].prefill(q, ids, SYSTEM, reserve=64, keep_cache=True, recompute=f)
                 logits = res.logits.clone()
-                text = engines[n].generate_from(lambda reserve, res=res: res, max_new_tokens=max_new_tokens).text
+                text = engines[n].generate(PrefilledPrompt(res), max_new_tokens=max_new_tokens).text
                 cand = sum(len(stores[n].get(d).token_ids) for d in ids)
                 rows.append(dict(common, selection="none" if f == 0 else n, fraction=f,
                                  recomputed=round(res.recomputed_tokens / cand, 4), extra=0,

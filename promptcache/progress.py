@@ -13,7 +13,7 @@ import os
 import sys
 from typing import Callable, TextIO
 
-__all__ = ["Progress", "progress_for"]
+__all__ = ["Progress", "bar_for", "progress_for"]
 
 log = logging.getLogger(__name__)
 
@@ -26,6 +26,12 @@ def progress_for(label: str, unit: str = "tokens", stream: TextIO | None = None)
     if _is_terminal(stream):
         return _Bar(label, unit, stream)
     return _LogLines(label, unit)
+
+
+def bar_for(label: str, unit: str = "tokens", stream: TextIO | None = None) -> Progress | None:
+    """A bar for ``label`` where ``stream`` (default: stderr) is a terminal, else None (no lines)."""
+    stream = stream if stream is not None else sys.stderr
+    return _Bar(label, unit, stream) if _is_terminal(stream) else None
 
 
 def _is_terminal(stream) -> bool:

@@ -30,15 +30,18 @@ def serve_together(pc, prompts: list[str], max_new: int = 6, budget: int = 12, f
     """``prompts`` (PML) served together by one ``ServingScheduler`` over a fresh 1024-token KV pool
     (chunks of at most ``budget`` tokens, states read in place: recompute=0, greedy, ``max_new``
     tokens each; ``forward``: the step's forward, default the eager one). The finished requests."""
+    from promptcache.engine import PmlPrompt
     from promptcache.engine.kvpool import KVPool
     from promptcache.engine.request import Request
     from promptcache.engine.sampling import SamplingParams
     from promptcache.engine.serving import ServingScheduler
+    from promptcache.pml import parse_prompt
 
     sched = ServingScheduler(pc.runner, KVPool(pc.runner.spec, pc.device, 1024, 16), token_budget=budget,
                              forward=forward)
-    reqs = [Request(None, SamplingParams(max_new_tokens=max_new, temperature=0.0), pc.tokenizer,
-                    plan=lambda pool, p=p: pc.plan(p, recompute=0)) for p in prompts]
+    reqs = [Request(PmlPrompt(pc, parse_prompt(p), recompute=0), SamplingParams(max_new_tokens=max_new,
+                                                                                temperature=0.0), pc.tokenizer)
+            for p in prompts]
     for r in reqs:
         sched.add(r)
     while sched.has_work:

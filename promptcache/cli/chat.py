@@ -8,7 +8,7 @@ from pathlib import Path
 
 import click
 
-from ..engine.prefix import PrefixCache
+from ..engine import ServingConfig
 from ..tunables import BLOCK_SIZE
 from .chat_session import ChatSession, default_imports
 from ..frontend.common import load_engine, setup_logging
@@ -43,7 +43,7 @@ def chat(schema, imports, model, device, dtype, engine, config_file, block_size,
     config = engine_config(engine, config_file)
     pc = load_engine(model, device, dtype, config)
     layout = pc.add_schema(Path(schema)).layout if schema else None
-    session = ChatSession(pc, PrefixCache(pc, block_size), layout)
+    session = ChatSession(pc, pc.engine(ServingConfig(block_size=block_size)), layout)
     if layout is not None:
         if imports:
             click.echo(session.command("/use " + " ".join(imports)), err=True)

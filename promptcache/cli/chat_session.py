@@ -9,8 +9,9 @@ user message. How a turn is served:
     they now stand in (the stats line says ``exact`` or ``approximate (recompute r)``). The
     turn's tokens are then run once more in prompt order to store exact prefix blocks, after the
     answer is shown (off the next turn's time to first token);
-  * otherwise through the ``PrefixCache``: the turn's tokens in prompt order (positions 0..n-1)
-    reuse the stored blocks of earlier turns (exact), and only what is new runs.
+  * otherwise as token ids (positions 0..n-1) through the engine's prefix chains: they reuse the
+    blocks of earlier turns, prompt and answer, shared in the KV pool (exact), and only what is
+    new runs, as a server's chat turns do.
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ def turn_prompt(schema: str | None, imports: list[str], history: list[tuple[str,
 @dataclass
 class ChatSession:
     pc: object
-    prefix: object  # engine.prefix.PrefixCache
+    engine: object  # engine.core.Engine: the serving core every turn runs on
     layout: object | None  # the schema's layout (None: a plain chat)
     imports: list[str] = field(default_factory=list)  # module names
     history: list[tuple[str, str]] = field(default_factory=list)
@@ -77,17 +78,15 @@ class ChatSession:
         layout = self.pc.layout(text)
         ids, ns = list(layout.token_ids), self.pc.config.namespace
         stored = sum(len(s.token_ids) for s in layout.spans if s.kind == "cached")  # from module states
-        via_schema = self.layout is not None and stored > self.prefix.match(ids, ns) * self.prefix.block_size
-        if via_schema:
-            out = self.pc.generate(text, max_new_tokens=max_new_tokens)
-        else:
-            out = self.pc.generate_from(self.prefix.starter(ids, ns), max_new_tokens=max_new_tokens)
+        via_schema = self.layout is not None and stored > self.engine.matched_tokens(ids, ns)
+        out = self.pc.generate(text if via_schema else ids, max_new_tokens=max_new_tokens)
         self.history.append((user, out.text.strip()))
         return out, via_schema, ids
 
     def store_blocks(self, ids: list[int]) -> None:
-        """Store a schema-served turn's exact prefix blocks for the turns after it."""
-        self.pc.release(self.prefix.prefill(ids, self.pc.config.namespace))
+        """Compute a schema-served turn's tokens in prompt order once more, so their exact prefix
+        blocks are shared in the pool for the turns after it."""
+        self.pc.generate(ids, max_new_tokens=0)
 
     def stats(self, out) -> str:
         r = self.pc.config.recompute.fraction

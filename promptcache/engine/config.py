@@ -28,14 +28,15 @@ from __future__ import annotations
 import dataclasses
 import re
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 from ..errors import ConfigError
 from ..settings import leaves, nested, setting
 from ..store import StoreConfig
+from ..tunables import BLOCK_SIZE
 from .recompute import AUTO, DEFAULT_SELECTION, check_recompute, check_selection
 
-__all__ = ["EngineConfig", "RecomputeConfig", "RunnerConfig", "check_namespace"]
+__all__ = ["EngineConfig", "RecomputeConfig", "RunnerConfig", "ServingConfig", "check_namespace"]
 
 KV_DTYPES = (None, "float32", "bfloat16", "float16")
 _NAMESPACE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@-]{0,127}")
@@ -85,6 +86,32 @@ class RunnerConfig:
         if self.kv_dtype not in KV_DTYPES:
             raise ConfigError(f"RunnerConfig.kv_dtype must be one of {', '.join(map(str, KV_DTYPES))}, "
                               f"got {self.kv_dtype!r}")
+
+
+@dataclass(frozen=True)
+class ServingConfig:
+    """The serving core's settings (``engine.Engine``: the pool, the step budget, backpressure).
+    ``PromptCache.engine(config)`` takes one; ``promptcache serve`` has one option per field,
+    generated from the field as every settings class's are (``ServerConfig.serving``).
+    Validated on construction: counts >= 1, times > 0."""
+
+    kv_pool_tokens: int = setting(32768, "KV pool size in tokens: running requests' own tokens and shared blocks; a "
+                                  "request waits for room instead of running out of memory (CPU: pages are used "
+                                  "only when written).")
+    block_size: int = setting(BLOCK_SIZE, "Tokens per KV pool block and prefix-reuse block.")
+    max_num_batched_tokens: int = setting(512, "Tokens one engine step may run: a token per decoding request plus "
+                                          "prefill chunks (a long prompt delays the others' next tokens by one "
+                                          "chunk's forward).")
+    max_num_seqs: int = setting(256, "Requests running at once; the rest wait in arrival order.")
+    max_unread: int = setting(256, "Unread events a streaming request may have before it is paused.")
+    pause_timeout: float = setting(30.0, "Seconds a paused request waits for its reader before it is cancelled.")
+
+    def __post_init__(self):
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0 or (f.type == "int" and not isinstance(v, int)):
+                raise ConfigError(f"ServingConfig.{f.name} must be {'an integer >= 1' if f.type == 'int' else '> 0'}, "
+                                  f"got {v!r}")
 
 
 @dataclass(frozen=True, eq=False)

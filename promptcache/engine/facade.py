@@ -4,12 +4,16 @@
     pc.add_schema(Path("schemas/travel.xml"))         # a str is PML text, a Path a file
     out = pc.generate(Path("examples/travel_tokyo.xml"), max_new_tokens=64)
 
-Prompt time (the hot path): layout -> ``assemble`` (store lookups: which stored states go where,
-which tokens run) -> ``ModelRunner.prefill_spliced`` (copy what is not in place into one
-preallocated cache, one forward of the new tokens at their position IDs) -> logits. New tokens
-attend to every cached entry and to the new tokens before them: the paper's definition.
-Decoding runs through a ``Scheduler`` (``stream.py``). Generated tokens take positions after the
-largest position in the prompt. Several threads may call ``generate`` on one PromptCache.
+    outs = pc.generate([prompt_a, prompt_b, [1, 2, 3]])  # a list: continuously batched, in order
+
+Generation (``generate``, ``stream``) runs on the serving core (``core.Engine``: one KV pool, one
+packed forward per step): each prompt becomes a request whose plan (``plan``: store lookups,
+which stored states are read in place, which tokens run at which position IDs) the scheduler
+takes at admission. New tokens attend to every cached entry and to the new tokens before them:
+the paper's definition. Generated tokens take positions after the largest position in the
+prompt. Several threads may call ``generate`` on one PromptCache: they share its engine.
+``prefill`` assembles one prompt in a private buffer (``ModelRunner.prefill_spliced``): the
+logits alone, and the route of prompts that recompute part of their states.
 
 Rooms: ``runner.py`` (model, forwards, buffers), ``registry.py`` (encoded schemas, fingerprints,
 keys), ``encoder.py`` (schema encoding), ``assemble.py`` (prompt plans), ``sampling.py``,
@@ -20,9 +24,9 @@ from __future__ import annotations
 
 import functools
 import logging
+import threading
 import time
 from pathlib import Path
-from typing import Callable
 
 import torch
 
@@ -30,17 +34,20 @@ from ..layout import PromptLayout, SchemaLayout, layout_prompt, layout_schema
 from ..models.packed import pack_linears
 from ..pml import parse_prompt
 from ..pml.nodes import Prompt
-from ..progress import progress_for
+from ..progress import bar_for, progress_for
 from ..store import StoreError, build_store
 from ..tokens import as_span_tokenizer
 from ..tunables import PREWARM_SLACK
 from . import compiled
 from .assemble import assemble, leading_exact
-from .config import EngineConfig
+from .config import EngineConfig, ServingConfig
+from .core import Engine
 from .encoder import Progress, SchemaEncoder
 from .plan import PrefillPlan, Segment
+from .prompts import PmlPrompt, PromptSpec, TokenPrompt
 from .recompute import RecomputeRequest, check_recompute, fraction_of, recompute_request
 from .registry import EncodedSchema, SchemaRegistry
+from .request import Request
 from .results import Generation, PrefillResult
 from .runner import ModelRunner
 from .sampling import SamplingParams, sampling_params
@@ -49,8 +56,6 @@ from .stream import GenerationStream
 __all__ = ["PromptCache"]
 
 log = logging.getLogger(__name__)
-
-Start = Callable[[int], PrefillResult]  # reserve -> a prefill holding its cache
 
 
 class PromptCache:
@@ -69,6 +74,8 @@ class PromptCache:
         self.registry = SchemaRegistry(model, tokenizer, self.runner.stored_spec.bytes_per_token, self.device)
         self.encoder = SchemaEncoder(self.runner, self.config.runner.encode_chunk, self.config.runner.encode_batch_bytes,
                                      self.tok.pad_id)
+        self._engine: Engine | None = None
+        self._engine_lock = threading.Lock()
 
     @classmethod
     def from_pretrained(cls, name_or_path: str | Path, device: str = "cpu", dtype: str = "float32",
@@ -269,36 +276,92 @@ class PromptCache:
         self.runner.forget_placement()
 
     # -- generation ------------------------------------------------------------------------------
+    def engine(self, config: ServingConfig | None = None) -> Engine:
+        """The serving core ``generate`` and ``stream`` run on, built on first use. ``config``: its
+        pool and step settings (default ``ServingConfig()``); a different one rebuilds it, which
+        is refused while it has requests."""
+        with self._engine_lock:
+            if self._engine is not None and config is not None and config != self._engine.config:
+                if self._engine.has_work:
+                    raise RuntimeError("PromptCache.engine(config): the engine has requests running; "
+                                       "change its settings when it is idle")
+                self._engine.close()
+                self._engine = None
+            if self._engine is None:
+                self._engine = Engine(self, config)
+            return self._engine
+
     def generate(self, prompt, params: SamplingParams | None = None, *, use_cache: bool = True,
-                 namespace: str | None = None, recompute: float | str | None = None, **sampling_kwargs) -> Generation:
-        """Generate text after the prompt. ``params`` and/or keywords (``max_new_tokens``,
-        ``temperature``, ``top_p``, ``top_k``, ``repetition_penalty``, ``stop``, ``seed``) set the
-        sampling. ``use_cache=False`` is the baseline: the same tokens in prompt order at
-        contiguous positions, one plain prefill with the ordinary KV cache. ``recompute``: as in
-        ``prefill``."""
-        return self.stream(prompt, params, use_cache=use_cache, namespace=namespace, recompute=recompute,
-                           **sampling_kwargs).run()
+                 namespace: str | None = None, recompute: float | str | None = None,
+                 progress: bool | None = None, **sampling_kwargs) -> Generation | list[Generation]:
+        """Generate text after the prompt, or after each prompt of a list (continuously batched on
+        the serving core; a list of Generations in the same order).
+
+        A prompt is PML (a ``str`` of PML or plain text, a ``Path`` to a PML file, a parsed
+        ``Prompt``), token ids (``list[int]``, positions 0..n-1, reusing stored prefix blocks), chat
+        messages (``list[dict]`` with ``role`` and ``content``, rendered with the tokenizer's chat
+        template and a generation prompt) or a ``PromptSpec`` (``DocumentStore`` builds those). A
+        list of token ids or of messages is ONE prompt; a list of prompts is a batch.
+
+        ``params`` and/or keywords (``max_new_tokens``, ``temperature``, ``top_p``, ``top_k``,
+        ``repetition_penalty``, ``stop``, ``seed``) set the sampling of every prompt.
+        ``use_cache=False`` is the baseline: the same tokens in prompt order at contiguous
+        positions, nothing reused. ``recompute``: as in ``prefill``. ``progress``: a bar over the
+        prompts (default: for a batch, where stderr is a terminal). A prompt that fails raises its
+        error once the batch has finished."""
+        batch = _is_batch(prompt)
+        prompts = list(prompt) if batch else [prompt]
+        params = sampling_params(params, **sampling_kwargs)  # validates before any work
+        self.recompute_fraction(recompute)
+        engine = self.engine()
+        reqs = [Request(self.prompt_spec(p, use_cache=use_cache, namespace=namespace, recompute=recompute),
+                        params, self.tokenizer) for p in prompts]
+        bar = bar_for("generating", "prompts") if (batch if progress is None else progress) else None
+        engine.run(reqs, bar)
+        for r in reqs:
+            if r.error is not None:
+                raise r.error
+        outs = [r.generation() for r in reqs]
+        return outs if batch else outs[0]
 
     def stream(self, prompt, params: SamplingParams | None = None, *, use_cache: bool = True,
                namespace: str | None = None, recompute: float | str | None = None, **sampling_kwargs) -> GenerationStream:
-        """Text pieces as they are decoded (same arguments as ``generate``); after the loop,
-        ``.result`` holds the Generation with its statistics."""
-        self.recompute_fraction(recompute)  # validates before any work
-        start = functools.partial(self._start, prompt, use_cache=use_cache, namespace=namespace,
-                                  recompute=recompute)
-        return self.stream_from(start, params, **sampling_kwargs)
-
-    def generate_from(self, start: Start, params: SamplingParams | None = None, **sampling_kwargs) -> Generation:
-        """Generate from a prefill: ``start(reserve)`` returns a PrefillResult holding its cache
-        (room for ``reserve`` more tokens). ``generate`` and the RAG store use this."""
-        return self.stream_from(start, params, **sampling_kwargs).run()
-
-    def stream_from(self, start: Start, params: SamplingParams | None = None, **sampling_kwargs) -> GenerationStream:
+        """Text pieces as they are decoded (one prompt, same arguments as ``generate``); after the
+        loop, ``.result`` holds the Generation with its statistics."""
         params = sampling_params(params, **sampling_kwargs)  # validates before any work
-        return GenerationStream(self.runner, self.tokenizer, start, params)
+        self.recompute_fraction(recompute)
+        spec = self.prompt_spec(prompt, use_cache=use_cache, namespace=namespace, recompute=recompute)
+        return GenerationStream(self.engine(), Request(spec, params, self.tokenizer))
 
-    def _start(self, prompt, reserve: int, use_cache: bool, namespace: str | None = None,
-               recompute: float | str | None = None) -> PrefillResult:
-        if use_cache:
-            return self.prefill(prompt, reserve, keep_cache=True, namespace=namespace, recompute=recompute)
-        return self.prefill_baseline(prompt, namespace)
+    def prompt_spec(self, prompt, *, use_cache: bool = True, namespace: str | None = None,
+                    recompute: float | str | None = None) -> PromptSpec:
+        """One prompt (any form ``generate`` takes) as the request's ``PromptSpec``, checked now:
+        PML is parsed and laid out (an unknown schema or a prompt past the context fails here)."""
+        if isinstance(prompt, PromptSpec):
+            return prompt
+        ns = self.config.namespace_for(namespace)
+        if isinstance(prompt, list) and prompt and all(isinstance(m, dict) for m in prompt):
+            prompt = self.chat_ids(prompt)
+        if isinstance(prompt, (list, tuple)):
+            vocab = self.model.config.vocab_size
+            if not prompt or not all(isinstance(t, int) and 0 <= t < vocab for t in prompt):
+                raise ValueError(f"a token prompt must be a non-empty list of token ids in [0, {vocab})")
+            return TokenPrompt(self, tuple(prompt), ns, self.engine().prefix if use_cache else None)
+        tree = prompt if isinstance(prompt, Prompt) else parse_prompt(prompt)
+        layout = self.layout(tree, ns)
+        if not use_cache:
+            return TokenPrompt(self, tuple(layout.token_ids), ns, None, layout)
+        return PmlPrompt(self, tree, ns, recompute)
+
+    def chat_ids(self, messages: list[dict]) -> list[int]:
+        """Token ids of chat messages rendered with the tokenizer's chat template and a generation prompt."""
+        out = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        return list(out["input_ids"] if hasattr(out, "keys") else out)
+
+
+def _is_batch(prompt) -> bool:
+    """A list of prompts (a list of token ids or of chat messages is one prompt)."""
+    if not isinstance(prompt, list):
+        return False
+    return not (prompt and all(isinstance(x, int) for x in prompt)) and \
+        not (prompt and all(isinstance(x, dict) for x in prompt))

@@ -1,21 +1,26 @@
-"""``Request``: one generation's state as the scheduler steps it (waiting -> running -> finished).
+"""``Request``: one generation as the engine steps it (waiting -> running -> finished).
 
-A request is data: sampling settings and one way to its prefill. Either ``start(reserve)``, any
-callable returning a ``PrefillResult`` that holds its cache with room for ``reserve`` more tokens
-(``PromptCache.prefill(keep_cache=True)``, the baseline prefill, the RAG store's): the cache
-belongs to the request from its prefill until it finishes, and the scheduler gives it back then,
-however it finishes (stop, length, cancel, error). Or ``plan(pool) -> PrefillPlan`` (``plan.py``),
-which only ``ServingScheduler`` runs: the states it names are read in place from the KV pool; a
-plan that returns None (the prompt must recompute part of its states) falls back to ``start``.
-``paused``: the reader of its output stopped reading; the serving scheduler skips its decode
-steps until it is cleared.
+A request is data: what it asks for (``prompt``: a ``PromptSpec``, ``prompts.py``), its sampling
+settings, per-request logits processors and how many log-probabilities to record. The scheduler
+asks the prompt for its ``PrefillPlan`` at admission (or, for a prompt that recomputes part of its
+states, for a private prefill it copies into the pool); nothing about the route is decided by the
+caller. While it runs, the request also holds its serving state: the plan, the pool entries it
+reads, its own blocks and slots, the tokens whose states those slots hold, and how many of its
+blocks it has shared. One object from submission to the end: the scheduler keeps no other.
+
+``paused``: the reader of its output stopped reading; the scheduler skips its decode steps until
+it is cleared. ``outputs`` collects what each step produced for it (``StepOutput``), for whoever
+reads it (a stream, the server's worker); the scheduler only appends.
 """
 
 from __future__ import annotations
 
 import enum
 import itertools
-from typing import Callable, Sequence
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Sequence
 
 import torch
 
@@ -23,7 +28,11 @@ from .results import Generation, PrefillResult, TokenLogprob
 from .sampling import Sampler, SamplingParams
 from .text import TextStream
 
-__all__ = ["Request", "Status"]
+if TYPE_CHECKING:
+    from .plan import PrefillPlan
+    from .prompts import PromptSpec
+
+__all__ = ["Request", "Status", "StepOutput"]
 
 _ids = itertools.count()
 
@@ -34,16 +43,23 @@ class Status(enum.Enum):
     FINISHED = "finished"
 
 
+@dataclass(frozen=True, kw_only=True)
+class StepOutput:
+    request_id: int
+    token_id: int | None  # None when the request finished without a new token (max_new_tokens=0, cancel)
+    text: str  # new text ("" while held back: incomplete UTF-8 or a possible stop string)
+    finished: bool
+    finish_reason: str | None  # "stop" | "length" | "cancelled" once finished
+    logprob: TokenLogprob | None = None  # the token's log-probability, when its request records them
+
+
 class Request:
-    def __init__(self, start: Callable[[int], PrefillResult] | None, params: SamplingParams, tokenizer,
-                 constraints: Sequence = (), logprobs: int | None = None, *,
-                 plan: Callable[[object], object] | None = None):
+    def __init__(self, prompt: "PromptSpec", params: SamplingParams, tokenizer, constraints: Sequence = (),
+                 logprobs: int | None = None):
         """``constraints``: per-request logits processors (``engine.constrained``). ``logprobs``:
         None records none; k records each token's log-probability and its k most likely rivals."""
-        if start is None and plan is None:
-            raise ValueError("a request needs a start (a prefill callable), a plan, or both")
         self.id = next(_ids)
-        self.start, self.plan, self.params = start, plan, params
+        self.prompt, self.params = prompt, params
         self.sampler = Sampler(params, constraints)
         self.top_logprobs = logprobs
         self.logprobs: list[TokenLogprob] = []
@@ -58,6 +74,30 @@ class Request:
         self.cancel_requested = False
         self.paused = False
         self.error: BaseException | None = None  # set when a step failed for this request (it is finished then)
+        self.outputs: deque[StepOutput] = deque()  # produced for it, not yet read
+        # serving state, set at admission (``serving.ServingScheduler``)
+        self.plan: PrefillPlan | None = None
+        self.entries: list = []  # pool entries it reads (released when it finishes)
+        self.shared: list[tuple[str, torch.Tensor]] = []  # (cascade key, view [L, 2, H, n, D]) in KV order
+        self.blocks: list[int] = []  # its own blocks, in token order (published ones included)
+        self.slots: torch.Tensor | None = None  # [len(blocks) * block_size] pool slot of each own token
+        self.own_ids: list[int] = []  # tokens whose states are in its own slots, in order
+        self.own_pos: list[int] = []  # their positions
+        self.published = 0  # leading own blocks shared under chain keys (no longer freed by it)
+        self.publishing = True  # False once a block's key was already shared by another request
+        self.admitted = 0.0  # perf_counter at admission (its TTFT counts from there)
+        self.bytes_copied = 0
+
+    @property
+    def prefilling(self) -> bool:
+        """Admitted and some of its plan's new tokens have not run yet."""
+        return self.plan is not None and len(self.own_ids) < len(self.plan.new_ids)
+
+    def admit(self, plan: "PrefillPlan", entries: list, shared: list, blocks: list[int], slots: torch.Tensor,
+              bytes_copied: int = 0) -> None:
+        """Record what the scheduler gave it at admission."""
+        self.plan, self.entries, self.shared, self.blocks, self.slots = plan, entries, shared, blocks, slots
+        self.bytes_copied, self.admitted = bytes_copied, time.perf_counter()
 
     @property
     def finished(self) -> bool:
@@ -116,11 +156,18 @@ class Request:
 
     def sample_next(self, logits: torch.Tensor, eos: frozenset[int]) -> tuple[int, str, TokenLogprob | None]:
         """One decoding step's token from ``logits`` [V], taken (``accept``): (token, new text, its
-        log-probability entry or None). Both schedulers sample through here."""
+        log-probability entry or None)."""
         dist = self.distribution(logits)  # None unless the request records log-probabilities
         token = self.sampler.sample(self.mask_eos(logits, eos), self.context)
         entry = self.record(token, dist)
         return token, self.accept(token, eos), entry
+
+    def emit(self, token: int | None, text: str, logprob: TokenLogprob | None = None) -> StepOutput:
+        """A step's output for this request, queued on ``outputs`` for its reader and returned."""
+        out = StepOutput(request_id=self.id, token_id=token, text=text, finished=self.finished,
+                         finish_reason=self.finish_reason, logprob=logprob)
+        self.outputs.append(out)
+        return out
 
     def generation(self) -> Generation:
         """The finished request as a Generation (text, ids, statistics of its prefill)."""

@@ -22,50 +22,17 @@ hold and re-raises; the other requests keep running.
 
 from __future__ import annotations
 
-from collections import deque
-from dataclasses import dataclass
-
 import logging
 
 from ..cache import SpliceCache
 from .batch import DecodeBatch, batch_refusal
-from .request import Request, Status
-from .results import TokenLogprob
+from .request import Request, Status, StepOutput
 from .runner import ModelRunner
+from .serving import RequestQueue
 
 log = logging.getLogger(__name__)
 
-__all__ = ["RequestQueue", "Scheduler", "StepOutput"]
-
-
-@dataclass(frozen=True, kw_only=True)
-class StepOutput:
-    request_id: int
-    token_id: int | None  # None when the request finished without a new token (max_new_tokens=0, cancel)
-    text: str  # new text ("" while held back: incomplete UTF-8 or a possible stop string)
-    finished: bool
-    finish_reason: str | None  # "stop" | "length" | "cancelled" once finished
-    logprob: TokenLogprob | None = None  # the token's log-probability, when its request records them
-
-
-class RequestQueue:
-    """What both schedulers (``Scheduler``, ``serving.ServingScheduler``) share: requests waiting in
-    arrival order, the ones running, and adding a new request."""
-
-    def __init__(self):
-        self.waiting: deque[Request] = deque()
-        self.running: list = []  # this scheduler's running entries (requests, or sequences over them)
-        self.decode_forwards = 0  # forwards run for decoding (a batched step counts once)
-        self.decode_tokens = 0  # tokens they decoded (decode_tokens / decode_forwards: mean batch size)
-
-    @property
-    def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
-
-    def add(self, request: Request) -> None:
-        if request.status is not Status.WAITING:
-            raise ValueError(f"request {request.id} is {request.status.value}; only a new request can be added")
-        self.waiting.append(request)
+__all__ = ["Scheduler"]
 
 
 class Scheduler(RequestQueue):
@@ -87,7 +54,7 @@ class Scheduler(RequestQueue):
 
     def _prefill(self, req: Request) -> StepOutput:
         try:
-            req.begin(req.start(req.params.max_new_tokens))
+            req.begin(req.prompt.prefill(req.params.max_new_tokens))
             if req.params.max_new_tokens == 0:  # statistics of the prefill alone
                 return self._finish(req, "length")
             self.running.append(req)
@@ -140,8 +107,7 @@ class Scheduler(RequestQueue):
         token, piece, entry = req.sample_next(logits, self.runner.eos_ids)
         if req.finish_reason is not None:
             self._release(req)
-        return StepOutput(request_id=req.id, token_id=token, text=piece, finished=req.finished,
-                          finish_reason=req.finish_reason, logprob=entry)
+        return req.emit(token, piece, entry)
 
     def _finish(self, req: Request, reason: str) -> StepOutput:
         req.finish_reason = reason
@@ -151,7 +117,7 @@ class Scheduler(RequestQueue):
             req.status = Status.FINISHED
         else:
             self._release(req)
-        return StepOutput(request_id=req.id, token_id=None, text="", finished=True, finish_reason=reason)
+        return req.emit(None, "")
 
     def _release(self, req: Request) -> None:
         if req in self.running:

@@ -1,9 +1,9 @@
 """``ServingScheduler``: many requests over one ``KVPool``, one packed forward per step.
 
     sched = ServingScheduler(runner, pool, token_budget=512)
-    sched.add(request)                 # Request(plan=..., params=...)
+    sched.add(request)                 # Request(prompt spec, SamplingParams, tokenizer)
     while sched.has_work:
-        for out in sched.step(): ...   # StepOutput, as from ``Scheduler``
+        for out in sched.step(): ...   # StepOutput: request id, token id, text piece, finished
 
 A step (1) finishes what was cancelled, freeing its blocks; (2) schedules one token for every
 running request that decodes and, with the budget left (``token_budget`` tokens a step in all),
@@ -25,11 +25,11 @@ nothing runs out of memory. Reserving the generation's blocks up front means a r
 never needs preemption. A request that could not fit even into an empty pool fails with
 ``PoolFull``. Prefill writes straight into the request's own blocks (no reserve-then-copy).
 
-Plans. A request carries ``plan(pool) -> PrefillPlan`` (``plan.py``), called once, at
-admission, on this thread (the pool is not thread-safe), or a ``start(reserve) ->
-PrefillResult`` for prompts assembled in a private buffer (selective recompute, independent
-documents): that prefill runs whole, and its states are copied into the request's own blocks
-(the one copy left, paid only by those prompts). A chain request shares each of its own blocks
+Plans. At admission, on this thread (the pool is not thread-safe), the scheduler asks the
+request's prompt (``prompts.PromptSpec``) for its ``PrefillPlan`` (``plan.py``). A prompt that
+must be assembled in a private buffer (selective recompute, independent documents) answers None
+and is asked for that prefill instead: it runs whole, and its states are copied into the
+request's own blocks (the one copy left, paid only by those prompts). A chain request shares each of its own blocks
 (prompt, then answer) as soon as the block is full, so concurrent requests and the next turn of
 a chat reuse them.
 
@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
+from collections import deque
 
 import torch
 
@@ -50,10 +50,9 @@ from . import cpu_attention
 from .kvpool import KVPool, PoolFull, SharedEntry
 from .paged import PagedRow, paged_forward
 from .plan import PrefillPlan
-from .request import Request, Status
+from .request import Request, Status, StepOutput
 from .results import PrefillResult
 from .runner import ModelRunner
-from .scheduler import RequestQueue, StepOutput
 
 log = logging.getLogger(__name__)
 
@@ -61,30 +60,23 @@ __all__ = ["ServingScheduler"]
 
 
 
-@dataclass(eq=False)
-class _Seq:
-    """A running request's serving state."""
+class RequestQueue:
+    """Requests waiting in arrival order, the ones running, and adding a new request."""
 
-    req: Request
-    plan: PrefillPlan
-    entries: list[SharedEntry]  # pool entries it reads (released when it finishes)
-    shared: list[tuple[str, torch.Tensor]]  # (cascade key, view [L, 2, H, n, D]) in KV order
-    blocks: list[int]  # its own blocks, in token order (published ones included: they address its slots)
-    slots: torch.Tensor  # LongTensor [len(blocks) * block_size]: pool slot of each own token, in order
-    own_ids: list[int] = field(default_factory=list)  # tokens whose states are in its own slots, in order
-    own_pos: list[int] = field(default_factory=list)  # their positions
-    published: int = 0  # leading own blocks shared under chain keys (no longer freed by it)
-    publishing: bool = True  # False once a block's key was already shared by another request
-    admitted: float = field(default_factory=time.perf_counter)
-    bytes_copied: int = 0
+    def __init__(self):
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.decode_forwards = 0  # forwards run for decoding (a batched step counts once)
+        self.decode_tokens = 0  # tokens they decoded (decode_tokens / decode_forwards: mean batch size)
 
     @property
-    def done(self) -> int:
-        return len(self.own_ids)
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
 
-    @property
-    def prefilling(self) -> bool:
-        return self.done < len(self.plan.new_ids)
+    def add(self, request: Request) -> None:
+        if request.status is not Status.WAITING:
+            raise ValueError(f"request {request.id} is {request.status.value}; only a new request can be added")
+        self.waiting.append(request)
 
 
 class ServingScheduler(RequestQueue):
@@ -99,7 +91,6 @@ class ServingScheduler(RequestQueue):
         self.token_budget, self.max_running = token_budget, max_running
         self.on_publish = on_publish  # (key, kv view [L, 2, H, n, D]) for each block a request published
         self.forward = forward or (lambda pool, rows: paged_forward(runner, pool, rows))
-        self.running: list[_Seq] = []
         self.steps = 0
         self.prefill_tokens = 0
         self.published_blocks = 0  # own blocks requests shared under chain keys
@@ -107,11 +98,12 @@ class ServingScheduler(RequestQueue):
             cpu_attention.available()  # build or load the native kernel now, not in the first request's step
 
     def step(self) -> list[StepOutput]:
+        """One step; its outputs are returned and also appended to each request's ``outputs``."""
         outs = self._cancel()
-        seqs, rows, budget = self._schedule()
-        outs += self._admit(seqs, rows, budget)
+        reqs, rows, budget = self._schedule()
+        outs += self._admit(reqs, rows, budget)
         if rows:
-            outs += self._run(seqs, rows)
+            outs += self._run(reqs, rows)
         self.steps += 1
         return outs
 
@@ -121,47 +113,48 @@ class ServingScheduler(RequestQueue):
         for req in [r for r in self.waiting if r.cancel_requested]:
             self.waiting.remove(req)
             outs.append(self._ended(req, "cancelled"))
-        for seq in [s for s in self.running if s.req.cancel_requested]:
-            self._release(seq)
-            outs.append(self._ended(seq.req, "cancelled"))
+        for req in [r for r in self.running if r.cancel_requested]:
+            self._release(req)
+            outs.append(self._ended(req, "cancelled"))
         return outs
 
     def _ended(self, req: Request, reason: str) -> StepOutput:
         req.finish_reason, req.status = reason, Status.FINISHED
-        return StepOutput(request_id=req.id, token_id=None, text="", finished=True, finish_reason=reason)
+        return req.emit(None, "")
 
     # -- scheduling -------------------------------------------------------------------------------
-    def _schedule(self) -> tuple[list[_Seq], list[PagedRow], int]:
+    def _schedule(self) -> tuple[list[Request], list[PagedRow], int]:
         """Decode rows of the running requests, then the next chunk of those still prefilling;
         and the budget left for new requests (prefill gets at least ``MIN_CHUNK`` a step)."""
-        seqs, rows = [], []
-        for s in self.running:
-            if not s.prefilling and not s.req.paused and s.req.pending is not None:
-                rows.append(self._row(s, [s.req.pending], [s.req.position], True))
-                seqs.append(s)
+        reqs, rows = [], []
+        for r in self.running:
+            if not r.prefilling and not r.paused and r.pending is not None:
+                rows.append(self._row(r, [r.pending], [r.position], True))
+                reqs.append(r)
         budget = max(self.token_budget - len(rows), MIN_CHUNK)
-        for s in self.running:
+        for r in self.running:
             if budget <= 0:
                 break
-            if s.prefilling:
-                row = self._chunk(s, budget)
+            if r.prefilling:
+                row = self._chunk(r, budget)
                 budget -= len(row.ids)
                 rows.append(row)
-                seqs.append(s)
-        return seqs, rows, max(budget, 0)
+                reqs.append(r)
+        return reqs, rows, max(budget, 0)
 
-    def _row(self, s: _Seq, ids: list[int], pos: list[int], logits: bool) -> PagedRow:
-        s.own_ids.extend(ids)  # their states are written by this step's forward
-        s.own_pos.extend(pos)
-        return PagedRow(ids, pos, s.shared, s.slots[: s.done], logits=logits)
+    def _row(self, r: Request, ids: list[int], pos: list[int], logits: bool) -> PagedRow:
+        done = len(r.own_ids)
+        r.own_ids.extend(ids)  # their states are written by this step's forward
+        r.own_pos.extend(pos)
+        return PagedRow(ids, pos, r.shared, r.slots[: done + len(ids)], logits=logits)
 
-    def _chunk(self, s: _Seq, budget: int) -> PagedRow:
-        lo = s.done
-        hi = min(len(s.plan.new_ids), lo + budget)
-        return self._row(s, s.plan.new_ids[lo:hi], s.plan.new_pos[lo:hi], hi == len(s.plan.new_ids))
+    def _chunk(self, r: Request, budget: int) -> PagedRow:
+        lo = len(r.own_ids)
+        hi = min(len(r.plan.new_ids), lo + budget)
+        return self._row(r, r.plan.new_ids[lo:hi], r.plan.new_pos[lo:hi], hi == len(r.plan.new_ids))
 
     # -- admission --------------------------------------------------------------------------------
-    def _admit(self, seqs: list[_Seq], rows: list[PagedRow], budget: int) -> list[StepOutput]:
+    def _admit(self, reqs: list[Request], rows: list[PagedRow], budget: int) -> list[StepOutput]:
         """Admit waiting requests in arrival order while budget is left; each gets a first chunk
         in ``rows``. A request whose next block another request is computing now waits a step."""
         if not self.waiting:
@@ -170,47 +163,46 @@ class ServingScheduler(RequestQueue):
         while self.waiting and budget > 0 and len(self.running) < self.max_running:
             req = self.waiting.popleft()
             try:
-                seq = self._admit_one(req, inflight)
+                how = self._admit_one(req, inflight)
             except Exception as e:  # noqa: BLE001 - this request fails; the others go on
                 req.error = e
                 outs.append(self._ended(req, "cancelled"))
                 continue
-            if seq == "later":
+            if how == "later":
                 deferred.append(req)
                 continue
-            if seq is None:
+            if how is None:
                 self.waiting.appendleft(req)  # no room now: it waits for running requests to finish
                 break
-            self.running.append(seq)
-            if not seq.prefilling:  # a private prefill ran whole: its first token now
-                outs.append(self._guard(seq, lambda: self._first_token(seq, seq.req.prefill)))
-                budget -= len(seq.plan.new_ids)
+            self.running.append(req)
+            if not req.prefilling:  # a private prefill ran whole: its first token now
+                outs.append(self._guard(req, lambda: self._first_token(req, req.prefill)))
+                budget -= len(req.plan.new_ids)
                 continue
-            row = self._chunk(seq, budget)
+            row = self._chunk(req, budget)
             budget -= len(row.ids)
             rows.append(row)
-            seqs.append(seq)
-            inflight |= self._inflight_of(seq)
+            reqs.append(req)
+            inflight |= self._inflight_of(req)
         self.waiting.extendleft(reversed(deferred))
         return outs
 
     def _inflight(self) -> set[str]:
         keys: set[str] = set()
-        for s in self.running:
-            keys |= self._inflight_of(s)
+        for r in self.running:
+            keys |= self._inflight_of(r)
         return keys
 
-    def _inflight_of(self, s: _Seq) -> set[str]:
-        """Chain keys of the prompt blocks ``s`` has not shared yet (being computed, this step included)."""
-        if s.plan.publish is None or not s.publishing:
+    def _inflight_of(self, r: Request) -> set[str]:
+        """Chain keys of the prompt blocks ``r`` has not shared yet (being computed, this step included)."""
+        if r.plan.publish is None or not r.publishing:
             return set()
-        return set(s.plan.publish(s.plan.new_ids)[s.published :])
+        return set(r.plan.publish(r.plan.new_ids)[r.published :])
 
     def _admit_one(self, req: Request, inflight: set[str]):
-        plan = req.plan(self.pool) if req.plan is not None else None
-        if plan is None:  # no plan, or one that needs a private buffer (selective recompute)
-            if req.start is None:
-                raise ValueError(f"request {req.id}: its plan needs a private prefill and it has no start")
+        """"admitted", "later" (its first block is being computed) or None (no room now)."""
+        plan = req.prompt.plan(self.pool)
+        if plan is None:  # the prompt recomputes part of its states: a private buffer first
             return self._admit_private(req)
         if plan.publish is not None and inflight:
             first = plan.publish(plan.new_ids[: self.pool.block_size])
@@ -222,7 +214,8 @@ class ServingScheduler(RequestQueue):
         blocks = self.pool.allocate(self.pool.blocks_for(len(plan.new_ids) + req.params.max_new_tokens))
         if blocks is None:
             return self._no_room(req, entries, plan.cached_tokens)
-        return _Seq(req, plan, entries, shared, blocks, self._slots_of(blocks), bytes_copied=copied)
+        req.admit(plan, entries, shared, blocks, self._slots_of(blocks), copied)
+        return "admitted"
 
     def _slots_of(self, blocks: list[int]) -> torch.Tensor:
         """Pool slots of every token the request's own blocks can hold (built once: rows slice it)."""
@@ -279,9 +272,9 @@ class ServingScheduler(RequestQueue):
             slot += v.shape[3]
         return out
 
-    def _admit_private(self, req: Request) -> _Seq | None:
+    def _admit_private(self, req: Request):
         """A prompt assembled in its own buffer: run it whole, copy its states into own blocks."""
-        res = req.start(0)
+        res = req.prompt.prefill()
         cache = res.cache
         n = cache.length
         blocks = self.pool.allocate(self.pool.blocks_for(n + req.params.max_new_tokens))
@@ -300,27 +293,27 @@ class ServingScheduler(RequestQueue):
         ids = [0] * n  # placeholders: only their count matters (a private prefill publishes nothing)
         plan = PrefillPlan(segments=[], new_ids=ids, new_pos=own_pos, max_position=res.next_position - 1,
                            exact=res.exact, layout=res.layout)
-        seq = _Seq(req, plan, [], [], blocks, self._slots_of(blocks), own_ids=list(ids), own_pos=list(own_pos),
-                   bytes_copied=res.bytes_copied + n * self.pool.spec.bytes_per_token)
+        req.admit(plan, [], [], blocks, self._slots_of(blocks), res.bytes_copied + n * self.pool.spec.bytes_per_token)
+        req.own_ids, req.own_pos = list(ids), list(own_pos)
         req.prefill = res
-        return seq
+        return "admitted"
 
     # -- one step ---------------------------------------------------------------------------------
-    def _run(self, seqs: list[_Seq], rows: list[PagedRow]) -> list[StepOutput]:
+    def _run(self, reqs: list[Request], rows: list[PagedRow]) -> list[StepOutput]:
         try:
             logits = self.forward(self.pool, rows)  # [k, V]
         except BaseException as e:
-            for s in seqs:
-                s.req.error = e
-                self._release(s)
-                s.req.finish_reason, s.req.status = "cancelled", Status.FINISHED
+            for r in reqs:
+                r.error = e
+                self._release(r)
+                r.finish_reason, r.status = "cancelled", Status.FINISHED
             raise
-        for s in seqs:
-            self._publish(s)
+        for r in reqs:
+            self._publish(r)
         outs, k = [], 0
         decoded = 0
-        for s, row in zip(seqs, rows):
-            was_prefill = len(row.ids) > 1 or s.req.pending is None
+        for r, row in zip(reqs, rows):
+            was_prefill = len(row.ids) > 1 or r.pending is None
             if not row.logits:
                 self.prefill_tokens += len(row.ids)
                 continue
@@ -328,79 +321,76 @@ class ServingScheduler(RequestQueue):
             k += 1
             if was_prefill:
                 self.prefill_tokens += len(row.ids)
-                outs.append(self._guard(s, lambda: self._first_token(s, self._prefill_result(s, lg))))
+                outs.append(self._guard(r, lambda: self._first_token(r, self._prefill_result(r, lg))))
             else:
                 decoded += 1
-                s.req.position += 1
-                outs.append(self._guard(s, lambda: self._sample(s, lg)))
+                r.position += 1
+                outs.append(self._guard(r, lambda: self._sample(r, lg)))
         if decoded:
             self.decode_forwards += 1
             self.decode_tokens += decoded
         return outs
 
-    def _prefill_result(self, seq: _Seq, logits: torch.Tensor) -> PrefillResult:
-        plan = seq.plan
+    def _prefill_result(self, req: Request, logits: torch.Tensor) -> PrefillResult:
+        plan = req.plan
         if self.runner.device.type == "cuda":
             torch.cuda.synchronize(self.runner.device)
-        return PrefillResult(logits=logits, ttft=time.perf_counter() - seq.admitted, cached_tokens=plan.cached_tokens,
-                             new_tokens=len(plan.new_ids), exact=plan.exact, bytes_copied=seq.bytes_copied,
+        return PrefillResult(logits=logits, ttft=time.perf_counter() - req.admitted, cached_tokens=plan.cached_tokens,
+                             new_tokens=len(plan.new_ids), exact=plan.exact, bytes_copied=req.bytes_copied,
                              hit_tiers=dict(plan.hit_tiers), layout=plan.layout, next_position=plan.max_position + 1)
 
-    def _first_token(self, seq: _Seq, res: PrefillResult) -> StepOutput:
-        req = seq.req
+    def _first_token(self, req: Request, res: PrefillResult) -> StepOutput:
         req.begin(res)
         if req.params.max_new_tokens == 0:
-            self._release(seq)
+            self._release(req)
             return self._ended(req, "length")
-        return self._sample(seq, res.logits)
+        return self._sample(req, res.logits)
 
-    def _guard(self, seq: _Seq, fn):
+    def _guard(self, req: Request, fn):
         try:
             return fn()
         except BaseException as e:
-            seq.req.error = e
-            self._release(seq)
-            seq.req.finish_reason, seq.req.status = "cancelled", Status.FINISHED
+            req.error = e
+            self._release(req)
+            req.finish_reason, req.status = "cancelled", Status.FINISHED
             raise
 
-    def _sample(self, seq: _Seq, logits: torch.Tensor) -> StepOutput:
-        req = seq.req
+    def _sample(self, req: Request, logits: torch.Tensor) -> StepOutput:
         token, piece, entry = req.sample_next(logits, self.runner.eos_ids)
         if req.finish_reason is not None:
-            self._release(seq)
+            self._release(req)
             req.status = Status.FINISHED
-        return StepOutput(request_id=req.id, token_id=token, text=piece, finished=req.finished,
-                          finish_reason=req.finish_reason, logprob=entry)
+        return req.emit(token, piece, entry)
 
     # -- finishing --------------------------------------------------------------------------------
-    def _release(self, seq: _Seq) -> None:
+    def _release(self, req: Request) -> None:
         """Give back what the request holds: its unshared own blocks and its entry references
         (shared blocks stay, idle, for the next request that matches them)."""
-        if seq in self.running:
-            self.running.remove(seq)
-        self.pool.free(seq.blocks[seq.published :])
-        seq.blocks = []
-        for e in seq.entries:
+        if req in self.running:
+            self.running.remove(req)
+        self.pool.free(req.blocks[req.published :])
+        req.blocks = []
+        for e in req.entries:
             self.pool.release(e)
-        seq.entries = []
+        req.entries = []
 
-    def _publish(self, seq: _Seq) -> None:
+    def _publish(self, req: Request) -> None:
         """Share the request's own blocks completed so far under their chain keys. Leading blocks
         only: a block whose key is already shared ends it (the request keeps the rest)."""
-        if seq.plan.publish is None or not seq.publishing:
+        if req.plan.publish is None or not req.publishing:
             return
-        keys = seq.plan.publish(seq.own_ids)
+        keys = req.plan.publish(req.own_ids)
         bs = self.pool.block_size
-        while seq.published < len(keys):
-            j = seq.published
-            pos = torch.tensor(seq.own_pos[j * bs : (j + 1) * bs], dtype=torch.long)
-            entry = self.pool.publish(keys[j], [seq.blocks[j]], bs, pos)
+        while req.published < len(keys):
+            j = req.published
+            pos = torch.tensor(req.own_pos[j * bs : (j + 1) * bs], dtype=torch.long)
+            entry = self.pool.publish(keys[j], [req.blocks[j]], bs, pos)
             if entry is None:  # another request shared the same block first: keep ours (and the rest) private
-                seq.publishing = False
+                req.publishing = False
                 return
             self.pool.acquire(keys[j])  # it still reads the block
-            seq.entries.append(entry)
-            seq.published += 1
+            req.entries.append(entry)
+            req.published += 1
             self.published_blocks += 1
             if self.on_publish is not None:
                 self.on_publish(keys[j], entry.views[0])

@@ -71,6 +71,7 @@ from ..keys import alone_key, chain_root, token_digest
 from ..layout import PromptLayout, Span
 from ..models.relocate import check_relocatable, relocate
 from .documents import Document, DocumentStoreError, UnknownDocumentError
+from .prompt import DocumentPrompt
 from .folder import DocumentFolder
 
 __all__ = ["DocumentStore"]
@@ -165,19 +166,41 @@ class DocumentStore:
                                              (cached, hits, chained))
         return self._prefill_chain(question, docs, system, reserve, keep_cache, t0)
 
-    def generate(self, question: str, doc_ids: list[str], system: str | None = None,
-                 max_new_tokens: int = 64, *, recompute: float | str | None = None, **sampling) -> Generation:
+    @property
+    def private_prefill(self) -> bool:
+        """Its prompts are assembled in a private buffer (independent and hybrid documents are
+        placed and partly recomputed); chain prompts plan into the engine's pool."""
+        return self.independent or self.hybrid
+
+    def prompt(self, question: str, doc_ids: list[str], system: str | None = None, *,
+               recompute: float | str | None = None, prefix=None) -> DocumentPrompt:
+        """The question over ``doc_ids`` as a request's prompt (checked now: unknown ids fail here).
+        ``prefix``: the ``PrefixCache`` of the engine that runs it (None: ``pc.engine()``'s)."""
+        if recompute is not None:
+            check_recompute(recompute)
+        self._order(doc_ids)
+        return DocumentPrompt(self, question, tuple(doc_ids), system, recompute, prefix)
+
+    def generate(self, question: str | list[tuple[str, list[str]]], doc_ids: list[str] | None = None,
+                 system: str | None = None, max_new_tokens: int = 64, *, recompute: float | str | None = None,
+                 **sampling) -> Generation | list[Generation]:
         """Answer ``question`` with the documents ``doc_ids`` (any retriever's ids; in that order
-        unless ``canonical_order``)."""
-        return self.stream(question, doc_ids, system, max_new_tokens, recompute=recompute, **sampling).run()
+        unless ``canonical_order``). A list of ``(question, doc_ids)`` pairs instead is a batch:
+        continuously batched on the engine's serving core, a list of Generations in order."""
+        if isinstance(question, str):
+            if doc_ids is None:
+                raise TypeError("DocumentStore.generate(question, doc_ids): doc_ids is missing")
+            return self.pc.generate(self.prompt(question, doc_ids, system, recompute=recompute),
+                                    max_new_tokens=max_new_tokens, **sampling)
+        if doc_ids is not None:
+            raise TypeError("DocumentStore.generate([(question, doc_ids), ...]): a batch carries its doc_ids")
+        prompts = [self.prompt(q, ids, system, recompute=recompute) for q, ids in question]
+        return self.pc.generate(prompts, max_new_tokens=max_new_tokens, **sampling)
 
     def stream(self, question: str, doc_ids: list[str], system: str | None = None, max_new_tokens: int = 64,
                *, recompute: float | str | None = None, **sampling):
-        if recompute is not None:
-            check_recompute(recompute)  # before any work
-        return self.pc.stream_from(
-            lambda reserve: self.prefill(question, doc_ids, system, reserve, keep_cache=True, recompute=recompute),
-            max_new_tokens, **sampling)
+        return self.pc.stream(self.prompt(question, doc_ids, system, recompute=recompute),
+                              max_new_tokens=max_new_tokens, **sampling)
 
     # -- internals -------------------------------------------------------------------------------
     def _get(self, doc_id: str) -> Document:

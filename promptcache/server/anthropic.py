@@ -35,7 +35,8 @@ from . import anthropic_protocol as A
 from . import anthropic_tools
 from .access import note
 from .anthropic_prompt import RenderedPrompt, render
-from .backend import QueueFull, Sampling
+from ..engine import SamplingParams, TokenPrompt
+from .backend import QueueFull
 from .protocol import APIError
 from .toolcalls import parse as parse_calls
 
@@ -67,11 +68,12 @@ def add_messages_route(app: FastAPI, ctx: MessagesContext) -> None:
             req = await _parse(request, ctx.model_name)
             anthropic_tools.check(req, ctx.pc.tokenizer)
             prompt = render(ctx.pc.tokenizer, req)
-            sampling = _sampling(req, len(prompt.ids), context, anthropic_tools.processors(req, ctx.pc))
+            params = _sampling(req, len(prompt.ids), context)
+            constraints = anthropic_tools.processors(req, ctx.pc)
             _pin(ctx, prompt, ns, block_bytes)
         except APIError as e:
             raise A.AnthropicError.of(e) from None
-        return await _serve(request, ctx, req, prompt, ns, sampling)
+        return await _serve(request, ctx, req, prompt, ns, params, constraints)
 
 
 async def _parse(request: Request, model_name: str) -> A.MessagesRequest:
@@ -91,12 +93,16 @@ async def _parse(request: Request, model_name: str) -> A.MessagesRequest:
     return req
 
 
-def _sampling(req: A.MessagesRequest, length: int, context: int | None, constraints: tuple) -> Sampling:
+def _sampling(req: A.MessagesRequest, length: int, context: int | None) -> SamplingParams:
     if context is not None and length + req.max_tokens > context:
         raise A.AnthropicError(400, f"the prompt is {length} tokens and max_tokens is {req.max_tokens}: "
                                     f"{length + req.max_tokens} is past the model's context of {context}",
                                "max_tokens")
-    return Sampling(req.max_tokens, req.temperature, req.top_p, req.stop_sequences, None, constraints)
+    try:
+        return SamplingParams(max_new_tokens=req.max_tokens, temperature=req.temperature, top_p=req.top_p,
+                              stop=tuple(req.stop_sequences or ()))
+    except ValueError as e:  # settings the engine refuses (SamplingParams names the field)
+        raise A.AnthropicError(400, str(e)) from None
 
 
 def _pin(ctx: MessagesContext, prompt: RenderedPrompt, ns: str, block_bytes: int) -> None:
@@ -116,21 +122,11 @@ def _pin(ctx: MessagesContext, prompt: RenderedPrompt, ns: str, block_bytes: int
 
 
 async def _serve(request: Request, ctx: MessagesContext, req: A.MessagesRequest, prompt: RenderedPrompt,
-                 ns: str, sampling: Sampling):
-    created: list[int] = []
-
-    def start(reserve: int):
-        res = ctx.prefix.prefill(prompt.ids, ns, reserve)
-        keys = ctx.prefix.keys(prompt.ids, ns)[res.cached_tokens // ctx.prefix.block_size :]
-        created.append(ctx.prefix.block_size * sum(k in ctx.pc.store for k in keys))
-        return res
-
-    try:  # from the KV pool where the backend has one (the private start otherwise)
-        job = ctx.backend.submit(start, sampling, ctx.prefix.plan(prompt.ids, ns))
+                 ns: str, params: SamplingParams, constraints: tuple):
+    try:
+        job = ctx.backend.submit(TokenPrompt(ctx.pc, tuple(prompt.ids), ns, ctx.prefix), params, constraints)
     except QueueFull as e:
         raise A.AnthropicError(503, f"the server is busy: {e}; retry later") from None
-    except ValueError as e:  # sampling settings the engine refuses (SamplingParams names the field)
-        raise A.AnthropicError(400, str(e)) from None
     try:
         kind, res = await job.events.get()  # the prompt ran (or failed) before any answer starts
     except asyncio.CancelledError:
@@ -139,9 +135,8 @@ async def _serve(request: Request, ctx: MessagesContext, req: A.MessagesRequest,
     if kind == "error":
         raise A.AnthropicError(500, f"the engine failed: {res}")
     n, read = len(prompt.ids), res.cached_tokens
-    if not created:  # served from the pool: every full block it did not read, it shares as it computes it
-        created.append(n // ctx.prefix.block_size * ctx.prefix.block_size - read)
-    made = max(0, min(created[0], n - read))
+    # every full block it did not read, it shares as it computes it
+    made = max(0, min(n // ctx.prefix.block_size * ctx.prefix.block_size - read, n - read))
     m = ctx.metrics
     m.ttft.observe(time.perf_counter() - job.submitted)
     note(request, prompt=n, cached=read, ttft=time.perf_counter() - job.submitted)

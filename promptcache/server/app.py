@@ -52,7 +52,7 @@ from .backend import Backend, QueueFull, ServingConfig
 from .compute import ComputeThread
 from .limits import LOOPBACK_HOSTS, Limits, RequestGuard, parsed_body
 from .metrics import CONTENT_TYPE_LATEST, Metrics
-from ..engine.prefix import DEFAULT_BLOCK_SIZE, PrefixCache
+from ..engine.prefix import DEFAULT_BLOCK_SIZE
 from .prompts import Planner
 from .tokenize import add_tokenize_routes
 from .toolcalls import CallStream, finish_reason, openai_deltas, parse as parse_calls
@@ -86,16 +86,17 @@ def create_app(pc, *, api_keys: dict[str, str] | None = None, documents=None, ma
     serving = serving or ServingConfig()
     serving = dataclasses.replace(serving, block_size=block_size)
     compute = compute or ComputeThread()
-    prefix = compute.call(PrefixCache, pc, block_size)  # reads pc.model_key: a hash over the weights, torch work
+    context = pc.adapter.context_limit  # the model's context, its sliding window if smaller
+    if max_model_len is not None and (max_model_len < 1 or (context is not None and max_model_len > context)):
+        raise ValueError(f"max_model_len must be in [1, {context}] (the model's context), got {max_model_len}")
     if documents is not None and not isinstance(documents, dict):
         documents = {documents.namespace: documents}
+    backend = Backend(pc, max_queue, config=serving, compute=compute)
+    prefix = backend.prefix
     planner = Planner(pc, prefix, documents, max_chars=limits.max_chars)
     if max_model_len is not None:
-        if max_model_len < 1 or (planner.context is not None and max_model_len > planner.context):
-            raise ValueError(f"max_model_len must be in [1, {planner.context}] (the model's context), got {max_model_len}")
         planner.context = max_model_len
     planning = ThreadPoolExecutor(max_workers=1, thread_name_prefix="promptcache-plan")
-    backend = Backend(pc, max_queue, config=serving, spill=prefix.spill, compute=compute)
     metrics = Metrics(backend, prefix, pc.store)
     if pins is not None or pc.store.pins is None:
         pc.store.pins = pins if pins is not None else Pins(pc.config.store.pin_budget)
@@ -170,11 +171,9 @@ def create_app(pc, *, api_keys: dict[str, str] | None = None, documents=None, ma
 
     async def serve(request: Request, req, plan, chat: bool):
         try:
-            job = backend.submit(plan.start, plan.sampling, plan.plan)
+            job = backend.submit(plan.prompt, plan.params, plan.constraints, plan.logprobs)
         except QueueFull as e:
             raise P.APIError(503, f"the server is busy: {e}; retry later") from None
-        except ValueError as e:  # sampling settings the engine refuses (SamplingParams names the field)
-            raise P.APIError(400, str(e)) from None
         watcher = asyncio.create_task(_watch_disconnect(request, job, backend))
         kind = None
         try:

@@ -1,18 +1,17 @@
-"""The seam between the HTTP layer and the engine: one worker thread steps one scheduler.
+"""The seam between the HTTP layer and the engine: one worker thread steps the serving core.
 
 The worker is a ``ComputeThread``: ``promptcache serve`` hands in the one that loaded the model,
 so all parallel torch work of the process runs on one thread (``compute.py`` says why: a step
 costs a third more otherwise on 2 cores).
 
-The scheduler is the serving scheduler (``engine/serving.py``) over one KV pool when the model's
-attention can read the pool (``paged_refusal``): every step is ONE forward that decodes a token
-for each running request and prefills the next chunk of arriving prompts within a token budget,
-and shared states are read in place. Otherwise (ALiBi families, sliding windows) it is the older
-``Scheduler``, whose prefills run whole and whose requests copy their states (logged once).
+It steps the engine's serving core (``engine.core.Engine``, the one the library's ``generate``
+runs on): every step is ONE forward that decodes a token for each running request and prefills
+the next chunk of arriving prompts within a token budget, and shared states are read in place
+from the KV pool.
 
-Requests arrive as ``Job``s (a plan for the pool and/or a private ``start(reserve)``, and
-sampling settings), each wrapping an engine ``Request``. Each step's outcome goes back to the
-request's asyncio loop as an event:
+Requests arrive as ``Job``s, each wrapping an engine ``Request`` (its prompt spec, sampling
+settings, logits processors). Each step's outcome goes back to the request's asyncio loop as an
+event:
 
     ("prefilled", PrefillResult)  after the prompt ran (usage, TTFT)
     ("logprob", TokenLogprob)     a token's log-probability (requests that ask), before its text
@@ -38,17 +37,11 @@ import threading
 import time
 from collections import deque
 from concurrent import futures
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Callable
 
-from ..engine import Request, SamplingParams, Scheduler
-from ..engine.graphs import CompiledSteps
-from ..engine.kvpool import KVPool
-from ..engine.paged import paged_refusal
-from ..engine.serving import ServingScheduler
-from ..errors import ConfigError, PromptCacheError
-from ..settings import setting
-from ..tunables import BLOCK_SIZE
+from ..engine import Engine, PromptSpec, Request, SamplingParams, ServingConfig
+from ..errors import PromptCacheError
 from .compute import ComputeThread
 
 log = logging.getLogger(__name__)
@@ -61,55 +54,10 @@ class QueueFull(PromptCacheError, RuntimeError):
 
 
 @dataclass
-class Sampling:
-    max_new_tokens: int = 16
-    temperature: float = 1.0
-    top_p: float = 1.0
-    stop: list[str] | None = None
-    seed: int | None = None
-    constraints: tuple = ()  # per-request logits processors (JSON output); fresh ones per job
-    logprobs: int | None = None  # None: none; k: each token's log-probability and k rivals
-    min_tokens: int = 0
-    ignore_eos: bool = False
-
-    def params(self) -> SamplingParams:
-        return SamplingParams(max_new_tokens=self.max_new_tokens, temperature=self.temperature, top_p=self.top_p,
-                              stop=tuple(self.stop or ()), seed=self.seed, min_tokens=self.min_tokens,
-                              ignore_eos=self.ignore_eos)
-
-
-@dataclass(frozen=True)
-class ServingConfig:
-    """The serving core's settings; ``promptcache serve`` has one option per field, generated from
-    the field (name, default, type, help) as every settings class's are (``ServerConfig.serving``).
-    Validated on construction: counts >= 1, times > 0."""
-
-    kv_pool_tokens: int = setting(32768, "KV pool size in tokens: running requests' own tokens and shared blocks; a "
-                                  "request waits for room instead of running out of memory (CPU: pages are used "
-                                  "only when written).")
-    block_size: int = setting(BLOCK_SIZE, "Tokens per KV pool block and prefix-reuse block.")
-    max_num_batched_tokens: int = setting(512, "Tokens one engine step may run: a token per decoding request plus "
-                                          "prefill chunks (a long prompt delays the others' next tokens by one "
-                                          "chunk's forward).")
-    max_num_seqs: int = setting(256, "Requests running at once; the rest wait in arrival order.")
-    max_unread: int = setting(256, "Unread events a streaming request may have before it is paused.")
-    pause_timeout: float = setting(30.0, "Seconds a paused request waits for its reader before it is cancelled.")
-
-    def __post_init__(self):
-        for f in fields(self):
-            v = getattr(self, f.name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0 or (f.type == "int" and not isinstance(v, int)):
-                raise ConfigError(f"ServingConfig.{f.name} must be {'an integer >= 1' if f.type == 'int' else '> 0'}, "
-                                  f"got {v!r}")
-
-
-@dataclass
 class Job:
-    start: Callable[[int], object]  # start(reserve) -> PrefillResult holding its cache
-    sampling: Sampling
+    request: Request  # the engine request, stepped by the worker
     loop: asyncio.AbstractEventLoop | None = None
     events: asyncio.Queue | None = None
-    request: Request | None = None  # the engine request, stepped by the worker's scheduler
     cancelled: bool = False
     submitted: float = field(default_factory=time.perf_counter)
     reported: bool = False  # "prefilled" was sent
@@ -123,11 +71,10 @@ class Job:
 
 
 class Backend:
-    """Owns the engine's scheduler; ``submit`` from the event loop, events back through ``job.events``."""
+    """Steps the engine on its compute thread; ``submit`` from the event loop, events back through ``job.events``."""
 
     def __init__(self, pc, max_queue: int = 64, on_finish: Callable[[Job, str], None] | None = None,
-                 config: ServingConfig | None = None, spill: Callable | None = None, paged: bool = True,
-                 compute: ComputeThread | None = None):
+                 config: ServingConfig | None = None, compute: ComputeThread | None = None):
         """``compute``: the thread that runs the engine (``compute.py`` says why it should be the
         thread that loaded the model); None: a thread of its own."""
         if max_queue < 1:
@@ -135,22 +82,10 @@ class Backend:
         self.pc, self.max_queue, self.config = pc, max_queue, config or ServingConfig()
         self.compute = compute or ComputeThread()
         self.on_finish = on_finish or (lambda job, how: None)  # how: "done", "error", "cancelled"
-        self.refusal = self.compute.call(paged_refusal, pc.runner) if paged else "the paged pool was turned off"
-        self.pool: KVPool | None = None
-        self.compiled: CompiledSteps | None = None
-        if self.refusal is None:
-            c = self.config
-            pins = lambda key: pc.store.pins is not None and pc.store.pins.live(key)  # noqa: E731 - read per eviction
-            self.pool = self.compute.call(KVPool, pc.runner.spec, pc.device, c.kv_pool_tokens, c.block_size, spill, pins)
-            self.compiled = self.compute.call(_compiled, pc) if pc.config.runner.compile else None
-            self.scheduler = ServingScheduler(pc.runner, self.pool, c.max_num_batched_tokens, c.max_num_seqs,
-                                              on_publish=_write_through(pc.store),
-                                              forward=self.compiled.forward if self.compiled else None)
-        else:
-            if pc.config.runner.compile:
-                raise ConfigError(f"RunnerConfig.compile (--compile): compiled steps need the paged pool: {self.refusal}")
-            log.info("serving without the KV pool (each request assembles its own buffer): %s", self.refusal)
-            self.scheduler = Scheduler(pc.runner)  # stepped by the worker thread only
+        # built on the compute thread: it loads or compiles the native kernel and the compiled steps
+        self.engine: Engine = self.compute.call(Engine, pc, self.config)
+        self.pool, self.prefix = self.engine.pool, self.engine.prefix
+        self.scheduler = self.engine.scheduler
         self._incoming: deque[Job] = deque()
         self._jobs: dict[int, Job] = {}  # request id -> job, admitted and not finished (worker thread)
         self._in_flight = 0
@@ -166,16 +101,12 @@ class Backend:
     def paged(self) -> bool:
         return self.pool is not None
 
-    def submit(self, start: Callable[[int], object], sampling: Sampling, plan: Callable | None = None) -> Job:
-        """Queue a request; call from the event loop. ``plan(pool) -> PrefillPlan`` is used when the
-        backend serves from the pool, ``start`` otherwise. Raises QueueFull when at capacity,
-        ValueError for sampling settings the engine refuses."""
-        job = Job(start, sampling, asyncio.get_running_loop(), asyncio.Queue())
-        args = (sampling.params(), self.pc.tokenizer, sampling.constraints, sampling.logprobs)
-        if self.paged and plan is not None:  # the private start stays as the plan's fallback
-            job.request = Request(start, *args, plan=plan)
-        else:
-            job.request = Request(start, *args)
+    def submit(self, prompt: PromptSpec, params: SamplingParams, constraints: tuple = (),
+               logprobs: int | None = None) -> Job:
+        """Queue a request; call from the event loop. ``constraints``: fresh logits processors for
+        this request; ``logprobs``: as ``Request``'s. Raises QueueFull when at capacity."""
+        job = Job(Request(prompt, params, self.pc.tokenizer, constraints, logprobs), asyncio.get_running_loop(),
+                  asyncio.Queue())
         with self._cv:
             if self._deadline is not None:
                 raise QueueFull("the server is shutting down")
@@ -205,12 +136,12 @@ class Backend:
             self._cv.notify()
         futures.wait([self._done], 5.0)
         if self.pool is not None and self._done.done():
-            self.after_close(self.pool.clear_idle)  # shared blocks go down the store's tiers (persisted where the store persists)
+            self.after_close(self.engine.close)  # shared blocks go down the store's tiers (persisted where the store persists)
 
     def after_close(self, fn: Callable[[], object]) -> None:
         """``fn()`` after ``close``: on the compute thread once the worker loop has ended, else (the
-        drain timed out with a step still running) here, as it ran before there was a compute
-        thread: queued behind a loop that never ends it would never run."""
+        drain timed out with a step still running) here: queued behind a loop that never ends, it
+        would never run."""
         if self._done.done():
             self.compute.call(fn)
         else:
@@ -222,7 +153,7 @@ class Backend:
     def _run(self) -> None:
         while True:
             with self._cv:
-                while self._running and not self._incoming and not self.scheduler.has_work:
+                while self._running and not self._incoming and not self.engine.has_work:
                     if self._deadline is not None:
                         self._running = False
                         break
@@ -232,7 +163,7 @@ class Backend:
                 while self._incoming:
                     job = self._incoming.popleft()
                     self._jobs[job.request.id] = job
-                    self.scheduler.add(job.request)
+                    self.engine.submit(job.request)
             if self._backpressure():  # every running request is paused: nothing to step
                 with self._cv:
                     self._cv.wait(0.05)
@@ -242,11 +173,11 @@ class Backend:
             while self._incoming:
                 job = self._incoming.popleft()
                 self._jobs[job.request.id] = job
-                self.scheduler.add(job.request)
+                self.engine.submit(job.request)
         for job in self._jobs.values():
             job.request.cancel()
         try:
-            while self.scheduler.has_work:  # cancelled requests finish at once, freeing their caches
+            while self.engine.has_work:  # cancelled requests finish at once, freeing their caches
                 self._step()
         finally:
             for job in list(self._jobs.values()):
@@ -271,11 +202,11 @@ class Backend:
             else:
                 job.paused_since = None
                 active = active or not req.finished
-        return bool(self._jobs) and not active and not self.scheduler.waiting
+        return bool(self._jobs) and not active and not self.scheduler.waiting and not self.engine.has_incoming
 
     def _step(self) -> None:
         try:
-            outs = self.scheduler.step()
+            outs = self.engine.step()
         except Exception:  # noqa: BLE001 - reported to the requests it concerned, the worker goes on
             log.exception("engine step failed")
             self._sweep()
@@ -284,6 +215,7 @@ class Backend:
             job = self._jobs.get(out.request_id)
             if job is None:
                 continue
+            job.request.outputs.clear()  # read here, from the step's list
             if not job.reported and job.request.prefill is not None:
                 job.reported = True
                 job.emit("prefilled", job.request.prefill)
@@ -327,26 +259,3 @@ class Backend:
         if how == "cancelled":
             job.emit("error", asyncio.CancelledError())
         self.on_finish(job, how)
-
-
-def _compiled(pc) -> CompiledSteps:
-    """The engine's compiled steps, compiled now (``CompiledSteps.warm``: a first start takes
-    that long once; later starts load them from inductor's disk cache)."""
-    steps = CompiledSteps(pc.runner)
-    steps.warm()
-    return steps
-
-
-def _write_through(store):
-    """``on_publish`` for a store with shared write-through tiers: each block a request publishes
-    is written there too, so other replicas find it (None: no such tier)."""
-    tiers = [t for t in store.shared if t.write_policy == "through"]
-    if not tiers:
-        return None
-
-    def publish(key, kv):
-        data = kv.clone()
-        for tier in tiers:
-            tier.put(key, data)
-
-    return publish

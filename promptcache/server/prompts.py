@@ -1,9 +1,8 @@
-"""Requests -> what the engine runs: ``Plan(start, prompt_tokens, sampling, plan)``, or an APIError.
+"""Requests -> what the engine runs: ``Plan(prompt, prompt_tokens, params, ...)``, or an APIError.
 
-``plan`` (``plan(pool) -> PrefillPlan``) is how the serving scheduler runs a prompt, reading
-stored states in place from the KV pool; ``start`` (``start(reserve) -> PrefillResult``) is the
-private-buffer prefill, used for prompts that recompute part of their states (``recompute`` >
-0, independent documents) and on models the pool cannot serve. The backend picks.
+``prompt`` is the request's ``PromptSpec`` (data: a PML prompt, token ids, documents); the
+engine's scheduler plans it at admission, reading stored states in place from the KV pool (or
+assembling a prompt that recomputes part of its states in a private buffer first).
 
 Three ways in, all validated before anything is queued (so nothing is half-served):
   * plain chat messages / completion prompts -> token IDs (the tokenizer's chat template with
@@ -32,11 +31,10 @@ checked against the context before their ids are.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
 
+from ..engine import PmlPrompt, PromptSpec, SamplingParams, TokenPrompt
 from ..pml import PMLError, parse_prompt
 from . import openai_fields, tools
-from .backend import Sampling
 from .protocol import APIError, ChatRequest, CompletionRequest, BaseRequest
 
 CHAT_DEFAULT_MAX_TOKENS = 256
@@ -45,10 +43,11 @@ COMPLETION_DEFAULT_MAX_TOKENS = 16
 
 @dataclass
 class Plan:
-    start: Callable[[int], object]  # start(reserve) -> PrefillResult
+    prompt: PromptSpec
     prompt_tokens: int
-    sampling: Sampling
-    plan: Callable[[object], object] | None = None  # plan(pool) -> PrefillPlan (None: start only)
+    params: SamplingParams
+    constraints: tuple = ()  # per-request logits processors (JSON output, tool calls); fresh ones per request
+    logprobs: int | None = None  # None: none; k: each token's log-probability and k rivals
     tool_calls: bool = False  # the answer is parsed for tool calls (tools.py)
 
 
@@ -56,6 +55,7 @@ class Planner:
     """Builds Plans for one engine; ``documents`` maps namespace -> DocumentStore."""
 
     def __init__(self, pc, prefix, documents: dict | None = None, max_chars: int = 2_000_000):
+        """``prefix``: the engine's ``PrefixCache`` (token prompts reuse its chains)."""
         self.pc, self.prefix, self.documents, self.max_chars = pc, prefix, documents or {}, max_chars
         self.context = pc.adapter.context_limit  # the model's context, its sliding window if smaller
 
@@ -126,8 +126,9 @@ class Planner:
 
     # -- the three paths -------------------------------------------------------------------------
     def _tokens(self, ids, req: BaseRequest, ns: str, max_tokens, default: int, param: str) -> Plan:
-        sampling = self._sampling(req, len(ids), max_tokens, default, param)
-        return Plan(self.prefix.starter(ids, ns), len(ids), sampling, self.prefix.plan(ids, ns))
+        plan = self._sampling(req, len(ids), max_tokens, default, param)
+        plan.prompt = TokenPrompt(self.pc, tuple(ids), ns, self.prefix)
+        return plan
 
     def _pml(self, req: BaseRequest, ns: str, max_tokens, default: int) -> Plan:
         self._check_size(len(req.pml), "pml")
@@ -141,11 +142,9 @@ class Planner:
             layout = self.pc.layout(tree, ns)
         except PMLError as e:
             raise APIError(400, f"bad PML prompt: {e}", "pml") from None
-        sampling = self._sampling(req, max(layout.position_ids) + 1, max_tokens, default, "pml")
-        r = req.recompute
-        paged = lambda pool: self.pc.plan(tree, ns, recompute=r)  # noqa: E731 - None: drifted, recomputed privately
-        return Plan(lambda reserve: self.pc.prefill(tree, reserve, keep_cache=True, namespace=ns, recompute=r),
-                    len(layout.token_ids), sampling, paged)
+        plan = self._sampling(req, max(layout.position_ids) + 1, max_tokens, default, "pml")
+        plan.prompt, plan.prompt_tokens = PmlPrompt(self.pc, tree, ns, req.recompute), len(layout.token_ids)
+        return plan
 
     def _documents(self, req: ChatRequest, msgs: list[dict], ns: str, max_tokens) -> Plan:
         store = self.documents.get(ns)
@@ -162,19 +161,18 @@ class Planner:
             raise APIError(404, f"unknown document ids {unknown} (the store has {len(store)} documents)",
                            "documents", "document_not_found")
         layout = store.layout(question, ids, system)
-        sampling = self._sampling(req, max(layout.position_ids) + 1, max_tokens, CHAT_DEFAULT_MAX_TOKENS, "messages")
-        r = req.recompute
-        # chain documents are a token prompt at positions 0..n-1 (exact; chains ignore recompute):
-        # planned as a token chain, so their blocks are shared through the pool like any prefix
-        paged = None if store.independent or store.hybrid else self.prefix.plan(list(layout.token_ids), ns)
-        return Plan(lambda reserve: store.prefill(question, ids, system, reserve, keep_cache=True, recompute=r),
-                    len(layout.token_ids), sampling, paged)
+        plan = self._sampling(req, max(layout.position_ids) + 1, max_tokens, CHAT_DEFAULT_MAX_TOKENS, "messages")
+        plan.prompt = store.prompt(question, ids, system, recompute=req.recompute, prefix=self.prefix)
+        plan.prompt_tokens = len(layout.token_ids)
+        return plan
 
     def _check_size(self, chars: int, param: str) -> None:
         if chars > self.max_chars:
             raise APIError(400, f"{param} holds {chars} characters, the limit is {self.max_chars}", param)
 
-    def _sampling(self, req: BaseRequest, length: int, max_tokens, default: int, param: str) -> Sampling:
+    def _sampling(self, req: BaseRequest, length: int, max_tokens, default: int, param: str) -> Plan:
+        """The request's sampling settings and logits processors, checked against the context; the
+        caller sets the plan's prompt."""
         room = None if self.context is None else self.context - length
         if room is not None and room < 1:
             raise APIError(400, f"the prompt is {length} tokens, the model's context is {self.context} "
@@ -189,9 +187,13 @@ class Planner:
             raise APIError(400, f"min_tokens is {req.min_tokens}, more than max_tokens ({max_tokens})", "min_tokens")
         constraints = tools.processors(req, self.pc) if isinstance(req, ChatRequest) and tools.active(req) \
             else openai_fields.constraints(req, self.pc)
-        return Sampling(max_tokens, req.temperature, req.top_p, req.stop_list(), req.seed,
-                        constraints, openai_fields.logprobs_k(req),
-                        min_tokens=req.min_tokens, ignore_eos=req.ignore_eos)
+        try:
+            params = SamplingParams(max_new_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,
+                                    stop=tuple(req.stop_list() or ()), seed=req.seed, min_tokens=req.min_tokens,
+                                    ignore_eos=req.ignore_eos)
+        except ValueError as e:  # settings the engine refuses (SamplingParams names the field)
+            raise APIError(400, str(e)) from None
+        return Plan(None, length, params, constraints, openai_fields.logprobs_k(req))
 
 
 def _check_common(req: BaseRequest) -> None:

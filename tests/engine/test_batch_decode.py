@@ -10,7 +10,9 @@ import types
 import pytest
 
 from promptcache import PromptCache, SamplingParams
-from promptcache.engine import Request, Scheduler
+from promptcache.engine import PmlPrompt, Request
+from promptcache.engine.scheduler import Scheduler
+from promptcache.pml import parse_prompt
 from promptcache.engine.batch import batch_refusal
 from promptcache.models import UnsupportedModelError
 from tiny import make_model, make_tokenizer
@@ -31,8 +33,7 @@ def engine(family: str) -> PromptCache:
 
 
 def request(pc, text, max_new_tokens):
-    start = functools.partial(pc.prefill, text, keep_cache=True)
-    return Request(lambda reserve: start(reserve=reserve), SamplingParams(max_new_tokens=max_new_tokens), pc.tokenizer)
+    return Request(PmlPrompt(pc, parse_prompt(text)), SamplingParams(max_new_tokens=max_new_tokens), pc.tokenizer)
 
 
 def count_forwards(pc):
@@ -124,7 +125,7 @@ def test_stock_cache_requests_decode_one_by_one_next_to_the_batch():
     sched = Scheduler(pc.runner)
     spliced = [request(pc, prompt(i, 8), 6) for i in range(2)]
     text = prompt(5, 8)
-    baseline = Request(lambda reserve: pc.prefill_baseline(text), SamplingParams(max_new_tokens=6), pc.tokenizer)
+    baseline = Request(pc.prompt_spec(text, use_cache=False), SamplingParams(max_new_tokens=6), pc.tokenizer)
     for r in [*spliced, baseline]:
         sched.add(r)
     while sched.has_work:

@@ -12,7 +12,9 @@ import torch
 
 from promptcache import PromptCache, SamplingParams
 from promptcache.cache import KVSpec, SpliceCache
-from promptcache.engine import EngineConfig, Request, RunnerConfig, Scheduler, StoreConfig
+from promptcache.engine import EngineConfig, PmlPrompt, Request, RunnerConfig, StoreConfig
+from promptcache.engine.scheduler import Scheduler
+from promptcache.pml import parse_prompt
 from tiny import fresh_model, make_tokenizer
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -107,8 +109,7 @@ def test_batched_decode_on_the_gpu_equals_one_by_one():
     sched = Scheduler(gpu.runner)
     reqs = []
     for i, text in enumerate(PROMPTS):
-        start = (lambda t: lambda reserve: gpu.prefill(t, keep_cache=True, reserve=reserve))(text)
-        reqs.append(Request(start, SamplingParams(max_new_tokens=6 + i), gpu.tokenizer))
+        reqs.append(Request(PmlPrompt(gpu, parse_prompt(text)), SamplingParams(max_new_tokens=6 + i), gpu.tokenizer))
         sched.add(reqs[-1])
     while sched.has_work:
         sched.step()

@@ -121,13 +121,13 @@ def test_min_tokens_masks_eos_and_ignore_eos_keeps_going():
     eos = frozenset([3])
     logits = torch.zeros(10)
     logits[3] = 5.0  # EOS is the greedy choice
-    req = Request(lambda r: None, SamplingParams(max_new_tokens=5, min_tokens=2), tok)
+    req = Request(None, SamplingParams(max_new_tokens=5, min_tokens=2), tok)
     for expect_stop in (False, False, True):
         token = req.sampler.sample(req.mask_eos(logits, eos), req.context)
         req.accept(token, eos)
         assert (req.finish_reason == "stop") == expect_stop
     assert logits[3] == 5.0  # the caller's logits are untouched
-    keep = Request(lambda r: None, SamplingParams(max_new_tokens=3, ignore_eos=True), tok)
+    keep = Request(None, SamplingParams(max_new_tokens=3, ignore_eos=True), tok)
     for _ in range(3):
         keep.accept(keep.sampler.sample(keep.mask_eos(logits, eos), keep.context), eos)
     assert keep.token_ids == [3, 3, 3] and keep.finish_reason == "length"

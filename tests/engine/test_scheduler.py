@@ -3,12 +3,13 @@ cancellation, and that every cache goes back to the pool exactly once."""
 
 from __future__ import annotations
 
-import functools
 
 import pytest
 
 from promptcache import PromptCache, SamplingParams
-from promptcache.engine import Request, Scheduler
+from promptcache.engine import PmlPrompt, PromptSpec, Request
+from promptcache.engine.scheduler import Scheduler
+from promptcache.pml import parse_prompt
 from tiny import make_model, make_tokenizer
 
 SCHEMA = """<schema name="s">
@@ -33,8 +34,7 @@ def pc(monkeypatch):
 
 
 def request(pc, prompt, **kw):
-    start = functools.partial(pc.prefill, prompt, keep_cache=True)
-    return Request(lambda reserve: start(reserve=reserve), SamplingParams(**kw), pc.tokenizer)
+    return Request(PmlPrompt(pc, parse_prompt(prompt)), SamplingParams(**kw), pc.tokenizer)
 
 
 def test_two_requests_step_together_and_match_generate(pc):
@@ -101,11 +101,12 @@ def test_finish_reasons_and_usage(pc):
 
 
 def test_a_failing_prefill_leaves_nothing_held(pc):
-    def start(reserve):
-        raise RuntimeError("boom")
+    class Broken(PromptSpec):
+        def prefill(self, reserve=0):
+            raise RuntimeError("boom")
 
     sched = Scheduler(pc.runner)
-    req = Request(start, SamplingParams(max_new_tokens=3), pc.tokenizer)
+    req = Request(Broken(), SamplingParams(max_new_tokens=3), pc.tokenizer)
     sched.add(req)
     with pytest.raises(RuntimeError, match="boom"):
         sched.step()

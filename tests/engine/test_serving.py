@@ -14,12 +14,14 @@ import torch
 
 from oracle import definition_greedy, definition_state, plain_logits, plain_logits_at
 from promptcache import PromptCache
-from promptcache.engine.chains import ChainPlanner
+from promptcache.engine import PmlPrompt, TokenPrompt
+from promptcache.engine.prefix import PrefixCache
 from promptcache.engine.kvpool import KVPool, PoolFull
 from promptcache.engine.paged import paged_refusal
 from promptcache.engine.request import Request
 from promptcache.engine.sampling import SamplingParams
 from promptcache.engine.serving import ServingScheduler
+from promptcache.pml import parse_prompt
 from tiny import FAMILIES, make_model, make_tokenizer
 from trip import POOLED, PROMPTS, SCHEMA
 
@@ -36,14 +38,13 @@ def engine(family, tokenizer) -> PromptCache:
 
 
 def serve(pc, plans, max_new=8, budget=12, pool_tokens=1024, block=16, **kw) -> tuple[list[Request], ServingScheduler]:
-    """Serve requests (plan makers or ("start", callable)) together until all finish."""
+    """Serve requests (prompt specs) together until all finish."""
     pool = KVPool(pc.runner.spec, pc.device, pool_tokens, block)
     sched = ServingScheduler(pc.runner, pool, token_budget=budget, **kw)
     reqs = []
     for p in plans:
         params = SamplingParams(max_new_tokens=max_new, temperature=0.0)
-        reqs.append(Request(p[1], params, pc.tokenizer) if isinstance(p, tuple)
-                    else Request(None, params, pc.tokenizer, plan=p))
+        reqs.append(Request(p, params, pc.tokenizer))
         sched.add(reqs[-1])
     for _ in range(10_000):
         if not sched.has_work:
@@ -59,9 +60,19 @@ PREFIX_SCHEMA = """<schema name="prefix"><system>You are a travel planner.</syst
 PREFIX_PROMPT = '<prompt schema="prefix"><intro/><paris/> Highlight the food and keep it cheap.</prompt>'
 
 
-def pml(pc, prompt):
-    """A plan maker at recompute=0: drifted prompts too are read in place (the oracle's definition)."""
-    return lambda pool: pc.plan(prompt, recompute=0)
+def pml(pc, prompt, recompute=0):
+    """A PML prompt at recompute=0: drifted prompts too are read in place (the oracle's definition)."""
+    return PmlPrompt(pc, parse_prompt(prompt), recompute=recompute)
+
+
+def tokens(pc, chains: PrefixCache, ids) -> TokenPrompt:
+    """Token ids reusing and publishing chain blocks in namespace "ns"."""
+    return TokenPrompt(pc, tuple(ids), "ns", chains)
+
+
+def plain(pc, ids, max_new: int) -> list[int]:
+    """Greedy tokens after a baseline prefill of ``ids`` (nothing reused)."""
+    return pc.generate(list(ids), max_new_tokens=max_new, temperature=0.0, use_cache=False).token_ids
 
 
 def test_the_pool_serves_rotary_and_learned_families_and_says_why_not_the_others(tokenizer):
@@ -101,8 +112,7 @@ def test_a_drifted_prompt_under_auto_falls_back_to_its_private_prefill(tokenizer
     params = SamplingParams(max_new_tokens=6, temperature=0.0)
     pool = KVPool(pc.runner.spec, pc.device, 1024, 16)
     sched = ServingScheduler(pc.runner, pool)
-    reqs = [Request(lambda reserve, p=p: pc.prefill(p, reserve, keep_cache=True), params, pc.tokenizer,
-                    plan=lambda pool, p=p: pc.plan(p)) for p in (PROMPTS[0], PREFIX_PROMPT)]
+    reqs = [Request(pml(pc, p, recompute=None), params, pc.tokenizer) for p in (PROMPTS[0], PREFIX_PROMPT)]
     for r in reqs:
         sched.add(r)
     while sched.has_work:
@@ -116,7 +126,7 @@ def test_a_drifted_prompt_under_auto_falls_back_to_its_private_prefill(tokenizer
 def test_a_private_prefill_is_served_beside_pooled_ones(tokenizer):
     """A recompute prompt is assembled in its own buffer, then copied into its blocks."""
     pc = engine("llama", tokenizer)
-    start = ("start", lambda reserve: pc.prefill(PROMPTS[0], reserve, keep_cache=True, recompute=0.5))
+    start = pml(pc, PROMPTS[0], recompute=0.5)
     reqs, _ = serve(pc, [pml(pc, PROMPTS[1]), start, pml(pc, PROMPTS[2])])
     want = pc.generate(PROMPTS[0], max_new_tokens=8, temperature=0.0, recompute=0.5)
     assert reqs[1].token_ids == want.token_ids and reqs[1].prefill.recomputed_tokens > 0
@@ -126,14 +136,14 @@ def test_a_private_prefill_is_served_beside_pooled_ones(tokenizer):
 @pytest.mark.parametrize("family", ["llama", "gpt2"])
 def test_token_chains_are_exact_and_a_chat_reuses_its_answer(family, tokenizer):
     pc = PromptCache(make_model(family), tokenizer)
-    chains = ChainPlanner(pc.store, pc.model_key, block_size=8)
+    chains = PrefixCache(pc, 8)
     pool = KVPool(pc.runner.spec, pc.device, 1024, 8)
     sched = ServingScheduler(pc.runner, pool, token_budget=20)
     ids = pc.tokenizer("You are a travel planner. Plan a trip of three days to Paris, Tokyo or Rome.").input_ids
 
     def turn(prompt, max_new=10):
-        req = Request(None, SamplingParams(max_new_tokens=max_new, temperature=0.0), pc.tokenizer,
-                      plan=lambda p: chains.plan(prompt, "ns", p))
+        req = Request(tokens(pc, chains, prompt), SamplingParams(max_new_tokens=max_new, temperature=0.0),
+                      pc.tokenizer)
         sched.add(req)
         while sched.has_work:
             sched.step()
@@ -148,22 +158,20 @@ def test_token_chains_are_exact_and_a_chat_reuses_its_answer(family, tokenizer):
     ran = len(ids) + len(first.token_ids) - 1  # prompt and the answer tokens that ran through the model
     assert again.prefill.cached_tokens == ran // 8 * 8 > len(ids) - 8  # fewer than one block recomputed
     assert torch.max(torch.abs(again.prefill.logits - plain_logits(pc.model, second))).item() <= TOL
-    assert again.token_ids == pc.generate_from(lambda r: pc.runner.prefill_plain(second), max_new_tokens=10,
-                                               temperature=0.0).token_ids
+    assert again.token_ids == plain(pc, second, 10)
     assert pool.free_blocks < pool.num_blocks and pool.stats()["idle_entries"] > 0  # blocks kept for reuse
 
 
 def test_evicted_chain_blocks_spill_to_the_store_and_come_back(tokenizer):
     pc = PromptCache(make_model("llama"), tokenizer)
-    chains = ChainPlanner(pc.store, pc.model_key, block_size=8)
+    chains = PrefixCache(pc, 8)
     pool = KVPool(pc.runner.spec, pc.device, 64, 8, spill=pc.store.put)  # 8 blocks
     sched = ServingScheduler(pc.runner, pool, token_budget=64)
     ids = pc.tokenizer("Paris is the capital of France, famous for museums, cafes and the Eiffel Tower.").input_ids
     assert 24 < len(ids) < 40
 
     def run(prompt):
-        req = Request(None, SamplingParams(max_new_tokens=2, temperature=0.0), pc.tokenizer,
-                      plan=lambda p: chains.plan(prompt, "ns", p))
+        req = Request(tokens(pc, chains, prompt), SamplingParams(max_new_tokens=2, temperature=0.0), pc.tokenizer)
         sched.add(req)
         while sched.has_work:
             sched.step()
@@ -182,7 +190,7 @@ def test_admission_waits_for_room_and_never_overcommits(tokenizer):
     pool_tokens = 96  # room for two of these requests' own tokens at a time
     pool = KVPool(pc.runner.spec, pc.device, pool_tokens, 16)
     sched = ServingScheduler(pc.runner, pool, token_budget=64)
-    reqs = [Request(None, SamplingParams(max_new_tokens=20, temperature=0.0), pc.tokenizer, plan=pml(pc, p))
+    reqs = [Request(pml(pc, p), SamplingParams(max_new_tokens=20, temperature=0.0), pc.tokenizer)
             for p in PROMPTS[:3]]
     for r in reqs:
         sched.add(r)
@@ -206,7 +214,7 @@ def test_cancelled_requests_free_their_blocks_at_the_next_step(tokenizer):
     pc = engine("llama", tokenizer)
     pool = KVPool(pc.runner.spec, pc.device, 1024, 16)
     sched = ServingScheduler(pc.runner, pool, token_budget=4, max_running=2)  # prefills take several steps
-    reqs = [Request(None, SamplingParams(max_new_tokens=50, temperature=0.0), pc.tokenizer, plan=pml(pc, p))
+    reqs = [Request(pml(pc, p), SamplingParams(max_new_tokens=50, temperature=0.0), pc.tokenizer)
             for p in PROMPTS[:3]]
     for r in reqs:
         sched.add(r)
@@ -245,14 +253,14 @@ def test_pool_allocates_runs_and_evicts_idle_entries_least_recently_used(tokeniz
 
 def test_requests_arriving_together_behind_one_new_prompt_compute_it_once(tokenizer):
     pc = PromptCache(make_model("llama"), tokenizer)
-    chains = ChainPlanner(pc.store, pc.model_key, block_size=8)
+    chains = PrefixCache(pc, 8)
     shared = pc.tokenizer("You are a travel planner. Plan a trip of three days to Paris, Tokyo or Rome. "
                           "Keep it cheap and highlight the food.").input_ids
     prompts = [shared + pc.tokenizer(q).input_ids for q in ("Paris?", "Tokyo, please.", "Rome now.", "Any?")]
     pool = KVPool(pc.runner.spec, pc.device, 1024, 8)
     sched = ServingScheduler(pc.runner, pool, token_budget=12)  # the shared prompt takes several steps
-    reqs = [Request(None, SamplingParams(max_new_tokens=4, temperature=0.0), pc.tokenizer,
-                    plan=(lambda ids: lambda p: chains.plan(ids, "ns", p))(ids)) for ids in prompts]
+    reqs = [Request(tokens(pc, chains, ids), SamplingParams(max_new_tokens=4, temperature=0.0), pc.tokenizer)
+            for ids in prompts]
     for r in reqs:
         sched.add(r)
     while sched.has_work:
@@ -295,7 +303,7 @@ def test_recompute_identity_through_the_pool(family, tokenizer):
     over the prompt's tokens at the layout's positions, and decodes on in the pool."""
     pc = engine(family, tokenizer)
     prompt = PROMPTS[1]
-    start = ("start", lambda reserve: pc.prefill(prompt, reserve, keep_cache=True, recompute=1.0))
+    start = pml(pc, prompt, recompute=1.0)
     reqs, _ = serve(pc, [pml(pc, PROMPTS[0]), start], max_new=6)
     layout = pc.layout(prompt)
     ref = plain_logits_at(pc.model, layout.token_ids, layout.position_ids)
@@ -309,20 +317,19 @@ def test_a_decode_row_with_a_long_own_part_is_read_in_place_and_stays_exact(toke
 
     monkeypatch.setattr(paged, "GATHER_MAX", 8)  # the tiny prompts' own parts are longer than this
     pc = PromptCache(make_model("llama"), tokenizer)
-    chains = ChainPlanner(pc.store, pc.model_key, block_size=8)
+    chains = PrefixCache(pc, 8)
     long_ids = pc.tokenizer("Paris is the capital of France, famous for museums, cafes and the Eiffel Tower.").input_ids
     short_ids = long_ids[:5]
     pool = KVPool(pc.runner.spec, pc.device, 1024, 8)
     sched = ServingScheduler(pc.runner, pool, token_budget=64)
-    reqs = [Request(None, SamplingParams(max_new_tokens=6, temperature=0.0), pc.tokenizer,
-                    plan=(lambda ids: lambda p: chains.plan(ids, "ns", p))(ids)) for ids in (long_ids, short_ids)]
+    reqs = [Request(tokens(pc, chains, ids), SamplingParams(max_new_tokens=6, temperature=0.0), pc.tokenizer)
+            for ids in (long_ids, short_ids)]
     for r in reqs:
         sched.add(r)
     while sched.has_work:
         sched.step()
     for ids, r in zip((long_ids, short_ids), reqs):
-        want = pc.generate_from(lambda res, ids=ids: pc.runner.prefill_plain(ids), max_new_tokens=6, temperature=0.0)
-        assert r.token_ids == want.token_ids
+        assert r.token_ids == plain(pc, ids, 6)
 
 
 def test_a_fragmented_pool_allocates_the_longest_free_runs_first(tokenizer):
@@ -367,7 +374,7 @@ def test_a_prompt_stored_in_scattered_blocks_is_read_together_and_stays_exact(to
     monkeypatch.setattr(paged, "_group_segments",
                         lambda segs, dev: grouped.append((len(segs), len(out := group(segs, dev)))) or out)
     pc = PromptCache(make_model("llama"), tokenizer)
-    chains = ChainPlanner(pc.store, pc.model_key, block_size=4)
+    chains = PrefixCache(pc, 4)
     pool = KVPool(pc.runner.spec, pc.device, 64 * 4, 4)
     singles = [pool.allocate(1)[0] for _ in range(64)]
     pool.free(singles[::2])  # no two free blocks adjoin: a request's blocks are all apart
@@ -375,14 +382,11 @@ def test_a_prompt_stored_in_scattered_blocks_is_read_together_and_stays_exact(to
     ids = pc.tokenizer("Paris is the capital of France, famous for museums, cafes and the Eiffel Tower.").input_ids
     outs = []
     for prompt in (ids, ids + ids[:3]):
-        req = Request(None, SamplingParams(max_new_tokens=4, temperature=0.0), pc.tokenizer,
-                      plan=(lambda p, prompt=prompt: chains.plan(prompt, "ns", p)))
+        req = Request(tokens(pc, chains, prompt), SamplingParams(max_new_tokens=4, temperature=0.0), pc.tokenizer)
         sched.add(req)
         while sched.has_work:
             sched.step()
-        want = pc.generate_from(lambda res, prompt=prompt: pc.runner.prefill_plain(prompt), max_new_tokens=4,
-                                temperature=0.0)
-        assert req.token_ids == want.token_ids
+        assert req.token_ids == plain(pc, prompt, 4)
         outs.append(req)
     assert outs[1].prefill.cached_tokens >= 4 * (paged.SEGMENTS_MAX + 1)
     assert any(n > paged.SEGMENTS_MAX and g == 1 for n, g in grouped)  # read together

@@ -1,16 +1,30 @@
-"""The worker over one shared Scheduler, without HTTP: events per job, a failing request does not
+"""The worker over the serving core, without HTTP: events per job, a failing request does not
 take the others down, cancellation frees what the request held."""
 
 from __future__ import annotations
 
 import asyncio
-import functools
 
-import pytest
-
-from promptcache.server.backend import Backend, Sampling
+from promptcache.engine import PmlPrompt, PromptSpec, SamplingParams
+from promptcache.pml import parse_prompt
+from promptcache.server.backend import Backend
 
 PROMPT = "<prompt><user>Tell me about bicycles and their wheels.</user></prompt>"
+
+
+def prompt(pc) -> PmlPrompt:
+    return PmlPrompt(pc, parse_prompt(PROMPT))
+
+
+def greedy(n: int) -> SamplingParams:
+    return SamplingParams(max_new_tokens=n, temperature=0.0)
+
+
+class Broken(PromptSpec):
+    """A prompt whose planning fails (as a store that lost a state for good would)."""
+
+    def plan(self, pool):
+        raise RuntimeError("no such prompt")
 
 
 async def drain(job) -> list[tuple[str, object]]:
@@ -23,25 +37,17 @@ async def drain(job) -> list[tuple[str, object]]:
 
 
 def idle(backend) -> bool:
-    """Nothing running, nothing held: every pool block free (paged) or no batch row (older path)."""
-    if backend.paged:
-        return not backend.scheduler.running and backend.pool.free_blocks == backend.pool.num_blocks
-    return not backend.scheduler.batch.members
+    """Nothing running, nothing held: every pool block free (a PML prompt shares no blocks)."""
+    return not backend.scheduler.running and backend.pool.free_blocks == backend.pool.num_blocks
 
 
-@pytest.mark.parametrize("paged", [True, False], ids=["pool", "private"])
-def test_a_failing_request_gets_an_error_and_the_others_finish(pc, paged):
+def test_a_failing_request_gets_an_error_and_the_others_finish(pc):
     outcomes = []
-    backend = Backend(pc, max_queue=8, on_finish=lambda job, how: outcomes.append(how), paged=paged)
-    assert backend.paged == paged
-
-    def broken(reserve):
-        raise RuntimeError("no such prompt")
+    backend = Backend(pc, max_queue=8, on_finish=lambda job, how: outcomes.append(how))
 
     async def main():
-        good = [backend.submit(functools.partial(pc.prefill, PROMPT, keep_cache=True), Sampling(6, 0.0))
-                for _ in range(3)]
-        bad = backend.submit(broken, Sampling(6, 0.0))
+        good = [backend.submit(prompt(pc), greedy(6)) for _ in range(3)]
+        bad = backend.submit(Broken(), greedy(6))
         return await asyncio.gather(*(drain(j) for j in [*good, bad]))
 
     try:
@@ -49,7 +55,7 @@ def test_a_failing_request_gets_an_error_and_the_others_finish(pc, paged):
     finally:
         backend.close()
     assert bad[-1][0] == "error" and "no such prompt" in str(bad[-1][1])
-    expected = pc.generate(PROMPT, max_new_tokens=6)
+    expected = pc.generate(PROMPT, max_new_tokens=6, temperature=0.0)
     for events in good:
         assert [k for k, _ in events][0] == "prefilled" and events[-1][0] == "done"
         assert "".join(v for k, v in events if k == "text") == expected.text
@@ -58,20 +64,19 @@ def test_a_failing_request_gets_an_error_and_the_others_finish(pc, paged):
     assert not backend.scheduler.has_work and idle(backend)
 
 
-def test_cancel_frees_the_batch_row(pc):
-    backend = Backend(pc, max_queue=8, paged=False)  # the older path's decode batch
+def test_cancel_frees_the_requests_blocks(pc):
+    backend = Backend(pc, max_queue=8)
 
     async def main():
-        long = [backend.submit(functools.partial(pc.prefill, PROMPT, keep_cache=True), Sampling(400, 0.0))
-                for _ in range(2)]
+        long = [backend.submit(prompt(pc), greedy(400)) for _ in range(2)]
         for job in long:
             assert (await job.events.get())[0] == "prefilled"
-        while len(backend.scheduler.batch.members) < 2:
-            await asyncio.sleep(0.01)
+        held = backend.pool.free_blocks
         backend.cancel(long[0])
         kind, value = (await drain(long[0]))[-1]
         assert kind == "error" and isinstance(value, asyncio.CancelledError)
-        assert long[0].request.finish_reason == "cancelled" and long[0].request not in backend.scheduler.batch
+        assert long[0].request.finish_reason == "cancelled" and long[0].request not in backend.scheduler.running
+        assert backend.pool.free_blocks > held  # its own blocks (400 tokens reserved) are free again
         backend.cancel(long[1])
         await drain(long[1])
 
@@ -79,7 +84,7 @@ def test_cancel_frees_the_batch_row(pc):
         asyncio.run(main())
     finally:
         backend.close()
-    assert backend.in_flight == 0 and not backend.scheduler.batch.members
+    assert backend.in_flight == 0 and idle(backend)
 
 
 def test_a_reader_that_stops_reading_is_paused_then_cancelled(pc):
@@ -90,10 +95,8 @@ def test_a_reader_that_stops_reading_is_paused_then_cancelled(pc):
     backend = Backend(pc, max_queue=8, on_finish=lambda job, how: outcomes.append(how), config=config)
 
     async def main():
-        stalled = backend.submit(functools.partial(pc.prefill, PROMPT, keep_cache=True), Sampling(400, 0.0),
-                                 lambda pool: pc.plan(PROMPT))
-        reading = backend.submit(functools.partial(pc.prefill, PROMPT, keep_cache=True), Sampling(30, 0.0),
-                                 lambda pool: pc.plan(PROMPT))
+        stalled = backend.submit(prompt(pc), greedy(400))
+        reading = backend.submit(prompt(pc), greedy(30))
         events = await drain(reading)  # the other request is not held up by the stalled one
         assert events[-1][0] == "done" and len(events[-1][1].token_ids) == 30
         for _ in range(200):

@@ -5,12 +5,13 @@ wake-up), errors come back with their type, and a call made on the thread itself
 from __future__ import annotations
 
 import asyncio
-import functools
 import threading
 
 import pytest
 
-from promptcache.server.backend import Backend, Sampling
+from promptcache.engine import PmlPrompt, SamplingParams
+from promptcache.pml import parse_prompt
+from promptcache.server.backend import Backend
 from promptcache.server.compute import ComputeThread
 
 PROMPT = "<prompt><user>Tell me about bicycles and their wheels.</user></prompt>"
@@ -38,8 +39,7 @@ def test_the_engine_of_a_backend_runs_on_the_compute_thread_it_was_given(pc):
         assert backend.paged and backend.compute is compute
 
         async def main():
-            job = backend.submit(functools.partial(pc.prefill, PROMPT, keep_cache=True), Sampling(5, 0.0),
-                                 lambda pool: pc.plan(PROMPT))
+            job = backend.submit(PmlPrompt(pc, parse_prompt(PROMPT)), SamplingParams(max_new_tokens=5))
             events = []
             while not events or events[-1][0] not in ("done", "error"):
                 events.append(await asyncio.wait_for(job.events.get(), 60))

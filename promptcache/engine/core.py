@@ -1,0 +1,180 @@
+"""``Engine``: the serving core in one object, driven in process by the library and by the server.
+
+    engine = pc.engine()                        # one per PromptCache, built on first use
+    reqs = [Request(prompt, params, tokenizer) for prompt in specs]
+    engine.run(reqs)                            # continuously batched until all have finished
+    for out in engine.stream(req): ...          # or one request's StepOutputs as they come
+
+It owns the KV pool (``kvpool.py``, sized by ``ServingConfig``), the step loop
+(``serving.ServingScheduler``: one packed forward per step, chunked prefill, shared states read in
+place), the prefix chains (``prefix.PrefixCache``: token prompts' blocks, published as requests
+fill them) and, with ``RunnerConfig.compile``, the compiled steps. ``PromptCache.generate`` /
+``stream``, ``DocumentStore.generate``, ``promptcache chat`` and the server all submit requests
+here, so a list of prompts given to ``generate`` is batched as concurrent HTTP requests are.
+
+Threads. ``submit`` may be called from any thread (requests wait in an incoming queue); ``step``
+runs under the engine's lock, so one thread steps at a time: in the library the calling threads
+take turns (a thread stepping also advances the others' requests; each request's outputs wait
+on ``Request.outputs`` for its reader), in the server the compute thread is the only one.
+No thread is started here.
+
+A model the pool cannot serve (``paged.paged_refusal``) is stepped by the per-request
+``scheduler.Scheduler``, each request prefilled in a private buffer (logged once).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import deque
+from typing import Iterator
+
+from ..errors import ConfigError
+from ..progress import Progress
+from .config import ServingConfig
+from .graphs import CompiledSteps
+from .kvpool import KVPool
+from .paged import paged_refusal
+from .prefix import PrefixCache
+from .request import Request, StepOutput
+from .scheduler import Scheduler
+from .serving import ServingScheduler
+
+log = logging.getLogger(__name__)
+
+__all__ = ["Engine"]
+
+
+class Engine:
+    def __init__(self, pc, config: ServingConfig | None = None):
+        """``pc``: the ``PromptCache`` whose model, store and schemas requests use."""
+        self.pc, self.config = pc, config or ServingConfig()
+        c = self.config
+        self.prefix = PrefixCache(pc, c.block_size)
+        self.refusal = paged_refusal(pc.runner)
+        self.pool: KVPool | None = None
+        self.compiled: CompiledSteps | None = None
+        if self.refusal is None:
+            pins = lambda key: pc.store.pins is not None and pc.store.pins.live(key)  # noqa: E731 - read per eviction
+            self.pool = KVPool(pc.runner.spec, pc.device, c.kv_pool_tokens, c.block_size, self.prefix.spill, pins)
+            if pc.config.runner.compile:
+                self.compiled = CompiledSteps(pc.runner)
+                self.compiled.warm()  # a first start compiles; later ones load from inductor's disk cache
+            self.scheduler = ServingScheduler(pc.runner, self.pool, c.max_num_batched_tokens, c.max_num_seqs,
+                                              on_publish=_write_through(pc.store),
+                                              forward=self.compiled.forward if self.compiled else None)
+        else:
+            if pc.config.runner.compile:
+                raise ConfigError(f"RunnerConfig.compile (--compile): compiled steps need the paged pool: {self.refusal}")
+            log.info("serving without the KV pool (each request assembles its own buffer): %s", self.refusal)
+            self.scheduler = Scheduler(pc.runner)
+        self.lock = threading.RLock()  # held while a step runs: one thread steps at a time
+        self._incoming: deque[Request] = deque()  # appended from any thread, drained by the stepping one
+        self._live: list[Request] = []  # submitted, not seen finished (stepping thread)
+
+    @property
+    def paged(self) -> bool:
+        return self.pool is not None
+
+    @property
+    def has_incoming(self) -> bool:
+        """Requests submitted and not yet handed to the scheduler."""
+        return bool(self._incoming)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self._incoming) or self.scheduler.has_work
+
+    def matched_tokens(self, ids: list[int], namespace: str) -> int:
+        """Leading tokens of the token prompt ``ids`` whose blocks the pool or the store holds (what
+        a ``TokenPrompt`` of them would reuse; at least one token is always left to run)."""
+        n = 0
+        for key in self.prefix.keys(ids[: max(len(ids) - 1, 0)], namespace):
+            if not ((self.pool is not None and key in self.pool) or key in self.pc.store):
+                break
+            n += 1
+        return n * self.prefix.block_size
+
+    def submit(self, request: Request) -> Request:
+        """Queue a request (any thread); it is admitted by a later step."""
+        self._incoming.append(request)
+        return request
+
+    def step(self) -> list[StepOutput]:
+        """Admit what was submitted, then one step of the scheduler; each output is also queued
+        on its request's ``outputs``."""
+        with self.lock:
+            while self._incoming:
+                req = self._incoming.popleft()
+                self._live.append(req)
+                self.scheduler.add(req)
+            try:
+                return self.scheduler.step()
+            finally:
+                self._live = [r for r in self._live if not r.finished]
+
+    def run(self, requests: list[Request], progress: Progress | None = None) -> list[Request]:
+        """Submit ``requests`` and step until every one has finished (others submitted meanwhile are
+        stepped too). ``progress(done, total)`` after each step that finished some. A step that
+        fails marks the requests it concerned (``Request.error``) and the loop goes on."""
+        for r in requests:
+            self.submit(r)
+        total, done = len(requests), 0
+        while (left := sum(not r.finished for r in requests)) > 0:
+            self._step_guarded()
+            if progress is not None and total - left != done:
+                done = total - left
+                progress(done, total)
+        return requests
+
+    def stream(self, request: Request) -> Iterator[StepOutput]:
+        """Submit ``request`` and yield its outputs as steps produce them. Leaving the loop early
+        (``break``, an exception, garbage collection) cancels it and frees its blocks at once."""
+        self.submit(request)
+        try:
+            while True:
+                while request.outputs:
+                    out = request.outputs.popleft()
+                    yield out
+                    if out.finished:
+                        return
+                if request.finished and not request.outputs:
+                    return
+                self._step_guarded()
+        finally:
+            if not request.finished:
+                request.cancel()
+                while not request.finished and self.has_work:
+                    self._step_guarded()
+
+    def _step_guarded(self) -> None:
+        """A step; a failure that the step reported to the requests it concerned (``Request.error``)
+        is logged and the others go on; any other failure propagates."""
+        live = list(self._live) + list(self._incoming)
+        try:
+            self.step()
+        except Exception as e:
+            if not any(r.error is e for r in live):
+                raise
+            log.exception("engine step failed")
+
+    def close(self) -> None:
+        """Hand the pool's idle shared blocks down the store's tiers (persisted where it persists)."""
+        if self.pool is not None:
+            with self.lock:
+                self.pool.clear_idle()
+
+
+def _write_through(store):
+    """``on_publish`` for a store with shared write-through tiers: each block a request publishes
+    is written there too, so other replicas find it (None: no such tier)."""
+    tiers = [t for t in store.shared if t.write_policy == "through"]
+    if not tiers:
+        return None
+
+    def publish(key, kv):
+        data = kv.clone()
+        for tier in tiers:
+            tier.put(key, data)
+
+    return publish

@@ -1,0 +1,44 @@
+"""``DocumentPrompt``: a question over ``DocumentStore`` documents, as the engine's scheduler plans it.
+
+Chain stores are exact (every state a plain prefill's), so their prompt is planned as a token
+chain (``engine.chains``, the prefix reuse the server uses for plain prompts): blocks shared in
+the KV pool by every request that matches them, published as requests fill them. Independent and
+hybrid stores place documents encoded alone and recompute part of their states, so their prompt
+is assembled in a private buffer (``DocumentStore.prefill``) that the scheduler copies into the
+pool.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from ..engine import PrefillResult, PromptSpec, TokenPrompt
+
+if TYPE_CHECKING:
+    from ..engine.prefix import PrefixCache
+    from .store import DocumentStore
+
+__all__ = ["DocumentPrompt"]
+
+
+@dataclass(frozen=True, eq=False)
+class DocumentPrompt(PromptSpec):
+    store: "DocumentStore"
+    question: str
+    doc_ids: tuple[str, ...]
+    system: str | None = None
+    recompute: float | str | None = None
+    prefix: "PrefixCache | None" = None  # the chains of the engine that runs it (None: the library's engine)
+
+    def plan(self, pool):
+        if self.store.private_prefill:
+            return None
+        layout = self.store.layout(self.question, list(self.doc_ids), self.system)
+        pc = self.store.pc
+        prefix = self.prefix if self.prefix is not None else pc.engine().prefix
+        return TokenPrompt(pc, tuple(layout.token_ids), self.store.namespace, prefix, layout).plan(pool)
+
+    def prefill(self, reserve: int = 0) -> PrefillResult:
+        return self.store.prefill(self.question, list(self.doc_ids), self.system, reserve, keep_cache=True,
+                                  recompute=self.recompute)
