@@ -73,6 +73,7 @@ class _Seq:
     slots: torch.Tensor  # LongTensor [len(blocks) * block_size]: pool slot of each own token, in order
     own_ids: list[int] = field(default_factory=list)  # tokens whose states are in its own slots, in order
     own_pos: list[int] = field(default_factory=list)  # their positions
+    shared_pos: list[torch.Tensor] = field(default_factory=list)  # position IDs of each ``shared`` view
     published: int = 0  # leading own blocks shared under chain keys (no longer freed by it)
     publishing: bool = True  # False once a block's key was already shared by another request
     admitted: float = field(default_factory=time.perf_counter)
@@ -153,7 +154,8 @@ class ServingScheduler(RequestQueue):
     def _row(self, s: _Seq, ids: list[int], pos: list[int], logits: bool) -> PagedRow:
         s.own_ids.extend(ids)  # their states are written by this step's forward
         s.own_pos.extend(pos)
-        return PagedRow(ids, pos, s.shared, s.slots[: s.done], logits=logits)
+        return PagedRow(ids, pos, s.shared, s.slots[: s.done], logits=logits, shared_pos=s.shared_pos,
+                        own_pos=s.own_pos)
 
     def _chunk(self, s: _Seq, budget: int) -> PagedRow:
         lo = s.done
@@ -222,7 +224,11 @@ class ServingScheduler(RequestQueue):
         blocks = self.pool.allocate(self.pool.blocks_for(len(plan.new_ids) + req.params.max_new_tokens))
         if blocks is None:
             return self._no_room(req, entries, plan.cached_tokens)
-        return _Seq(req, plan, entries, shared, blocks, self._slots_of(blocks), bytes_copied=copied)
+        # the views hold the segments' tokens in KV order: their positions, cut at the views' lengths
+        positions = torch.cat([seg.positions.to("cpu", torch.long) for seg in plan.segments]) if shared else None
+        shared_pos = list(positions.split([v.shape[3] for _, v in shared])) if shared else []
+        return _Seq(req, plan, entries, shared, blocks, self._slots_of(blocks), shared_pos=shared_pos,
+                    bytes_copied=copied)
 
     def _slots_of(self, blocks: list[int]) -> torch.Tensor:
         """Pool slots of every token the request's own blocks can hold (built once: rows slice it)."""
