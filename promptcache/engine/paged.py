@@ -24,8 +24,22 @@ which also reads decode rows' own keys from their slots without the gather; with
 ``tunables.DECODE_MATMUL_ROWS`` rows on, the rows' own tokens go through matrix products instead
 of torch's fused kernel. Segments keep their position IDs (the
 keys were rotated when they were computed), so Prompt Cache's gaps, unions and parameters need
-nothing here. ``paged_refusal`` says why a model cannot run this way (ALiBi, sliding windows, or
-a self-check against the stock forward that fails); the server then keeps the older path.
+nothing here.
+
+Attention that reads key positions (``KeyRule``, from the adapter) takes its own path
+(``_attend_keyed``): ALiBi families add a bias per key position and head (each family's slopes
+and rounding: ``Adapter.paged_bias``), and sliding windows hide keys at positions <= p - window
+from a query at position p (transformers' ``kv_idx > q_idx - window``, measured here in position
+IDs: the same at contiguous positions; with Prompt Cache's gaps, a gap counts as distance). The
+plan then carries the position IDs of the step's queries, shared segments (``PagedRow.shared_pos``:
+the pool's and the store's positions) and own tokens (``PagedRow.own_pos``); each partial result
+is computed with its bias (torch's kernels: the native one takes no bias), a partial the window
+hides from every query is skipped, and the merge stays exact because the bias depends only on
+the key's position and head. A window no row reaches past leaves the plan as it is without one.
+ALiBi families and Falcon compute attention inline, not through the attention interface; their
+adapters route it here for the paged forward only (``Adapter.paged_attention``, used by
+``attention_swapped``). ``paged_refusal`` refuses a model whose paged forward fails its
+self-check against the stock forward; the server then keeps the older path.
 """
 
 from __future__ import annotations
