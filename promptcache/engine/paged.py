@@ -117,6 +117,7 @@ class StepPlan:
     decode_slots: torch.Tensor | None = None  # [B, K] own slots (padded)
     decode_lengths: torch.Tensor | None = None  # [B] own slots of each row (the rest is padding)
     decode_bias: torch.Tensor | None = None  # [Hk * B, 1, K] float32: 0 where valid, -inf at padding (every layer's)
+    decode_kpos: torch.Tensor | None = None  # [B, K] (host) position IDs of decode_slots, -1 at padding (KeyRule)
     # prefill chunks (q0, q1, new, earlier): query rows [q0, q1), the pool slots of the chunk's own
     # tokens (``new``) and of the row's earlier own tokens (``earlier``: parts read one by one),
     # each part a slice (an ascending run, read in place) or a LongTensor (gathered)
@@ -202,16 +203,21 @@ def _window_bites(rows: list[PagedRow], window: int) -> bool:
 
 
 def _build_keyed(pool: KVPool, rows: list[PagedRow], scale: float | None, keys: KeyRule) -> StepPlan:
-    """The plan of ``_attend_keyed``: every row's own tokens as a prefill (a decode row is a
-    chunk of one), shared segments grouped by the queries that read them, positions alongside."""
+    """The plan of ``_attend_keyed``: decode rows' own tokens gathered together (as in
+    ``build_plan``), other rows' own tokens as prefills, shared segments grouped by the queries
+    that read them; the position IDs of all of them alongside."""
     plan, dev = StepPlan(pool, scale, keys=keys), pool.buf.device
     by_key: dict[str, tuple[torch.Tensor, list[int], torch.Tensor]] = {}
-    off = 0
+    decodes, off = [], 0
     for row in rows:
         t = len(row.ids)
         for (key, view), pos in zip(row.shared, _shared_positions(row)):
             by_key.setdefault(key, (view, [], pos))[1].extend(range(off, off + t))
         own_pos = torch.tensor(_own_positions(row), dtype=torch.long)
+        if t == 1 and len(row.own) <= GATHER_MAX:
+            decodes.append((off, row.own, own_pos))
+            off += 1
+            continue
         done = len(row.own) - t
         earlier = _parts_at(row.own[:done], SEGMENTS_MAX)
         plan.prefills.append((off, off + t, _parts(row.own[done:], 1)[0], [p for p, _, _ in earlier]))
@@ -221,7 +227,31 @@ def _build_keyed(pool: KVPool, rows: list[PagedRow], scale: float | None, keys: 
     grouped = _group_segments(list(by_key.values()), dev)
     plan.segments = [(views, idx) for views, idx, _ in grouped]
     plan.segment_pos = [pos for _, _, pos in grouped]
+    if decodes:
+        width = max(len(s) for _, s, _ in decodes)
+        slots = torch.zeros((len(decodes), width), dtype=torch.long, device=dev)
+        plan.decode_kpos = torch.full((len(decodes), width), -1, dtype=torch.long)  # -1: padding
+        for i, (_, s, pos) in enumerate(decodes):
+            slots[i, : len(s)] = s
+            plan.decode_kpos[i, : len(s)] = pos
+        plan.decode_q = torch.tensor([q for q, _, _ in decodes], dtype=torch.long, device=dev)
+        plan.decode_slots = slots
     return plan
+
+
+def _decode_bias(plan: StepPlan, hk: int, g: int, window: int | None, dev) -> torch.Tensor:
+    """The bias [Hk * B, G or 1, K] of decode rows over their gathered own keys: -inf at padding
+    and behind the window, plus the ALiBi term of each key."""
+    kpos, qpos = plan.decode_kpos, plan.qpos[plan.decode_q.cpu()]  # [B, K], [B]
+    b, width = kpos.shape
+    seen = kpos >= 0
+    if window is not None:
+        seen &= kpos > qpos[:, None] - window
+    bias = _bias(seen.to(dev))[None, :, None, :]  # [1, B, 1, K]
+    if plan.keys.bias is not None:
+        alibi = plan.keys.bias(kpos.clamp(min=0).view(-1).to(dev)).float().view(hk, g, b, width)
+        bias = bias + alibi.transpose(1, 2)  # [Hk, B, G, K]
+    return bias.expand(hk, b, bias.shape[2], width).reshape(hk * b, bias.shape[2], width)
 
 
 def _group_segments(segs: list[tuple[torch.Tensor, list[int], torch.Tensor | None]], dev
@@ -369,10 +399,11 @@ def attend(plan: StepPlan, layer: int, query: torch.Tensor, scaling: float | Non
 
 
 def _attend_keyed(plan: StepPlan, layer: int, query: torch.Tensor, scale: float) -> torch.Tensor:
-    """``attend`` for a model whose attention reads key positions (``plan.keys``): each row's
-    own tokens and each shared segment are one partial result, as in ``attend``, computed with
-    the ALiBi bias of their key positions and the layer's sliding window (``_key_bias``); a
-    partial the window hides from every query is skipped. The bias depends only on the key's
+    """``attend`` for a model whose attention reads key positions (``plan.keys``): decode rows'
+    own tokens (gathered, one call), each other row's own tokens and each shared segment are
+    partial results, as in ``attend``, computed with the ALiBi bias of their key positions and
+    the layer's sliding window (``_key_bias``, ``_decode_bias``); a partial the window hides from
+    every query is skipped. The bias depends only on the key's
     position and head, so the log-sum-exp merge stays exact."""
     _, hq, n, d = query.shape
     kbuf, vbuf = plan.pool.buf[layer, 0], plan.pool.buf[layer, 1]
@@ -383,6 +414,14 @@ def _attend_keyed(plan: StepPlan, layer: int, query: torch.Tensor, scale: float)
     out = torch.zeros((hk, g, n, d), dtype=torch.float32, device=query.device)
     # "nothing yet" as a finite log-sum-exp: a query a partial's window hides merges as weight 0, never NaN
     lse = torch.full((hk, g, n), _EMPTY, dtype=torch.float32, device=query.device)
+    if plan.decode_q is not None:  # decode rows: their own keys, gathered (a query always sees itself)
+        memo_key = ("decodes", window)
+        if memo_key not in plan.memo:
+            plan.memo[memo_key] = _decode_bias(plan, hk, g, window, query.device)
+        o, l = _attend_own(plan, q[:, :, plan.decode_q].transpose(1, 2).contiguous(), kbuf, vbuf, 1.0,
+                           plan.memo[memo_key])
+        out[:, :, plan.decode_q] = o.transpose(1, 2)
+        lse[:, :, plan.decode_q] = l.transpose(1, 2)
     for i, ((q0, q1, new, earlier), (new_pos, earlier_pos)) in enumerate(zip(plan.prefills, plan.prefill_pos)):
         rows, qpos = slice(q0, q1), plan.qpos[q0:q1]
         qr = q[:, :, rows].reshape(hk, g * (q1 - q0), d)
@@ -471,18 +510,21 @@ def _attend_decodes(plan: StepPlan, layer: int, query: torch.Tensor, scale: floa
     return out.view(hk, b, g, d).transpose(0, 1).reshape(1, b, hq, d).to(query.dtype)
 
 
-def _attend_own(plan: StepPlan, q: torch.Tensor, kbuf: torch.Tensor, vbuf: torch.Tensor, scale: float):
+def _attend_own(plan: StepPlan, q: torch.Tensor, kbuf: torch.Tensor, vbuf: torch.Tensor, scale: float,
+                bias: torch.Tensor | None = None):
     """Decode rows' queries q [Hk, B, G, D] (contiguous) over their own keys (``plan.decode_slots``
-    of a layer's pool buffers [Hk, S, D]). Returns (out [Hk, B, G, D], lse [Hk, B, G])."""
+    of a layer's pool buffers [Hk, S, D]). ``bias`` [Hk * B, G or 1, K]: in place of
+    ``plan.decode_bias`` (``_decode_bias``). Returns (out [Hk, B, G, D], lse [Hk, B, G])."""
     hk, b, g, d = q.shape
-    gather = cpu_attention.gather_kernel_for(q, kbuf)
+    gather = cpu_attention.gather_kernel_for(q, kbuf) if bias is None else None
     if gather is not None:  # read from their slots in place
         return gather(q, kbuf, vbuf, plan.decode_slots, plan.decode_lengths, scale)
     width = plan.decode_slots.shape[1]
     flat = plan.decode_slots.view(-1)  # index_select: 10x faster than advanced indexing here
     ks = kbuf.index_select(1, flat).float().view(hk * b, width, d)
     vs = vbuf.index_select(1, flat).float().view(hk * b, width, d)
-    o, l = _attend(q.view(hk * b, g, d), ks, vs, plan.decode_bias, scale, fused=b < DECODE_MATMUL_ROWS)
+    o, l = _attend(q.view(hk * b, g, d), ks, vs, plan.decode_bias if bias is None else bias, scale,
+                   fused=b < DECODE_MATMUL_ROWS)
     return o.view(hk, b, g, d), l.view(hk, b, g)
 
 

@@ -208,3 +208,23 @@ def test_rows_without_key_positions_are_refused_clearly(tokenizer):
         paged.paged_forward(pc.runner, pool, [paged.PagedRow([5], [4], seg, pool.slots(blocks[1:], 0, 1))])
     with pytest.raises(ValueError, match="own_pos"):
         paged.paged_forward(pc.runner, pool, [paged.PagedRow([5], [4], [], pool.slots(blocks[1:], 0, 2))])
+
+
+@pytest.mark.slow
+def test_compiled_steps_apply_the_window_as_eager_ones_do(tokenizer):
+    """Compiled steps (symbolic sizes, CPU) of the windowed Mistral serving the gapped prompts
+    past their window: the same first logits (within 1e-4) and greedy tokens as eager steps.
+    (ALiBi families: tests/engine/test_graphs.py runs every pooled family compiled.)"""
+    from promptcache.engine.graphs import CompiledSteps
+    from trip import serve_together
+
+    pc = PromptCache(mistral(26), tokenizer)
+    pc.add_schema(WINDOW_SCHEMA)
+    want = serve_together(pc, WINDOW_PROMPTS, max_new=8, budget=5)
+    steps = CompiledSteps(pc.runner, buckets=(1, 2, 4, 8))
+    got = serve_together(pc, WINDOW_PROMPTS, max_new=8, budget=5, forward=steps.forward)
+    assert steps.compiled_steps > 0
+    for prompt, a, b in zip(WINDOW_PROMPTS, want, got):
+        assert a.error is None and b.error is None, (prompt, b.error)
+        assert torch.max(torch.abs(a.prefill.logits - b.prefill.logits)).item() <= TOL, prompt
+        assert a.token_ids == b.token_ids, prompt
