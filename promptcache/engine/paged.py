@@ -24,8 +24,22 @@ which also reads decode rows' own keys from their slots without the gather; with
 ``tunables.DECODE_MATMUL_ROWS`` rows on, the rows' own tokens go through matrix products instead
 of torch's fused kernel. Segments keep their position IDs (the
 keys were rotated when they were computed), so Prompt Cache's gaps, unions and parameters need
-nothing here. ``paged_refusal`` says why a model cannot run this way (ALiBi, sliding windows, or
-a self-check against the stock forward that fails); the server then keeps the older path.
+nothing here.
+
+Attention that reads key positions (``KeyRule``, from the adapter) takes its own path
+(``_attend_keyed``): ALiBi families add a bias per key position and head (each family's slopes
+and rounding: ``Adapter.paged_bias``), and sliding windows hide keys at positions <= p - window
+from a query at position p (transformers' ``kv_idx > q_idx - window``, measured here in position
+IDs: the same at contiguous positions; with Prompt Cache's gaps, a gap counts as distance). The
+plan then carries the position IDs of the step's queries, shared segments (``PagedRow.shared_pos``:
+the pool's and the store's positions) and own tokens (``PagedRow.own_pos``); each partial result
+is computed with its bias (torch's kernels: the native one takes no bias), a partial the window
+hides from every query is skipped, and the merge stays exact because the bias depends only on
+the key's position and head. A window no row reaches past leaves the plan as it is without one.
+ALiBi families and Falcon compute attention inline, not through the attention interface; their
+adapters route it here for the paged forward only (``Adapter.paged_attention``, used by
+``attention_swapped``). ``paged_refusal`` refuses a model whose paged forward fails its
+self-check against the stock forward; the server then keeps the older path.
 """
 
 from __future__ import annotations
@@ -33,17 +47,20 @@ from __future__ import annotations
 import math
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 from transformers import AttentionInterface
 from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+from ..cache import SpliceCache
 from ..tunables import DECODE_MATMUL_ROWS, GATHER_MAX, SEGMENTS_MAX  # read at call time (tests set them here)
 from . import cpu_attention
 from .kvpool import KVPool
 
-__all__ = ["PagedRow", "StepPlan", "attend", "attention_swapped", "build_plan", "paged_forward", "paged_refusal",
-           "step_inputs", "write_kv", "ATTENTION_NAME"]
+__all__ = ["KeyRule", "PagedRow", "StepPlan", "attend", "attention_swapped", "build_plan", "key_rule", "paged_forward",
+           "paged_refusal", "step_inputs", "write_kv", "ATTENTION_NAME"]
 
 ATTENTION_NAME = "promptcache_paged"
 
@@ -60,6 +77,32 @@ class PagedRow:
     shared: list[tuple[str, torch.Tensor]]
     own: torch.Tensor  # LongTensor [done + t] of pool slots
     logits: bool = True
+    # key positions, read only where attention depends on them (``KeyRule``: ALiBi, sliding windows):
+    shared_pos: list[torch.Tensor] | None = None  # position IDs [n] of each shared segment, as ``shared``
+    own_pos: list[int] | None = None  # position IDs of the own tokens (None: just ``pos``, nothing earlier)
+
+
+@dataclass(frozen=True)
+class KeyRule:
+    """What a model's attention reads from key position IDs besides the keys: an additive ALiBi
+    bias (``bias(positions [n]) -> [Hq, n]`` float32, added to the scaled scores) and sliding
+    windows per layer (``windows[layer]``: a query at position p sees keys at positions
+    > p - window; None: every key). None of either: the plan carries no positions."""
+
+    bias: Callable[[torch.Tensor], torch.Tensor] | None = None
+    windows: tuple[int | None, ...] | None = None
+
+    def window(self, layer: int) -> int | None:
+        return None if self.windows is None else self.windows[layer]
+
+
+def key_rule(adapter) -> KeyRule | None:
+    """The adapter's ``KeyRule`` (None: attention reads no positions: rotary and learned models
+    without a sliding window)."""
+    bias = adapter.paged_bias if adapter.positional == "alibi" else None
+    windows = adapter.sliding_windows()
+    windows = tuple(windows) if windows is not None and any(w is not None for w in windows) else None
+    return KeyRule(bias, windows) if bias is not None or windows is not None else None
 
 
 @dataclass
@@ -74,15 +117,29 @@ class StepPlan:
     decode_slots: torch.Tensor | None = None  # [B, K] own slots (padded)
     decode_lengths: torch.Tensor | None = None  # [B] own slots of each row (the rest is padding)
     decode_bias: torch.Tensor | None = None  # [Hk * B, 1, K] float32: 0 where valid, -inf at padding (every layer's)
+    decode_kpos: torch.Tensor | None = None  # [B, K] (host) position IDs of decode_slots, -1 at padding (KeyRule)
     # prefill chunks (q0, q1, new, earlier): query rows [q0, q1), the pool slots of the chunk's own
     # tokens (``new``) and of the row's earlier own tokens (``earlier``: parts read one by one),
     # each part a slice (an ascending run, read in place) or a LongTensor (gathered)
     prefills: list[tuple[int, int, slice | torch.Tensor, list[slice | torch.Tensor]]] = field(default_factory=list)
     # every row a decode row and every segment read by every query: ``_attend_decodes`` (fewer ops)
     decodes_only: bool = False
+    # with a KeyRule (``_attend_keyed``): every row is in ``prefills``; position IDs (host) of the
+    # step's queries [N], of each segment group's keys and of each prefill's (new, earlier parts)
+    keys: KeyRule | None = None
+    qpos: torch.Tensor | None = None
+    segment_pos: list[torch.Tensor] = field(default_factory=list)
+    prefill_pos: list[tuple[torch.Tensor, list[torch.Tensor]]] = field(default_factory=list)
+    memo: dict = field(default_factory=dict)  # (partial, window) -> (bias, dead queries): built at the first layer
 
 
-def build_plan(pool: KVPool, rows: list[PagedRow], scale: float | None = None) -> StepPlan:
+def build_plan(pool: KVPool, rows: list[PagedRow], scale: float | None = None, keys: KeyRule | None = None) -> StepPlan:
+    """``keys``: the model's ``KeyRule`` (``key_rule``); a sliding window that no row's keys
+    reach past is dropped (the plan is then the one without it)."""
+    if keys is not None and keys.bias is None and not _window_bites(rows, min(w for w in keys.windows if w)):
+        keys = None
+    if keys is not None:
+        return _build_keyed(pool, rows, scale, keys)
     plan, dev = StepPlan(pool, scale), pool.buf.device
     by_key: dict[str, tuple[torch.Tensor, list[int]]] = {}
     decodes, off = [], 0
@@ -96,7 +153,7 @@ def build_plan(pool: KVPool, rows: list[PagedRow], scale: float | None = None) -
             done = len(row.own) - t
             plan.prefills.append((off, off + t, _parts(row.own[done:], 1)[0], _parts(row.own[:done], SEGMENTS_MAX)))
         off += t
-    plan.segments = _group_segments(list(by_key.values()), dev)
+    plan.segments = [(views, idx) for views, idx, _ in _group_segments([(v, q, None) for v, q in by_key.values()], dev)]
     if decodes:
         width = max(len(s) for _, s in decodes)
         slots = torch.zeros((len(decodes), width), dtype=torch.long, device=dev)
@@ -113,16 +170,106 @@ def build_plan(pool: KVPool, rows: list[PagedRow], scale: float | None = None) -
     return plan
 
 
-def _group_segments(segs: list[tuple[torch.Tensor, list[int]]], dev) -> list[tuple[list[torch.Tensor], torch.Tensor]]:
-    """Segments read by the same queries: kept apart while there are at most ``SEGMENTS_MAX`` of
-    them, else read together (concatenated a layer at a time)."""
-    by_queries: dict[tuple[int, ...], list[torch.Tensor]] = {}
-    for view, q in segs:
-        by_queries.setdefault(tuple(q), []).append(view)
+def _own_positions(row: PagedRow) -> list[int]:
+    if row.own_pos is not None:
+        if len(row.own_pos) != len(row.own):
+            raise ValueError(f"a paged row has {len(row.own)} own slots and {len(row.own_pos)} own positions")
+        return list(row.own_pos)
+    if len(row.own) != len(row.ids):
+        raise ValueError("this model's attention reads key positions: a paged row with earlier own tokens needs "
+                         "their positions (PagedRow.own_pos)")
+    return list(row.pos)
+
+
+def _shared_positions(row: PagedRow) -> list[torch.Tensor]:
+    if not row.shared:
+        return []
+    if row.shared_pos is None or len(row.shared_pos) != len(row.shared):
+        raise ValueError("this model's attention reads key positions: a paged row's shared segments need their "
+                         "position IDs (PagedRow.shared_pos, one per segment)")
+    for (key, view), pos in zip(row.shared, row.shared_pos):
+        if len(pos) != view.shape[3]:
+            raise ValueError(f"shared segment {key} holds {view.shape[3]} tokens and {len(pos)} positions")
+    return [p.detach().to("cpu", torch.long) for p in row.shared_pos]
+
+
+def _window_bites(rows: list[PagedRow], window: int) -> bool:
+    """Whether some row's query is ``window`` or more positions past one of its keys."""
+    for row in rows:
+        lows = [min(_own_positions(row))] + [int(p.min()) for p in _shared_positions(row) if len(p)]
+        if max(row.pos) - min(lows) >= window:
+            return True
+    return False
+
+
+def _build_keyed(pool: KVPool, rows: list[PagedRow], scale: float | None, keys: KeyRule) -> StepPlan:
+    """The plan of ``_attend_keyed``: decode rows' own tokens gathered together (as in
+    ``build_plan``), other rows' own tokens as prefills, shared segments grouped by the queries
+    that read them; the position IDs of all of them alongside."""
+    plan, dev = StepPlan(pool, scale, keys=keys), pool.buf.device
+    by_key: dict[str, tuple[torch.Tensor, list[int], torch.Tensor]] = {}
+    decodes, off = [], 0
+    for row in rows:
+        t = len(row.ids)
+        for (key, view), pos in zip(row.shared, _shared_positions(row)):
+            by_key.setdefault(key, (view, [], pos))[1].extend(range(off, off + t))
+        own_pos = torch.tensor(_own_positions(row), dtype=torch.long)
+        if t == 1 and len(row.own) <= GATHER_MAX:
+            decodes.append((off, row.own, own_pos))
+            off += 1
+            continue
+        done = len(row.own) - t
+        earlier = _parts_at(row.own[:done], SEGMENTS_MAX)
+        plan.prefills.append((off, off + t, _parts(row.own[done:], 1)[0], [p for p, _, _ in earlier]))
+        plan.prefill_pos.append((own_pos[done:], [own_pos[a:b] for _, a, b in earlier]))
+        off += t
+    plan.qpos = torch.tensor([p for r in rows for p in r.pos], dtype=torch.long)
+    grouped = _group_segments(list(by_key.values()), dev)
+    plan.segments = [(views, idx) for views, idx, _ in grouped]
+    plan.segment_pos = [pos for _, _, pos in grouped]
+    if decodes:
+        width = max(len(s) for _, s, _ in decodes)
+        slots = torch.zeros((len(decodes), width), dtype=torch.long, device=dev)
+        plan.decode_kpos = torch.full((len(decodes), width), -1, dtype=torch.long)  # -1: padding
+        for i, (_, s, pos) in enumerate(decodes):
+            slots[i, : len(s)] = s
+            plan.decode_kpos[i, : len(s)] = pos
+        plan.decode_q = torch.tensor([q for q, _, _ in decodes], dtype=torch.long, device=dev)
+        plan.decode_slots = slots
+    return plan
+
+
+def _decode_bias(plan: StepPlan, hk: int, g: int, window: int | None, dev) -> torch.Tensor:
+    """The bias [Hk * B, G or 1, K] of decode rows over their gathered own keys: -inf at padding
+    and behind the window, plus the ALiBi term of each key."""
+    kpos, qpos = plan.decode_kpos, plan.qpos[plan.decode_q.cpu()]  # [B, K], [B]
+    b, width = kpos.shape
+    seen = kpos >= 0
+    if window is not None:
+        seen &= kpos > qpos[:, None] - window
+    bias = _bias(seen.to(dev))[None, :, None, :]  # [1, B, 1, K]
+    if plan.keys.bias is not None:
+        alibi = plan.keys.bias(kpos.clamp(min=0).view(-1).to(dev)).float().view(hk, g, b, width)
+        bias = bias + alibi.transpose(1, 2)  # [Hk, B, G, K]
+    return bias.expand(hk, b, bias.shape[2], width).reshape(hk * b, bias.shape[2], width)
+
+
+def _group_segments(segs: list[tuple[torch.Tensor, list[int], torch.Tensor | None]], dev
+                    ) -> list[tuple[list[torch.Tensor], torch.Tensor, torch.Tensor | None]]:
+    """Segments (view, query indices, key positions or None) read by the same queries: kept
+    apart while there are at most ``SEGMENTS_MAX`` of them, else read together (concatenated a
+    layer at a time). Returns (views, query idx, their key positions concatenated or None)."""
+    by_queries: dict[tuple[int, ...], list[tuple[torch.Tensor, torch.Tensor | None]]] = {}
+    for view, q, pos in segs:
+        by_queries.setdefault(tuple(q), []).append((view, pos))
     out = []
-    for q, views in by_queries.items():
+    for q, group in by_queries.items():
         idx = torch.tensor(q, dtype=torch.long, device=dev)
-        out += [([v], idx) for v in views] if len(views) <= SEGMENTS_MAX else [(views, idx)]
+        if len(group) <= SEGMENTS_MAX:
+            out += [([v], idx, pos) for v, pos in group]
+        else:
+            pos = None if group[0][1] is None else torch.cat([p for _, p in group])
+            out.append(([v for v, _ in group], idx, pos))
     return out
 
 
@@ -198,13 +345,26 @@ def paged_attention(module, query, key, value, attention_mask, scaling=None, dro
     if pc_plan is None:
         raise RuntimeError("promptcache_paged attention called without a step plan (a model that does not pass "
                            "its keyword arguments to attention)")
+    check_window(pc_plan, module.layer_idx, kwargs)
     return attend(pc_plan, module.layer_idx, query, scaling), None
+
+
+def check_window(plan: StepPlan, layer: int, kwargs: dict) -> None:
+    """The sliding window the model asks this layer's attention for (transformers passes
+    ``sliding_window``) must be the one the plan applies: a config the adapter read wrong fails
+    loudly, not with a quietly different mask."""
+    asked = kwargs.get("sliding_window")
+    if asked is not None and plan.keys is not None and asked != plan.keys.window(layer):
+        raise RuntimeError(f"layer {layer} asks for a sliding window of {asked}, the step plan applies "
+                           f"{plan.keys.window(layer)}")
 
 
 def attend(plan: StepPlan, layer: int, query: torch.Tensor, scaling: float | None = None) -> torch.Tensor:
     """Attention of one layer's queries [1, Hq, N, D] over the pool as ``plan`` says; [1, N, Hq, D]."""
     _, hq, n, d = query.shape
     scale = plan.scale if plan.scale is not None else (scaling if scaling is not None else 1 / math.sqrt(d))
+    if plan.keys is not None:
+        return _attend_keyed(plan, layer, query, scale)
     if plan.decodes_only:
         return _attend_decodes(plan, layer, query, scale)
     kbuf, vbuf = plan.pool.buf[layer, 0], plan.pool.buf[layer, 1]  # [Hk, S, D]
@@ -238,6 +398,94 @@ def attend(plan: StepPlan, layer: int, query: torch.Tensor, scaling: float | Non
     return out.view(hq, n, d).transpose(0, 1)[None].to(query.dtype)
 
 
+def _attend_keyed(plan: StepPlan, layer: int, query: torch.Tensor, scale: float) -> torch.Tensor:
+    """``attend`` for a model whose attention reads key positions (``plan.keys``): decode rows'
+    own tokens (gathered, one call), each other row's own tokens and each shared segment are
+    partial results, as in ``attend``, computed with the ALiBi bias of their key positions and
+    the layer's sliding window (``_key_bias``, ``_decode_bias``); a partial the window hides from
+    every query is skipped. The bias depends only on the key's
+    position and head, so the log-sum-exp merge stays exact."""
+    _, hq, n, d = query.shape
+    kbuf, vbuf = plan.pool.buf[layer, 0], plan.pool.buf[layer, 1]
+    hk = kbuf.shape[0]
+    g = hq // hk
+    window = plan.keys.window(layer)
+    q = (query[0].float() * scale).view(hk, g, n, d)
+    out = torch.zeros((hk, g, n, d), dtype=torch.float32, device=query.device)
+    # "nothing yet" as a finite log-sum-exp: a query a partial's window hides merges as weight 0, never NaN
+    lse = torch.full((hk, g, n), _EMPTY, dtype=torch.float32, device=query.device)
+    if plan.decode_q is not None:  # decode rows: their own keys, gathered (a query always sees itself)
+        memo_key = ("decodes", window)
+        if memo_key not in plan.memo:
+            plan.memo[memo_key] = _decode_bias(plan, hk, g, window, query.device)
+        o, l = _attend_own(plan, q[:, :, plan.decode_q].transpose(1, 2).contiguous(), kbuf, vbuf, 1.0,
+                           plan.memo[memo_key])
+        out[:, :, plan.decode_q] = o.transpose(1, 2)
+        lse[:, :, plan.decode_q] = l.transpose(1, 2)
+    for i, ((q0, q1, new, earlier), (new_pos, earlier_pos)) in enumerate(zip(plan.prefills, plan.prefill_pos)):
+        rows, qpos = slice(q0, q1), plan.qpos[q0:q1]
+        qr = q[:, :, rows].reshape(hk, g * (q1 - q0), d)
+        _merge_keyed(plan, (i, -1, window), out, lse, rows, qr, _read(kbuf, vbuf, new), qpos, new_pos, window, True)
+        for j, (part, pos) in enumerate(zip(earlier, earlier_pos)):
+            _merge_keyed(plan, (i, j, window), out, lse, rows, qr, _read(kbuf, vbuf, part), qpos, pos, window)
+    for i, ((views, idx), pos) in enumerate(zip(plan.segments, plan.segment_pos)):
+        qpos = plan.qpos[idx.cpu()]
+        _merge_keyed(plan, (-1, i, window), out, lse, idx, q[:, :, idx].reshape(hk, g * len(qpos), d),
+                     _layer_kv(views, layer), qpos, pos, window)
+    return out.view(hq, n, d).transpose(0, 1)[None].to(query.dtype)
+
+
+_EMPTY = -1e30  # the log-sum-exp of no key yet (finite: exp(_EMPTY - _EMPTY) is 1, not NaN)
+
+
+def _merge_keyed(plan: StepPlan, memo_key, out, lse, rows, q, kv, qpos, kpos, window, causal: bool = False) -> None:
+    """One partial result of ``_attend_keyed``: queries q [Hk, G * m, D] (positions qpos [m],
+    host) over keys/values [Hk, n, D] (positions kpos [n], host), merged into (out, lse) at
+    ``rows``; ``causal``: the keys are the queries' own new tokens (query i sees keys 0..i)."""
+    hk, gm, d = q.shape
+    m = len(qpos)
+    g = gm // m
+    if memo_key not in plan.memo:
+        plan.memo[memo_key] = _key_bias(plan.keys, hk, g, qpos, kpos, window, causal, q.device)
+    bias, dead = plan.memo[memo_key]
+    if bias is False:  # the window hides every key from every query
+        return
+    o, l = _attend(q, *kv, bias, 1.0)
+    if dead is not None:  # queries that see none of these keys: weight 0
+        o = o.masked_fill(dead[None, :, None], 0.0)
+        l = l.masked_fill(dead[None, :], float("-inf"))
+    _merge(out, lse, rows, o.view(hk, g, m, d), l.view(hk, g, m))
+
+
+def _key_bias(keys: KeyRule, hk: int, g: int, qpos, kpos, window, causal: bool, dev):
+    """(additive float32 bias [Hk, G * m or 1, n] or None, dead queries [G * m] bool or None) of
+    a partial, or (False, None) where no query sees any key. The bias: the ALiBi term of each
+    key (per query head) plus -inf where the window or causality hides a key."""
+    m, n = len(qpos), len(kpos)
+    visible = torch.ones((m, n), dtype=torch.bool).tril() if causal else None
+    if window is not None and int(qpos.max()) - int(kpos.min()) >= window:
+        inside = kpos[None, :] > qpos[:, None] - window
+        visible = inside if visible is None else visible & inside
+    if visible is not None and not bool(visible.any()):
+        return False, None
+    bias = None
+    if keys.bias is not None:
+        bias = keys.bias(kpos.to(dev)).float().view(hk, g, 1, n)
+    if visible is not None:
+        mask = _bias(visible.to(dev))[None, None]  # [1, 1, m, n]
+        bias = mask if bias is None else bias + mask
+    if bias is None:
+        return None, None
+    if bias.shape[1] == 1 and bias.shape[2] == 1:  # one row per kv head, broadcast over its queries
+        bias = bias.view(bias.shape[0], 1, n)
+    else:
+        bias = bias.expand(hk, g, m, n).reshape(hk, g * m, n)
+    dead = None
+    if visible is not None and not bool(visible.any(dim=1).all()):
+        dead = (~visible.any(dim=1)).repeat(g).to(dev)
+    return bias, dead
+
+
 def _attend_decodes(plan: StepPlan, layer: int, query: torch.Tensor, scale: float) -> torch.Tensor:
     """``attend`` for a step of decode rows only (row i's query is query i), every segment read by
     all of them: no scatter of partial results into a step-wide buffer, the scale passed to the
@@ -262,18 +510,21 @@ def _attend_decodes(plan: StepPlan, layer: int, query: torch.Tensor, scale: floa
     return out.view(hk, b, g, d).transpose(0, 1).reshape(1, b, hq, d).to(query.dtype)
 
 
-def _attend_own(plan: StepPlan, q: torch.Tensor, kbuf: torch.Tensor, vbuf: torch.Tensor, scale: float):
+def _attend_own(plan: StepPlan, q: torch.Tensor, kbuf: torch.Tensor, vbuf: torch.Tensor, scale: float,
+                bias: torch.Tensor | None = None):
     """Decode rows' queries q [Hk, B, G, D] (contiguous) over their own keys (``plan.decode_slots``
-    of a layer's pool buffers [Hk, S, D]). Returns (out [Hk, B, G, D], lse [Hk, B, G])."""
+    of a layer's pool buffers [Hk, S, D]). ``bias`` [Hk * B, G or 1, K]: in place of
+    ``plan.decode_bias`` (``_decode_bias``). Returns (out [Hk, B, G, D], lse [Hk, B, G])."""
     hk, b, g, d = q.shape
-    gather = cpu_attention.gather_kernel_for(q, kbuf)
+    gather = cpu_attention.gather_kernel_for(q, kbuf) if bias is None else None
     if gather is not None:  # read from their slots in place
         return gather(q, kbuf, vbuf, plan.decode_slots, plan.decode_lengths, scale)
     width = plan.decode_slots.shape[1]
     flat = plan.decode_slots.view(-1)  # index_select: 10x faster than advanced indexing here
     ks = kbuf.index_select(1, flat).float().view(hk * b, width, d)
     vs = vbuf.index_select(1, flat).float().view(hk * b, width, d)
-    o, l = _attend(q.view(hk * b, g, d), ks, vs, plan.decode_bias, scale, fused=b < DECODE_MATMUL_ROWS)
+    o, l = _attend(q.view(hk * b, g, d), ks, vs, plan.decode_bias if bias is None else bias, scale,
+                   fused=b < DECODE_MATMUL_ROWS)
     return o.view(hk, b, g, d), l.view(hk, b, g)
 
 
@@ -290,13 +541,18 @@ def _parts(slots: torch.Tensor, most: int) -> list[slice | torch.Tensor]:
     gathered (one LongTensor) when there are more than ``most`` runs. A request reusing a cached
     prefix owns that prefix's blocks and then blocks of its own elsewhere in the pool: gathering
     its 2K earlier tokens every layer cost 2 of the 44 ms of a 25-token step (SmolLM2, measured)."""
+    return [p for p, _, _ in _parts_at(slots, most)]
+
+
+def _parts_at(slots: torch.Tensor, most: int) -> list[tuple[slice | torch.Tensor, int, int]]:
+    """``_parts``, each with the range [a, b) of ``slots`` it holds."""
     if slots.numel() == 0:
         return []
     host = slots.cpu()
     cuts = [0] + (torch.nonzero(host[1:] - host[:-1] != 1).flatten() + 1).tolist() + [host.numel()]
     if len(cuts) - 1 > most:
-        return [slots]
-    return [slice(int(host[a]), int(host[a]) + b - a) for a, b in zip(cuts, cuts[1:])]
+        return [(slots, 0, host.numel())]
+    return [(slice(int(host[a]), int(host[a]) + b - a), a, b) for a, b in zip(cuts, cuts[1:])]
 
 
 def _read(kbuf: torch.Tensor, vbuf: torch.Tensor, part: slice | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -353,10 +609,24 @@ class PagedCache(Cache):
 
 
 @contextmanager
-def attention_swapped(runner, name: str = ATTENTION_NAME):
+def attention_swapped(runner, name: str = ATTENTION_NAME, **extra):
     """The model's attention is ``name`` for one forward (transformers' public setter; ~0.2 ms on
-    SmolLM2), then what it was: nothing changes for any other forward."""
-    model, old = runner.model, runner.adapter.attn_implementation()
+    SmolLM2), then what it was: nothing changes for any other forward. A family that computes
+    attention inline (ALiBi: no attention interface) has its attention modules run ``name``
+    instead for that forward (``Adapter.paged_attention``), with ``extra`` keyword arguments."""
+    model, adapter = runner.model, runner.adapter
+    if adapter.inline_attention:
+        function = ALL_ATTENTION_FUNCTIONS[name]
+
+        def attend(module, query, key, value, cache, scaling):  # [1, H, t, D] each -> [1, t, Hq, D]
+            if cache is not None:  # a paged forward's PagedCache writes them into the pool
+                key, value = cache.update(key, value, module.layer_idx)
+            return function(module, query, key, value, None, scaling=scaling, **extra)[0]
+
+        with adapter.paged_attention(attend):
+            yield
+        return
+    old = adapter.attn_implementation()
     model.set_attn_implementation(name)
     try:
         yield
@@ -369,9 +639,9 @@ def paged_forward(runner, pool: KVPool, rows: list[PagedRow]) -> torch.Tensor:
     """One forward of every row's new tokens; logits [k, V] of the rows with ``logits`` set, in order."""
     ids, pos, write, ends = step_inputs(pool, rows)
     keep = torch.tensor(ends, dtype=torch.long, device=pool.buf.device)
-    plan = build_plan(pool, rows)
+    plan = build_plan(pool, rows, keys=key_rule(runner.adapter))
     kwargs = {"position_ids": pos} if runner.adapter.passes_position_ids else {}
-    with runner.lock, attention_swapped(runner):
+    with runner.lock, attention_swapped(runner, pc_plan=plan):
         out = runner.model(input_ids=ids, past_key_values=PagedCache(pool, write), use_cache=True,
                            logits_to_keep=keep, pc_plan=plan, **kwargs)
     return out.logits[0]
@@ -393,17 +663,15 @@ def step_inputs(pool: KVPool, rows: list[PagedRow]) -> tuple[torch.Tensor, torch
 
 
 def paged_refusal(runner) -> str | None:
-    """Why this runner's model cannot serve from the paged pool (None: it can). Checks the
-    family (rotary or learned positions, no sliding window), then compares a paged forward with
-    the stock one: a prompt split into a shared segment, an earlier chunk and a last chunk, and a
-    decode row beside it, against the stock model's logits."""
-    adapter = runner.adapter
-    if adapter.positional == "alibi":
-        return "ALiBi models build their bias inside the model from key indices (paged attention not verified)"
-    if adapter.max_entries() is not None:
-        return "sliding-window attention is not implemented by the paged attention"
+    """Why this runner's model cannot serve from the paged pool (None: it can): a paged forward
+    that fails its self-check. The check runs a prompt split into a shared segment, an earlier
+    chunk and a last chunk, with a decode row beside it, twice: at contiguous positions against
+    the stock forward, and with a gap after the shared segment against the adapter's forward at
+    those positions (ALiBi: its bias from our positions). A model with a sliding window of at
+    most ``_CHECKED_WINDOW`` positions (the same in every layer) gets a prompt longer than the
+    window, so the window is checked too (the gapped reference then applies it by position ID)."""
     try:
-        diff, tol = _self_check(runner)
+        diff, tol = max(_self_check(runner, gap=0), _self_check(runner, gap=3))
     except Exception as e:  # noqa: BLE001 - any failure means: not this way
         return f"the paged forward failed its self-check ({type(e).__name__}: {e})"
     if not diff <= tol:
@@ -412,26 +680,57 @@ def paged_refusal(runner) -> str | None:
     return None
 
 
-def _self_check(runner) -> tuple[float, float]:
-    model, spec, dev = runner.model, runner.spec, runner.device
+_CHECKED_WINDOW = 64  # longest sliding window the self-check's prompt reaches past
+
+
+def _self_check(runner, gap: int) -> tuple[float, float]:
+    model, spec, dev, adapter = runner.model, runner.spec, runner.device, runner.adapter
+    keys = key_rule(adapter)
+    window = min((w for w in keys.windows if w), default=None) if keys is not None and keys.windows else None
+    n = 11 if window is None or window > _CHECKED_WINDOW else max(11, window + 6)
     vocab = model.get_input_embeddings().num_embeddings
-    n = 11
     ids = ((torch.arange(n) * 7 + 5) % vocab).tolist()
-    with torch.inference_mode():
-        stock = model(input_ids=torch.tensor([ids], device=dev), use_cache=False).logits[0].float()  # [n, V]
-    pool = KVPool(spec, dev, tokens=64, block_size=4)
+    pos = list(range(4)) + list(range(4 + gap, n + gap))  # a gap after the shared segment
+    if gap == 0:
+        with torch.inference_mode():
+            stock = model(input_ids=torch.tensor([ids], device=dev), use_cache=False).logits[0].float()  # [n, V]
+        want = torch.stack([stock[6], stock[4], stock[n - 1], stock[5]])
+    else:
+        want = torch.stack([_reference(runner, keys, ids[: k + 1], pos[: k + 1]) for k in (6, 4, n - 1, 5)])
+    pool = KVPool(spec, dev, tokens=4 * (n + 8), block_size=4)
     shared = pool.allocate(1)  # tokens 0..3 as a shared segment
-    own_a, own_b = pool.allocate(3), pool.allocate(2)
-    rows = [PagedRow(ids[:4], list(range(4)), [], pool.slots(shared, 0, 4), logits=False)]
-    paged_forward(runner, pool, rows)
-    seg = [("s", pool.views(shared, 4)[0])]
-    first = [PagedRow(ids[4:7], list(range(4, 7)), seg, pool.slots(own_a, 0, 3)),
-             PagedRow(ids[4:5], [4], seg, pool.slots(own_b, 0, 1))]
+    own_a, own_b = pool.allocate(pool.blocks_for(n - 4)), pool.allocate(2)
+    paged_forward(runner, pool, [PagedRow(ids[:4], pos[:4], [], pool.slots(shared, 0, 4), logits=False)])
+    seg, seg_pos = [("s", pool.views(shared, 4)[0])], [torch.tensor(pos[:4])]
+    first = [PagedRow(ids[4:7], pos[4:7], seg, pool.slots(own_a, 0, 3), shared_pos=seg_pos, own_pos=pos[4:7]),
+             PagedRow(ids[4:5], pos[4:5], seg, pool.slots(own_b, 0, 1), shared_pos=seg_pos, own_pos=pos[4:5])]
     got1 = paged_forward(runner, pool, first).float()
-    second = [PagedRow(ids[7:], list(range(7, n)), seg, pool.slots(own_a, 0, n - 4)),
-              PagedRow(ids[5:6], [5], seg, pool.slots(own_b, 0, 2))]
+    second = [PagedRow(ids[7:], pos[7:], seg, pool.slots(own_a, 0, n - 4), shared_pos=seg_pos, own_pos=pos[4:]),
+              PagedRow(ids[5:6], pos[5:6], seg, pool.slots(own_b, 0, 2), shared_pos=seg_pos, own_pos=pos[4:6])]
     got2 = paged_forward(runner, pool, second).float()
-    want = torch.stack([stock[6], stock[4], stock[n - 1], stock[5]])
     got = torch.cat([got1, got2])
     tol = max(1e-4, 16 * torch.finfo(spec.dtype).eps) * max(1.0, want.abs().max().item())
     return (got - want).abs().max().item(), tol
+
+
+def _reference(runner, keys: KeyRule | None, ids: list[int], pos: list[int]) -> torch.Tensor:
+    """What the model computes for ``ids`` at ``pos`` from an empty cache: last logits [V]. The
+    adapter's forward (ALiBi: its bias from our positions), or, under sliding windows, the stock
+    forward with each layer type's mask built from position IDs (a key is seen from positions
+    below its own + window)."""
+    adapter, dev = runner.adapter, runner.device
+    ids_t, pos_t = torch.tensor([ids], device=dev), torch.tensor([pos], device=dev)
+    if keys is None or keys.windows is None:
+        return adapter.forward(ids_t, pos_t, SpliceCache(runner.spec, len(ids), device=dev))[0].float()
+    p = pos_t[0]
+    causal = torch.ones((len(ids), len(ids)), dtype=torch.bool, device=dev).tril()
+
+    def mask(window):
+        m = causal if window is None else causal & (p[None, :] > p[:, None] - window)
+        return adapter.mask_kwargs(m[None, None])["attention_mask"]
+
+    types = getattr(runner.model.config, "layer_types", None)
+    masks = {t: mask(w) for t, w in zip(types, keys.windows)} if types else mask(keys.windows[0])
+    with torch.inference_mode():
+        out = runner.model(input_ids=ids_t, position_ids=pos_t, attention_mask=masks, use_cache=False)
+    return out.logits[0, -1].float()

@@ -146,7 +146,8 @@ class ServingScheduler(RequestQueue):
         done = len(r.own_ids)
         r.own_ids.extend(ids)  # their states are written by this step's forward
         r.own_pos.extend(pos)
-        return PagedRow(ids, pos, r.shared, r.slots[: done + len(ids)], logits=logits)
+        return PagedRow(ids, pos, r.shared, r.slots[: done + len(ids)], logits=logits, shared_pos=r.shared_pos,
+                        own_pos=r.own_pos)
 
     def _chunk(self, r: Request, budget: int) -> PagedRow:
         lo = len(r.own_ids)
@@ -214,7 +215,10 @@ class ServingScheduler(RequestQueue):
         blocks = self.pool.allocate(self.pool.blocks_for(len(plan.new_ids) + req.params.max_new_tokens))
         if blocks is None:
             return self._no_room(req, entries, plan.cached_tokens)
+        # the views hold the segments' tokens in KV order: their positions, cut at the views' lengths
+        positions = torch.cat([seg.positions.to("cpu", torch.long) for seg in plan.segments]) if shared else None
         req.admit(plan, entries, shared, blocks, self._slots_of(blocks), copied)
+        req.shared_pos = list(positions.split([v.shape[3] for _, v in shared])) if shared else []
         return "admitted"
 
     def _slots_of(self, blocks: list[int]) -> torch.Tensor:

@@ -69,6 +69,9 @@ class Adapter:
     model_types: ClassVar[tuple[str, ...]] = ()
     positional: ClassVar[str] = "rotary"  # "rotary" | "alibi" | "learned"
     passes_position_ids: ClassVar[bool] = True
+    # the model computes attention inline, not through transformers' attention interface: paged
+    # forwards reach it through ``paged_attention`` (ALiBi families)
+    inline_attention: ClassVar[bool] = False
     relocation: ClassVar[str | None] = None
     relocation_refusal: ClassVar[str] = "this model's stored states cannot be moved to new positions exactly"
 
@@ -159,6 +162,53 @@ class Adapter:
         """Raise ``UnsupportedModelError`` saying why this model's states cannot be relocated."""
         if self.relocation is None:
             raise UnsupportedModelError(self.relocation_refusal)
+
+    def sliding_windows(self) -> list[int | None] | None:
+        """Each layer's sliding attention window in positions (None: no window anywhere)."""
+        return None
+
+    # -- paged forwards of inline attention ------------------------------------------------------
+    @contextmanager
+    def paged_attention(self, attend):
+        """For the forwards inside: every attention module of this model instance runs
+        ``attend(module, query, key, value, cache, scaling) -> [1, t, Hq, D]`` instead of its own
+        attention: an instance ``forward`` (the class and every forward outside untouched) computes
+        queries, keys and values with the module's own weights (``paged_qkv``) and finishes as the
+        module does (``paged_output``). For families with ``inline_attention`` (no attention
+        interface in transformers); one forward at a time (the runner's lock)."""
+        if not self.inline_attention:
+            raise NotImplementedError(f"{type(self).__name__} uses transformers' attention interface")
+        modules = self.attention_modules()
+
+        def forward_of(module):
+            def forward(hidden_states, *args, **kwargs):
+                if args:  # Bloom passes the residual positionally
+                    kwargs["residual"] = args[0]
+                q, k, v, cache, scaling = self.paged_qkv(module, hidden_states, kwargs)
+                out = attend(module, q, k, v, cache, scaling)  # [1, t, H, D]
+                return self.paged_output(module, out.reshape(*out.shape[:2], -1), hidden_states, kwargs)
+            return forward
+
+        for m in modules:
+            m.forward = forward_of(m)  # an instance attribute: shadows the class's forward
+        try:
+            yield
+        finally:
+            for m in modules:
+                del m.forward
+
+    def attention_modules(self) -> list[torch.nn.Module]:
+        """The model's attention modules, in layer order (``inline_attention`` families)."""
+        raise NotImplementedError
+
+    def paged_qkv(self, module, hidden_states: torch.Tensor, kwargs: dict):
+        """(query [1, H, t, D], key, value [1, Hk, t, D], the call's cache argument, scaling) of
+        one attention module call, computed with the module's weights."""
+        raise NotImplementedError
+
+    def paged_output(self, module, context: torch.Tensor, hidden_states: torch.Tensor, kwargs: dict):
+        """The module's return value from the attention output ``context`` [1, t, H * D]."""
+        raise NotImplementedError
 
     # -- forward -------------------------------------------------------------------------------
     @torch.inference_mode()

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import math
 import weakref
 
 import torch
 
 from .masks import additive as additive_mask
 from .base import Adapter, UnsupportedModelError
+from transformers.models.falcon import modeling_falcon
+
 from .kinds import AlibiAdapter, LearnedAdapter, RotaryAdapter, scaled_mask
 
 REGISTRY: dict[str, type[Adapter]] = {}
@@ -91,6 +94,8 @@ class OPT(LearnedAdapter):
 
 
 class _FalconShapes:
+    """Falcon's shapes and its attention modules (both variants compute attention inline)."""
+
     def kv_heads(self) -> int:
         c = self.config
         if c.new_decoder_architecture:  # the model stores keys already expanded to every head
@@ -99,6 +104,37 @@ class _FalconShapes:
 
     def head_dim(self) -> int:
         return self.config.hidden_size // self.config.num_attention_heads
+
+    # Falcon computes attention inline (both variants): paged forwards go through paged_attention
+    inline_attention = True
+
+    def attention_modules(self):
+        return [b.self_attention for b in self.model.transformer.h]
+
+    def paged_qkv(self, module, hidden_states, kwargs):
+        b, t, _ = hidden_states.shape
+        fused = module.query_key_value(hidden_states)
+        heads, d = module.num_heads, module.head_dim
+        if module.new_decoder_architecture:  # keys and values broadcast to every head of their group
+            kvh = module.num_kv_heads
+            qkv = fused.view(b, t, kvh, heads // kvh + 2, d)
+            q = qkv[:, :, :, :-2].reshape(b, t, heads, d)
+            k, v = (qkv[:, :, :, i : i + 1].expand(b, t, kvh, heads // kvh, d).reshape(b, t, heads, d)
+                    for i in (heads // kvh, heads // kvh + 1))
+        elif module.multi_query:
+            qkv = fused.view(b, t, heads + 2, d)
+            q, k, v = qkv[:, :, :-2], qkv[:, :, -2:-1], qkv[:, :, -1:]
+        else:
+            qkv = fused.view(b, t, heads, 3, d)
+            q, k, v = qkv[..., 0, :], qkv[..., 1, :], qkv[..., 2, :]
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        if kwargs.get("alibi") is None:  # the rotary variant: rotated as the module does
+            cos, sin = kwargs["position_embeddings"]
+            q, k = modeling_falcon.apply_rotary_pos_emb(q, k, cos, sin)
+        return q, k, v, kwargs.get("layer_past"), module.inv_norm_factor
+
+    def paged_output(self, module, context, hidden_states, kwargs):
+        return module.dense(context), None
 
 
 class FalconRotary(_FalconShapes, RotaryAdapter):
@@ -121,8 +157,6 @@ class FalconAlibi(_FalconShapes, AlibiAdapter):
         return self.model.transformer.h
 
     def alibi_slopes(self) -> torch.Tensor:
-        from transformers.models.falcon import modeling_falcon
-
         ones = torch.ones((1, 2), dtype=torch.long)
         return modeling_falcon.build_alibi_tensor(ones, self.config.num_attention_heads, torch.float32)[:, 0, 1]
 
@@ -139,6 +173,16 @@ class FalconAlibi(_FalconShapes, AlibiAdapter):
         alibi = (slopes[None, :, None] * key_positions[:, None, :]).reshape(b, h, 1, kv).to(dtype)
         merged = scaled_mask(alibi, old_mask, self.config.hidden_size // h)  # [B, H, T, kv]
         return {"alibi": alibi, "attention_mask": merged}
+
+    def paged_bias(self, key_positions):
+        # bfloat16 slopes times positions, as the model builds its alibi; it merges alibi / sqrt(head_dim)
+        # into its float mask, and its eager attention also adds alibi to the scores before scaling them
+        dtype = self.kv_spec().dtype
+        alibi = (self.slopes.to(key_positions.device).bfloat16()[:, None] * key_positions[None, :]).to(dtype)
+        scale = 1 / math.sqrt(self.head_dim())
+        merged = (alibi / math.sqrt(self.head_dim())).float()
+        return merged if self.attn_implementation() == "sdpa" else alibi.float() * scale + merged
+
 
 
 @register
@@ -179,6 +223,25 @@ class Bloom(AlibiAdapter):
             out["attention_mask"] = additive_mask(mask, dtype)
         return out
 
+    def attention_modules(self):
+        return [b.self_attention for b in self.model.transformer.h]
+
+    def paged_bias(self, key_positions):
+        slopes = self.slopes.to(key_positions.device)
+        return (slopes[:, None] * key_positions[None, :].float()).to(self.kv_spec().dtype).float()
+
+    def paged_qkv(self, module, hidden_states, kwargs):
+        b, t, _ = hidden_states.shape
+        qkv = module.query_key_value(hidden_states).view(b, t, module.num_heads, 3, module.head_dim)
+        q, k, v = (qkv[..., i, :].transpose(1, 2) for i in range(3))
+        return q, k, v, kwargs.get("layer_past"), module.inv_norm_factor
+
+    def paged_output(self, module, context, hidden_states, kwargs):
+        # Bloom's attention adds the residual itself (its slow_but_exact tensor-parallel sum is one
+        # matrix product here: the same up to rounding, which the self-check bounds)
+        out = torch.nn.functional.dropout(module.dense(context), p=module.hidden_dropout, training=module.training)
+        return out + kwargs["residual"], None
+
 
 @register
 class MPT(AlibiAdapter):
@@ -216,3 +279,21 @@ class MPT(AlibiAdapter):
         if mask is not None:  # MPT's attention takes a bool mask, True = masked
             out["attention_mask"] = ~mask
         return out
+
+    def attention_modules(self):
+        return [b.attn for b in self.model.transformer.blocks]
+
+    def paged_bias(self, key_positions):
+        # float32 as MPT builds it; MPT subtracts the last key's position, a per-query constant
+        return self.slopes.to(key_positions.device)[:, None] * key_positions[None, :].float()
+
+    def paged_qkv(self, module, hidden_states, kwargs):
+        b, t, _ = hidden_states.shape
+        mixed = module.Wqkv(hidden_states)
+        if module.clip_qkv:
+            mixed = mixed.clamp(min=-module.clip_qkv, max=module.clip_qkv)
+        q, k, v = (x.reshape(b, t, module.n_heads, module.head_dim).transpose(1, 2) for x in mixed.chunk(3, dim=2))
+        return q, k, v, kwargs.get("past_key_values"), module.softmax_scale
+
+    def paged_output(self, module, context, hidden_states, kwargs):
+        return module.out_proj(context), None

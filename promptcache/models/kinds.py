@@ -74,6 +74,16 @@ class RotaryAdapter(Adapter):
         # the sliding-window mask counts cache entries, not positions: stay inside the window
         return self._sliding_window
 
+    def sliding_windows(self) -> list[int | None] | None:
+        """The window of each layer: every layer's, or those ``config.layer_types`` names
+        ``"sliding_attention"`` (Qwen2/Qwen3 from ``max_window_layers`` on)."""
+        if self._sliding_window is None:
+            return None
+        types = getattr(self.config, "layer_types", None)
+        if types is None:
+            return [self._sliding_window] * self.config.num_hidden_layers
+        return [self._sliding_window if t == "sliding_attention" else None for t in types]
+
     def rope_spec(self) -> RopeSpec:
         """The model's rotary frequencies, read from its own rotary module; refuses rope settings
         under which rotating stored keys is not exact."""
@@ -118,10 +128,13 @@ class LearnedAdapter(Adapter):
 
 class AlibiAdapter(Adapter):
     """ALiBi families. Subclasses name their blocks, slopes, the block keyword arguments their
-    bias replaces (``bias_args``) and build the replacements (``bias_kwargs``)."""
+    bias replaces (``bias_args``) and build the replacements (``bias_kwargs``). They compute
+    attention inline: paged forwards reach it through ``Adapter.paged_attention``, and the
+    paged attention adds ``paged_bias`` of the key positions."""
 
     positional = "alibi"
     passes_position_ids = False
+    inline_attention = True
     relocation = "positions_only"
     bias_args: ClassVar[tuple[str, ...]] = ()  # block kwargs replaced on every forward
     mask_arg: ClassVar[str] = "attention_mask"  # block kwarg replaced when a custom mask is given
@@ -169,6 +182,12 @@ class AlibiAdapter(Adapter):
         state["calls"] += 1
         kwargs.update(state["bias"])
         return args, kwargs
+
+    def paged_bias(self, key_positions: torch.Tensor) -> torch.Tensor:
+        """The ALiBi term [H, n] (float32) this model adds to its scaled attention scores for keys
+        at ``key_positions`` [n], rounded as the model rounds it (a per-query constant left out:
+        softmax ignores it)."""
+        raise NotImplementedError
 
     def verify_forward(self, state: dict) -> None:
         if state["calls"] != len(self._blocks):

@@ -1,0 +1,230 @@
+"""Attention that reads key positions, on the KV pool: ALiBi biases and sliding windows.
+
+ALiBi families (Bloom, MPT, Falcon-ALiBi) add a bias from each key's position; sliding-window
+models (Mistral, Qwen2) hide keys more than a window of positions behind the query. The paged
+attention computes both from the position IDs the pool keeps for shared segments and own tokens
+(``paged.KeyRule``). The serving oracle tests (test_serving.py) run every family through the
+scheduler with Prompt Cache's gaps, unions and parameters; here: windows smaller than the prompt
+(their reference is the stock forward with the window applied by position ID), whole segments
+hidden by the window, ALiBi with several query heads per key head, both of Falcon's attention
+implementations, and self-checks that catch a bias or a window that is off.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, FalconConfig, MistralConfig, Qwen2Config
+
+from oracle import assembled_cache, plain_logits
+from promptcache import PromptCache
+from promptcache.engine import paged
+from promptcache.engine.chains import ChainPlanner
+from promptcache.engine.kvpool import KVPool
+from promptcache.engine.request import Request
+from promptcache.engine.sampling import SamplingParams
+from promptcache.engine.serving import ServingScheduler
+from promptcache.models import get_adapter
+from tiny import VOCAB, fresh_model, make_tokenizer
+
+TOL = 1e-4
+COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+              max_position_embeddings=1024)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return make_tokenizer()
+
+
+def tiny(config, attn: str | None = None):
+    """A tiny float32 model of ``config`` (weights widened as tests/tiny.py does)."""
+    torch.manual_seed(0)
+    config.bos_token_id, config.eos_token_id, config.pad_token_id = 2, 3, 1
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32,
+                                             **({"attn_implementation": attn} if attn else {}))
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0, 0.2)
+    return model.eval()
+
+
+def mistral(window: int):
+    return tiny(MistralConfig(**COMMON, num_key_value_heads=2, sliding_window=window))
+
+
+def run(pc, plans, budget, max_new, sched=None):
+    """Serve plan makers together (chunks of ``budget`` tokens, greedy) on ``sched`` (default: a
+    new scheduler over a pool of 8-token blocks); the finished requests and the scheduler."""
+    sched = sched or ServingScheduler(pc.runner, KVPool(pc.runner.spec, pc.device, 1024, 8), token_budget=budget)
+    reqs = [Request(None, SamplingParams(max_new_tokens=max_new, temperature=0.0), pc.tokenizer, plan=p)
+            for p in plans]
+    for r in reqs:
+        sched.add(r)
+    while sched.has_work:
+        sched.step()
+    for r in reqs:
+        assert r.error is None, r.error
+    return reqs, sched
+
+
+def windowed_greedy(model, cache, n_cached, ids, pos, window, n_tokens, eos=3):
+    """The definition under a sliding window measured in position IDs: ``ids`` at ``pos`` on top
+    of the assembled cache, each query seeing the cached and earlier new keys whose position is
+    above its own minus ``window``, then greedy tokens the same way. (first logits [V], tokens)."""
+    adapter = get_adapter(model)
+
+    def step(new_ids, new_pos):
+        length = cache.length
+        keys = torch.cat([cache.positions[0, :length], torch.tensor(new_pos)])  # after this forward
+        q = torch.tensor(new_pos)
+        seen = keys[None, :] > q[:, None] - window
+        seen[:, length:] &= torch.ones((len(new_ids), len(new_ids)), dtype=torch.bool).tril()
+        return adapter.forward(torch.tensor([new_ids]), torch.tensor([new_pos]), cache,
+                               attention_mask=seen[None, None])[0]
+
+    first = logits = step(ids, pos)
+    out, at = [], max(pos) + 1
+    for i in range(n_tokens):
+        tok = int(torch.argmax(logits))
+        out.append(tok)
+        if tok == eos or i == n_tokens - 1:
+            break
+        logits = step([tok], [at])
+        at += 1
+    return first, out
+
+
+WINDOW_SCHEMA = """<schema name="w">You plan trips.
+  <module name="paris">Paris has museums.</module>
+  <module name="tokyo">Tokyo has temples.</module></schema>"""
+WINDOW_PROMPTS = ['<prompt schema="w"><tokyo/> Plan three cheap days with food and museums, please.</prompt>',
+                  '<prompt schema="w"><paris/><tokyo/> Keep it short and cheap, with good food.</prompt>']
+
+
+def test_a_sliding_window_smaller_than_the_prompt_is_measured_in_position_ids(tokenizer):
+    """Mistral with a 26-position window: the schema fits in it (its encoding is a plain forward),
+    prompts with a module gap run past it. Served together (chunks of 5 tokens,
+    decode rows beside chunks), each equals the definition with the window applied by position:
+    first logits within 1e-4, greedy tokens equal."""
+    pc = PromptCache(mistral(26), tokenizer)
+    pc.add_schema(WINDOW_SCHEMA)
+    schema = pc.schema("w").layout
+    assert max(s.end for s in schema.spans) <= 26
+    reqs, sched = run(pc, [lambda pool, p=p: pc.plan(p, recompute=0) for p in WINDOW_PROMPTS], budget=5, max_new=10)
+    for prompt, req in zip(WINDOW_PROMPTS, reqs):
+        layout = pc.layout(prompt)
+        assert max(layout.position_ids) - min(layout.position_ids) >= 26  # the window hides the first keys
+        new = [(t, p) for s in layout.new for t, p in zip(s.token_ids, s.position_ids)]
+        cache, n_cached = assembled_cache(pc.model, schema, layout)
+        want, tokens = windowed_greedy(pc.model, cache, n_cached, [t for t, _ in new], [p for _, p in new], 26, 10)
+        assert torch.max(torch.abs(req.prefill.logits - want)).item() <= TOL, prompt
+        assert req.token_ids == tokens, prompt
+        assert req.prefill.cached_tokens > 0 and req.prefill.bytes_copied == 0
+    assert sched.decode_tokens > sched.decode_forwards  # decode rows shared steps
+
+
+@pytest.mark.parametrize("window", [4, 9])
+def test_a_window_hides_whole_shared_blocks_of_a_token_chain(window, tokenizer):
+    """Contiguous positions: the window by position is the stock model's own (by index). A chat's
+    second turn reads the first turn's blocks (8 tokens each) from the pool, most of them wholly
+    behind the window (skipped), and equals a plain forward of its tokens."""
+    pc = PromptCache(mistral(window), tokenizer)
+    chains = ChainPlanner(pc.store, pc.model_key, block_size=8)
+    ids = pc.tokenizer("You are a travel planner. Plan a trip of three days to Paris, Tokyo or Rome.").input_ids
+    (first,), sched = run(pc, [lambda pool: chains.plan(ids, "ns", pool)], budget=6, max_new=6)
+    assert torch.max(torch.abs(first.prefill.logits - plain_logits(pc.model, ids))).item() <= TOL
+    second = ids + first.token_ids[:-1] + pc.tokenizer("Keep it cheap.").input_ids
+    (again, other), _ = run(pc, [lambda pool: chains.plan(second, "ns", pool),
+                                 lambda pool: chains.plan(ids[:9], "ns", pool)], budget=7, max_new=6, sched=sched)
+    assert again.prefill.cached_tokens >= 16
+    assert torch.max(torch.abs(again.prefill.logits - plain_logits(pc.model, second))).item() <= TOL
+    tokens = pc.generate_from(lambda r: pc.runner.prefill_plain(second), max_new_tokens=6, temperature=0.0)
+    assert again.token_ids == tokens.token_ids
+    assert torch.max(torch.abs(other.prefill.logits - plain_logits(pc.model, ids[:9]))).item() <= TOL
+
+
+def test_qwen2_windows_only_the_layers_its_config_names(tokenizer):
+    model = tiny(Qwen2Config(**COMMON, num_key_value_heads=2, use_sliding_window=True, sliding_window=5,
+                             max_window_layers=1))
+    pc = PromptCache(model, tokenizer)
+    assert paged.key_rule(pc.adapter).windows == (None, 5)
+    assert paged.paged_refusal(pc.runner) is None
+    ids = pc.tokenizer("Tokyo is a huge city in Japan with temples, food markets and fast trains.").input_ids
+    chains = ChainPlanner(pc.store, pc.model_key, block_size=8)
+    (req,), _ = run(pc, [lambda pool: chains.plan(ids, "ns", pool)], budget=6, max_new=1)
+    assert torch.max(torch.abs(req.prefill.logits - plain_logits(pc.model, ids))).item() <= TOL
+
+
+@pytest.mark.parametrize("config", [
+    dict(multi_query=True, new_decoder_architecture=False, parallel_attn=False),  # one key head for all heads
+    dict(multi_query=False, new_decoder_architecture=True, num_kv_heads=2),  # keys expanded to every head
+])
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+def test_falcon_alibi_layouts_and_attention_implementations(config, attn, tokenizer):
+    """Falcon-ALiBi's eager attention adds its bias twice (to the scores and in the merged mask),
+    its SDPA attention once; its query/key/value layouts differ by config. Each is served from
+    the pool and equals the prefix oracle (a plain forward)."""
+    model = tiny(FalconConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                              alibi=True, bias=True, **config), attn)
+    pc = PromptCache(model, tokenizer)
+    assert pc.adapter.attn_implementation() == attn
+    assert paged.paged_refusal(pc.runner) is None
+    chains = ChainPlanner(pc.store, pc.model_key, block_size=8)
+    ids = pc.tokenizer("Paris is the capital of France, famous for museums, cafes and the Eiffel Tower.").input_ids
+    (req,), _ = run(pc, [lambda pool: chains.plan(ids, "ns", pool)], budget=6, max_new=4)
+    assert torch.max(torch.abs(req.prefill.logits - plain_logits(pc.model, ids))).item() <= TOL
+    want = pc.generate_from(lambda r: pc.runner.prefill_plain(ids), max_new_tokens=4, temperature=0.0)
+    assert req.token_ids == want.token_ids
+
+
+def test_the_self_check_catches_a_window_one_position_off(tokenizer, monkeypatch):
+    pc = PromptCache(mistral(6), tokenizer)
+    assert paged.paged_refusal(pc.runner) is None
+    monkeypatch.setattr(type(pc.adapter), "sliding_windows", lambda self: [7] * self.config.num_hidden_layers)
+    assert "self-check" in paged.paged_refusal(pc.runner)
+
+
+def test_the_paged_forward_leaves_the_stock_forward_alone(tokenizer):
+    """The instance forwards of inline attention exist only during a paged forward: the stock
+    forward gives the same logits, bit for bit, before and after paged forwards ran."""
+    pc = PromptCache(fresh_model("bloom"), tokenizer)
+    ids = torch.tensor([pc.tokenizer("Keep it cheap. Highlight the food.").input_ids])
+    with torch.inference_mode():
+        before = pc.model(input_ids=ids).logits
+        assert paged.paged_refusal(pc.runner) is None  # paged forwards
+        after = pc.model(input_ids=ids).logits
+    assert all("forward" not in vars(m) for m in pc.adapter.attention_modules())
+    assert torch.equal(before, after)
+
+
+def test_rows_without_key_positions_are_refused_clearly(tokenizer):
+    pc = PromptCache(fresh_model("mpt"), tokenizer)
+    pool = KVPool(pc.runner.spec, pc.device, 64, 4)
+    blocks = pool.allocate(2)
+    seg = [("s", pool.views(blocks[:1], 4)[0])]
+    with pytest.raises(ValueError, match="shared_pos"):
+        paged.paged_forward(pc.runner, pool, [paged.PagedRow([5], [4], seg, pool.slots(blocks[1:], 0, 1))])
+    with pytest.raises(ValueError, match="own_pos"):
+        paged.paged_forward(pc.runner, pool, [paged.PagedRow([5], [4], [], pool.slots(blocks[1:], 0, 2))])
+
+
+@pytest.mark.slow
+def test_compiled_steps_apply_the_window_as_eager_ones_do(tokenizer):
+    """Compiled steps (symbolic sizes, CPU) of the windowed Mistral serving the gapped prompts
+    past their window: the same first logits (within 1e-4) and greedy tokens as eager steps.
+    (ALiBi families: tests/engine/test_graphs.py runs every pooled family compiled.)"""
+    from promptcache.engine.graphs import CompiledSteps
+    from trip import serve_together
+
+    pc = PromptCache(mistral(26), tokenizer)
+    pc.add_schema(WINDOW_SCHEMA)
+    want = serve_together(pc, WINDOW_PROMPTS, max_new=8, budget=5)
+    steps = CompiledSteps(pc.runner, buckets=(1, 2, 4, 8))
+    got = serve_together(pc, WINDOW_PROMPTS, max_new=8, budget=5, forward=steps.forward)
+    assert steps.compiled_steps > 0
+    for prompt, a, b in zip(WINDOW_PROMPTS, want, got):
+        assert a.error is None and b.error is None, (prompt, b.error)
+        assert torch.max(torch.abs(a.prefill.logits - b.prefill.logits)).item() <= TOL, prompt
+        assert a.token_ids == b.token_ids, prompt
