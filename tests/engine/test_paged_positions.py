@@ -19,12 +19,14 @@ from transformers import AutoModelForCausalLM, FalconConfig, MistralConfig, Qwen
 from oracle import assembled_cache, plain_logits
 from promptcache import PromptCache
 from promptcache.engine import paged
-from promptcache.engine.chains import ChainPlanner
+from promptcache.engine import PmlPrompt, TokenPrompt
+from promptcache.engine.prefix import PrefixCache
 from promptcache.engine.kvpool import KVPool
 from promptcache.engine.request import Request
 from promptcache.engine.sampling import SamplingParams
 from promptcache.engine.serving import ServingScheduler
 from promptcache.models import get_adapter
+from promptcache.pml import parse_prompt
 from tiny import VOCAB, fresh_model, make_tokenizer
 
 TOL = 1e-4
@@ -55,11 +57,10 @@ def mistral(window: int):
 
 
 def run(pc, plans, budget, max_new, sched=None):
-    """Serve plan makers together (chunks of ``budget`` tokens, greedy) on ``sched`` (default: a
+    """Serve prompt specs together (chunks of ``budget`` tokens, greedy) on ``sched`` (default: a
     new scheduler over a pool of 8-token blocks); the finished requests and the scheduler."""
     sched = sched or ServingScheduler(pc.runner, KVPool(pc.runner.spec, pc.device, 1024, 8), token_budget=budget)
-    reqs = [Request(None, SamplingParams(max_new_tokens=max_new, temperature=0.0), pc.tokenizer, plan=p)
-            for p in plans]
+    reqs = [Request(p, SamplingParams(max_new_tokens=max_new, temperature=0.0), pc.tokenizer) for p in plans]
     for r in reqs:
         sched.add(r)
     while sched.has_work:
@@ -112,7 +113,7 @@ def test_a_sliding_window_smaller_than_the_prompt_is_measured_in_position_ids(to
     pc.add_schema(WINDOW_SCHEMA)
     schema = pc.schema("w").layout
     assert max(s.end for s in schema.spans) <= 26
-    reqs, sched = run(pc, [lambda pool, p=p: pc.plan(p, recompute=0) for p in WINDOW_PROMPTS], budget=5, max_new=10)
+    reqs, sched = run(pc, [PmlPrompt(pc, parse_prompt(p), recompute=0) for p in WINDOW_PROMPTS], budget=5, max_new=10)
     for prompt, req in zip(WINDOW_PROMPTS, reqs):
         layout = pc.layout(prompt)
         assert max(layout.position_ids) - min(layout.position_ids) >= 26  # the window hides the first keys
@@ -131,16 +132,16 @@ def test_a_window_hides_whole_shared_blocks_of_a_token_chain(window, tokenizer):
     second turn reads the first turn's blocks (8 tokens each) from the pool, most of them wholly
     behind the window (skipped), and equals a plain forward of its tokens."""
     pc = PromptCache(mistral(window), tokenizer)
-    chains = ChainPlanner(pc.store, pc.model_key, block_size=8)
+    chains = PrefixCache(pc, 8)
     ids = pc.tokenizer("You are a travel planner. Plan a trip of three days to Paris, Tokyo or Rome.").input_ids
-    (first,), sched = run(pc, [lambda pool: chains.plan(ids, "ns", pool)], budget=6, max_new=6)
+    (first,), sched = run(pc, [TokenPrompt(pc, tuple(ids), "ns", chains)], budget=6, max_new=6)
     assert torch.max(torch.abs(first.prefill.logits - plain_logits(pc.model, ids))).item() <= TOL
     second = ids + first.token_ids[:-1] + pc.tokenizer("Keep it cheap.").input_ids
-    (again, other), _ = run(pc, [lambda pool: chains.plan(second, "ns", pool),
-                                 lambda pool: chains.plan(ids[:9], "ns", pool)], budget=7, max_new=6, sched=sched)
+    (again, other), _ = run(pc, [TokenPrompt(pc, tuple(second), "ns", chains),
+                                 TokenPrompt(pc, tuple(ids[:9]), "ns", chains)], budget=7, max_new=6, sched=sched)
     assert again.prefill.cached_tokens >= 16
     assert torch.max(torch.abs(again.prefill.logits - plain_logits(pc.model, second))).item() <= TOL
-    tokens = pc.generate_from(lambda r: pc.runner.prefill_plain(second), max_new_tokens=6, temperature=0.0)
+    tokens = pc.generate(second, max_new_tokens=6, temperature=0.0, use_cache=False)
     assert again.token_ids == tokens.token_ids
     assert torch.max(torch.abs(other.prefill.logits - plain_logits(pc.model, ids[:9]))).item() <= TOL
 
@@ -152,8 +153,8 @@ def test_qwen2_windows_only_the_layers_its_config_names(tokenizer):
     assert paged.key_rule(pc.adapter).windows == (None, 5)
     assert paged.paged_refusal(pc.runner) is None
     ids = pc.tokenizer("Tokyo is a huge city in Japan with temples, food markets and fast trains.").input_ids
-    chains = ChainPlanner(pc.store, pc.model_key, block_size=8)
-    (req,), _ = run(pc, [lambda pool: chains.plan(ids, "ns", pool)], budget=6, max_new=1)
+    chains = PrefixCache(pc, 8)
+    (req,), _ = run(pc, [TokenPrompt(pc, tuple(ids), "ns", chains)], budget=6, max_new=1)
     assert torch.max(torch.abs(req.prefill.logits - plain_logits(pc.model, ids))).item() <= TOL
 
 
@@ -171,11 +172,11 @@ def test_falcon_alibi_layouts_and_attention_implementations(config, attn, tokeni
     pc = PromptCache(model, tokenizer)
     assert pc.adapter.attn_implementation() == attn
     assert paged.paged_refusal(pc.runner) is None
-    chains = ChainPlanner(pc.store, pc.model_key, block_size=8)
+    chains = PrefixCache(pc, 8)
     ids = pc.tokenizer("Paris is the capital of France, famous for museums, cafes and the Eiffel Tower.").input_ids
-    (req,), _ = run(pc, [lambda pool: chains.plan(ids, "ns", pool)], budget=6, max_new=4)
+    (req,), _ = run(pc, [TokenPrompt(pc, tuple(ids), "ns", chains)], budget=6, max_new=4)
     assert torch.max(torch.abs(req.prefill.logits - plain_logits(pc.model, ids))).item() <= TOL
-    want = pc.generate_from(lambda r: pc.runner.prefill_plain(ids), max_new_tokens=4, temperature=0.0)
+    want = pc.generate(ids, max_new_tokens=4, temperature=0.0, use_cache=False)
     assert req.token_ids == want.token_ids
 
 
