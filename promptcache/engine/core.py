@@ -18,8 +18,9 @@ take turns (a thread stepping also advances the others' requests; each request's
 on ``Request.outputs`` for its reader), in the server the compute thread is the only one.
 No thread is started here.
 
-A model the pool cannot serve (``paged.paged_refusal``) is stepped by the per-request
-``scheduler.Scheduler``, each request prefilled in a private buffer (logged once).
+Every supported family runs on the pool (rotary, learned positions, ALiBi, sliding windows); a
+model whose paged forward fails its self-check against the stock forward (``paged.paged_refusal``)
+is refused here with the reason, never served another way.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import threading
 from collections import deque
 from typing import Iterator
 
-from ..errors import ConfigError
+from ..models import UnsupportedModelError
 from ..progress import Progress
 from .config import ServingConfig
 from .graphs import CompiledSteps
@@ -37,7 +38,6 @@ from .kvpool import KVPool
 from .paged import paged_refusal
 from .prefix import PrefixCache
 from .request import Request, StepOutput
-from .scheduler import Scheduler
 from .serving import ServingScheduler
 
 log = logging.getLogger(__name__)
@@ -51,30 +51,21 @@ class Engine:
         self.pc, self.config = pc, config or ServingConfig()
         c = self.config
         self.prefix = PrefixCache(pc, c.block_size)
-        self.refusal = paged_refusal(pc.runner)
-        self.pool: KVPool | None = None
+        refusal = paged_refusal(pc.runner)
+        if refusal is not None:
+            raise UnsupportedModelError(f"{type(pc.model).__name__} cannot run on the KV pool: {refusal}")
+        pins = lambda key: pc.store.pins is not None and pc.store.pins.live(key)  # noqa: E731 - read per eviction
+        self.pool = KVPool(pc.runner.spec, pc.device, c.kv_pool_tokens, c.block_size, self.prefix.spill, pins)
         self.compiled: CompiledSteps | None = None
-        if self.refusal is None:
-            pins = lambda key: pc.store.pins is not None and pc.store.pins.live(key)  # noqa: E731 - read per eviction
-            self.pool = KVPool(pc.runner.spec, pc.device, c.kv_pool_tokens, c.block_size, self.prefix.spill, pins)
-            if pc.config.runner.compile:
-                self.compiled = CompiledSteps(pc.runner)
-                self.compiled.warm()  # a first start compiles; later ones load from inductor's disk cache
-            self.scheduler = ServingScheduler(pc.runner, self.pool, c.max_num_batched_tokens, c.max_num_seqs,
-                                              on_publish=_write_through(pc.store),
-                                              forward=self.compiled.forward if self.compiled else None)
-        else:
-            if pc.config.runner.compile:
-                raise ConfigError(f"RunnerConfig.compile (--compile): compiled steps need the paged pool: {self.refusal}")
-            log.info("serving without the KV pool (each request assembles its own buffer): %s", self.refusal)
-            self.scheduler = Scheduler(pc.runner)
+        if pc.config.runner.compile:
+            self.compiled = CompiledSteps(pc.runner)
+            self.compiled.warm()  # a first start compiles; later ones load from inductor's disk cache
+        self.scheduler = ServingScheduler(pc.runner, self.pool, c.max_num_batched_tokens, c.max_num_seqs,
+                                          on_publish=_write_through(pc.store),
+                                          forward=self.compiled.forward if self.compiled else None)
         self.lock = threading.RLock()  # held while a step runs: one thread steps at a time
         self._incoming: deque[Request] = deque()  # appended from any thread, drained by the stepping one
         self._live: list[Request] = []  # submitted, not seen finished (stepping thread)
-
-    @property
-    def paged(self) -> bool:
-        return self.pool is not None
 
     @property
     def has_incoming(self) -> bool:
@@ -90,7 +81,7 @@ class Engine:
         a ``TokenPrompt`` of them would reuse; at least one token is always left to run)."""
         n = 0
         for key in self.prefix.keys(ids[: max(len(ids) - 1, 0)], namespace):
-            if not ((self.pool is not None and key in self.pool) or key in self.pc.store):
+            if key not in self.pool and key not in self.pc.store:
                 break
             n += 1
         return n * self.prefix.block_size
@@ -160,9 +151,8 @@ class Engine:
 
     def close(self) -> None:
         """Hand the pool's idle shared blocks down the store's tiers (persisted where it persists)."""
-        if self.pool is not None:
-            with self.lock:
-                self.pool.clear_idle()
+        with self.lock:
+            self.pool.clear_idle()
 
 
 def _write_through(store):

@@ -6,9 +6,8 @@ scheduler asks it, on the engine's thread, when the request is admitted:
   * ``plan(pool) -> PrefillPlan | None``: the stored segments read in place (pool entries, or a
     store tier's own tensors) and the new tokens to run; None when the prompt must be assembled in
     a private buffer first (it recomputes part of its cached states);
-  * ``prefill(reserve) -> PrefillResult``: that private prefill, holding its cache with room for
-    ``reserve`` more tokens (the serving scheduler copies its states into the request's own
-    blocks and gives the buffer back; a model the pool cannot serve decodes on it).
+  * ``prefill() -> PrefillResult``: that private prefill, holding its cache (the scheduler copies
+    its states into the request's own blocks and gives the buffer back).
 
 Three kinds here, one in ``rag`` (``DocumentPrompt``, for ``DocumentStore`` documents):
 ``PmlPrompt`` (a PML prompt over a loaded schema), ``TokenPrompt`` (token ids at positions 0..n-1:
@@ -40,8 +39,8 @@ class PromptSpec:
     def plan(self, pool) -> PrefillPlan | None:
         raise NotImplementedError
 
-    def prefill(self, reserve: int = 0) -> PrefillResult:
-        raise NotImplementedError
+    def prefill(self) -> PrefillResult:
+        raise NotImplementedError(f"{type(self).__name__} always plans into the pool")
 
 
 @dataclass(frozen=True, eq=False)
@@ -56,9 +55,8 @@ class PmlPrompt(PromptSpec):
     def plan(self, pool) -> PrefillPlan | None:
         return self.pc.plan(self.tree, self.namespace, recompute=self.recompute)
 
-    def prefill(self, reserve: int = 0) -> PrefillResult:
-        return self.pc.prefill(self.tree, reserve, keep_cache=True, namespace=self.namespace,
-                               recompute=self.recompute)
+    def prefill(self) -> PrefillResult:
+        return self.pc.prefill(self.tree, keep_cache=True, namespace=self.namespace, recompute=self.recompute)
 
 
 @dataclass(frozen=True, eq=False)
@@ -86,11 +84,6 @@ class TokenPrompt(PromptSpec):
         return PrefillPlan(segments=[], new_ids=ids, new_pos=list(range(len(ids))), max_position=len(ids) - 1,
                            exact=True, layout=self.layout)
 
-    def prefill(self, reserve: int = 0) -> PrefillResult:
-        if self.prefix is not None:
-            return self.prefix.prefill(list(self.ids), self.namespace, reserve)
-        return self.pc.runner.prefill_plain(list(self.ids), layout=self.layout)
-
 
 @dataclass(frozen=True, eq=False)
 class PrefilledPrompt(PromptSpec):
@@ -105,5 +98,5 @@ class PrefilledPrompt(PromptSpec):
     def plan(self, pool) -> None:
         return None
 
-    def prefill(self, reserve: int = 0) -> PrefillResult:
+    def prefill(self) -> PrefillResult:
         return self.result

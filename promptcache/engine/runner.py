@@ -1,10 +1,10 @@
 """``ModelRunner``: the model and everything needed to run it (adapter, KV spec, device, forward
-lock, buffer pool, EOS ids): ``forward``, the spliced and the plain prefill, and the decode step.
+lock, buffer pool, EOS ids): ``forward``, the spliced (private buffer) and the plain prefill.
 
 Decisions:
-  * Every forward of an engine goes through ``forward`` / ``decode`` / ``prefill_plain`` under
-    ``lock`` (one at a time per engine; ALiBi position context is thread-local), so several
-    threads may share one engine.
+  * Every forward of an engine goes through ``forward`` / ``prefill_plain`` (and the serving
+    core's paged forward) under ``lock`` (one at a time per engine; ALiBi position context is
+    thread-local), so several threads may share one engine.
   * A prefill that keeps its cache hands the buffer to the caller until ``release``; on any error
     the buffer goes back to the pool before the error propagates.
   * ``kv_dtype``: the dtype module states are stored in (``stored_spec``); the model computes in
@@ -112,16 +112,6 @@ class ModelRunner:
         n = len(token_ids)
         return PrefillResult(logits=logits, ttft=time.perf_counter() - t0, cached_tokens=0, new_tokens=n, exact=True,
                              layout=layout, cache=out.past_key_values, next_position=n)
-
-    def decode(self, token: int, position: int, cache) -> torch.Tensor:
-        """One generated token at ``position`` on top of ``cache``; its logits [V]. A SpliceCache
-        goes through the adapter (our positions); any other cache is the stock baseline path."""
-        ids = torch.tensor([[token]], dtype=torch.long, device=self.device)  # [1, 1]
-        if isinstance(cache, SpliceCache):
-            return self.forward(ids, torch.tensor([[position]], dtype=torch.long, device=self.device), cache)[0]
-        with self.lock, torch.inference_mode():
-            out = self.model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
-        return out.logits[0, -1]
 
     # -- buffers ----------------------------------------------------------------------------------
     def release(self, cache) -> None:

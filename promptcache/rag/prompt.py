@@ -39,6 +39,6 @@ class DocumentPrompt(PromptSpec):
         prefix = self.prefix if self.prefix is not None else pc.engine().prefix
         return TokenPrompt(pc, tuple(layout.token_ids), self.store.namespace, prefix, layout).plan(pool)
 
-    def prefill(self, reserve: int = 0) -> PrefillResult:
-        return self.store.prefill(self.question, list(self.doc_ids), self.system, reserve, keep_cache=True,
+    def prefill(self) -> PrefillResult:
+        return self.store.prefill(self.question, list(self.doc_ids), self.system, keep_cache=True,
                                   recompute=self.recompute)

@@ -7,7 +7,7 @@
     anthropic.py          POST /v1/messages (Anthropic's Messages API), cache_control pins
     anthropic_protocol.py its request/response/event shapes and errors
     anthropic_prompt.py   a Messages request -> token IDs and breakpoint token offsets
-    backend.py  the worker thread stepping one shared Scheduler: bounded queue, batched decoding
+    backend.py  the worker thread stepping the serving core: bounded queue, backpressure, drain
     metrics.py  Prometheus counters
     access.py   one access-log line per request (ASGI middleware)
     tokenize.py POST /tokenize and /detokenize

@@ -97,10 +97,6 @@ class Backend:
     def in_flight(self) -> int:
         return self._in_flight
 
-    @property
-    def paged(self) -> bool:
-        return self.pool is not None
-
     def submit(self, prompt: PromptSpec, params: SamplingParams, constraints: tuple = (),
                logprobs: int | None = None) -> Job:
         """Queue a request; call from the event loop. ``constraints``: fresh logits processors for
@@ -186,8 +182,6 @@ class Backend:
     def _backpressure(self) -> bool:
         """Pause jobs whose readers fell behind, cancel those paused too long; True when nothing
         but paused requests is left to step."""
-        if not self.paged:
-            return False
         now, limit, active = time.monotonic(), self.config.max_unread, False
         for job in self._jobs.values():
             req = job.request
@@ -245,12 +239,12 @@ class Backend:
 
     @property
     def published_blocks(self) -> int:
-        """Blocks finished requests shared in the pool (0 without a pool)."""
-        return self.scheduler.published_blocks if self.paged else 0
+        """Blocks requests shared in the pool."""
+        return self.scheduler.published_blocks
 
     def stats(self) -> dict[str, int]:
-        """The pool's block counts (empty without a pool)."""
-        return self.pool.stats() if self.pool is not None else {}
+        """The pool's block counts."""
+        return self.pool.stats()
 
     def _finish(self, job: Job, how: str) -> None:
         self._jobs.pop(job.request.id, None)

@@ -12,9 +12,7 @@ import torch
 
 from promptcache import PromptCache, SamplingParams
 from promptcache.cache import KVSpec, SpliceCache
-from promptcache.engine import EngineConfig, PmlPrompt, Request, RunnerConfig, StoreConfig
-from promptcache.engine.scheduler import Scheduler
-from promptcache.pml import parse_prompt
+from promptcache.engine import EngineConfig, RunnerConfig, StoreConfig
 from tiny import fresh_model, make_tokenizer
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -103,17 +101,10 @@ def test_generation_on_the_gpu_equals_the_stock_model(cpu):
     assert got == ref[: len(got)] and len(got) >= 1
 
 
-def test_batched_decode_on_the_gpu_equals_one_by_one():
+def test_batched_generate_on_the_gpu_equals_one_by_one():
     gpu = engine("cuda")
-    expected = [gpu.generate(t, max_new_tokens=6 + i).token_ids for i, t in enumerate(PROMPTS)]
-    sched = Scheduler(gpu.runner)
-    reqs = []
-    for i, text in enumerate(PROMPTS):
-        reqs.append(Request(PmlPrompt(gpu, parse_prompt(text)), SamplingParams(max_new_tokens=6 + i), gpu.tokenizer))
-        sched.add(reqs[-1])
-    while sched.has_work:
-        sched.step()
-    assert [r.token_ids for r in reqs] == expected
+    expected = [gpu.generate(t, max_new_tokens=6, temperature=0.0).token_ids for t in PROMPTS]
+    assert [g.token_ids for g in gpu.generate(list(PROMPTS), max_new_tokens=6, temperature=0.0)] == expected
 
 
 def test_compiled_steps_with_cuda_graphs_equal_eager_steps_on_the_gpu():

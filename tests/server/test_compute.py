@@ -36,7 +36,7 @@ def test_the_engine_of_a_backend_runs_on_the_compute_thread_it_was_given(pc):
     hook = pc.model.register_forward_pre_hook(lambda module, args: threads.add(threading.get_ident()))
     try:
         backend = Backend(pc, max_queue=4, compute=compute)
-        assert backend.paged and backend.compute is compute
+        assert backend.compute is compute
 
         async def main():
             job = backend.submit(PmlPrompt(pc, parse_prompt(PROMPT)), SamplingParams(max_new_tokens=5))
