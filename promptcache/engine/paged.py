@@ -124,8 +124,8 @@ class StepPlan:
     prefills: list[tuple[int, int, slice | torch.Tensor, list[slice | torch.Tensor]]] = field(default_factory=list)
     # every row a decode row and every segment read by every query: ``_attend_decodes`` (fewer ops)
     decodes_only: bool = False
-    # with a KeyRule (``_attend_keyed``): every row is in ``prefills``; position IDs (host) of the
-    # step's queries [N], of each segment group's keys and of each prefill's (new, earlier parts)
+    # with a KeyRule (``_attend_keyed``): position IDs (host) of the step's queries [N], of each
+    # segment group's keys and of each prefill's (new, earlier parts) keys
     keys: KeyRule | None = None
     qpos: torch.Tensor | None = None
     segment_pos: list[torch.Tensor] = field(default_factory=list)
@@ -403,8 +403,8 @@ def _attend_keyed(plan: StepPlan, layer: int, query: torch.Tensor, scale: float)
     own tokens (gathered, one call), each other row's own tokens and each shared segment are
     partial results, as in ``attend``, computed with the ALiBi bias of their key positions and
     the layer's sliding window (``_key_bias``, ``_decode_bias``); a partial the window hides from
-    every query is skipped. The bias depends only on the key's
-    position and head, so the log-sum-exp merge stays exact."""
+    every query is skipped. The bias depends only on the key's position and head, so the
+    log-sum-exp merge stays exact."""
     _, hq, n, d = query.shape
     kbuf, vbuf = plan.pool.buf[layer, 0], plan.pool.buf[layer, 1]
     hk = kbuf.shape[0]

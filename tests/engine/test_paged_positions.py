@@ -229,3 +229,28 @@ def test_compiled_steps_apply_the_window_as_eager_ones_do(tokenizer):
         assert a.error is None and b.error is None, (prompt, b.error)
         assert torch.max(torch.abs(a.prefill.logits - b.prefill.logits)).item() <= TOL, prompt
         assert a.token_ids == b.token_ids, prompt
+
+
+def test_a_segment_wholly_behind_the_window_is_not_read(tokenizer):
+    """A decode row at position 40 with a 4-position window over a shared segment at positions
+    0..7: the plan skips the segment (it is never read: its keys here are NaN) and the row's
+    attention equals attention over its own keys inside the window alone."""
+    pc = PromptCache(mistral(4), tokenizer)
+    spec = pc.runner.spec
+    pool = KVPool(spec, pc.device, 64, 8)
+    seg_blocks, own_blocks = pool.allocate(1), pool.allocate(1)
+    torch.manual_seed(1)
+    pool.buf.normal_()
+    pool.buf[:, :, :, seg_blocks[0] * 8 : seg_blocks[0] * 8 + 8] = float("nan")  # read it and the answer is NaN
+    own = pool.slots(own_blocks, 0, 6)
+    row = paged.PagedRow([5], [40], [("s", pool.views(seg_blocks, 8)[0])], own, shared_pos=[torch.arange(8)],
+                         own_pos=[30, 31, 37, 38, 39, 40])
+    plan = paged.build_plan(pool, [row], keys=paged.key_rule(pc.adapter))
+    hq, d = 4, spec.head_dim
+    query = torch.randn(1, hq, 1, d)
+    got = paged.attend(plan, 0, query)  # [1, 1, Hq, D]
+    assert plan.memo[(-1, 0, 4)] == (False, None)  # the segment: skipped
+    keys, values = pool.buf[0, 0][:, own[2:]], pool.buf[0, 1][:, own[2:]]  # positions 37..40: inside the window
+    q = query[0].view(spec.kv_heads, hq // spec.kv_heads, d)
+    want = torch.softmax(q @ keys.transpose(1, 2) / d ** 0.5, dim=-1) @ values  # [Hk, G, D]
+    assert torch.max(torch.abs(got[0, 0] - want.reshape(hq, d))).item() <= 1e-5
