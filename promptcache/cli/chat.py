@@ -8,7 +8,6 @@ from pathlib import Path
 
 import click
 
-from ..engine.prefix import PrefixCache
 from ..tunables import BLOCK_SIZE
 from .chat_session import ChatSession, default_imports
 from ..frontend.common import load_engine, setup_logging
@@ -43,6 +42,8 @@ def chat(schema, imports, model, device, dtype, engine, config_file, block_size,
     config = engine_config(engine, config_file)
     pc = load_engine(model, device, dtype, config)
     layout = pc.add_schema(Path(schema)).layout if schema else None
+    from ..engine.prefix import PrefixCache  # torch: imported when chat runs, not for `promptcache --help`
+
     session = ChatSession(pc, PrefixCache(pc, block_size), layout)
     if layout is not None:
         if imports:

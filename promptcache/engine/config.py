@@ -32,8 +32,8 @@ from dataclasses import dataclass
 
 from ..errors import ConfigError
 from ..settings import leaves, nested, setting
-from ..store import StoreConfig
-from .recompute import AUTO, DEFAULT_SELECTION, check_recompute, check_selection
+from ..store.config import StoreConfig
+from .budget import AUTO, DEFAULT_SELECTION, check_recompute
 
 __all__ = ["EngineConfig", "RecomputeConfig", "RunnerConfig", "check_namespace"]
 
@@ -102,6 +102,8 @@ class RecomputeConfig:
     def __post_init__(self):
         try:
             object.__setattr__(self, "fraction", check_recompute(self.fraction, "RecomputeConfig.fraction (--recompute)"))
+            from .recompute import check_selection  # the registry of selections (torch)
+
             check_selection(self.selection)
         except ValueError as e:
             raise ConfigError(str(e)) from None

@@ -39,13 +39,12 @@ from typing import Callable
 import torch
 
 from ..layout import PromptLayout
+from .budget import AUTO, AUTO_FRACTION, DEFAULT_SELECTION, check_fraction, check_recompute, fraction_of
 
 __all__ = ["AUTO", "AUTO_FRACTION", "DEFAULT_SELECTION", "RecomputeRequest", "SCORED", "SELECTIONS",
            "check_fraction", "check_recompute", "check_selection", "fraction_of", "recompute_request",
            "fill", "match_order", "named_spans", "register_selection", "run_recompute", "tail", "top"]
 
-AUTO = "auto"  # the engine picks the budget: nothing for exact layouts, AUTO_FRACTION of the drifted tokens
-AUTO_FRACTION = 0.15  # eval/README.md "Answers kept by default": the measured budget rule
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -63,30 +62,6 @@ class RecomputeRequest:
     @property
     def budget(self) -> int:
         return round(self.fraction * len(self.candidates))
-
-
-def check_fraction(r, where: str = "recompute") -> float:
-    if isinstance(r, bool) or not isinstance(r, (int, float)) or not 0.0 <= float(r) <= 1.0:
-        raise ValueError(f"{where} must be a fraction in [0, 1], got {r!r}")
-    return float(r)
-
-
-def check_recompute(r, where: str = "recompute") -> float | str:
-    """``"auto"`` or a fraction in [0, 1] (``where`` names the setting in the error)."""
-    if isinstance(r, str) and r.strip().lower() == AUTO:
-        return AUTO
-    if isinstance(r, str):
-        raise ValueError(f"{where} must be 'auto' or a fraction in [0, 1], got {r!r}")
-    try:
-        return check_fraction(r, where)
-    except ValueError:
-        raise ValueError(f"{where} must be 'auto' or a fraction in [0, 1], got {r!r}") from None
-
-
-def fraction_of(r: float | str) -> float:
-    """The fraction a checked setting stands for: ``AUTO_FRACTION`` for ``"auto"``, else itself.
-    Only drifted tokens are candidates, so ``"auto"`` on an exact layout recomputes nothing."""
-    return AUTO_FRACTION if r == AUTO else float(r)
 
 
 def check_selection(name: str) -> str:
@@ -252,7 +227,6 @@ SELECTIONS: dict[str, Callable] = {"tail": tail, "qattn": qattn, "qattn_module":
 # selections that read the question's attention: name -> first layer summed, as a fraction of the
 # layers (0.0: every layer; 0.5: the second half)
 SCORED: dict[str, float] = {"qattn": 0.0, "qattn_module": 0.0}
-DEFAULT_SELECTION = "qmatch"  # eval/README.md "Quality" (fourth step): the best measured, and the cheapest
 
 
 def register_selection(name: str, fn: Callable, *, scores_from: float | None = None) -> None:
