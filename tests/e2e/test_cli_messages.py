@@ -72,3 +72,26 @@ def test_an_artifact_compiled_with_the_alias_advises_the_alias(tmp_path):
     r = CliRunner().invoke(main, ["run", str(ROOT / "examples" / "travel_tokyo.xml"), "--compiled", str(out)])
     assert r.exit_code == 1
     assert "use it with --model smollm2 --dtype float32" in r.stderr, r.stderr
+
+
+# -- chat: a parameter's scaffold never reaches the model ----------------------------------------
+def test_chat_leaves_modules_with_parameters_out_and_never_sends_a_scaffold():
+    from promptcache import PromptCache
+    from promptcache.cli.chat_session import ChatSession, default_imports, import_tag, left_out, turn_prompt
+
+    pc = PromptCache.from_pretrained("embedded")
+    layout = pc.add_schema(ROOT / "schemas" / "travel.xml").layout
+    assert default_imports(layout) == ["food", "accessibility"]
+    assert left_out(layout, ["food"]) == ["trip (days, travelers)"]
+    assert import_tag(layout, "trip") == '<trip days="" travelers=""/>'  # left out: no tokens, no "five"
+
+    session = ChatSession(pc, None, layout, default_imports(layout))
+    assert session.command("/use trip days=three food") == "importing trip, food"
+    tags = [import_tag(layout, n, session.arguments.get(n)) for n in session.imports]
+    text = pc.tokenizer.decode(pc.layout(turn_prompt("travel", tags, [], "Plan one day in Paris.")).token_ids)
+    assert "a trip of three days for" in " ".join(text.split())
+    assert "five" not in text and "two adults" not in text  # the scaffolds of days and travelers
+    assert session.command("/use trip nights=2") == "module 'trip' has no parameter nights (its parameters: days, travelers)"
+    too_long = session.command('/use trip days="' + "very " * 10 + 'long"')
+    assert "days" in too_long and "4" in too_long, too_long  # the parameter allows 4 tokens: said at /use
+    assert session.imports == ["trip", "food"]  # refused /use lines change nothing
