@@ -273,7 +273,7 @@ def create_app(pc, *, api_keys: dict[str, str] | None = None, documents=None, ma
             namespace(request)  # with keys, a key: the counts tell who uses the server how much
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
-    add_worker_routes(app, backend, model_name, block_size)  # what a router reads (README "Scaling out")
+    add_worker_routes(app, backend, model_name, block_size)  # what a router reads (docs/scaling.md)
     return app
 
 

@@ -1,4 +1,4 @@
-"""Replicas behind the router the README picks (sglang-router, a PyPI package in the dev extras): it registers real `promptcache serve` processes (/health, /model_info, /server_info), its
+"""Replicas behind the router docs/scaling.md picks (sglang-router, a PyPI package in the dev extras): it registers real `promptcache serve` processes (/health, /model_info, /server_info), its
 cache-aware policy keeps a conversation on the replica holding its blocks, a routing key
 (a client's prompt_cache_key sent as ``x-smg-routing-key``) pins one under the manual policy, and
 a killed replica's requests fail over. All through the official openai client."""
