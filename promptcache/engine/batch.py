@@ -8,7 +8,7 @@ batch cache's length: the adapter's append path, no per-row scatter) under an at
 new token. Rows of different prompt lengths thus share one buffer; the slots a row never wrote
 (its gap) are zero-initialised and masked out (never garbage: 0 * NaN would leak through softmax).
 
-Decisions (CPU measurements in eval/README.md "Serving"):
+Decisions (CPU measurements in eval/results/serving.md):
   * A request leaves by marking its row dead (no copy); a dead row is reused by the next request
     that joins. Dead rows still run through the forward (a pad token attending only to itself),
     so the batch is repacked (live rows gathered to the front, dead rows dropped) when dead rows

@@ -63,15 +63,15 @@ class RunnerConfig:
         False, "On a GPU, copy host-held states in layer groups on a side stream beside the forward (helps "
                "GPU-bound forwards).")
     # CPU, float32: every nn.Linear of the model computes through oneDNN with its weight packed once
-    # (models/packed.py: ~2x faster decode steps on SmolLM2, within float32 rounding of the stock
-    # forward; one more copy of the linear weights in memory)
+    # (models/packed.py: faster decode steps, within float32 rounding of the stock forward; one more
+    # copy of the linear weights in memory; eval/results/design_figures.md)
     packed_linear: bool = setting(
-        False, "CPU, float32: run every linear layer through oneDNN with its weight packed once (about 2x faster "
-               "decode on SmolLM2; within float32 rounding of the stock forward; one more copy of the linear "
+        False, "CPU, float32: run every linear layer through oneDNN with its weight packed once (faster "
+               "decoding; within float32 rounding of the stock forward; one more copy of the linear "
                "weights in memory).")
     # serving steps of few tokens run through torch.compile (engine/graphs.py): on a CPU one graph
     # with symbolic sizes, on a GPU padded buckets captured as CUDA graphs. Off by default: it adds
-    # the compiles to a server's start (~15-40 s), for 2-11% faster steps on SmolLM2 (eval/README)
+    # the compiles to a server's start, for slightly faster steps on a CPU (eval/results/compile.md)
     compile: bool = setting(
         False, "Compile serving steps of few tokens (decode, short prefills) with torch.compile: on a CPU one "
                "graph with symbolic sizes, compiled at start; on a GPU padded buckets as CUDA graphs. Compiled "

@@ -13,17 +13,15 @@ layout's positions. When nothing is chosen the ordinary splice runs (the paper's
 ``recompute="auto"`` (the default everywhere, ``AUTO``): the engine picks the budget. A prompt
 whose cached states are all a plain prefill's has no candidates and recomputes nothing (no extra
 work); a drifted prompt recomputes ``AUTO_FRACTION`` of its drifted tokens with the default
-selection. The rule was fixed by measurement on SmolLM2-135M-Instruct (eval/README.md "Answers
-kept by default"): of r = 0.15 / 0.3 / 0.5 / 0.7, 0.15 kept the most answers for independent
-modules and documents, in order and shuffled, at about two thirds of 0.3's TTFT. A number is
-still exactly that fraction.
+selection. The rule was fixed by measurement on SmolLM2-135M-Instruct: of the fractions tried,
+the smallest kept the most answers for independent modules and documents, in order and
+shuffled, at the lowest TTFT (eval/results/quality.md). A number is still exactly that fraction.
 
 Selections (``SELECTIONS``, by name; ``DEFAULT_SELECTION`` chosen by measurement, see
-eval/README.md "Quality"): each is ``(scores | None, request, budget) -> slots``. Question-aware
+eval/results/quality.md): each is ``(scores | None, request, budget) -> slots``. Question-aware
 selections need the question's attention over the reused cache (``SCORED``): one extra forward of
 the new tokens over the assembled cache in eager attention with hooks that capture the attention
-probabilities (``question_attention``); it costs about one r=0 prefill of the new tokens more in
-TTFT. The library keeps the selections it uses or that stand as baselines (``tail``, ``qattn``,
+probabilities (``question_attention``); it costs one more pass of the new tokens in TTFT. The library keeps the selections it uses or that stand as baselines (``tail``, ``qattn``,
 ``qattn_module``, ``qmatch``); a study adds its own with ``register_selection`` (the studies'
 ``qattn_mix`` and ``qmatch_later`` live in ``eval/engine_selections.py``), after which
 ``RecomputeConfig(selection=name)`` accepts the name.
@@ -202,7 +200,7 @@ def match_order(req: RecomputeRequest) -> list[int]:
 def named_spans(req: RecomputeRequest) -> list[int]:
     """The spans the question names: ``match_scores`` at least half the best (and above 0), best
     first. On the retrieval task the best-matching span is the answer's span in 24 of 24 pilot
-    questions (eval/README.md "Quality")."""
+    questions (eval/results/quality.md)."""
     score = match_scores(req)
     top = max(score, default=0.0)
     if top <= 0:
@@ -215,7 +213,7 @@ def qmatch(scores, req: RecomputeRequest, k: int) -> list[int]:
     earliest first; each recomputed entirely, the first that does not fit gets its first tokens.
     The rest of the budget thus grows an exact-in-order head (a recomputed span whose preceding
     spans are all recomputed holds a plain prefill's states), so more budget converges on full
-    prefill instead of mixing fresh notes among stale ones (measured: eval/README.md "Quality").
+    prefill instead of mixing fresh notes among stale ones (measured: eval/results/quality.md).
     Needs no extra forward (the ranking reads token ids only): it costs the recomputed tokens."""
     if not req.spans:
         return tail(None, req, k)

@@ -69,8 +69,8 @@ server_options = settings_options(ServerConfig, "server")
 def serve_defaults(device: str | None, dtype: str) -> dict:
     """serve's defaults, above the dataclasses' and below everything a user sets: 4 GiB of memory
     per tier for stored states, and on a CPU in float32 the linears packed for oneDNN (what vLLM's
-    CPU build does: a SmolLM2 decode step 39 -> 20 ms, within float32 rounding of the stock
-    forward; ``--no-packed-linear`` turns it off). The library's default stays off: it changes
+    CPU build does: about twice as fast a decode step, within float32 rounding of the stock
+    forward, eval/results/design_figures.md; ``--no-packed-linear`` turns it off). The library's default stays off: it changes
     the model object in place, which a server that loaded the model may do, a library may not."""
     import torch
 
@@ -225,7 +225,7 @@ def serve(model_arg, model, device, dtype, engine, config_file, server, src_root
     """Serve an OpenAI-compatible API (chat, completions, models, health, metrics) and Anthropic's
     Messages API that reuse attention states across requests. MODEL (or --model): a Hugging Face id,
     a local directory, 'smollm2' or 'embedded'. Needs the 'serve' extra. On a CPU in float32 serve
-    packs the linear layers for oneDNN unless --no-packed-linear (about 2x faster decoding)."""
+    packs the linear layers for oneDNN unless --no-packed-linear (faster decoding)."""
     try:
         import uvicorn
     except ImportError:
