@@ -4,7 +4,9 @@ Each turn is a PML prompt: the imported modules (``/use``; default: the top-leve
 unions and without parameters, so no union member speaks unless picked), then the conversation
 so far, then the new user message. A parameter takes the argument given with ``/use NAME
 p=value``, or none (it adds no tokens): never its scaffold, which is a placeholder for encoding,
-and which the model would otherwise answer as the user's premise ("your five days"). How a turn is served:
+and which the model would otherwise answer as the user's premise ("your five days").
+
+How a turn is served:
   * while the schema's stored states cover more of the turn than stored blocks do (the first
     turn of a schema chat, or the first after ``/use``), through the schema: imported modules come from their stored states (``pc.generate``), so turn 1 already
     reports cached tokens. Such a state is exact only when the modules were encoded in the context
@@ -36,12 +38,17 @@ HELP = """commands:
   /quit            end (or Ctrl-D)"""
 
 
+def _top_level(layout):
+    """(name, module) of the top-level modules outside unions, in schema order."""
+    members = {m for u in layout.unions.values() for m in u.members}
+    return [(n, m) for n, m in (("/".join(m.path), m) for m in layout.modules.values() if len(m.path) == 1)
+            if n not in members]
+
+
 def default_imports(layout) -> list[str]:
     """Top-level modules outside unions and without parameters, in schema order (union members
     and modules with parameters are imported with /use)."""
-    members = {m for u in layout.unions.values() for m in u.members}
-    return [n for n, m in (("/".join(m.path), m) for m in layout.modules.values() if len(m.path) == 1)
-            if n not in members and not m.params]
+    return [n for n, m in _top_level(layout) if not m.params]
 
 
 def parse_use(args: list[str]) -> list[tuple[str, dict[str, str]]]:
@@ -60,11 +67,8 @@ def parse_use(args: list[str]) -> list[tuple[str, dict[str, str]]]:
 
 
 def left_out(layout, imports: list[str]) -> list[str]:
-    """Top-level modules outside unions that have parameters and are not imported: "trip (days, travelers)"."""
-    members = {m for u in layout.unions.values() for m in u.members}
-    return [f"{n} ({', '.join(m.params)})" for n, m in (("/".join(m.path), m) for m in layout.modules.values()
-                                                        if len(m.path) == 1)
-            if n not in members and m.params and n not in imports]
+    """Top-level modules with parameters not imported, as "trip (days, travelers)"."""
+    return [f"{n} ({', '.join(m.params)})" for n, m in _top_level(layout) if m.params and n not in imports]
 
 
 def import_tag(layout, name: str, arguments: dict[str, str] | None = None) -> str:

@@ -46,7 +46,9 @@ class PMLErrors(PMLError):
 
 
 def raise_collected(errors: list[PMLError]) -> None:
-    """Raise what a reading collected: nothing, the one error as it is, or ``PMLErrors``."""
+    """Raise what a reading collected: nothing, the one error as it is, or ``PMLErrors`` (by line:
+    the checks over a whole scope, such as duplicate names, run after its elements)."""
+    errors = sorted(errors, key=lambda e: float("inf") if e.line is None else e.line)
     if len(errors) == 1:
         raise errors[0]
     if errors:

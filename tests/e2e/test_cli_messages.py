@@ -48,6 +48,15 @@ def test_errors_of_one_file_are_capped_and_the_rest_counted():
     assert e.value.line == 2  # the first error's place, as a single PMLError has
 
 
+def test_errors_come_in_line_order_whichever_check_found_them():
+    text = ('<schema name="s">\n<module name="a">x</module>\n<module name="a">y</module>\n'
+            '<module name="b" cache="no">z</module>\n</schema>')
+    with pytest.raises(PMLErrors) as e:
+        parse_schema(text)
+    assert [x.line for x in e.value.errors] == [3, 4]  # the duplicate (a scope check) before the attribute
+    assert "duplicate module name 'a'" in e.value.reason
+
+
 def test_one_error_is_raised_as_it_is():
     with pytest.raises(Exception) as e:
         parse_schema('<schema name="s"><module name="m" cache="no">x</module></schema>')
