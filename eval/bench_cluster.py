@@ -19,7 +19,7 @@ Per request: TTFT (the first streamed chunk; the server sends it after the promp
 and cached tokens (``stream_options.include_usage``). Hit rate = cached / prompt tokens over the
 run; throughput = requests per second of wall time.
 
-``--failover``: one more cache-aware run (sglang-router, the one the README picks) in which replica 2 is killed after half the
+``--failover``: one more cache-aware run (sglang-router, the one docs/scaling.md picks) in which replica 2 is killed after half the
 conversations: requests must still succeed through the router (counted: ``errors``) and the hit
 rate of the rest of the run is reported separately (``after_kill``).
 
@@ -277,7 +277,7 @@ def main(argv=None) -> int:
                 stop([rp, *procs, *cluster])
         if args.failover:
             procs, urls = replicas(3, args.cache_mb, tmp)
-            rp, base = router(routers.get("sglang-router", first), "cache_aware", urls, tmp, extra)  # the one chosen (README)
+            rp, base = router(routers.get("sglang-router", first), "cache_aware", urls, tmp, extra)  # the one chosen (docs/scaling.md)
             try:
                 results += measure("failover:cache_aware", base, convs, args, on_half=lambda: procs[2].kill())
             finally:

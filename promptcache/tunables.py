@@ -31,19 +31,19 @@ COPY_GROUPS = 4
 MIN_CHUNK = 16
 # Decode rows whose own part is at most this many tokens are gathered into one padded batch; a
 # longer one (a request that computed its whole prompt) is read in place on its own: padding every
-# row to it made the gather of 64 rows behind a 1K prompt 16 ms a layer (SmolLM2, measured).
+# row to it made the gather of many rows behind a long prompt cost more than the step's attention
+# (eval/results/design_figures.md).
 GATHER_MAX = 256
 # Without the native CPU kernel (engine/cpu_attention.py; it reads decode rows' own keys by slot
 # itself), decode rows' own tokens are attended with plain matrix products (one batched product,
 # softmax, one product) from this many rows on, with torch's fused CPU attention below it. The fused kernel
-# pays per (row, head) item: matrix products vs fused, 37 vs 63 us a layer at 8 rows, 48 vs 99 at
-# 16, 105 vs 385 at 64; below 8 rows the fused kernel is as fast or faster (SmolLM2's heads,
-# 16-128 own tokens, 2 threads).
+# pays per (row, head) item, so matrix products win from 8 rows on and the fused kernel is as fast
+# or faster below (SmolLM2's heads; eval/results/design_figures.md).
 DECODE_MATMUL_ROWS = 8
 # A set of queries reading more than this many separate shared segments (a prompt whose blocks were
 # allocated in pieces from a fragmented pool) reads them concatenated, one attention call a layer:
-# 256 one-block segments of a 4K prompt were 256 calls and merges a layer (375 ms a decode step on
-# SmolLM2, 7x the step of the same prompt in one run).
+# 256 one-block segments of a 4K prompt were 256 calls and merges a layer, several times the step
+# of the same prompt in one run (eval/results/design_figures.md).
 SEGMENTS_MAX = 4
 # Compiled steps (RunnerConfig.compile) of at most the last size's tokens are compiled; with CUDA
 # graphs a step's tokens and logits rows are padded up to one of these sizes, each pair one graph,

@@ -21,11 +21,22 @@ from .demo import demo
 __all__ = ["main"]
 
 
+# serve's line in `promptcache --help`, so that listing the commands imports neither the server nor torch
+SERVE_SUMMARY = "Serve OpenAI- and Anthropic-compatible HTTP APIs (the serve extra)."
+
+
 class _Main(click.Group):
     """The command group; ``serve`` (with its optional dependencies) is imported on demand."""
 
     def list_commands(self, ctx):
         return sorted(set(super().list_commands(ctx)) | {"serve"})
+
+    def format_commands(self, ctx, formatter):
+        names = self.list_commands(ctx)
+        limit = formatter.width - 6 - max(map(len, names))
+        rows = [(n, SERVE_SUMMARY if n == "serve" else self.commands[n].get_short_help_str(limit)) for n in names]
+        with formatter.section("Commands"):
+            formatter.write_dl(rows)
 
     def get_command(self, ctx, name):
         if name == "serve":

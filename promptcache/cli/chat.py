@@ -8,9 +8,8 @@ from pathlib import Path
 
 import click
 
-from ..engine import ServingConfig
 from ..tunables import BLOCK_SIZE
-from .chat_session import ChatSession, default_imports
+from .chat_session import ChatSession, default_imports, left_out
 from ..frontend.common import load_engine, setup_logging
 from ..frontend.errors import guard
 from ..frontend.options import engine_config, engine_options, model_options
@@ -23,7 +22,8 @@ QUIT = ("/quit", "/exit")
 @click.option("--schema", "-s", type=click.Path(exists=True, dir_okay=False), default=None,
               help="A schema file whose modules open every turn (omit for a plain chat).")
 @click.option("--use", "imports", multiple=True,
-              help="Module to import (repeatable; default: every top-level module outside a union).")
+              help="Module to import, with p=value words filling its parameters (repeatable; default: every "
+                   "top-level module outside a union and without parameters).")
 @model_options
 @engine_options
 @click.option("--block-size", default=BLOCK_SIZE, show_default=True, type=click.IntRange(min=1),
@@ -43,6 +43,8 @@ def chat(schema, imports, model, device, dtype, engine, config_file, block_size,
     config = engine_config(engine, config_file)
     pc = load_engine(model, device, dtype, config)
     layout = pc.add_schema(Path(schema)).layout if schema else None
+    from ..engine import ServingConfig  # torch: imported when chat runs, not for `promptcache --help`
+
     session = ChatSession(pc, pc.engine(ServingConfig(block_size=block_size)), layout)
     if layout is not None:
         if imports:
@@ -51,6 +53,10 @@ def chat(schema, imports, model, device, dtype, engine, config_file, block_size,
             session.imports = default_imports(layout)
         click.echo(f"Schema '{layout.name}': importing {', '.join(session.imports) or 'nothing'} "
                    "(/modules lists the rest, /use picks)", err=True)
+        waiting = left_out(layout, session.imports)
+        if waiting:
+            click.echo(f"  with parameters, imported when you fill them: {'; '.join(waiting)} "
+                       "(/use NAME p=value ...)", err=True)
     click.echo("Type a message; /help lists commands, /quit ends.")
     _loop(session, max_new_tokens)
 

@@ -1,8 +1,12 @@
 """A terminal chat's state and turns (``ChatSession``); ``chat.py`` is the command around it.
 
 Each turn is a PML prompt: the imported modules (``/use``; default: the top-level modules outside
-unions, so no union member speaks unless picked), then the conversation so far, then the new
-user message. How a turn is served:
+unions and without parameters, so no union member speaks unless picked), then the conversation
+so far, then the new user message. A parameter takes the argument given with ``/use NAME
+p=value``, or none (it adds no tokens): never its scaffold, which is a placeholder for encoding,
+and which the model would otherwise answer as the user's premise ("your five days").
+
+How a turn is served:
   * while the schema's stored states cover more of the turn than stored blocks do (the first
     turn of a schema chat, or the first after ``/use``), through the schema: imported modules come from their stored states (``pc.generate``), so turn 1 already
     reports cached tokens. Such a state is exact only when the modules were encoded in the context
@@ -16,31 +20,69 @@ user message. How a turn is served:
 
 from __future__ import annotations
 
+import shlex
 from dataclasses import dataclass, field
 from xml.sax.saxutils import escape
 
 from ..fsutil import atomic_write_text
+from ..pml import PMLError
 
 HELP = """commands:
   /modules         list the schema's modules and unions (* imported)
-  /use NAME ...    import these modules instead (a union member picks that union's text)
+  /use NAME [p=value ...] ...
+                   import these modules instead (a union member picks that union's text);
+                   p=value fills the module's parameter p (one not given is left out;
+                   quote a value with spaces: travelers="two adults")
   /clear           forget the conversation (the modules stay)
   /save FILE       write the conversation as JSON
   /help            this list
   /quit            end (or Ctrl-D)"""
 
 
-def default_imports(layout) -> list[str]:
-    """Top-level modules outside unions, in schema order (union members are picked with /use)."""
+def _top_level(layout):
+    """(name, module) of the top-level modules outside unions, in schema order."""
     members = {m for u in layout.unions.values() for m in u.members}
-    return [n for n in ("/".join(m.path) for m in layout.modules.values() if len(m.path) == 1) if n not in members]
+    return [(n, m) for n, m in (("/".join(m.path), m) for m in layout.modules.values() if len(m.path) == 1)
+            if n not in members]
 
 
-def import_tag(layout, name: str) -> str:
-    """``<name p="scaffold" .../>``: a module import whose parameters take their scaffold text."""
+def default_imports(layout) -> list[str]:
+    """Top-level modules outside unions and without parameters, in schema order (union members
+    and modules with parameters are imported with /use)."""
+    return [n for n, m in _top_level(layout) if not m.params]
+
+
+def parse_use(args: list[str]) -> list[tuple[str, dict[str, str]]]:
+    """``["trip", "days=3", "food"]`` -> ``[("trip", {"days": "3"}), ("food", {})]``: a ``p=value``
+    word fills a parameter of the module named before it."""
+    out: list[tuple[str, dict[str, str]]] = []
+    for word in args:
+        if "=" in word and out:
+            p, value = word.split("=", 1)
+            out[-1][1][p] = value
+        elif "=" in word:
+            raise ValueError(f"{word!r}: name the module first (/use NAME {word})")
+        else:
+            out.append((word, {}))
+    return out
+
+
+def left_out(layout, imports: list[str]) -> list[str]:
+    """Top-level modules with parameters not imported, as "trip (days, travelers)"."""
+    return [f"{n} ({', '.join(m.params)})" for n, m in _top_level(layout) if m.params and n not in imports]
+
+
+def import_tag(layout, name: str, arguments: dict[str, str] | None = None) -> str:
+    """``<name p="value" .../>``: a module import; a parameter without an argument is left empty (no
+    tokens), never given its scaffold. An argument for no parameter of the module is a ValueError."""
     module = layout.modules.get(tuple(name.split("/")))
-    params = module.params.items() if module is not None else ()
-    args = "".join(f' {p}="{escape(spec.scaffold or "", {chr(34): "&quot;"})}"' for p, (_, spec) in params)
+    params = list(module.params) if module is not None else []
+    arguments = arguments or {}
+    unknown = [p for p in arguments if p not in params]
+    if unknown:
+        raise ValueError(f"module '{name}' has no parameter {', '.join(unknown)} "
+                         f"(its parameters: {', '.join(params) or 'none'})")
+    args = "".join(f' {p}="{escape(arguments.get(p, ""), {chr(34): "&quot;"})}"' for p in params)
     return f"<{name}{args}/>"
 
 
@@ -57,13 +99,17 @@ class ChatSession:
     engine: object  # engine.core.Engine: the serving core every turn runs on
     layout: object | None  # the schema's layout (None: a plain chat)
     imports: list[str] = field(default_factory=list)  # module names
+    arguments: dict[str, dict[str, str]] = field(default_factory=dict)  # module -> parameter -> argument
     history: list[tuple[str, str]] = field(default_factory=list)
 
     def command(self, line: str) -> str | None:
         """Run a /command; returns what to print (None: not a command, send it to the model)."""
         if not line.startswith("/"):
             return None
-        name, *args = line.split()
+        try:
+            name, *args = shlex.split(line)  # quotes keep a spaced argument whole: days="two weeks"
+        except ValueError as e:
+            return f"cannot read the command: {e}"
         handler = {"/help": self._help, "/modules": self._modules, "/use": self._use, "/clear": self._clear,
                    "/save": self._save}.get(name)
         if handler is None:
@@ -73,7 +119,8 @@ class ChatSession:
     def answer(self, user: str, max_new_tokens: int):
         """One turn: the Generation (and its stats line); the history grows by it."""
         name = self.layout.name if self.layout is not None else None
-        tags = [import_tag(self.layout, n) for n in self.imports] if self.layout is not None else []
+        tags = [import_tag(self.layout, n, self.arguments.get(n)) for n in self.imports] \
+            if self.layout is not None else []
         text = turn_prompt(name, tags, self.history, user)
         layout = self.pc.layout(text)
         ids, ns = list(layout.token_ids), self.pc.config.namespace
@@ -115,10 +162,22 @@ class ChatSession:
         if self.layout is None:
             return "no schema (start with --schema FILE)"
         known = {m.path[0] for m in self.layout.modules.values() if len(m.path) == 1}  # nested ones: inside their parent
-        unknown = [a for a in args if a not in known]
-        if not args or unknown:
+        try:
+            chosen = parse_use(args)
+            for name, arguments in chosen:
+                if name in known:
+                    import_tag(self.layout, name, arguments)  # an unknown parameter is refused here
+        except ValueError as e:
+            return str(e)
+        unknown = [n for n, _ in chosen if n not in known]
+        if not chosen or unknown:
             return f"unknown module(s) {', '.join(unknown) or '(none given)'}; /modules lists them"
-        self.imports = list(args)
+        tags = [import_tag(self.layout, n, a) for n, a in chosen]
+        try:  # an argument longer than its parameter is refused now, not at the next message
+            self.pc.layout(turn_prompt(self.layout.name, tags, [], "?"))
+        except PMLError as e:
+            return e.reason
+        self.imports, self.arguments = [n for n, _ in chosen], {n: a for n, a in chosen if a}
         return f"importing {', '.join(self.imports)}"
 
     def _clear(self, args) -> str:

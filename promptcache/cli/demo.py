@@ -27,6 +27,15 @@ def side_by_side(left: str, right: str, width: int = 38) -> list[str]:
     return [f"  {x:<{width}} | {y}" for x, y in zip(a, b)]
 
 
+# what a user sees on the second prompt, said where they see it
+APPROXIMATE = ("  approximate on purpose: these sections were encoded apart, not after one another (the paper's\n"
+               "  modular reuse), and recompute='auto' ran {n} of their cached tokens afresh to keep the answer\n"
+               "  close; the outputs may differ. recompute=0 (--recompute 0) is the paper's exact semantics: no\n"
+               "  recompute, spliced states only.")
+RANDOM_WEIGHTS = ("  note: the embedded model has RANDOM weights: the answers below are noise, the timings are "
+                  "real\n  (promptcache demo --model smollm2 for real answers).")
+
+
 @click.command()
 @click.option("--model", "-m", default="embedded", show_default=True,
               help="Model id, directory, 'smollm2' (real text; fetched once) or 'embedded' (offline, noise).")
@@ -49,6 +58,8 @@ def demo(model, device, max_new_tokens):
         pc.compile(schema, Path(tmp) / "long_doc_qa")
         click.echo(f"Compiled {schema.name} in {time.perf_counter() - t0:.1f} s")
         pc.load_compiled(Path(tmp) / "long_doc_qa")
+        if str(model).startswith("embedded"):
+            click.echo(RANDOM_WEIGHTS)
         prompts = {
             "every section, in order": "".join(f"<{s}/>" for s in SECTIONS),
             "three sections": "<supply/><distribution/><emergency/>",
@@ -65,6 +76,8 @@ def demo(model, device, max_new_tokens):
             click.echo(f"  TTFT with cache:    {cached.ttft * 1e3:8.1f} ms   speed-up {full.ttft / cached.ttft:.1f}x")
             click.echo(f"  outputs identical:  {'yes' if same else 'no'}"
                        f" (state equals a plain prefill: {'yes' if cached.exact else 'no'})")
+            if not cached.exact:
+                click.echo(APPROXIMATE.format(n=cached.recomputed_tokens))
             click.echo(f"  {'answer with cache':<38} | answer without cache")
             click.echo("\n".join(side_by_side(cached.text, full.text)))
     if str(model).startswith("embedded"):

@@ -5,20 +5,23 @@
 ``assemble`` (prompt plans), ``prompts`` (what a request asks for), ``core`` (the serving core:
 pool, step loop, prefix chains), ``serving`` (the step loop), ``sampling``, ``constrained`` (JSON
 output), ``request``, ``stream``, ``results``, ``config``.
+
+The names below are imported on first use (PEP 562): ``promptcache.engine.config`` (the settings
+the command line's options are built from) needs no torch, so ``promptcache --help`` loads none.
 """
 
-from ..store import StoreConfig
-from .config import EngineConfig, RecomputeConfig, RunnerConfig, ServingConfig
-from .core import Engine
-from .facade import PromptCache
-from .prompts import PmlPrompt, PrefilledPrompt, PromptSpec, TokenPrompt
-from .registry import EncodedSchema
-from .request import Request, StepOutput
-from .results import Generation, PrefillResult, Usage
-from .runner import ModelRunner
-from .sampling import SamplingParams
-from .stream import GenerationStream
+import importlib
 
-__all__ = ["EncodedSchema", "Engine", "EngineConfig", "Generation", "GenerationStream", "ModelRunner", "PmlPrompt",
-           "PrefilledPrompt", "PrefillResult", "PromptCache", "PromptSpec", "RecomputeConfig", "Request", "RunnerConfig",
-           "SamplingParams", "ServingConfig", "StepOutput", "StoreConfig", "TokenPrompt", "Usage"]
+_HOMES = {"StoreConfig": "config", "EngineConfig": "config", "RecomputeConfig": "config", "RunnerConfig": "config",
+          "ServingConfig": "config", "Engine": "core", "PromptCache": "facade", "PmlPrompt": "prompts",
+          "PrefilledPrompt": "prompts", "PromptSpec": "prompts", "TokenPrompt": "prompts", "EncodedSchema": "registry",
+          "Request": "request", "StepOutput": "request", "Generation": "results", "PrefillResult": "results",
+          "Usage": "results", "ModelRunner": "runner", "SamplingParams": "sampling", "GenerationStream": "stream"}
+
+__all__ = sorted(_HOMES)
+
+
+def __getattr__(name: str):
+    if name not in _HOMES:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f".{_HOMES[name]}", __name__), name)

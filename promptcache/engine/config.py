@@ -32,9 +32,9 @@ from dataclasses import dataclass, fields
 
 from ..errors import ConfigError
 from ..settings import leaves, nested, setting
-from ..store import StoreConfig
+from ..store.config import StoreConfig
 from ..tunables import BLOCK_SIZE
-from .recompute import AUTO, DEFAULT_SELECTION, check_recompute, check_selection
+from .budget import AUTO, DEFAULT_SELECTION, check_recompute
 
 __all__ = ["EngineConfig", "RecomputeConfig", "RunnerConfig", "ServingConfig", "check_namespace"]
 
@@ -64,15 +64,15 @@ class RunnerConfig:
         False, "On a GPU, copy host-held states in layer groups on a side stream beside the forward (helps "
                "GPU-bound forwards).")
     # CPU, float32: every nn.Linear of the model computes through oneDNN with its weight packed once
-    # (models/packed.py: ~2x faster decode steps on SmolLM2, within float32 rounding of the stock
-    # forward; one more copy of the linear weights in memory)
+    # (models/packed.py: faster decode steps, within float32 rounding of the stock forward; one more
+    # copy of the linear weights in memory; eval/results/design_figures.md)
     packed_linear: bool = setting(
-        False, "CPU, float32: run every linear layer through oneDNN with its weight packed once (about 2x faster "
-               "decode on SmolLM2; within float32 rounding of the stock forward; one more copy of the linear "
+        False, "CPU, float32: run every linear layer through oneDNN with its weight packed once (faster "
+               "decoding; within float32 rounding of the stock forward; one more copy of the linear "
                "weights in memory).")
     # serving steps of few tokens run through torch.compile (engine/graphs.py): on a CPU one graph
     # with symbolic sizes, on a GPU padded buckets captured as CUDA graphs. Off by default: it adds
-    # the compiles to a server's start (~15-40 s), for 2-11% faster steps on SmolLM2 (eval/README)
+    # the compiles to a server's start, for slightly faster steps on a CPU (eval/results/compile.md)
     compile: bool = setting(
         False, "Compile serving steps of few tokens (decode, short prefills) with torch.compile: on a CPU one "
                "graph with symbolic sizes, compiled at start; on a GPU padded buckets as CUDA graphs. Compiled "
@@ -129,6 +129,8 @@ class RecomputeConfig:
     def __post_init__(self):
         try:
             object.__setattr__(self, "fraction", check_recompute(self.fraction, "RecomputeConfig.fraction (--recompute)"))
+            from .recompute import check_selection  # the registry of selections (torch)
+
             check_selection(self.selection)
         except ValueError as e:
             raise ConfigError(str(e)) from None

@@ -5,12 +5,10 @@
 
 Why: torch's fused CPU attention (``_scaled_dot_product_flash_attention_for_cpu``) does its matrix
 products through MKL's sgemm, which on an AMD CPU takes its AVX2 path: on the 2-core AMD EPYC
-where promptcache is measured, a 1024^3 ``torch.mm`` runs at ~225 GFLOP/s and the fused attention
-at ~170, while oneDNN's packed linear reaches ~508. The kernel here (one pass of online softmax
-over tiles that stay in L1, register-blocked vector loops, torch's own OpenMP threads) ran
-SmolLM2's shapes with 16 or more query rows at 258-407 GFLOP/s on that machine: 1.7-2.4x
-torch's kernel, 3.6x on the causal chunk of a prefill, 1.5x for a single decode row
-(``eval/bench_attention.py``, eval/README.md).
+where promptcache is measured, the fused attention ran at a third of the rate oneDNN's packed
+linears reach. The kernel here (one pass of online softmax over tiles that stay in L1,
+register-blocked vector loops, torch's own OpenMP threads) is faster than torch's on every shape
+the paged engine runs (``python -m eval.bench_attention``; figures: eval/results/attention.md).
 
 It is compiled at first use with torch's C++ extension loader (the system's C++ compiler and
 ``ninja``; ``-march=native``, so the build is keyed by this machine's CPU flags) into torch's
@@ -99,7 +97,7 @@ def available() -> bool:
             _state["ops"] = _build()
         except Exception as exc:  # no compiler, no ninja, a failed build: torch's kernel computes the same
             _state["reason"] = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}"
-            log.warning("native CPU attention kernel unavailable (%s); using torch's fused kernel, ~2x slower "
+            log.warning("native CPU attention kernel unavailable (%s); using torch's fused kernel, slower "
                         "attention on CPU (set %s=0 to silence this)", _state["reason"], ENV_SWITCH)
     return "ops" in _state
 

@@ -10,7 +10,7 @@ of eagerly, with the same inputs and the same answer as ``paged.paged_forward``:
   - On CPU the graph has **symbolic sizes** (``dynamic=True``): a step of n tokens and r logits
     rows runs as it is, unpadded, and dynamo keeps one graph for one token, one for 2 or more
     with one logits row, one for 2 or more rows (it specializes sizes 0 and 1): three compiles in
-    all, where one graph per bucket pair would be dozens, each a stall of ~15 s on first use.
+    all, where one graph per bucket pair would be dozens, each a stall of seconds on first use.
     ``warm`` compiles the three at a server's start.
   - With CUDA graphs (``pad``, the default on CUDA) shapes are static by **bucketing**: a step
     runs as the bucket pair (N, R) >= (n, r); ids and position IDs are padded (pad tokens at
@@ -18,8 +18,8 @@ of eagerly, with the same inputs and the same answer as ``paged.paged_forward``:
     by repeating the last. One graph per bucket pair, compiled lazily (logged with its time).
 * **Guards.** The compiled model's modules do not change after compiling (packing happens
   before), so dynamo is told not to guard on them (``torch.compiler``'s
-  ``skip_guard_on_all_nn_modules_unsafe``): checking ~300 parameters' guards cost 1.3 ms a step
-  on SmolLM2, most of what compiling saved. Inputs' shapes and dtypes are still guarded. Dynamo
+  ``skip_guard_on_all_nn_modules_unsafe``): checking every parameter's guards cost most of what
+  compiling saved (eval/results/compile.md). Inputs' shapes and dtypes are still guarded. Dynamo
   keeps graphs per code object, so without those guards two models of one class would share a
   graph (the second then ran with the first one's dtype and constants): each ``CompiledSteps``
   compiles a step function with a code object of its own (``_own_step``).
@@ -32,8 +32,8 @@ of eagerly, with the same inputs and the same answer as ``paged.paged_forward``:
 * **CUDA graphs on a GPU.** On CUDA the model is compiled with inductor's CUDA graphs (what
   ``mode="reduce-overhead"`` sets) and its graph partition (``compile_options``): everything
   between two attention ops is captured as a CUDA graph per bucket and replayed; the attention
-  op is tagged ``cudagraph_unsafe`` and runs eagerly between them (its work depends on the step's plan). Piecewise capture, as vLLM does. (Not yet
-  measured: no GPU was available when this was written; eval/README.md says how to measure.)
+  op is tagged ``cudagraph_unsafe`` and runs eagerly between them (its work depends on the step's plan). Piecewise capture, as vLLM does. (How to
+  measure it: eval/results/compile.md.)
 * **Cached on disk.** Inductor keeps the compiled kernels in its own cache folder
   (``TORCHINDUCTOR_CACHE_DIR``, by default ``/tmp/torchinductor_<user>``: set it to a lasting
   folder to keep them across reboots): a restart compiles a bucket from that cache in a
@@ -43,10 +43,9 @@ Exactness: compiled and eager steps agree within float32 rounding (fused element
 round in another order): tests/engine/test_graphs.py checks logits within 1e-4 and equal greedy
 tokens for every family the pool serves.
 
-Measured on CPU (SmolLM2-135M, float32, packed linears, 2 threads; eval/README.md "Compiled
-steps"): the linears, reading the weights, are half to two thirds of a decode step; a compiled
-step is 5-12% faster than the eager one (batch 1-64), and costs ~20 s of compiling per graph
-at the first start (less from inductor's cache); hence opt-in.
+On a CPU the linears, reading the weights, are most of a decode step, so a compiled step is only
+a little faster than the eager one, and each graph costs seconds of compiling at the first start
+(less from inductor's cache); hence opt-in. Figures: eval/results/compile.md.
 """
 
 from __future__ import annotations

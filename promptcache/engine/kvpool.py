@@ -18,8 +18,8 @@ attention reads a run as one view, and so does every later request that reads th
 shared prompt). When no free run is long enough, idle entries are evicted, least recently used
 first, until one is (up to twice the blocks asked for): after a pool has filled, free space lies
 in pieces between idle entries, and a 4K-token prompt allocated from the pieces was read as 120
-segments, concatenated a layer at a time at every decode step (SmolLM2: 49 ms a token instead of
-31). Only when that opens no run does it take the longest free runs first (the fewest pieces).
+segments, concatenated a layer at a time at every decode step, which made each token about half
+again as slow (eval/results/design_figures.md). Only when that opens no run does it take the longest free runs first (the fewest pieces).
 Nothing here is thread-safe: the serving scheduler's one thread owns the pool.
 """
 

@@ -19,7 +19,7 @@ queries to:
 Partial results are merged by log-sum-exp in float32, which is exact algebra: the result equals
 attention over the concatenated keys up to float rounding. A step of decode rows only (the steady
 state of serving) takes a shorter path with the same algebra (``_attend_decodes``). On a CPU the
-attention calls run in the native kernel (``cpu_attention``: 2-3x torch's fused kernel here),
+attention calls run in the native kernel (``cpu_attention``: faster than torch's fused kernel here),
 which also reads decode rows' own keys from their slots without the gather; without it, from
 ``tunables.DECODE_MATMUL_ROWS`` rows on, the rows' own tokens go through matrix products instead
 of torch's fused kernel. Segments keep their position IDs (the
@@ -333,9 +333,9 @@ def _attend_causal(q, k, v):
     return o.view(hk, g, t, d), l.view(hk, g, t)
 
 
-# torch's fused CPU attention returns the log-sum-exp the merge needs (3x faster than the same in
-# separate ops on SmolLM2's shapes) and takes a mask; the native kernel (cpu_attention) is 2-3x
-# faster still where it applies. Without either (another torch build): the ops above
+# torch's fused CPU attention returns the log-sum-exp the merge needs (faster than the same in
+# separate ops) and takes a mask; the native kernel (cpu_attention) is faster still where it
+# applies (eval/results/attention.md). Without either (another torch build): the ops above
 _CPU_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
 
@@ -382,7 +382,7 @@ def attend(plan: StepPlan, layer: int, query: torch.Tensor, scaling: float | Non
     for q0, q1, new, earlier in plan.prefills:  # prefill chunks: own keys, causal among the new ones
         t, rows = q1 - q0, slice(q0, q1)
         # the chunk among itself (causal, no mask tensor), then its earlier own tokens (no mask):
-        # a 2K prefill in 512-token chunks spent 46% of its time in one masked call per chunk
+        # a long prefill in chunks spent about half its time in one masked call per chunk
         out[:, :, rows], lse[:, :, rows] = _attend_causal(q[:, :, rows], *_read(kbuf, vbuf, new))
         for part in earlier:
             o, l = _attend(q[:, :, rows].reshape(hk, g * t, d), *_read(kbuf, vbuf, part))
@@ -520,7 +520,7 @@ def _attend_own(plan: StepPlan, q: torch.Tensor, kbuf: torch.Tensor, vbuf: torch
     if gather is not None:  # read from their slots in place
         return gather(q, kbuf, vbuf, plan.decode_slots, plan.decode_lengths, scale)
     width = plan.decode_slots.shape[1]
-    flat = plan.decode_slots.view(-1)  # index_select: 10x faster than advanced indexing here
+    flat = plan.decode_slots.view(-1)  # index_select: much faster than advanced indexing here
     ks = kbuf.index_select(1, flat).float().view(hk * b, width, d)
     vs = vbuf.index_select(1, flat).float().view(hk * b, width, d)
     o, l = _attend(q.view(hk * b, g, d), ks, vs, plan.decode_bias if bias is None else bias, scale,
@@ -540,7 +540,7 @@ def _parts(slots: torch.Tensor, most: int) -> list[slice | torch.Tensor]:
     """Pool slots as parts to read: their ascending runs (slices: read in place), or all of them
     gathered (one LongTensor) when there are more than ``most`` runs. A request reusing a cached
     prefix owns that prefix's blocks and then blocks of its own elsewhere in the pool: gathering
-    its 2K earlier tokens every layer cost 2 of the 44 ms of a 25-token step (SmolLM2, measured)."""
+    its earlier tokens every layer cost a few percent of a short step (eval/results/design_figures.md)."""
     return [p for p, _, _ in _parts_at(slots, most)]
 
 
@@ -610,8 +610,8 @@ class PagedCache(Cache):
 
 @contextmanager
 def attention_swapped(runner, name: str = ATTENTION_NAME, **extra):
-    """The model's attention is ``name`` for one forward (transformers' public setter; ~0.2 ms on
-    SmolLM2), then what it was: nothing changes for any other forward. A family that computes
+    """The model's attention is ``name`` for one forward (transformers' public setter: cheap next
+    to a forward), then what it was: nothing changes for any other forward. A family that computes
     attention inline (ALiBi: no attention interface) has its attention modules run ``name``
     instead for that forward (``Adapter.paged_attention``), with ``extra`` keyword arguments."""
     model, adapter = runner.model, runner.adapter

@@ -13,17 +13,15 @@ layout's positions. When nothing is chosen the ordinary splice runs (the paper's
 ``recompute="auto"`` (the default everywhere, ``AUTO``): the engine picks the budget. A prompt
 whose cached states are all a plain prefill's has no candidates and recomputes nothing (no extra
 work); a drifted prompt recomputes ``AUTO_FRACTION`` of its drifted tokens with the default
-selection. The rule was fixed by measurement on SmolLM2-135M-Instruct (eval/README.md "Answers
-kept by default"): of r = 0.15 / 0.3 / 0.5 / 0.7, 0.15 kept the most answers for independent
-modules and documents, in order and shuffled, at about two thirds of 0.3's TTFT. A number is
-still exactly that fraction.
+selection. The rule was fixed by measurement on SmolLM2-135M-Instruct: of the fractions tried,
+the smallest kept the most answers for independent modules and documents, in order and
+shuffled, at the lowest TTFT (eval/results/quality.md). A number is still exactly that fraction.
 
 Selections (``SELECTIONS``, by name; ``DEFAULT_SELECTION`` chosen by measurement, see
-eval/README.md "Quality"): each is ``(scores | None, request, budget) -> slots``. Question-aware
+eval/results/quality.md): each is ``(scores | None, request, budget) -> slots``. Question-aware
 selections need the question's attention over the reused cache (``SCORED``): one extra forward of
 the new tokens over the assembled cache in eager attention with hooks that capture the attention
-probabilities (``question_attention``); it costs about one r=0 prefill of the new tokens more in
-TTFT. The library keeps the selections it uses or that stand as baselines (``tail``, ``qattn``,
+probabilities (``question_attention``); it costs one more pass of the new tokens in TTFT. The library keeps the selections it uses or that stand as baselines (``tail``, ``qattn``,
 ``qattn_module``, ``qmatch``); a study adds its own with ``register_selection`` (the studies'
 ``qattn_mix`` and ``qmatch_later`` live in ``eval/engine_selections.py``), after which
 ``RecomputeConfig(selection=name)`` accepts the name.
@@ -39,13 +37,12 @@ from typing import Callable
 import torch
 
 from ..layout import PromptLayout
+from .budget import AUTO, AUTO_FRACTION, DEFAULT_SELECTION, check_fraction, check_recompute, fraction_of
 
 __all__ = ["AUTO", "AUTO_FRACTION", "DEFAULT_SELECTION", "RecomputeRequest", "SCORED", "SELECTIONS",
            "check_fraction", "check_recompute", "check_selection", "fraction_of", "recompute_request",
            "fill", "match_order", "named_spans", "register_selection", "run_recompute", "tail", "top"]
 
-AUTO = "auto"  # the engine picks the budget: nothing for exact layouts, AUTO_FRACTION of the drifted tokens
-AUTO_FRACTION = 0.15  # eval/README.md "Answers kept by default": the measured budget rule
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -63,30 +60,6 @@ class RecomputeRequest:
     @property
     def budget(self) -> int:
         return round(self.fraction * len(self.candidates))
-
-
-def check_fraction(r, where: str = "recompute") -> float:
-    if isinstance(r, bool) or not isinstance(r, (int, float)) or not 0.0 <= float(r) <= 1.0:
-        raise ValueError(f"{where} must be a fraction in [0, 1], got {r!r}")
-    return float(r)
-
-
-def check_recompute(r, where: str = "recompute") -> float | str:
-    """``"auto"`` or a fraction in [0, 1] (``where`` names the setting in the error)."""
-    if isinstance(r, str) and r.strip().lower() == AUTO:
-        return AUTO
-    if isinstance(r, str):
-        raise ValueError(f"{where} must be 'auto' or a fraction in [0, 1], got {r!r}")
-    try:
-        return check_fraction(r, where)
-    except ValueError:
-        raise ValueError(f"{where} must be 'auto' or a fraction in [0, 1], got {r!r}") from None
-
-
-def fraction_of(r: float | str) -> float:
-    """The fraction a checked setting stands for: ``AUTO_FRACTION`` for ``"auto"``, else itself.
-    Only drifted tokens are candidates, so ``"auto"`` on an exact layout recomputes nothing."""
-    return AUTO_FRACTION if r == AUTO else float(r)
 
 
 def check_selection(name: str) -> str:
@@ -227,7 +200,7 @@ def match_order(req: RecomputeRequest) -> list[int]:
 def named_spans(req: RecomputeRequest) -> list[int]:
     """The spans the question names: ``match_scores`` at least half the best (and above 0), best
     first. On the retrieval task the best-matching span is the answer's span in 24 of 24 pilot
-    questions (eval/README.md "Quality")."""
+    questions (eval/results/quality.md)."""
     score = match_scores(req)
     top = max(score, default=0.0)
     if top <= 0:
@@ -240,7 +213,7 @@ def qmatch(scores, req: RecomputeRequest, k: int) -> list[int]:
     earliest first; each recomputed entirely, the first that does not fit gets its first tokens.
     The rest of the budget thus grows an exact-in-order head (a recomputed span whose preceding
     spans are all recomputed holds a plain prefill's states), so more budget converges on full
-    prefill instead of mixing fresh notes among stale ones (measured: eval/README.md "Quality").
+    prefill instead of mixing fresh notes among stale ones (measured: eval/results/quality.md).
     Needs no extra forward (the ranking reads token ids only): it costs the recomputed tokens."""
     if not req.spans:
         return tail(None, req, k)
@@ -252,7 +225,6 @@ SELECTIONS: dict[str, Callable] = {"tail": tail, "qattn": qattn, "qattn_module":
 # selections that read the question's attention: name -> first layer summed, as a fraction of the
 # layers (0.0: every layer; 0.5: the second half)
 SCORED: dict[str, float] = {"qattn": 0.0, "qattn_module": 0.0}
-DEFAULT_SELECTION = "qmatch"  # eval/README.md "Quality" (fourth step): the best measured, and the cheapest
 
 
 def register_selection(name: str, fn: Callable, *, scores_from: float | None = None) -> None:

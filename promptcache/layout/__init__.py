@@ -1,4 +1,4 @@
-"""Trees + tokenizer -> spans with token IDs and position IDs (README "Positions"). Torch-free.
+"""Trees + tokenizer -> spans with token IDs and position IDs (docs/pml.md "Positions"). Torch-free.
 
 * ``spans``: the data (``SchemaLayout``, ``PromptLayout``, ``Span``, ``EncodePass``, ...);
 * ``schema``: ``layout_schema``, the walk of a schema in document order;

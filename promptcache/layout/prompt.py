@@ -1,7 +1,7 @@
 """Prompt tree + schema layout + tokenizer -> ``PromptLayout``. Torch-free.
 
 Imports are checked by ``pml.rules.resolve_imports`` (the rule set the builder uses too).
-Positions (README "Positions"):
+Positions (docs/pml.md "Positions"):
 
 * imported modules keep their schema positions; parameter arguments take the first positions of
   their slot; union members and parameters keep the schema's rules;

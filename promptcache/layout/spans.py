@@ -109,7 +109,7 @@ class SchemaLayout:
         return f"{self.stored_tokens} tokens stored, positions [0, {self.end})"
 
     def passes(self) -> list[EncodePass]:
-        """The encoding passes (README "Positions": each module is encoded over the schema text before it,
+        """The encoding passes (docs/pml.md "Positions": each module is encoded over the schema text before it,
         unions represented by their scaffold member, or absent without one; every other member
         in a pass where it is the selected member). The default pass comes first."""
         defaults = {u.index: u.scaffold for u in self.unions.values()}

@@ -41,10 +41,9 @@ __all__ = ["Adapter", "KVSpec", "UnsupportedModelError"]
 
 def attention_kernels(device: torch.device):
     """The SDPA kernels a spliced forward may use: on CUDA every backend but cuDNN's, which builds
-    an execution plan for each new (query, key) shape and stride: measured on an H100, ~80 ms on
-    the first forward of every new prompt length, where flash / memory-efficient attention pay
-    nothing. The price: long uncached chunks run slower (4K new tokens on an 8K context, 1B
-    model: 75 vs 42 ms). Elsewhere no restriction."""
+    an execution plan for each new (query, key) shape and stride, paid on the first forward of
+    every new prompt length, where flash / memory-efficient attention pay nothing. The price: long
+    uncached chunks run slower (figures: docs/gpu.md). Elsewhere no restriction."""
     if device.type != "cuda":
         return nullcontext()
     from torch.nn.attention import SDPBackend, sdpa_kernel

@@ -149,7 +149,9 @@ def load_model(name_or_path: str | Path, device: str = "cpu", dtype: str | torch
         from .smollm2 import ensure_smollm2
 
         model, tokenizer = load_model(ensure_smollm2(), device, dtype, **kwargs)
-        model.config.name_or_path = SMOLLM2  # what artifacts record as the --model they were compiled for
+        # what artifacts record as the --model they were compiled for (transformers keeps the folder's path
+        # on the model too: the error for a mismatched artifact would advise that path, not the alias)
+        model.config.name_or_path = model.name_or_path = SMOLLM2
         return model, tokenizer
     if is_embedded(name_or_path):
         return embedded_model(str(name_or_path), dtype=torch_dtype, device=device)

@@ -3,9 +3,9 @@
 transformers runs every ``nn.Linear`` through ``F.linear`` (MKL on x86), which re-reads the
 weight in its plain layout at every call. oneDNN's linear with the weight reordered once into its
 blocked layout (torch's oneDNN ops ``mkldnn::_reorder_linear_weight`` / ``_linear_pointwise``, the same
-primitive vLLM's CPU build and inductor's weight freezing use) is markedly faster here: on
-SmolLM2-135M, 2 threads, a decode step went 39.2 -> 19.6 ms and a 1K prefill 1.81 -> 1.08 s, the
-last-token logits within 7.8e-5 of the stock forward (float32 rounding order; eval/README.md).
+primitive vLLM's CPU build and inductor's weight freezing use) is markedly faster here, with
+last-token logits within float32 rounding of the stock forward (figures:
+eval/results/design_figures.md).
 
 The model object is changed in place: each ``nn.Linear`` gets a ``forward`` that calls the packed
 weight (its parameters stay, so a tied embedding and everything that reads weights still work;
@@ -92,8 +92,8 @@ class PackedGroup:
     with an input computes every member's output at once; the others, called with that same
     tensor object (the stock modeling code passes one ``hidden_states`` to each), return their
     slice; a member called with another input computes afresh, so nothing else can be served a
-    stale result. Fewer, larger matrix products: on SmolLM2 a decode step's linears went from 211
-    calls to 121 and 11.5 -> 9.9 ms (30 layers, 2 threads)."""
+    stale result. Fewer, larger matrix products: fewer calls and a faster decode step
+    (eval/results/design_figures.md)."""
 
     def __init__(self, linears: list[torch.nn.Linear]):
         weight = torch.cat([m.weight.detach() for m in linears])

@@ -1,6 +1,8 @@
 """PML text -> schema / prompt trees, with exact errors.
 
-Never recovers from malformed XML. Every error is a ``PMLError`` naming source and line.
+Never recovers from malformed XML. Every error is a ``PMLError`` naming source and line. An
+element that breaks a rule is reported and skipped, and reading goes on with its siblings, so one
+reading reports each such error of a file (``PMLErrors`` when there are several).
 
 The whitespace rule is in ``whitespace.py`` (one rule for schemas, prompts and ``src`` files).
 """
@@ -10,10 +12,10 @@ from __future__ import annotations
 import hashlib
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from .errors import PMLError
+from .errors import PMLError, SourceFileError, raise_collected
 from .nodes import ROLES, Module, ModuleRef, Parameter, Prompt, PromptRole, Role, Schema, Text, Union
 from .rules import MAX_PARAMETER_LENGTH, RESERVED, check_name, check_not_empty, check_roles_only
 from .rules import check_scope_names, check_union, length_ok
@@ -56,6 +58,19 @@ class _SchemaCtx:
     lines: Lines
     src_root: Path
     unions: int = 0
+    errors: list = field(default_factory=list)  # PMLErrors of skipped elements, in document order
+
+
+def _kept(errors: list, fn, *args):
+    """``fn(*args)``, or None with its PMLError appended to ``errors``: a bad element is reported
+    and skipped (a file that cannot be read, exit code 2, still stops the reading)."""
+    try:
+        return fn(*args)
+    except SourceFileError:
+        raise
+    except PMLError as e:
+        errors.append(e)
+        return None
 
 
 def parse_schema(text_or_path: str | os.PathLike, *, allow_src_root: str | Path | None = None) -> Schema:
@@ -80,9 +95,11 @@ def parse_schema(text_or_path: str | os.PathLike, *, allow_src_root: str | Path 
     src_root = Path(allow_src_root) if allow_src_root is not None else (base or Path.cwd())
     ctx = _SchemaCtx(source, base, hashlib.sha256(text.encode("utf-8")), lines, src_root)
     children = _schema_children(root, ctx, scope="root")
-    check_not_empty(name, children, source, line)
-    check_roles_only(children, source)
-    check_scope_names(children, source)
+    if not ctx.errors:  # a schema emptied by skipped elements is not reported as empty
+        _kept(ctx.errors, check_not_empty, name, children, source, line)
+    _kept(ctx.errors, check_roles_only, children, source)
+    _kept(ctx.errors, check_scope_names, children, source)
+    raise_collected(ctx.errors)
     normalize_whitespace(children, at_start=True)
     return Schema(name=name, children=children, source=source, digest=ctx.digest.hexdigest(), line=line)
 
@@ -92,9 +109,11 @@ def _schema_children(el, ctx: _SchemaCtx, scope: str) -> list:
     out: list = []
     for kind, item, line in content(el, ctx.lines, ctx.source):
         if kind == "el":
-            out.append(_schema_element(item, ctx, scope))
+            node = _kept(ctx.errors, _schema_element, item, ctx, scope)
+            if node is not None:
+                out.append(node)
         elif scope == "union" and item.strip():
-            raise PMLError("text inside <union> (a union holds only modules)", ctx.source, line)
+            ctx.errors.append(PMLError("text inside <union> (a union holds only modules)", ctx.source, line))
         else:
             out.append(Text(item, line))
     return out
@@ -136,8 +155,10 @@ def _schema_element(el, ctx: _SchemaCtx, scope: str):
         return Parameter(name, int(raw), el.get("scaffold", ""), line)
     if el.tag == "union":
         index, ctx.unions = ctx.unions, ctx.unions + 1  # numbered in document order: before nested unions
+        reported = len(ctx.errors)
         u = Union(_union_members(_schema_children(el, ctx, "union")), line, el.get("scaffold"), index=index)
-        check_union(u, src)
+        if len(ctx.errors) == reported:  # members skipped for their own errors do not count as missing
+            check_union(u, src)
         return u
     # <module>
     name = el.get("name")
@@ -207,6 +228,7 @@ def parse_prompt(text_or_path: str | os.PathLike) -> Prompt:
     schema = root.get("schema")
     ctx = _PromptCtx(source, lines, has_schema=schema is not None)
     children = _prompt_children(root, ctx, scope="root")
+    raise_collected(ctx.errors)
     normalize_whitespace(children, at_start=schema is None)
     return Prompt(schema=schema, children=children, source=source, line=line)
 
@@ -216,6 +238,7 @@ class _PromptCtx:
     source: str
     lines: Lines
     has_schema: bool
+    errors: list = field(default_factory=list)  # as _SchemaCtx.errors
 
 
 def _prompt_children(el, ctx: _PromptCtx, scope: str) -> list:
@@ -223,15 +246,17 @@ def _prompt_children(el, ctx: _PromptCtx, scope: str) -> list:
     out: list = []
     for kind, item, line in content(el, ctx.lines, ctx.source):
         if kind == "el":
-            out.append(_prompt_element(item, ctx, scope))
+            node = _kept(ctx.errors, _prompt_element, item, ctx, scope)
+            if node is not None:
+                out.append(node)
         elif scope != "ref":
             out.append(Text(item, line))
         elif item.strip():
-            raise PMLError(
+            ctx.errors.append(PMLError(
                 f"text inside the module reference <{el.tag}> (free text goes between references)",
                 ctx.source,
                 line,
-            )
+            ))
     return out
 
 

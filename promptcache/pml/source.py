@@ -1,6 +1,6 @@
 """Reading PML sources: files or text, strict XML parsing, element content with exact lines.
 
-Trust (README, "Security model"): a ``str`` is always PML (or plain-text prompt) text and is
+Trust (docs/security.md): a ``str`` is always PML (or plain-text prompt) text and is
 never opened, whatever file it happens to name; an ``os.PathLike`` is a file (``read_source``).
 A PML source may name ``src`` files, but only regular files of at most ``MAX_FILE_BYTES`` inside
 an allowed root (``confined_path``); a DOCTYPE (internal DTD, entities, attribute defaults) is

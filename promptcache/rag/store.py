@@ -27,13 +27,10 @@ then the question and the template's tail. Two ways to reuse the documents' stat
   is encoded once, alone (no context, positions from 0), stored and persisted; at prompt time it is
   moved to its position exactly (``models.relocate``); the separators and the question run through
   the model. Cheapest to reuse (any subset, any order), but a document never sees the documents
-  before it, which costs answers: on SmolLM2-135M-Instruct, 8 notes, "what is the code for X"
-  (eval/README.md "Quality"), full prefill answered 0.60 and independent documents 0.15 at
-  ``recompute=0`` (issue 11's measurement, 8 glued documents). ``recompute=r`` (the engine's
-  selective recompute; the default selection ``qmatch`` recomputes the documents the question
-  names, then the others from the first) is the quality knob: of full prefill's score, 86% / 81%
-  at r = 0.15 / 0.3 with the documents in order and 146% / 131% shuffled, but 62% / 48% in order
-  at r = 0.5 / 0.7 (40 questions, eval/README.md "Quality"). The default, ``recompute="auto"``,
+  before it, which costs answers (at ``recompute=0`` far fewer than full prefill's on the
+  retrieval study). ``recompute=r`` (the engine's selective recompute; the default selection
+  ``qmatch`` recomputes the documents the question names, then the others from the first) is the
+  quality knob; small fractions kept the most answers (figures: eval/results/quality.md). The default, ``recompute="auto"``,
   recomputes 0.15 of the drifted documents' tokens (``engine.recompute.AUTO_FRACTION``).
   Rotary and ALiBi models only (learned absolute positions cannot be moved).
 * **Hybrid** (``hybrid=True``): the longest stored chain of the request's leading documents (exact;

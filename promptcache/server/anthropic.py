@@ -16,6 +16,9 @@ stored, ``input_tokens`` the rest (so the three add up to the prompt, as in the 
 Tools: ``anthropic_tools.py`` (checked before rendering; an answer of a request with tools is
 parsed into ``tool_use`` blocks, and streamed as content blocks opened as text and calls come).
 
+``POST /v1/messages/count_tokens`` answers ``{"input_tokens": N}``: the tokens the same request's
+prompt renders to (``messages.count_tokens`` of the client), checked as ``/v1/messages`` checks it.
+
 Keys: the ``x-api-key`` header (what the ``anthropic`` client sends) or ``Authorization: Bearer``.
 """
 
@@ -75,19 +78,29 @@ def add_messages_route(app: FastAPI, ctx: MessagesContext) -> None:
             raise A.AnthropicError.of(e) from None
         return await _serve(request, ctx, req, prompt, ns, params, constraints)
 
+    @app.post("/v1/messages/count_tokens")
+    async def count_tokens(request: Request):
+        """``{"input_tokens": N}``: the prompt's tokens as /v1/messages would render them."""
+        try:
+            ctx.namespace(request)
+            req = (await _parse(request, ctx.model_name, A.CountTokensRequest)).as_request()
+            anthropic_tools.check(req, ctx.pc.tokenizer)
+            prompt = render(ctx.pc.tokenizer, req)
+        except APIError as e:
+            raise A.AnthropicError.of(e) from None
+        return {"input_tokens": len(prompt.ids)}
 
-async def _parse(request: Request, model_name: str) -> A.MessagesRequest:
+
+async def _parse(request: Request, model_name: str, kind: type = A.MessagesRequest):
+    """The request body as ``kind`` (``MessagesRequest`` or ``CountTokensRequest``); 400 naming the field."""
     try:
         body = await request.json()
     except ValueError:
         raise A.AnthropicError(400, "the request body is not valid JSON") from None
     try:
-        req = A.MessagesRequest.model_validate(body)
+        req = kind.model_validate(body)
     except ValidationError as e:
-        err = e.errors()[0]
-        field = ".".join(str(x) for x in err["loc"]) or None
-        msg = "is not supported by this server" if err["type"] == "extra_forbidden" else err["msg"]
-        raise A.AnthropicError(400, f"{field}: {msg}", field) from None
+        raise A.invalid(e) from None
     if req.model != model_name:
         raise A.AnthropicError(404, f"model '{req.model}' does not exist (this server serves '{model_name}')", "model")
     return req

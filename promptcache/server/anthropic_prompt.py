@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pydantic import ValidationError
 
 from . import anthropic_tools
-from .anthropic_protocol import MAX_BREAKPOINTS, TTL_SECONDS, AnthropicError, MessagesRequest, TextBlock
+from .anthropic_protocol import MAX_BREAKPOINTS, TTL_SECONDS, AnthropicError, MessagesRequest, TextBlock, invalid
 
 
 @dataclass(frozen=True)
@@ -100,9 +100,7 @@ def _message_turns(role: str, content: list[dict], i: int, tok) -> list[_Turn]:
             try:
                 current.blocks.append(_block(TextBlock.model_validate(raw), where))
             except ValidationError as e:
-                err = e.errors()[0]
-                field = ".".join(str(x) for x in err["loc"])
-                raise AnthropicError(400, f"{where}.{field}: {err['msg']}", f"{where}.{field}") from None
+                raise invalid(e, where) from None
         elif kind in ("tool_use", "tool_result"):
             b = anthropic_tools.block(raw, role, where, tok)
             if kind == "tool_use":

@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from .protocol import APIError, new_id
 
@@ -38,6 +38,24 @@ class AnthropicError(APIError):
     @classmethod
     def of(cls, e: APIError) -> "AnthropicError":
         return e if isinstance(e, cls) else cls(e.status, e.message, e.param, e.code)
+
+
+_SCALARS = {"str", "int", "float", "bool", "dict", "list", "none"}
+
+
+def _is_branch(part) -> bool:
+    """A union branch's tag in a pydantic location ("str", "list[TextBlock]", "TextBlock"), not a field."""
+    return isinstance(part, str) and (part in _SCALARS or "[" in part or part[:1].isupper())
+
+
+def invalid(e: ValidationError, where: str = "") -> AnthropicError:
+    """A 400 naming the field at fault. Of a union's errors the deepest is the one meant: a bad
+    ``cache_control`` inside a ``system`` block list is ``system.0.cache_control.ttl: ...``, not the
+    string branch's ``system.str: Input should be a valid string``."""
+    err = max(e.errors(), key=lambda x: len([p for p in x["loc"] if not _is_branch(p)]))
+    field = ".".join([where] * bool(where) + [str(p) for p in err["loc"] if not _is_branch(p)]) or None
+    msg = "is not supported by this server" if err["type"] == "extra_forbidden" else err["msg"]
+    return AnthropicError(400, f"{field}: {msg}", field)
 
 
 class CacheControl(BaseModel):
@@ -113,6 +131,22 @@ class MessagesRequest(BaseModel):
     tool_choice: ToolChoice | None = None
 
 
+class CountTokensRequest(BaseModel):
+    """``POST /v1/messages/count_tokens``: the prompt fields of a message request, no sampling."""
+    model_config = ConfigDict(extra="forbid")
+
+    model: str
+    messages: list[InputMessage] = Field(min_length=1)
+    system: str | list[TextBlock] | None = None
+    cache_control: CacheControl | None = None
+    tools: list[ToolSpec] | None = None
+    tool_choice: ToolChoice | None = None
+
+    def as_request(self) -> MessagesRequest:
+        """The message request it would be (its prompt renders the same; max_tokens is not counted)."""
+        return MessagesRequest.model_construct(max_tokens=1, **dict(self))
+
+
 def message(mid: str, model: str, text: str | None, stop_reason: str | None, stop_sequence: str | None,
             usage: dict, tool_uses: list[dict] | None = None) -> dict:
     """A whole answer: a text block (absent when a tool call came without text), then its calls."""
@@ -172,7 +206,7 @@ def new_message_id() -> str:
     return new_id("msg").replace("-", "_")
 
 
-__all__ = ["AnthropicError", "CacheControl", "InputMessage", "MAX_BREAKPOINTS", "MessagesRequest", "TTL_SECONDS",
+__all__ = ["AnthropicError", "CacheControl", "CountTokensRequest", "InputMessage", "MAX_BREAKPOINTS", "MessagesRequest", "TTL_SECONDS",
            "TextBlock", "ToolChoice", "ToolResultBlock", "ToolSpec", "ToolUseBlock", "delta_event", "end_events",
-           "error_event", "event", "message", "new_message_id", "start_events",
+           "error_event", "event", "invalid", "message", "new_message_id", "start_events",
            "stop_reason", "usage"]

@@ -89,9 +89,7 @@ def block(raw: dict, role: str, where: str, tokenizer):
     try:
         b = kind.model_validate(raw)
     except ValidationError as e:
-        err = e.errors()[0]
-        field = ".".join(str(x) for x in err["loc"])
-        raise A.AnthropicError(400, f"{where}.{field}: {err['msg']}", f"{where}.{field}") from None
+        raise A.invalid(e, where) from None
     if kind is A.ToolUseBlock and b.cache_control is not None:
         raise A.AnthropicError(400, "cache_control on a tool_use block is not supported (put it on a text or "
                                     "tool_result block)", f"{where}.cache_control")

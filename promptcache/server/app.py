@@ -1,9 +1,10 @@
 """The FastAPI app: OpenAI-compatible routes over one engine (``create_app``).
 
 Routes: POST /v1/chat/completions, POST /v1/completions, POST /v1/messages (Anthropic's Messages
-API, ``anthropic.py``), POST /tokenize and /detokenize (``tokenize.py``), GET /v1/models (these need a key when the app has ``api_keys``: the
-``Authorization: Bearer KEY`` header or ``x-api-key: KEY``), GET /health, GET /metrics
-(Prometheus text; no key, aggregate counts).
+API, ``anthropic.py``, and its /v1/messages/count_tokens), POST /tokenize and /detokenize
+(``tokenize.py``), GET /v1/models, GET /metrics (these need a key when the app has ``api_keys``:
+the ``Authorization: Bearer KEY`` header or ``x-api-key: KEY``; /metrics not with ``open_metrics``),
+GET /health. /metrics is Prometheus text of aggregate counts.
 
 Tenancy: ``api_keys`` maps each key to a namespace; the namespace salts prefix blocks, schema
 states and document states, and is never read from the request. Without ``api_keys`` every
@@ -65,7 +66,7 @@ def create_app(pc, *, api_keys: dict[str, str] | None = None, documents=None, ma
                serving: ServingConfig | None = None, drain_timeout: float = 10.0, limits: Limits | None = None,
                allowed_hosts: tuple[str, ...] | None = LOOPBACK_HOSTS, cors_origins: tuple[str, ...] = (),
                pins: Pins | None = None, max_model_len: int | None = None,
-               compute: ComputeThread | None = None) -> FastAPI:
+               compute: ComputeThread | None = None, open_metrics: bool = False) -> FastAPI:
     """An app serving ``pc`` (a PromptCache).
 
     ``api_keys``: key -> namespace (None: no keys, one namespace). ``documents``: a DocumentStore
@@ -80,7 +81,8 @@ def create_app(pc, *, api_keys: dict[str, str] | None = None, documents=None, ma
     or new ones of the engine's ``config.store.pin_budget`` bytes). ``max_model_len``: prompt plus answer tokens a
     request may use (None: the model's context; more than it is a ValueError). ``compute``: the
     thread that loaded ``pc``'s model, to run the engine on (None: a thread of its own; see
-    ``compute.py`` for why it matters).
+    ``compute.py`` for why it matters). ``open_metrics``: GET /metrics answers without a key even
+    when ``api_keys`` are set (for a scraper that sends none); by default it needs one then.
     """
     limits = limits or Limits()
     serving = serving or ServingConfig()
@@ -265,10 +267,12 @@ def create_app(pc, *, api_keys: dict[str, str] | None = None, documents=None, ma
         return {"status": "ok", "in_flight": backend.in_flight}
 
     @app.get("/metrics")
-    async def metrics_route():
+    async def metrics_route(request: Request):
+        if not open_metrics:
+            namespace(request)  # with keys, a key: the counts tell who uses the server how much
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
-    add_worker_routes(app, backend, model_name, block_size)  # what a router reads (README "Scaling out")
+    add_worker_routes(app, backend, model_name, block_size)  # what a router reads (docs/scaling.md)
     return app
 
 

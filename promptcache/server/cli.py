@@ -38,6 +38,8 @@ from ..frontend.walker import SettingsCommand, deprecated, option_name, settings
 from .compute import ComputeThread
 from .config import ServerConfig
 from .limits import LOOPBACK_HOSTS
+from . import vllm_flags
+from .vllm_flags import vllm_options
 
 LOOPBACK = {"127.0.0.1", "localhost", "::1"}
 
@@ -67,8 +69,8 @@ server_options = settings_options(ServerConfig, "server")
 def serve_defaults(device: str | None, dtype: str) -> dict:
     """serve's defaults, above the dataclasses' and below everything a user sets: 4 GiB of memory
     per tier for stored states, and on a CPU in float32 the linears packed for oneDNN (what vLLM's
-    CPU build does: a SmolLM2 decode step 39 -> 20 ms, within float32 rounding of the stock
-    forward; ``--no-packed-linear`` turns it off). The library's default stays off: it changes
+    CPU build does: about twice as fast a decode step, within float32 rounding of the stock
+    forward, eval/results/design_figures.md; ``--no-packed-linear`` turns it off). The library's default stays off: it changes
     the model object in place, which a server that loaded the model may do, a library may not."""
     import torch
 
@@ -166,6 +168,21 @@ def _model(positional: str | None, option: str) -> str:
     return positional
 
 
+def _sized_pool(pc, settings: ServerConfig, fraction: float) -> ServerConfig:
+    """``settings`` with the KV pool sized by ``--gpu-memory-utilization`` (the model loaded)."""
+    import dataclasses
+
+    import torch
+
+    free, total = torch.cuda.mem_get_info(pc.device)
+    per_token = pc.runner.spec.bytes_per_token
+    tokens = vllm_flags.pool_tokens(fraction, total, free, pc.config.store.device_budget, per_token,
+                                    settings.serving.block_size)
+    click.echo(f"KV pool: {tokens} tokens ({tokens * per_token / 2**30:.1f} GiB), from --gpu-memory-utilization "
+               f"{fraction:g} of {total / 2**30:.1f} GiB", err=True)
+    return dataclasses.replace(settings, serving=dataclasses.replace(settings.serving, kv_pool_tokens=tokens))
+
+
 def _keys(key_file: str | None, listed: tuple[str, ...], namespace: str) -> dict[str, str] | None:
     """{key: namespace} from the key file and the ``--api-key`` keys (the engine's namespace)."""
     try:
@@ -199,20 +216,21 @@ def _keys(key_file: str | None, listed: tuple[str, ...], namespace: str) -> dict
 @click.option("--cache-gb", type=float, default=None, hidden=True,
               help="Deprecated: --host-budget and --device-budget (sizes, e.g. 4GiB).")
 @click.option("--pin-gb", type=float, default=None, hidden=True, help="Deprecated: --pin-budget (a size, e.g. 1GiB).")
+@vllm_options
 @server_options
 @engine_options(defaults=SERVE_DEFAULTS)
 @guard
 def serve(model_arg, model, device, dtype, engine, config_file, server, src_root, schemas, compiled, documents,
-          api_key_file, api_key_list, model_name, cache_gb, pin_gb):
+          api_key_file, api_key_list, model_name, cache_gb, pin_gb, vllm):
     """Serve an OpenAI-compatible API (chat, completions, models, health, metrics) and Anthropic's
     Messages API that reuse attention states across requests. MODEL (or --model): a Hugging Face id,
     a local directory, 'smollm2' or 'embedded'. Needs the 'serve' extra. On a CPU in float32 serve
-    packs the linear layers for oneDNN unless --no-packed-linear (about 2x faster decoding)."""
+    packs the linear layers for oneDNN unless --no-packed-linear (faster decoding)."""
     try:
         import uvicorn
     except ImportError:
         raise click.ClickException("the server needs the 'serve' extra: pip install 'promptcache[serve]'") from None
-    from ..frontend.common import load_engine
+    from ..frontend.common import check_device, load_engine
     from ..store import Pins
     from .app import create_app
 
@@ -222,9 +240,12 @@ def serve(model_arg, model, device, dtype, engine, config_file, server, src_root
     config = engine_config(resolve_aliases(engine, {"cache_gb": cache_gb, "pin_gb": pin_gb}), config_file,
                            defaults=serve_defaults(device, dtype))
     keys = _keys(api_key_file, api_key_list, config.namespace)
+    vllm_flags.check(vllm, check_device(device), server)
     # the model is loaded, encoded and served on one thread (compute.py: why)
     compute = ComputeThread()
     pc = compute.call(load_engine, model, device, dtype, config)  # errors: one line and an exit code (frontend.errors.guard)
+    if vllm["gpu_memory_utilization"] is not None:
+        settings = compute.call(_sized_pool, pc, settings, vllm["gpu_memory_utilization"])
     namespaces = sorted(set(keys.values())) if keys else [pc.config.namespace]
     docs = compute.call(_load_namespaces, pc, namespaces, schemas, compiled, documents, src_root)
     try:
@@ -233,7 +254,8 @@ def serve(model_arg, model, device, dtype, engine, config_file, server, src_root
                          serving=settings.serving, drain_timeout=settings.drain_timeout, limits=settings.limits,
                          allowed_hosts=host_list(settings.host, settings.allowed_hosts),
                          cors_origins=settings.cors_origins, pins=Pins(config.store.pin_budget),
-                         max_model_len=settings.max_model_len, compute=compute)
+                         max_model_len=settings.max_model_len, compute=compute,
+                         open_metrics=settings.open_metrics)
     except ValueError as e:
         raise click.UsageError(f"--max-model-len: {e}") from None
     if keys is None:

@@ -5,9 +5,8 @@ OpenMP (libgomp, which the PyPI CPU builds of torch use) keeps one team per thre
 parallel regions. Once the process holds more OpenMP threads than it has cores (a team for the
 main thread that loaded the model, and another for the engine thread that serves it), libgomp
 stops spinning between regions and puts its workers to sleep, so every parallel region pays a
-wake-up: on SmolLM2-135M with packed linears and 2 threads a small oneDNN linear took 79 us
-instead of 32 us and a decode step 34.8 ms instead of 25.5 ms, when the step ran on a thread
-other than the one that had loaded the model. So the server loads the model, encodes schemas and
+wake-up, and a decode step run on a thread other than the one that loaded the model was about a
+third slower (measured: eval/results/design_figures.md). So the server loads the model, encodes schemas and
 documents, checks the paged attention and runs every engine step on this one thread; the event
 loop's thread only parses requests and streams answers (no parallel torch work).
 

@@ -44,6 +44,9 @@ class ServerConfig:
     cors_origins: tuple[str, ...] = setting(
         (), "An origin (https://app.example) whose browser pages may call the API (repeatable; default none).",
         flat="cors_origin")
+    open_metrics: bool = setting(
+        False, "Answer GET /metrics without an API key when keys are set (for a Prometheus scraper that sends none; "
+               "without keys /metrics is always open).")
     serving: ServingConfig = nested(ServingConfig, "Serving core (ServerConfig.serving)")
     limits: Limits = nested(Limits, "Request limits (ServerConfig.limits)")
 
@@ -60,6 +63,8 @@ class ServerConfig:
         if self.max_model_len is not None and (isinstance(self.max_model_len, bool)
                                                or not isinstance(self.max_model_len, int) or self.max_model_len < 1):
             raise ConfigError(f"ServerConfig.max_model_len must be None or an integer >= 1, got {self.max_model_len!r}")
+        if not isinstance(self.open_metrics, bool):
+            raise ConfigError(f"ServerConfig.open_metrics must be true or false, got {self.open_metrics!r}")
         for name in ("allowed_hosts", "cors_origins"):
             v = getattr(self, name)
             if not isinstance(v, tuple) or not all(isinstance(x, str) for x in v):

@@ -1,6 +1,6 @@
 """What a router in front of several replicas reads from a worker, beside ``/health`` and ``/v1/models``.
 
-The cache-aware routers on PyPI (``sglang-router``, ``vllm-router``; README "Scaling out") register
+The cache-aware routers on PyPI (``sglang-router``, ``vllm-router``; docs/scaling.md) register
 a worker by asking it for ``/model_info`` and ``/server_info`` (sglang's names; both are
 answered here so the router learns the served model instead of registering it as "unknown") and
 watch ``/health``. The load a router may balance on is the number of requests admitted and not

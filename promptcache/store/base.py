@@ -29,8 +29,7 @@ from typing import Callable
 import torch
 
 from ..errors import PromptCacheError
-
-WRITE_POLICIES = ("on_evict", "through")
+from .config import WRITE_POLICIES
 
 
 class StoreError(PromptCacheError, RuntimeError):

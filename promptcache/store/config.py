@@ -13,9 +13,10 @@ from dataclasses import dataclass, fields
 
 from ..errors import ConfigError
 from ..settings import setting
-from .base import WRITE_POLICIES
 
-__all__ = ["DEFAULT_PIN_BUDGET", "REMOTE_SCHEMES", "StoreConfig"]
+__all__ = ["DEFAULT_PIN_BUDGET", "REMOTE_SCHEMES", "StoreConfig", "WRITE_POLICIES"]
+
+WRITE_POLICIES = ("on_evict", "through")
 
 DEFAULT_PIN_BUDGET = 1 << 30  # bytes of states cache_control breakpoints may pin at once
 REMOTE_SCHEMES = ("redis://", "rediss://", "unix://", "redis+cluster://", "rediss+cluster://")

@@ -244,7 +244,7 @@ def test_chat_answers_from_the_schema_from_turn_one_then_reuses_turns():
     stats = re.findall(r"\[TTFT [\d.]+ ms \| cached (\d+) of (\d+) tokens \| new (\d+) tokens \| "
                        r"(exact|approximate \(recompute auto\))\]", out)
     assert len(stats) == 3, out  # /help went to the session, not to the model
-    assert "/use NAME" in out and "importing trip, food, accessibility" in out
+    assert "/use NAME" in out and "importing food, accessibility" in out and "trip (days, travelers)" in out
     cached = [int(c) for c, *_ in stats]
     assert cached[0] > 0, out  # the schema's modules, on the first turn
     assert stats[0][3].startswith("approximate")  # modules spliced with drift (recompute auto): said so

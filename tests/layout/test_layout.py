@@ -1,4 +1,4 @@
-"""Layout arithmetic, with expected positions computed by hand (README "Positions").
+"""Layout arithmetic, with expected positions computed by hand (docs/pml.md "Positions").
 
 ToyTokenizer: one token per whitespace-separated word (leading whitespace attached), so
 "Plan a trip of" is 4 tokens and " days." is 1. PlainRoles glue: "System: " and "User: " are

@@ -143,7 +143,7 @@ def schema_pml(body) -> str:
 
 
 class Expected:
-    """The schema walk (README "Positions"), computed from a generated tree."""
+    """The schema walk (docs/pml.md "Positions"), computed from a generated tree."""
 
     def __init__(self, body):
         self.spans: list[tuple] = []  # (module path, kind, start, length)

@@ -1,5 +1,4 @@
-"""Replicas behind the router the README picks (sglang-router, a PyPI package; ``.ci/run`` installs
-it): it registers real `promptcache serve` processes (/health, /model_info, /server_info), its
+"""Replicas behind the router docs/scaling.md picks (sglang-router, a PyPI package in the dev extras): it registers real `promptcache serve` processes (/health, /model_info, /server_info), its
 cache-aware policy keeps a conversation on the replica holding its blocks, a routing key
 (a client's prompt_cache_key sent as ``x-smg-routing-key``) pins one under the manual policy, and
 a killed replica's requests fail over. All through the official openai client."""
@@ -13,12 +12,15 @@ import subprocess
 import sys
 import time
 import urllib.request
+from pathlib import Path
 
 import pytest
 
 from serverkit import ROOT, client, free_port, http, metric
 
-ROUTER = shutil.which("sglang-router")
+# on the PATH, or beside this interpreter (the dev extras put it in the venv's bin even when the venv is
+# not activated)
+ROUTER = shutil.which("sglang-router") or shutil.which("sglang-router", path=str(Path(sys.executable).parent))
 FAILOVER = ["--cb-failure-threshold", "1", "--health-check-interval-secs", "2", "--health-failure-threshold", "1"]
 SYSTEM = "You are a careful travel planner for the cities of northern Europe. " * 3
 
@@ -39,8 +41,8 @@ def wait(url: str, proc: subprocess.Popen, timeout: float = 120) -> None:
 def cluster(tmp_path):
     """start(policy) -> (router URL, replica URLs, replica processes); all stopped at teardown."""
     if ROUTER is None:
-        pytest.fail("the routing tests need sglang-router on the PATH: pip install sglang-router "
-                    "(a separate venv is fine; .ci/run installs it)", pytrace=False)
+        pytest.fail("the routing tests need sglang-router: pip install -e '.[dev]' installs it "
+                    "(or pip install sglang-router==0.3.2 and put it on the PATH)", pytrace=False)
     procs, routers = [], []
 
     def start(policy: str, n: int = 2):

@@ -13,12 +13,11 @@
 //   lse [X, B, G].
 //
 // Why: torch's fused CPU kernel (_scaled_dot_product_flash_attention_for_cpu) does its products
-// through MKL's sgemm, which takes its AVX2 path on AMD CPUs: ~170 GFLOP/s on SmolLM2's shapes on
-// the 2-core EPYC promptcache is measured on, where oneDNN's linears reach ~508. This is one pass
+// through MKL's sgemm, which takes its AVX2 path on AMD CPUs: a third of what oneDNN's linears reach
+// on the 2-core EPYC promptcache is measured on (eval/results/attention.md). This is one pass
 // of online softmax (flash attention) over tiles that stay in L1: 48 queries x 64 keys, Q K^T and
 // P V in register-blocked vector loops (6 query rows x 64 keys, 6 query rows x D; 24 accumulators),
-// exp in a vector polynomial, K^T packed once per call: 258-407 GFLOP/s there with 16 or more
-// query rows (eval/bench_attention.py).
+// exp in a vector polynomial, K^T packed once per call (python -m eval.bench_attention measures it).
 //
 // Portable C++: GCC/Clang vector extensions, lowered to AVX-512, AVX2 or SSE by -march; threads
 // from ATen's parallel_for (torch's own pool).
