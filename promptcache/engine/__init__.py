@@ -10,8 +10,6 @@ The names below are imported on first use (PEP 562): ``promptcache.engine.config
 the command line's options are built from) needs no torch, so ``promptcache --help`` loads none.
 """
 
-import importlib
-
 _HOMES = {"StoreConfig": "config", "EngineConfig": "config", "RecomputeConfig": "config", "RunnerConfig": "config",
           "ServingConfig": "config", "Engine": "core", "PromptCache": "facade", "PmlPrompt": "prompts",
           "PrefilledPrompt": "prompts", "PromptSpec": "prompts", "TokenPrompt": "prompts", "EncodedSchema": "registry",
@@ -24,4 +22,8 @@ __all__ = sorted(_HOMES)
 def __getattr__(name: str):
     if name not in _HOMES:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(f".{_HOMES[name]}", __name__), name)
+    from . import config, core, facade, prompts, registry, request, results, runner, sampling, stream
+
+    homes = {"config": config, "core": core, "facade": facade, "prompts": prompts, "registry": registry,
+             "request": request, "results": results, "runner": runner, "sampling": sampling, "stream": stream}
+    return getattr(homes[_HOMES[name]], name)
