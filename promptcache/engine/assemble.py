@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from ..layout import PromptLayout, Span
 from .registry import EncodedSchema
 
-__all__ = ["Assembly", "assemble", "leading_exact"]
+__all__ = ["Assembly", "assemble", "is_exact", "leading_exact"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -55,6 +55,12 @@ def assemble(layout: PromptLayout, entry: EncodedSchema | None, store) -> Assemb
     return Assembly(cached=[(k, kv, pos) for k, kv, pos, _ in cached], new_ids=new_ids, new_pos=new_pos,
                     max_position=max(layout.position_ids), hit_tiers=dict(hits), exact=exact,
                     moved_last=moved_last)
+
+
+def is_exact(layout: PromptLayout, entry: EncodedSchema | None) -> bool:
+    """Whether ``assemble`` would call the layout exact, without a store lookup."""
+    cached = layout.cached
+    return _is_exact(cached, layout.new, entry, [s.schema_index for s in cached])
 
 
 def leading_exact(layout: PromptLayout, entry: EncodedSchema | None) -> int:

@@ -39,7 +39,7 @@ from ..store import StoreError, build_store
 from ..tokens import as_span_tokenizer
 from ..tunables import PREWARM_SLACK
 from . import compiled
-from .assemble import assemble, leading_exact
+from .assemble import assemble, is_exact, leading_exact
 from .config import EngineConfig, ServingConfig
 from .core import Engine
 from .encoder import Progress, SchemaEncoder
@@ -223,6 +223,8 @@ class PromptCache:
         r = self.recompute_fraction(recompute)
         layout = self.layout(prompt, namespace)
         entry = self.schema(layout.schema.name, namespace) if layout.schema is not None else None
+        if r > 0 and not is_exact(layout, entry):  # decided before any store lookup: the private
+            return None  # prefill looks the states up itself (a lookup promotes them between tiers)
         try:
             a = assemble(layout, entry, self.store)
         except StoreError as e:  # as in ``prefill``: re-encode what vanished, once
@@ -231,8 +233,6 @@ class PromptCache:
             log.warning("schema '%s': a stored state cannot be used (%s); re-encoding what is missing", entry.name, e)
             self._ensure_states(entry.layout, entry.keys, fetch=True)
             a = assemble(layout, entry, self.store)
-        if r > 0 and not a.exact:
-            return None
         segments = [Segment(key, kv, pos) for key, kv, pos in a.cached]
         return PrefillPlan(segments=segments, new_ids=a.new_ids, new_pos=a.new_pos, max_position=a.max_position,
                            exact=a.exact, layout=layout, hit_tiers=a.hit_tiers)
