@@ -39,7 +39,7 @@ the key's position and head. A window no row reaches past leaves the plan as it 
 ALiBi families and Falcon compute attention inline, not through the attention interface; their
 adapters route it here for the paged forward only (``Adapter.paged_attention``, used by
 ``attention_swapped``). ``paged_refusal`` refuses a model whose paged forward fails its
-self-check against the stock forward; the server then keeps the older path.
+self-check against the stock forward; the engine then refuses the model (``core.Engine``).
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 __all__ = ["FINISH_REASONS", "Generation", "PrefillResult", "TokenLogprob", "Usage", "preview"]
 
 # "stop": an EOS token or a stop string; "length": max_new_tokens reached;
-# "cancelled": Request.cancel() (only seen by code driving a Scheduler itself).
+# "cancelled": Request.cancel() (a stream left early, a server client gone).
 FINISH_REASONS = ("stop", "length", "cancelled")
 PREVIEW_CHARS = 60  # reprs show at most this much of a text
 
