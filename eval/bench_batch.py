@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import resource
 import subprocess
@@ -97,11 +98,13 @@ def run_vllm(args, prompts: list[list[int]]) -> dict:
         spec = Path(tmp) / "prompts.json"
         spec.write_text(json.dumps({"model": args.vllm_model or args.model, "prompts": prompts,
                                     "max_tokens": args.new_tokens, "dtype": args.dtype}))
+        cache = Path(args.vllm) / "cache"  # compiled graphs kept beside the venv: later runs start warm
+        env = dict(os.environ, VLLM_CACHE_ROOT=str(cache / "vllm"), TORCHINDUCTOR_CACHE_DIR=str(cache / "inductor"))
         out = subprocess.run([str(Path(args.vllm) / "bin" / "python"), str(Path(__file__).with_name("vllm_offline.py")),
-                              str(spec)], capture_output=True, text=True, timeout=3600)
+                              str(spec)], capture_output=True, text=True, timeout=3600, cwd=tmp, env=env)
         if out.returncode != 0:
             raise SystemExit(f"vLLM failed ({out.returncode}):\n{out.stderr[-4000:]}")
-        res = json.loads(out.stdout.strip().splitlines()[-1])
+        res = json.loads([line for line in out.stdout.splitlines() if line.startswith('{"seconds"')][-1])
     return dict(system="vllm", mode="prefix_caching", how="batch", seconds=round(res["seconds"], 2),
                 generated=res["generated"], tok_s=round(res["generated"] / res["seconds"], 2),
                 reused=res.get("cached", 0), prompt_tokens=sum(map(len, prompts)), rss_added_mb=None)
