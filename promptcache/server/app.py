@@ -3,7 +3,7 @@
 Routes: POST /v1/chat/completions, POST /v1/completions, POST /v1/messages (Anthropic's Messages
 API, ``anthropic.py``), POST /tokenize and /detokenize (``tokenize.py``), GET /v1/models (these need a key when the app has ``api_keys``: the
 ``Authorization: Bearer KEY`` header or ``x-api-key: KEY``), GET /health, GET /metrics
-(Prometheus text; no key, aggregate counts).
+(Prometheus text; no key, aggregate counts), GET /studio (a web page; ``studio.py``; ``/`` redirects there).
 
 Tenancy: ``api_keys`` maps each key to a namespace; the namespace salts prefix blocks, schema
 states and document states, and is never read from the request. Without ``api_keys`` every
@@ -54,6 +54,7 @@ from .limits import LOOPBACK_HOSTS, Limits, RequestGuard, parsed_body
 from .metrics import CONTENT_TYPE_LATEST, Metrics
 from ..engine.prefix import DEFAULT_BLOCK_SIZE, PrefixCache
 from .prompts import Planner
+from .studio import add_studio_routes
 from .tokenize import add_tokenize_routes
 from .toolcalls import CallStream, finish_reason, openai_deltas, parse as parse_calls
 from .workerinfo import add_worker_routes
@@ -270,6 +271,7 @@ def create_app(pc, *, api_keys: dict[str, str] | None = None, documents=None, ma
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     add_worker_routes(app, backend, model_name, block_size)  # what a router reads (README "Scaling out")
+    add_studio_routes(app, pc, planner, prefix, backend, namespace, planning, model_name)  # /studio (studio.py)
     return app
 
 
