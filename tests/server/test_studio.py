@@ -156,3 +156,41 @@ def test_namespaces_never_see_each_other(tenants):
     assert all(s["origin"] == "computed" for s in view["spans"])
     assert get(url, "/studio/api/cache")[0] == 401 and get(url, "/studio/api/cache", "nope")[0] == 401
     assert http("GET", url + "/studio")[0] == 200  # the page holds no data: no key needed
+
+
+@pytest.mark.slow  # a subprocess loads torch and the model
+def test_studio_command_serves_the_page_with_the_schema_text(tmp_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from serverkit import free_port
+
+    port, schema = free_port(), ROOT / "schemas" / "travel.xml"
+    proc = subprocess.Popen([sys.executable, "-m", "promptcache", "studio", str(schema), "--port", str(port)],
+                            stderr=subprocess.PIPE, text=True, cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    log = []
+    try:
+        deadline = time.monotonic() + 300
+        while not any("Studio: http://127.0.0.1" in line for line in log):
+            line = proc.stderr.readline()
+            assert line or proc.poll() is None, "".join(log)
+            log.append(line)
+            assert time.monotonic() < deadline, "".join(log)
+        url = f"http://127.0.0.1:{port}"
+        for _ in range(100):  # uvicorn binds right after the message
+            try:
+                status, info = get(url, "/studio/api/info")
+                break
+            except OSError:
+                time.sleep(0.1)
+        assert status == 200 and info["schemas"] == ["travel"] and info["sources"]["travel"] == schema.read_text()
+        assert post(url, "/studio/api/prompt", {"pml": TOKYO})[1]["spans"]
+        proc.send_signal(signal.SIGINT)
+        proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
