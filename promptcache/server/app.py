@@ -271,7 +271,8 @@ def create_app(pc, *, api_keys: dict[str, str] | None = None, documents=None, ma
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     add_worker_routes(app, backend, model_name, block_size)  # what a router reads (README "Scaling out")
-    add_studio_routes(app, pc, planner, prefix, backend, namespace, planning, model_name)  # /studio (studio.py)
+    add_studio_routes(app, pc, planner, prefix, backend, namespace, planning, model_name,  # /studio (studio.py)
+                      tenants=api_keys is not None)
     return app
 
 

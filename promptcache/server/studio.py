@@ -71,9 +71,11 @@ def _body(request: Request, cls):
     return body
 
 
-def add_studio_routes(app: FastAPI, pc, planner, prefix, backend, namespace, planning, model_name: str) -> None:
+def add_studio_routes(app: FastAPI, pc, planner, prefix, backend, namespace, planning, model_name: str,
+                      tenants: bool) -> None:
     """The studio on ``app``: ``namespace(request)`` checks the key (the app's); ``planning``: the
-    executor tokenizing and laying out runs on (never the event loop)."""
+    executor tokenizing and laying out runs on (never the event loop); ``tenants``: the app maps
+    keys to namespaces (False: one namespace, whose every pool entry the cache view may show)."""
     traffic = Traffic()
     no_files = tempfile.mkdtemp(prefix="promptcache-studio-")  # src= of posted schemas resolves in here: nothing
     app.add_middleware(TrafficTap, traffic=traffic, namespace=namespace)
@@ -219,7 +221,7 @@ def add_studio_routes(app: FastAPI, pc, planner, prefix, backend, namespace, pla
                "modules": modules, "pool": None}
         if backend.pool is not None:
             snap = backend.pool.describe()
-            codes, mine = studio_cache.blocks(snap, own)
+            codes, mine = studio_cache.blocks(snap, own, all_own=not tenants)
             out["pool"] = {"block_size": snap["block_size"], "codes": codes, "counts": studio_cache.summary(codes),
                            "entries": mine, "evictions": snap["evictions"]}
         return out

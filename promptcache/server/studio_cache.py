@@ -7,7 +7,8 @@ chat and completion requests (recorded by ``Traffic``; their block keys are deri
 asks, from the same token ids the planner made). Those entries are listed with names, text and
 where they are; every other block is drawn only by its state (free, a running request's,
 shared, pinned, idle), never with a key, a name or text. Blocks of answers, Anthropic requests
-and documents are not attributed (they show as not yours).
+and documents are not attributed (they show as not yours), except on a server without keys,
+where every request is in the one namespace and every entry is the caller's.
 
 Block codes (one character per pool block): ``.`` free, ``r`` a running request's own, ``s``
 a shared entry being read, ``p`` an idle entry pinned by ``cache_control``, ``i`` an idle
@@ -106,19 +107,23 @@ class Traffic:
             return dict(self.totals.get(ns, {"requests": 0, "prompt_tokens": 0, "cached_tokens": 0}))
 
 
-def blocks(snapshot: dict, own: dict[str, str]) -> tuple[str, list[dict]]:
+UNNAMED = "(blocks of an answer, a document or an Anthropic request)"
+
+
+def blocks(snapshot: dict, own: dict[str, str], all_own: bool = False) -> tuple[str, list[dict]]:
     """(one code per block, the caller's entries in the pool) from ``KVPool.describe()``;
-    ``own``: key -> label of the caller's keys. No key leaves this function: others' entries
-    become codes only."""
+    ``own``: key -> label of the caller's keys; ``all_own``: every entry is the caller's (a
+    server without keys has one namespace), unnamed ones labelled ``UNNAMED``. No key leaves
+    this function: others' entries become codes only."""
     codes = ["." if s == "free" else "r" for s in snapshot["state"]]
     mine = []
     for e in snapshot["entries"]:
         code = "s" if e["refs"] else ("p" if e["pinned"] else "i")
-        is_mine = e["key"] in own
+        is_mine = all_own or e["key"] in own
         for b in e["blocks"]:
             codes[b] = code.upper() if is_mine else code
         if is_mine:
-            mine.append({"label": own[e["key"]], "tokens": e["tokens"], "blocks": len(e["blocks"]),
+            mine.append({"label": own.get(e["key"], UNNAMED), "tokens": e["tokens"], "blocks": len(e["blocks"]),
                          "first_block": min(e["blocks"]) if e["blocks"] else None, "refs": e["refs"],
                          "state": {"s": "shared", "p": "pinned", "i": "idle"}[code]})
     return "".join(codes), mine

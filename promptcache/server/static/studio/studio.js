@@ -261,6 +261,14 @@ function chart(series) {
   svg.replaceChildren();
   svg.dataset.points = series.length;
   const x = (age) => 600 - age, y = (r) => 110 - 100 * r;  // 600 s window, hit rate 0..1
+  for (const [tx, ty, label, anchor] of [[2, 12, "hit rate 100%", "start"], [2, 108, "10 min ago", "start"], [598, 12, "now", "end"]]) {
+    const t = document.createElementNS(ns, "text");
+    t.setAttribute("x", tx); t.setAttribute("y", ty); t.setAttribute("font-size", "9"); t.setAttribute("fill", "#78909c");
+    t.setAttribute("text-anchor", anchor); t.textContent = label; svg.append(t);
+  }
+  const line = document.createElementNS(ns, "line");
+  line.setAttribute("x1", 0); line.setAttribute("x2", 600); line.setAttribute("y1", 10); line.setAttribute("y2", 10);
+  line.setAttribute("stroke", "#eceff1"); svg.append(line);
   for (const p of series) {
     const r = document.createElementNS(ns, "rect");
     r.setAttribute("x", x(p.age_s) - 9); r.setAttribute("width", 8);
