@@ -38,7 +38,7 @@ from ..engine.assemble import leading_exact
 from ..layout import layout_prompt, layout_schema
 from ..pml import PMLError, parse_prompt
 from . import studio_cache, studio_views
-from .backend import Sampling
+from .backend import QueueFull, Sampling
 from .limits import SCOPE_KEY, parsed_body
 from .protocol import APIError, Message
 from .studio_cache import Traffic
@@ -120,6 +120,8 @@ def add_studio_routes(app: FastAPI, pc, planner, prefix, backend, namespace, pla
             except PMLError as e:
                 raise APIError(404, str(e), "name") from None
         else:
+            if len(body.pml) > planner.max_chars:
+                raise APIError(400, f"pml holds {len(body.pml)} characters, the limit is {planner.max_chars}", "pml")
             try:
                 layout = await off_loop(lambda: layout_schema(body.pml, pc.tok, max_positions=planner.context,
                                                               allow_src_root=no_files))
@@ -168,7 +170,7 @@ def add_studio_routes(app: FastAPI, pc, planner, prefix, backend, namespace, pla
     @app.post("/studio/api/prompt")
     async def prompt(request: Request):
         ns = namespace(request)
-        body = _check_prompt(_body(request, PromptBody))
+        body = _check_prompt(_body(request, PromptBody), planner.max_chars)
         view = await off_loop(prompt_view, body, ns)
         if "error" in view:
             return JSONResponse(APIError(400, view["error"]["message"], "pml").body() | view, status_code=400)
@@ -177,7 +179,7 @@ def add_studio_routes(app: FastAPI, pc, planner, prefix, backend, namespace, pla
     @app.post("/studio/api/full")
     async def full(request: Request):
         ns = namespace(request)
-        body = _check_prompt(_body(request, PromptBody))
+        body = _check_prompt(_body(request, PromptBody), planner.max_chars)
 
         def token_ids() -> list[int]:
             if body.messages is not None:
@@ -194,7 +196,10 @@ def add_studio_routes(app: FastAPI, pc, planner, prefix, backend, namespace, pla
         n = len(ids)
         start = lambda reserve: pc.run_spliced([], ids, list(range(n)), n - 1, None, reserve,  # noqa: E731
                                                keep_cache=True, exact=True)
-        job = backend.submit(start, Sampling(max_new_tokens=body.max_tokens, temperature=0.0))
+        try:
+            job = backend.submit(start, Sampling(max_new_tokens=body.max_tokens, temperature=0.0))
+        except QueueFull as e:
+            raise APIError(503, f"the server is busy: {e}; retry later") from None
         return StreamingResponse(_full_events(job, backend, n), media_type="text/event-stream")
 
     @app.get("/studio/api/cache")
@@ -278,11 +283,15 @@ async def _full_events(job, backend, n: int):
             backend.cancel(job)
 
 
-def _check_prompt(body: PromptBody) -> PromptBody:
+def _check_prompt(body: PromptBody, max_chars: int) -> PromptBody:
+    """One of pml / messages, within the planner's character limit, and a sane max_tokens."""
     if (body.pml is None) == (body.messages is None):
         raise APIError(400, "send either 'pml' (a PML prompt) or 'messages' (a chat)", "pml")
     if body.messages is not None and not body.messages:
         raise APIError(400, "'messages' must hold at least one message", "messages")
+    chars = len(body.pml) if body.pml is not None else sum(len(str(m.content or "")) for m in body.messages)
+    if chars > max_chars:
+        raise APIError(400, f"the prompt holds {chars} characters, the limit is {max_chars}", "pml")
     if not 1 <= body.max_tokens <= 4096:
         raise APIError(400, f"max_tokens must be in [1, 4096], got {body.max_tokens}", "max_tokens")
     return body
