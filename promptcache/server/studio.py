@@ -146,10 +146,10 @@ def add_studio_routes(app: FastAPI, pc, planner, prefix, backend, namespace, pla
             view = studio_views.prompt_view(layout, pc.tokenizer, where)
             why = studio_views.why_not_exact(layout, entry.contexts) if entry else None
             r = pc.recompute_fraction(body.recompute)
-            if why is not None and entry is not None:
-                drifted = sum(s["tokens"] for s in view["spans"] if s["kind"] == "cached") - leading_exact(layout, entry)
-                label = "recomputed" if r >= 1.0 else "drifted"
-                studio_views.mark_drifted(view, layout, leading_exact(layout, entry), label)
+            if why is not None and entry is not None:  # cached tokens past the exact head may be recomputed
+                head = leading_exact(layout, entry)
+                drifted = sum(s["tokens"] for s in view["spans"] if s["kind"] == "cached") - head
+                studio_views.mark_drifted(view, layout, head, "recomputed" if r >= 1.0 else "drifted")
                 view["recompute"] = {"fraction": r, "drifted_tokens": drifted, "budget": round(r * drifted)}
             if entry is not None:
                 traffic.attribute(ns, {entry.keys[s.schema_index]: f"{entry.name}: {s.name}" for s in layout.cached})
