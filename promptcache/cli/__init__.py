@@ -3,7 +3,8 @@
 ``commands.py`` (run, compile, inspect, validate, bench), ``demo.py``, ``chat.py``. What they
 share with the server's ``serve`` (option groups, error mapping, engine loading) is
 ``promptcache.frontend``. ``serve`` lives in ``promptcache.server.cli`` (the server runs on its
-own as ``python -m promptcache.server``) and is resolved when asked for, so ``promptcache --help``
+own as ``python -m promptcache.server``) and is resolved when asked for, as is ``studio``
+(``promptcache.server.studio_cli``), so ``promptcache --help``
 never imports the server's optional dependencies.
 
 Layering: ``cli`` is the top of the package: it imports ``server`` (for ``serve``), nothing imports
@@ -29,7 +30,7 @@ class _Main(click.Group):
     """The command group; ``serve`` (with its optional dependencies) is imported on demand."""
 
     def list_commands(self, ctx):
-        return sorted(set(super().list_commands(ctx)) | {"serve"})
+        return sorted(set(super().list_commands(ctx)) | {"serve", "studio"})
 
     def format_commands(self, ctx, formatter):
         names = self.list_commands(ctx)
@@ -43,6 +44,10 @@ class _Main(click.Group):
             from ..server.cli import serve
 
             return serve
+        if name == "studio":  # the server's app on a local model (server/studio_cli.py)
+            from ..server.studio_cli import studio
+
+            return studio
         return super().get_command(ctx, name)
 
 

@@ -252,6 +252,24 @@ class KVPool:
         while self._idle:
             self._evict_one(pins=False)
 
+    def describe(self) -> dict:
+        """A snapshot of every block for a viewer (the studio's cache view): ``state[b]`` is
+        "free", "request" (a running request's own) or "entry"; ``entries`` lists the shared
+        entries as {key, blocks, tokens, refs, idle, pinned}. Safe to call from another thread
+        than the pool's: each container is copied by one C-level call (atomic under the GIL), so
+        the snapshot may be one step old but never raises for a dict changed mid-read."""
+        free, entries, idle = list(self._free), list(self._entries.values()), set(self._idle)
+        state = ["request"] * self.num_blocks
+        for b in free:
+            state[b] = "free"
+        rows = []
+        for e in entries:
+            for b in e.blocks:
+                state[b] = "entry"
+            rows.append({"key": e.key, "blocks": list(e.blocks), "tokens": e.n, "refs": e.refs,
+                         "idle": e.key in idle, "pinned": self._is_pinned(e.key)})
+        return {"block_size": self.block_size, "state": state, "entries": rows, "evictions": self.evictions}
+
     def stats(self) -> dict[str, int]:
         return {"blocks": self.num_blocks, "free": len(self._free), "entries": len(self._entries),
                 "idle_entries": len(self._idle), "evictions": self.evictions}

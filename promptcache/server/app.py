@@ -4,7 +4,8 @@ Routes: POST /v1/chat/completions, POST /v1/completions, POST /v1/messages (Anth
 API, ``anthropic.py``, and its /v1/messages/count_tokens), POST /tokenize and /detokenize
 (``tokenize.py``), GET /v1/models, GET /metrics (these need a key when the app has ``api_keys``:
 the ``Authorization: Bearer KEY`` header or ``x-api-key: KEY``; /metrics not with ``open_metrics``),
-GET /health. /metrics is Prometheus text of aggregate counts.
+GET /health. /metrics is Prometheus text of aggregate counts. GET /studio (a web page; ``studio.py``; ``/``
+redirects there).
 
 Tenancy: ``api_keys`` maps each key to a namespace; the namespace salts prefix blocks, schema
 states and document states, and is never read from the request. Without ``api_keys`` every
@@ -55,6 +56,7 @@ from .limits import LOOPBACK_HOSTS, Limits, RequestGuard, parsed_body
 from .metrics import CONTENT_TYPE_LATEST, Metrics
 from ..engine.prefix import DEFAULT_BLOCK_SIZE
 from .prompts import Planner
+from .studio import add_studio_routes
 from .tokenize import add_tokenize_routes
 from .toolcalls import CallStream, finish_reason, openai_deltas, parse as parse_calls
 from .workerinfo import add_worker_routes
@@ -273,6 +275,8 @@ def create_app(pc, *, api_keys: dict[str, str] | None = None, documents=None, ma
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     add_worker_routes(app, backend, model_name, block_size)  # what a router reads (docs/scaling.md)
+    add_studio_routes(app, pc, planner, prefix, backend, namespace, planning, model_name,  # /studio (studio.py)
+                      tenants=api_keys is not None)
     return app
 
 

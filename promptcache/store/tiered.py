@@ -224,6 +224,12 @@ class TieredStore:
         with self._lock:
             return {t.name: t.bytes_used for t in self.tiers}
 
+    def describe(self) -> list[dict]:
+        """Each tier, fastest first, as {name, shared, bytes, budget} (budget None: unbounded)."""
+        with self._lock:
+            return [{"name": t.name, "shared": t.shared, "bytes": t.bytes_used, "budget": t.budget}
+                    for t in self.tiers]
+
     def tier_of(self, key: str) -> str | None:
         with self._lock:
             return next((t.name for t in self.tiers if key in t), None)

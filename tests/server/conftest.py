@@ -37,6 +37,17 @@ def server(pc, docs):
         yield url, app
 
 
+@pytest.fixture(scope="session")
+def tenants(pc):
+    """A server of ``pc`` with two keys in two namespaces (acme, globex), the travel schema in each:
+    the studio's tests of what one namespace may see. Its base URL."""
+    for ns in ("acme", "globex"):
+        pc.add_schema(ROOT / "schemas" / "travel.xml", namespace=ns)
+    app = create_app(pc, api_keys={"key-a": "acme", "key-g": "globex"}, model_name=MODEL, block_size=BLOCK)
+    with running(app) as url:
+        yield url
+
+
 @pytest.fixture
 def oai(server):
     return client(server[0])
