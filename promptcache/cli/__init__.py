@@ -22,20 +22,22 @@ from .demo import demo
 __all__ = ["main"]
 
 
-# serve's line in `promptcache --help`, so that listing the commands imports neither the server nor torch
-SERVE_SUMMARY = "Serve OpenAI- and Anthropic-compatible HTTP APIs (the serve extra)."
+# the lines of the commands that live in the server in `promptcache --help`, so that listing the
+# commands imports neither the server nor torch
+SUMMARIES = {"serve": "Serve OpenAI- and Anthropic-compatible HTTP APIs (the serve extra).",
+             "studio": "Open the studio web page on a local model: schema layout, prompt spans, cache (serve extra)."}
 
 
 class _Main(click.Group):
-    """The command group; ``serve`` (with its optional dependencies) is imported on demand."""
+    """The command group; ``serve`` and ``studio`` (with their optional dependencies) are imported on demand."""
 
     def list_commands(self, ctx):
-        return sorted(set(super().list_commands(ctx)) | {"serve", "studio"})
+        return sorted(set(super().list_commands(ctx)) | set(SUMMARIES))
 
     def format_commands(self, ctx, formatter):
         names = self.list_commands(ctx)
         limit = formatter.width - 6 - max(map(len, names))
-        rows = [(n, SERVE_SUMMARY if n == "serve" else self.commands[n].get_short_help_str(limit)) for n in names]
+        rows = [(n, SUMMARIES[n] if n in SUMMARIES else self.commands[n].get_short_help_str(limit)) for n in names]
         with formatter.section("Commands"):
             formatter.write_dl(rows)
 
