@@ -248,7 +248,50 @@ def qmatch(scores, req: RecomputeRequest, k: int) -> list[int]:
     return fill(req, named + [i for i in range(len(req.spans)) if i not in named], k)
 
 
-SELECTIONS: dict[str, Callable] = {"tail": tail, "qattn": qattn, "qattn_module": qattn_module, "qmatch": qmatch}
+BOUNDARY_TOKENS = 4  # a span's first tokens: where an isolated encoding put its attention sink
+
+
+def boundaries(req: RecomputeRequest, k: int, per_span: int = BOUNDARY_TOKENS) -> list[int]:
+    """Up to ``k`` slots: the first ``per_span`` tokens of every candidate span, in span order.
+    A document encoded alone starts at position 0, so its first token became an attention sink
+    and the tokens after it leaned on it; in the prompt that token sits mid-context, and the
+    question's attention to it (and its outsized states) is the drift EPIC (LegoLink) removes by
+    recomputing it in the prompt's own context."""
+    out: list[int] = []
+    for a, b in req.spans:
+        if len(out) >= k:
+            break
+        out += range(a, min(b, a + per_span, a + k - len(out)))
+    return out
+
+
+def epic(scores, req: RecomputeRequest, k: int) -> list[int]:
+    """EPIC-style (LegoLink): the budget split evenly over the spans' first tokens only (an anchor
+    for the document mode's selection; it reads no question)."""
+    if not req.spans:
+        return tail(None, req, k)
+    return sorted(boundaries(req, k, per_span=max(1, k // len(req.spans))))
+
+
+def anchored(scores, req: RecomputeRequest, k: int) -> list[int]:
+    """The document mode's selection: every span's boundary (``boundaries``: the first
+    ``BOUNDARY_TOKENS`` tokens, EPIC's sinks), then ``qmatch`` with the rest of the budget (the
+    spans the question names, then prompt order). Reads token ids only: no extra forward."""
+    if not req.spans:
+        return tail(None, req, k)
+    head = boundaries(req, k)
+    taken, named = set(head), named_spans(req)
+    rest: list[int] = []
+    for i in named + [i for i in range(len(req.spans)) if i not in named]:
+        if len(head) + len(rest) >= k:
+            break
+        a, b = req.spans[i]
+        rest += [s for s in range(a, b) if s not in taken][: k - len(head) - len(rest)]
+    return sorted(head + rest)
+
+
+SELECTIONS: dict[str, Callable] = {"tail": tail, "qattn": qattn, "qattn_module": qattn_module, "qmatch": qmatch,
+                                   "epic": epic, "anchored": anchored}
 # selections that read the question's attention: name -> first layer summed, as a fraction of the
 # layers (0.0: every layer; 0.5: the second half)
 SCORED: dict[str, float] = {"qattn": 0.0, "qattn_module": 0.0}

@@ -1,6 +1,6 @@
-"""Retrieval-augmented generation: documents cached as chains (exact) or as independent modules.
+"""Retrieval-augmented generation: documents reused in any subset and order (default) or as exact chains.
 
-    store.py      ``DocumentStore``: the documents and the two prompt plans (chains, independent)
+    store.py      ``DocumentStore``: the documents and their prompt plans (reuse, exact chains)
     folder.py     ``DocumentFolder``: a store's persisted folder (index.json + states files)
     documents.py  ``Document``, ``DocumentStoreError``, ``UnknownDocumentError``
 
@@ -10,7 +10,7 @@ modes work).
 
 from .documents import Document, DocumentStoreError, UnknownDocumentError
 from .folder import FORMAT_VERSION, INDEX, DocumentFolder
-from .store import DocumentStore
+from .store import DOCUMENT_SELECTION, DocumentStore
 
-__all__ = ["FORMAT_VERSION", "INDEX", "Document", "DocumentFolder", "DocumentStore", "DocumentStoreError",
-           "UnknownDocumentError"]
+__all__ = ["DOCUMENT_SELECTION", "FORMAT_VERSION", "INDEX", "Document", "DocumentFolder", "DocumentStore",
+           "DocumentStoreError", "UnknownDocumentError"]

@@ -164,9 +164,10 @@ class Planner:
         layout = store.layout(question, ids, system)
         sampling = self._sampling(req, max(layout.position_ids) + 1, max_tokens, CHAT_DEFAULT_MAX_TOKENS, "messages")
         r = req.recompute
-        # chain documents are a token prompt at positions 0..n-1 (exact; chains ignore recompute):
-        # planned as a token chain, so their blocks are shared through the pool like any prefix
-        paged = None if store.independent or store.hybrid else self.prefix.plan(list(layout.token_ids), ns)
+        # exact stores: chain documents are a token prompt at positions 0..n-1 (chains ignore
+        # recompute), planned as a token chain so their blocks are shared through the pool like any
+        # prefix; the default (reuse) mode is the library's own prefill, with the same defaults
+        paged = self.prefix.plan(list(layout.token_ids), ns) if store.exact else None
         return Plan(lambda reserve: store.prefill(question, ids, system, reserve, keep_cache=True, recompute=r),
                     len(layout.token_ids), sampling, paged)
 
