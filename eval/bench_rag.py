@@ -12,7 +12,7 @@ on its own engine (host store budget ``--budget-gib``, LRU), the requests interl
 
 * ``no_cache``: the stock model over the prompt's tokens (``prefill_baseline``-equivalent);
 * ``default``: ``DocumentStore(pc)``, the default mode (docs/rag.md): every document encoded at
-  ``add``, reused in any subset and order, its drift recomputed (``anchored``); alone on its
+  ``add``, reused in any subset and order, its drift recomputed (``auto``, ``qmatch``); alone on its
   engine, so no chain stored by an exact store covers a request (every document is independent);
 * ``exact``: ``DocumentStore(exact=True)`` chains: exact, reused when leading documents match;
 * ``exact_canonical``: chains with ``canonical_order=True``;

@@ -6,7 +6,7 @@
 ``DocumentStore(pc)`` (the default mode: each encoded at ``add``), then one question over all of
 them in a random order per round (any order is reused). Timed round-robin in one process, each
 round: full prefill of the prompt's tokens (``prefill_plain``, no cache), the default mode
-(``"auto"``: the documents' boundaries and the named documents recomputed), the default at
+(``"auto"``: 15% of the documents' tokens recomputed, the named document first), the default at
 ``recompute=0`` (the paper's splice: the limit of reuse) and an exact store on a chain it has
 not stored (its first request: a plain prefill plus storing the links). Reports the median TTFT
 of each and full prefill's median over it (one run's ratios); writes ``rag_ttft{--tag}.csv``

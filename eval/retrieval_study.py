@@ -9,10 +9,10 @@ the red door?". A sample is correct when the greedy answer holds the code. Modes
 * ``subset_gaps``: the same schema; the prompt imports notes 1, 3, 5, 7 (gaps between them).
 * ``independent``: each note in its own union (encoded after the shared header only); all 8 imported.
 * ``docstore_default``: ``DocumentStore(pc)``, the default document mode (docs/rag.md): each note
-  encoded at ``add``, reused in any order, its drift recomputed at ``auto`` with the ``anchored``
-  selection. Beside it, on the same prompts, the anchors (``ANCHORS``, at ``AUTO_FRACTION``):
-  ``qmatch`` (the engine's selection for modules, the documents' default before), EPIC-style
-  boundaries (``epic``) and CacheBlend-style layer-1 deviation (``eval/selections.py``'s
+  encoded at ``add``, reused in any order, its drift recomputed at ``auto`` (``qmatch``). Beside
+  it, on the same prompts, the anchors (``ANCHORS``, at ``AUTO_FRACTION``): ``anchored`` (every
+  document's boundary, then ``qmatch``), EPIC-style boundaries (``epic``) and CacheBlend-style
+  layer-1 deviation (``eval/selections.py``'s
   ``cacheblend`` through ``recompute_reference``, whose reused state is every note encoded after
   the prompt's prefix: its own, not the store's).
 * ``docstore_exact`` / ``docstore_independent``: ``DocumentStore`` with the 8 notes as documents:
@@ -165,7 +165,7 @@ def reference_anchor(selection: str, r: float = 0.15) -> Callable:
 
 
 # anchors run beside docstore_default on the same prompts: label -> (pc, request, max_new_tokens) -> Answer
-ANCHORS = {"qmatch@0.15": engine_anchor("qmatch"), "epic@0.15": engine_anchor("epic"),
+ANCHORS = {"anchored@0.15": engine_anchor("anchored"), "epic@0.15": engine_anchor("epic"),
            "cacheblend@0.15": reference_anchor("cacheblend")}
 
 

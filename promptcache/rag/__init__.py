@@ -10,7 +10,7 @@ modes work).
 
 from .documents import Document, DocumentStoreError, UnknownDocumentError
 from .folder import FORMAT_VERSION, INDEX, DocumentFolder
-from .store import DOCUMENT_SELECTION, DocumentStore
+from .store import DocumentStore
 
-__all__ = ["DOCUMENT_SELECTION", "FORMAT_VERSION", "INDEX", "Document", "DocumentFolder", "DocumentStore",
-           "DocumentStoreError", "UnknownDocumentError"]
+__all__ = ["FORMAT_VERSION", "INDEX", "Document", "DocumentFolder", "DocumentStore", "DocumentStoreError",
+           "UnknownDocumentError"]

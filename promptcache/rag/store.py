@@ -20,10 +20,11 @@ then the question and the template's tail. Three modes (``DocumentStore.mode``; 
   from its independent states moved to its position exactly (``models.relocate``), in any subset
   and order; the separators and the question run through the model, and ``recompute`` (default
   ``"auto"``: ``AUTO_FRACTION`` of the reused documents' tokens) is computed afresh in the
-  prompt's context, chosen by ``selection`` (default ``DOCUMENT_SELECTION``, ``anchored``: each
-  document's first tokens, where its isolated encoding put the attention sink, then the
-  documents the question names, then prompt order). A request a stored chain covers is exact
-  and recomputes nothing. ``hybrid=True`` names this mode. Rotary and ALiBi models; for
+  prompt's context, chosen by ``selection`` (default: the engine's ``config.recompute.selection``,
+  ``qmatch``: the documents the question names, then prompt order; ``anchored`` recomputes each
+  document's first tokens, where its isolated encoding put the attention sink, first: lower
+  first-token KL, fewer answers kept, docs/rag.md). A request a stored chain covers is exact and
+  recomputes nothing. ``hybrid=True`` names this mode. Rotary and ALiBi models; for
   learned absolute positions (GPT-2, OPT), which cannot be moved, the default is ``exact``.
 * **Exact** (``exact=True``: chains, RAGCache's knowledge tree). Each document's states are
   computed after the prefix and the documents before it in that request, and stored under
@@ -72,12 +73,11 @@ from ..models.relocate import check_relocatable, relocate
 from .documents import Document, DocumentStoreError, UnknownDocumentError
 from .folder import DocumentFolder
 
-__all__ = ["DOCUMENT_SELECTION", "EXACT", "INDEPENDENT", "REUSE", "DocumentStore"]
+__all__ = ["EXACT", "INDEPENDENT", "REUSE", "DocumentStore"]
 
 log = logging.getLogger(__name__)
 
 EXACT, INDEPENDENT, REUSE = "exact", "independent", "reuse"  # DocumentStore.mode
-DOCUMENT_SELECTION = "anchored"  # documents' recompute selection (engine/recompute.py; docs/rag.md)
 
 
 class DocumentStore:
@@ -85,7 +85,7 @@ class DocumentStore:
     subset and order (``mode == "reuse"``); ``exact``: chains only; ``independent``: no chain
     lookup; ``canonical_order``: chains order a request's documents by id; ``separator``: text
     after each document; ``selection``: which reused tokens ``recompute`` chooses (an engine
-    selection, default ``DOCUMENT_SELECTION``)."""
+    selection, default the engine's ``config.recompute.selection``)."""
 
     def __init__(self, pc: PromptCache, path: str | Path | None = None, namespace: str | None = None,
                  reencode: bool = False, *, exact: bool = False, independent: bool = False, hybrid: bool = False,
@@ -101,7 +101,7 @@ class DocumentStore:
             check_relocatable(pc.adapter)
         self.pc, self.namespace = pc, pc.config.namespace_for(namespace)
         self.mode = EXACT if exact else INDEPENDENT if independent else REUSE
-        self.selection = check_selection(selection or DOCUMENT_SELECTION)
+        self.selection = check_selection(selection or pc.config.recompute.selection)
         self.canonical_order = bool(canonical_order)
         self.separator = separator
         self._sep = tuple(pc.tok.encode(separator)) if separator else ()

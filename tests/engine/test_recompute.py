@@ -176,6 +176,7 @@ def test_anchored_recomputes_every_spans_boundary_then_the_named_span_then_promp
     assert anchored(None, req, 18) == sorted(heads + [12, 13, 14, 15, 4, 5])  # then prompt order
     assert anchored(None, req, 24) == list(range(24))
     assert epic(None, req, 6) == [0, 1, 8, 9, 16, 17]  # the anchor: the budget split over the boundaries only
+    assert epic(None, req, 7) == [0, 1, 2, 8, 9, 10, 16]  # a remainder: the first spans get one more
 
 
 def test_qmatch_names_every_span_close_to_the_best_match_and_falls_back_to_prompt_order():
