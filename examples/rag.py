@@ -73,10 +73,10 @@ def main(argv=None) -> None:
     pc = PromptCache.from_pretrained(args.model, device=args.device, dtype=args.dtype)
     with tempfile.TemporaryDirectory() as tmp:
         store = DocumentStore(pc, args.store or Path(tmp) / "docs")
-        for doc_id, text in docs.items():
-            if doc_id not in store:
-                store.add(doc_id, text, {"source": f"corpus/{doc_id}.txt"})
-        print(f"{len(store)} documents encoded and stored")
+        new = [doc_id for doc_id in docs if doc_id not in store]
+        for doc_id in new:
+            store.add(doc_id, docs[doc_id], {"source": f"corpus/{doc_id}.txt"})
+        print(f"{len(new)} documents encoded and stored, {len(store) - len(new)} served from the store's folder")
         for q in QUESTIONS:
             top = retriever.search(q, k=2)
             out = store.generate(q, top, system="Answer from the documents only.", max_new_tokens=args.max_new_tokens)

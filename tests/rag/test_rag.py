@@ -226,3 +226,20 @@ def test_learned_position_models_default_to_exact_chains():
     assert store.mode == "exact"
     store.add("paris", DOCS["paris"])
     assert store.prefill("Q?", ["paris"]).exact
+
+
+def test_the_shipped_rag_example_reuses_the_documents_on_its_first_run(tmp_path, capsys):
+    import importlib.util
+    import re
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "examples" / "rag.py"
+    spec = importlib.util.spec_from_file_location("rag_example", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    for run, (encoded, served) in enumerate([(8, 0), (0, 8)]):  # a first run, then one over the same folder
+        example.main(["--max-new-tokens", "2", "--store", str(tmp_path / "store")])
+        out = capsys.readouterr().out
+        assert f"{encoded} documents encoded and stored, {served} served" in out, run
+        lines = re.findall(r"(\d+) of (\d+) prompt tokens reused from the cache, (\d+) of the documents", out)
+        assert len(lines) == 3 and all(int(r) > int(n) // 2 and int(c) > 0 for r, n, c in lines), lines
