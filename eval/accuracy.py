@@ -149,8 +149,10 @@ def summarize(rows: list[dict]) -> list[dict]:
 def parse_args(argv):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_model_args(ap, "embedded:demo")
-    ap.add_argument("--task", choices=("retrieval", "longbench"), default=None,
-                    help="default: retrieval for --model smollm2, else longbench")
+    ap.add_argument("--task", choices=("retrieval", "pairs", "longbench"), default=None,
+                    help="default: retrieval for --model smollm2, else longbench; pairs: the retrieval notes, "
+                         "a question whose answer needs two of them")
+    ap.add_argument("--tag", default="", help="retrieval/pairs: suffix of the output files' names")
     ap.add_argument("--recompute", type=float, nargs="*", default=[0.0, 0.15, 0.3, 0.5, 0.7],
                     help="retrieval task: recompute fractions where they apply (besides the default, auto; "
                          "none: the default only)")
@@ -193,29 +195,32 @@ def resolve_model(name: str) -> str:
 
 
 def main_retrieval(args) -> tuple[list[dict], list[dict]]:
-    """The retrieval study (retrieval_study.py) on ``args.model``."""
+    """The retrieval study (retrieval_study.py) on ``args.model``: ``--task retrieval`` (one note
+    answers) or ``pairs`` (two notes answer)."""
     from . import retrieval_study as rs
-    from .data.make_synthetic import retrieval_samples
+    from .data.make_synthetic import pair_samples, retrieval_samples
 
+    stem = f"accuracy_{args.task}{args.tag}"
     if args.combine:  # only summarize (and plot) the per-sample CSVs of runs split with --first
         rows = rs.read_rows(args.combine)
         summary = rs.summarize(rows)
-        write_csv("accuracy_retrieval_summary.csv", summary, args.out)
-        rs.plot(summary, Path(args.out) / "accuracy_retrieval.png")
+        write_csv(f"{stem}_summary.csv", summary, args.out)
+        rs.plot(summary, Path(args.out) / f"{stem}.png")
         return rows, summary
     torch.set_num_threads(max(1, min(args.threads, torch.get_num_threads())))
     config = EngineConfig(recompute=RecomputeConfig(selection=args.engine_selection)) if args.engine_selection else None
     pc = PromptCache.from_pretrained(args.model, device=args.device, dtype=args.dtype, config=config)
-    samples = retrieval_samples(args.first + (args.limit or 60), seed=11)[args.first:]
+    make = pair_samples if args.task == "pairs" else retrieval_samples
+    samples = make(args.first + (args.limit or 60), seed=11)[args.first:]
     recompute = rs.reference_recompute(args.selection) if args.recompute_impl == "reference" else rs.engine_recompute
     rows = rs.evaluate(pc, samples, args.modes or rs.MODES, args.recompute, args.max_new_tokens, recompute=recompute,
-                       save=lambda rows: write_csv("accuracy_retrieval.csv", rows, args.out))
+                       save=lambda rows: write_csv(f"{stem}.csv", rows, args.out))
     summary = rs.summarize(rows)
     for s in summary:
         print(s)
-    a = write_csv("accuracy_retrieval.csv", rows, args.out)
-    b = write_csv("accuracy_retrieval_summary.csv", summary, args.out)
-    png = rs.plot(summary, Path(args.out) / "accuracy_retrieval.png")
+    a = write_csv(f"{stem}.csv", rows, args.out)
+    b = write_csv(f"{stem}_summary.csv", summary, args.out)
+    png = rs.plot(summary, Path(args.out) / f"{stem}.png")
     print(f"wrote {a}, {b} and {png}")
     return rows, summary
 
@@ -223,9 +228,9 @@ def main_retrieval(args) -> tuple[list[dict], list[dict]]:
 def main(argv=None) -> tuple[list[dict], list[dict]]:
     args = parse_args(argv)
     torch.manual_seed(0)
-    task = args.task or ("retrieval" if args.model == "smollm2" else "longbench")
+    task = args.task = args.task or ("retrieval" if args.model == "smollm2" else "longbench")
     args.model = resolve_model(args.model)
-    if task == "retrieval":
+    if task in ("retrieval", "pairs"):
         return main_retrieval(args)
     model, tok = load_model(args.model, device=args.device, dtype=args.dtype)
     rows = []

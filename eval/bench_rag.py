@@ -11,15 +11,16 @@ on its own engine (host store budget ``--budget-gib``, LRU), the requests interl
 (request i through every mode, then i + 1: load from other processes falls on all alike):
 
 * ``no_cache``: the stock model over the prompt's tokens (``prefill_baseline``-equivalent);
-* ``exact``: ``DocumentStore`` chains (the default): exact, reused when leading documents match;
+* ``default``: ``DocumentStore(pc)``, the default mode (docs/rag.md): every document encoded at
+  ``add``, reused in any subset and order, its drift recomputed (``auto``, ``qmatch``); alone on its
+  engine, so no chain stored by an exact store covers a request (every document is independent);
+* ``exact``: ``DocumentStore(exact=True)`` chains: exact, reused when leading documents match;
 * ``exact_canonical``: chains with ``canonical_order=True``;
-* ``independent``: ``DocumentStore(independent=True)``, documents encoded once at ``add``;
-* ``hybrid``: ``DocumentStore(hybrid=True)`` alone on its engine: the stored chains it would reuse
-  are written only by chain stores, so here every document is independent (what a deployment
-  whose default were ``hybrid`` would see).
+* ``independent``: ``DocumentStore(independent=True)``: the default's states without the chain
+  lookup (the same work here).
 
-Cached modes run at the engine's default ``recompute="auto"`` (independent and hybrid documents
-drift, so 0.15 of their tokens are recomputed); ``--recompute R`` sets another fraction.
+Cached modes run at the engine's default ``recompute="auto"`` (independent documents drift, so
+0.15 of their tokens are recomputed); ``--recompute R`` sets another fraction.
 
 Per mode: token hit rate (tokens served from stored states / prompt tokens: recomputed ones are
 not), mean and p90 TTFT, speed-up of the mean
@@ -51,7 +52,7 @@ from promptcache.models.loading import load_model
 from promptcache.rag import DocumentStore
 
 SYSTEM = "Answer the question from the documents only."
-MODES = ("no_cache", "exact", "exact_canonical", "independent", "hybrid")
+MODES = ("no_cache", "default", "exact", "exact_canonical", "independent")
 
 
 def workload(docs: int, queries: int, k: int, s: float, seed: int = 0) -> list[list[str]]:
@@ -121,8 +122,8 @@ def run(args) -> list[dict]:
     for mode in args.modes:
         pc = PromptCache(model, tok, EngineConfig(store=StoreConfig(host_budget=budget),
                                                 recompute=RecomputeConfig(fraction=args.recompute)))
-        stores[mode] = DocumentStore(pc, independent=mode == "independent", hybrid=mode == "hybrid",
-                                     canonical_order=mode == "exact_canonical")
+        stores[mode] = DocumentStore(pc, exact=mode.startswith("exact") or mode == "no_cache",
+                                     independent=mode == "independent", canonical_order=mode == "exact_canonical")
         for d, t in texts.items():
             stores[mode].add(d, t)
     ttft, hit = {m: [] for m in args.modes}, {m: [] for m in args.modes}

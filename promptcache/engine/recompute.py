@@ -21,8 +21,10 @@ Selections (``SELECTIONS``, by name; ``DEFAULT_SELECTION`` chosen by measurement
 eval/results/quality.md): each is ``(scores | None, request, budget) -> slots``. Question-aware
 selections need the question's attention over the reused cache (``SCORED``): one extra forward of
 the new tokens over the assembled cache in eager attention with hooks that capture the attention
-probabilities (``question_attention``); it costs one more pass of the new tokens in TTFT. The library keeps the selections it uses or that stand as baselines (``tail``, ``qattn``,
-``qattn_module``, ``qmatch``); a study adds its own with ``register_selection`` (the studies'
+probabilities (``question_attention``); it costs about one r=0 prefill of the new tokens more in
+TTFT. The library keeps the selections it uses or that stand as baselines (``tail``, ``qattn``,
+``qattn_module``, ``qmatch``, and for documents ``epic`` (EPIC-style boundaries) and ``anchored``
+(boundaries, then ``qmatch``)); a study adds its own with ``register_selection`` (the studies'
 ``qattn_mix`` and ``qmatch_later`` live in ``eval/engine_selections.py``), after which
 ``RecomputeConfig(selection=name)`` accepts the name.
 """
@@ -39,9 +41,10 @@ import torch
 from ..layout import PromptLayout
 from .budget import AUTO, AUTO_FRACTION, DEFAULT_SELECTION, check_fraction, check_recompute, fraction_of
 
-__all__ = ["AUTO", "AUTO_FRACTION", "DEFAULT_SELECTION", "RecomputeRequest", "SCORED", "SELECTIONS",
-           "check_fraction", "check_recompute", "check_selection", "fraction_of", "recompute_request",
-           "fill", "match_order", "named_spans", "register_selection", "run_recompute", "tail", "top"]
+__all__ = ["AUTO", "AUTO_FRACTION", "BOUNDARY_TOKENS", "DEFAULT_SELECTION", "RecomputeRequest", "SCORED",
+           "SELECTIONS", "anchored", "boundaries", "check_fraction", "check_recompute", "check_selection", "epic",
+           "fraction_of", "recompute_request", "fill", "match_order", "named_spans", "register_selection",
+           "run_recompute", "tail", "top"]
 
 
 
@@ -221,7 +224,58 @@ def qmatch(scores, req: RecomputeRequest, k: int) -> list[int]:
     return fill(req, named + [i for i in range(len(req.spans)) if i not in named], k)
 
 
-SELECTIONS: dict[str, Callable] = {"tail": tail, "qattn": qattn, "qattn_module": qattn_module, "qmatch": qmatch}
+BOUNDARY_TOKENS = 4  # a span's first tokens: where an isolated encoding put its attention sink
+
+
+def boundaries(req: RecomputeRequest, k: int, per_span: int = BOUNDARY_TOKENS) -> list[int]:
+    """Up to ``k`` slots: the first ``per_span`` tokens of every candidate span, in span order.
+    A document encoded alone starts at position 0, so its first token became an attention sink
+    and the tokens after it leaned on it; in the prompt that token sits mid-context, and the
+    question's attention to it (and its outsized states) is the drift EPIC (LegoLink) removes by
+    recomputing it in the prompt's own context."""
+    out: list[int] = []
+    for a, b in req.spans:
+        if len(out) >= k:
+            break
+        out += range(a, min(b, a + per_span, a + k - len(out)))
+    return out
+
+
+def epic(scores, req: RecomputeRequest, k: int) -> list[int]:
+    """EPIC-style (LegoLink): the budget split evenly over the spans' first tokens only (an anchor
+    for documents; it reads no question). Spans shorter than their share give the rest to the
+    others' next tokens, so ``k`` slots are chosen."""
+    if not req.spans:
+        return tail(None, req, k)
+    per = -(-k // len(req.spans))  # ceil
+    out = boundaries(req, k, per_span=per)
+    while len(out) < k and per < max(b - a for a, b in req.spans):
+        per += 1
+        out = boundaries(req, k, per_span=per)
+    return sorted(out)
+
+
+def anchored(scores, req: RecomputeRequest, k: int) -> list[int]:
+    """Every span's boundary (``boundaries``: the first ``BOUNDARY_TOKENS`` tokens, EPIC's sinks),
+    then ``qmatch`` with the rest of the budget (the spans the question names, then prompt order).
+    Reads token ids only: no extra forward. Measured on RAG documents (docs/rag.md): a lower
+    first-token KL than ``qmatch`` at the same budget, but fewer answers kept where the
+    boundaries take the budget the named document needed, so ``qmatch`` stays the default."""
+    if not req.spans:
+        return tail(None, req, k)
+    head = boundaries(req, k)
+    taken, named = set(head), named_spans(req)
+    rest: list[int] = []
+    for i in named + [i for i in range(len(req.spans)) if i not in named]:
+        if len(head) + len(rest) >= k:
+            break
+        a, b = req.spans[i]
+        rest += [s for s in range(a, b) if s not in taken][: k - len(head) - len(rest)]
+    return sorted(head + rest)
+
+
+SELECTIONS: dict[str, Callable] = {"tail": tail, "qattn": qattn, "qattn_module": qattn_module, "qmatch": qmatch,
+                                   "epic": epic, "anchored": anchored}
 # selections that read the question's attention: name -> first layer summed, as a fraction of the
 # layers (0.0: every layer; 0.5: the second half)
 SCORED: dict[str, float] = {"qattn": 0.0, "qattn_module": 0.0}

@@ -1,6 +1,6 @@
-"""Retrieval-augmented generation: documents cached as chains (exact) or as independent modules.
+"""Retrieval-augmented generation: documents reused in any subset and order (default) or as exact chains.
 
-    store.py      ``DocumentStore``: the documents and the two prompt plans (chains, independent)
+    store.py      ``DocumentStore``: the documents and their prompt plans (reuse, exact chains)
     folder.py     ``DocumentFolder``: a store's persisted folder (index.json + states files)
     documents.py  ``Document``, ``DocumentStoreError``, ``UnknownDocumentError``
 

@@ -1,6 +1,6 @@
-"""``DocumentStore``: documents cached as chains (exact) or as independent modules.
+"""``DocumentStore``: documents reused in any subset and order (default), or as exact chains.
 
-The document API and the two prompt plans; the folder a store persists to is ``folder.py``,
+The document API and its prompt plans; the folder a store persists to is ``folder.py``,
 ``Document`` and the errors ``documents.py``. Chains are keyed and looked up with the engine's
 chain mechanism (``engine.chains``: ``chained``, ``stored_run``), the one the server's prefix reuse
 uses.
@@ -11,7 +11,7 @@ uses.
 
 The prompt is written as the text would be: a cached prefix (BOS, the chat template's header,
 the system text, the user header), then each document followed by ``separator`` ("\n\n"),
-then the question and the template's tail. Two ways to reuse the documents' states:
+then the question and the template's tail. Three modes (``DocumentStore.mode``; docs/rag.md):
 
 * **Chains (default, exact).** A request's documents are cached as a chain (RAGCache's knowledge
   tree): each document's states are computed after the prefix and the documents before it in that
@@ -42,8 +42,9 @@ Works with any retriever: the caller passes document ids. Keys come from ``promp
 (``alone_key``, salted by the namespace), so documents and the prefix live in the engine's store
 beside schema modules.
 
-Persistence (``path``; ``folder.py`` has the format). A store with a ``path`` encodes and persists every document's independent states (in both modes,
-so a folder serves either); an in-memory chain store encodes nothing at ``add``.
+Persistence (``path``; ``folder.py`` has the format). A store with a ``path`` encodes and persists
+every document's independent states (in every mode, so a folder serves any); a reopened store
+serves them from disk at once. An in-memory exact store encodes nothing at ``add``.
 Reopening checks every field of the index (a wrong type, a null or a missing field is a
 ``DocumentStoreError`` naming the file, the document and the field; nothing is changed), the
 model and tokenizer (refused naming the part unless ``reencode=True``), and registers each file
@@ -63,7 +64,7 @@ import torch
 
 from ..engine import Generation, PrefillResult, PromptCache
 from ..engine.chains import chained, stored_run
-from ..engine.recompute import check_recompute, recompute_request
+from ..engine.recompute import check_recompute, check_selection, recompute_request
 from ..keys import alone_key, chain_root, token_digest
 from ..layout import PromptLayout, Span
 from ..models.relocate import check_relocatable, relocate
@@ -71,26 +72,36 @@ from .documents import Document, DocumentStoreError, UnknownDocumentError
 from .prompt import DocumentPrompt
 from .folder import DocumentFolder
 
-__all__ = ["DocumentStore"]
+__all__ = ["EXACT", "INDEPENDENT", "REUSE", "DocumentStore"]
 
 log = logging.getLogger(__name__)
 
+EXACT, INDEPENDENT, REUSE = "exact", "independent", "reuse"  # DocumentStore.mode
+
 
 class DocumentStore:
-    """Documents for RAG prompts; see the module docstring. ``independent``: position-independent
-    documents (the paper's modules, ``recompute`` is their quality knob) instead of exact chains;
-    ``canonical_order``: chains order a request's documents by id; ``separator``: text after each
-    document."""
+    """Documents for RAG prompts; see the module docstring. Default: every document reused in any
+    subset and order (``mode == "reuse"``); ``exact``: chains only; ``independent``: no chain
+    lookup; ``canonical_order``: chains order a request's documents by id; ``separator``: text
+    after each document; ``selection``: which reused tokens ``recompute`` chooses (an engine
+    selection, default the engine's ``config.recompute.selection``)."""
 
     def __init__(self, pc: PromptCache, path: str | Path | None = None, namespace: str | None = None,
-                 reencode: bool = False, *, independent: bool = False, hybrid: bool = False,
-                 canonical_order: bool = False, separator: str = "\n\n"):
-        if independent and hybrid:
-            raise ValueError("DocumentStore: independent=True and hybrid=True exclude each other (pick one mode)")
-        if independent or hybrid:
+                 reencode: bool = False, *, exact: bool = False, independent: bool = False, hybrid: bool = False,
+                 canonical_order: bool = False, separator: str = "\n\n", selection: str | None = None):
+        if sum(map(bool, (exact, independent, hybrid))) > 1:
+            raise ValueError("DocumentStore: exact=True, independent=True and hybrid=True exclude each other "
+                             "(pick one mode)")
+        if not exact and not independent and not hybrid and not pc.adapter.can_relocate():
+            exact = True  # learned absolute positions: documents cannot be moved, chains are the only reuse
+            log.info("DocumentStore: %s states cannot be relocated; documents are exact chains",
+                     pc.adapter.config.model_type)
+        if not exact:
             check_relocatable(pc.adapter)
         self.pc, self.namespace = pc, pc.config.namespace_for(namespace)
-        self.independent, self.hybrid, self.canonical_order = bool(independent), bool(hybrid), bool(canonical_order)
+        self.mode = EXACT if exact else INDEPENDENT if independent else REUSE
+        self.selection = check_selection(selection or pc.config.recompute.selection)
+        self.canonical_order = bool(canonical_order)
         self.separator = separator
         self._sep = tuple(pc.tok.encode(separator)) if separator else ()
         self.path = Path(path) if path is not None else None
@@ -100,10 +111,27 @@ class DocumentStore:
         if self.folder is not None and self.folder.exists():
             self._open(reencode)
 
+    @property
+    def exact(self) -> bool:
+        """Chains only: every answer equals a plain prefill's (``exact=True``)."""
+        return self.mode == EXACT
+
+    @property
+    def independent(self) -> bool:
+        """Documents from their independent states only, no chain lookup (``independent=True``)."""
+        return self.mode == INDEPENDENT
+
+    @property
+    def hybrid(self) -> bool:
+        """The default mode: a stored chain where one covers the leading documents, then each other
+        document from its independent states (``hybrid=True`` names it)."""
+        return self.mode == REUSE
+
     # -- documents -------------------------------------------------------------------------------
     def add(self, doc_id: str, text: str, metadata: dict | None = None) -> Document:
-        """Register a document (independent or persisted stores encode it once, alone, from
-        position 0, and persist it). Re-adding an id replaces it; identical text is encoded once."""
+        """Register a document: encoded once, alone, from position 0, stored (and persisted where
+        the store has a ``path``), except in an in-memory exact store, whose chains are built by
+        requests. Re-adding an id replaces it; identical text is encoded once."""
         if not isinstance(doc_id, str) or not doc_id:
             raise ValueError(f"a document id must be a non-empty string, got {doc_id!r}")
         ids = self.pc.tok.encode(text)
@@ -112,7 +140,7 @@ class DocumentStore:
         digest = token_digest(ids)
         doc = Document(doc_id, text, dict(metadata or {}), len(ids), digest, tuple(ids))
         key = self._key(ids)
-        if (self.independent or self.hybrid or self.path is not None) and key not in self.pc.store:
+        if (not self.exact or self.path is not None) and key not in self.pc.store:
             kv = self._put(key, self.pc.encode_span(ids))
             if self.folder is not None:
                 self.folder.write_states(doc, kv)
@@ -148,14 +176,14 @@ class DocumentStore:
 
     def prefill(self, question: str, doc_ids: list[str], system: str | None = None, reserve: int = 0,
                 keep_cache: bool = False, *, recompute: float | str | None = None) -> PrefillResult:
-        """Next-token logits after the prompt. ``recompute`` (independent and hybrid stores; None:
+        """Next-token logits after the prompt. ``recompute`` (reuse and independent stores; None:
         the engine's ``config.recompute.fraction``, default ``"auto"``): ``"auto"`` or the fraction of the
-        drifted documents' tokens computed afresh in the prompt's context (1.0 equals a plain
+        reused documents' tokens computed afresh in the prompt's context (1.0 equals a plain
         prefill). Chains are exact and have nothing to recompute."""
         t0 = time.perf_counter()
         r = self.pc.recompute_fraction(recompute)
         docs = self._order(doc_ids)
-        if self.independent or self.hybrid:  # hybrid: the longest stored chain first
+        if not self.exact:  # reuse: the longest stored chain first
             chain, _ = self._layout(question, docs, system, len(docs))
             cached, hits = self._chain_states(chain, docs if self.hybrid else [])
             chained = len(cached) - (chain.spans[0].name == "(prefix)")
@@ -165,9 +193,9 @@ class DocumentStore:
 
     @property
     def private_prefill(self) -> bool:
-        """Its prompts are assembled in a private buffer (independent and hybrid documents are
-        placed and partly recomputed); chain prompts plan into the engine's pool."""
-        return self.independent or self.hybrid
+        """Its prompts are assembled in a private buffer (reused documents are placed and partly
+        recomputed); exact chain prompts plan into the engine's pool as token chains."""
+        return not self.exact
 
     def prompt(self, question: str, doc_ids: list[str], system: str | None = None, *,
                recompute: float | str | None = None, prefix=None) -> DocumentPrompt:
@@ -267,7 +295,7 @@ class DocumentStore:
             hits[tier] = hits.get(tier, 0) + n
         new = [s for s in layout.spans if s.kind == "new"]
         drifted = chained < len(docs)
-        req = recompute_request(layout, n_exact, r, self.pc.config.recompute.selection, False) \
+        req = recompute_request(layout, n_exact, r, self.selection, False) \
             if r > 0 and drifted else None
         return self.pc.run_spliced(cached, [t for s in new for t in s.token_ids],
                                    [p for s in new for p in s.position_ids], max(layout.position_ids), t0,

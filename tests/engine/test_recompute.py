@@ -162,6 +162,23 @@ def test_qmatch_recomputes_the_span_that_holds_the_questions_rare_words_first():
     assert qmatch(None, req, 12) == [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11]
 
 
+def test_anchored_recomputes_every_spans_boundary_then_the_named_span_then_prompt_order():
+    from promptcache.engine.recompute import BOUNDARY_TOKENS, anchored, epic
+
+    assert BOUNDARY_TOKENS == 4
+    # 3 spans of 8 tokens; only span 1 holds 7 (the question's rare word)
+    spans = [[1, 2, 3, 10, 20, 21, 22, 23], [1, 2, 7, 11, 30, 31, 32, 33], [1, 2, 5, 12, 40, 41, 42, 43]]
+    req = _request(spans, question=[1, 2, 7, 99], fraction=0.25)
+    heads = [0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19]
+    assert anchored(None, req, 6) == [0, 1, 2, 3, 8, 9]  # too small a budget: the first spans' boundaries
+    assert anchored(None, req, 12) == heads  # every boundary first
+    assert anchored(None, req, 16) == sorted(heads + [12, 13, 14, 15])  # then the named span's rest
+    assert anchored(None, req, 18) == sorted(heads + [12, 13, 14, 15, 4, 5])  # then prompt order
+    assert anchored(None, req, 24) == list(range(24))
+    assert epic(None, req, 6) == [0, 1, 8, 9, 16, 17]  # the anchor: the budget split over the boundaries only
+    assert epic(None, req, 7) == [0, 1, 2, 8, 9, 10, 16]  # a remainder: the first spans get one more
+
+
 def test_qmatch_names_every_span_close_to_the_best_match_and_falls_back_to_prompt_order():
     from eval.engine_selections import qmatch_later
     from promptcache.engine.recompute import named_spans, qmatch

@@ -19,7 +19,7 @@ def test_bench_rag_smoke(tmp_path):
     assert set(by) == set(bench_rag.MODES) and (tmp_path / "bench_rag.csv").is_file()
     assert by["no_cache"]["token_hit_rate"] == 0.0
     assert 0.0 < by["exact"]["token_hit_rate"] < by["independent"]["token_hit_rate"] < 1.0  # "auto" recomputes some
-    assert by["hybrid"]["token_hit_rate"] == by["independent"]["token_hit_rate"]  # no chain store beside it
+    assert by["default"]["token_hit_rate"] == by["independent"]["token_hit_rate"]  # no chain store beside it
 
 
 def test_chain_hit_rates_by_hand():

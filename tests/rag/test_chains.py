@@ -1,4 +1,4 @@
-"""DocumentStore chains (the default): each document's states computed after the documents before
+"""DocumentStore chains (``exact=True``): each document's states computed after the documents before
 it in the request (RAGCache's knowledge tree). Answers equal a plain forward of the same tokens;
 a later request reuses its matching leading documents; ``canonical_order`` shares more; and
 independent documents with ``recompute=1.0`` equal a plain forward too."""
@@ -24,6 +24,7 @@ Q, SYS = "What is famous there?", "Answer briefly."
 
 
 def make_store(family="llama", **kw):
+    kw.setdefault("exact", not kw.get("independent"))
     store = DocumentStore(PromptCache(make_model(family), make_tokenizer()), **kw)
     for k, v in DOCS.items():
         store.add(k, v)
@@ -106,8 +107,9 @@ def test_documents_are_stored_in_kv_dtype(tmp_path, independent):
     def engine(kv_dtype):
         return PromptCache(make_model("llama"), make_tokenizer(), EngineConfig(runner=RunnerConfig(kv_dtype=kv_dtype)))
 
-    ref = DocumentStore(engine(None), path=tmp_path / "ref", independent=independent)  # the same states kept
-    half = DocumentStore(engine("bfloat16"), path=tmp_path / "docs", independent=independent)
+    ref = DocumentStore(engine(None), path=tmp_path / "ref", exact=not independent,
+                        independent=independent)  # the same states kept
+    half = DocumentStore(engine("bfloat16"), path=tmp_path / "docs", exact=not independent, independent=independent)
     for k, v in DOCS.items():
         ref.add(k, v)
         half.add(k, v)
@@ -117,7 +119,8 @@ def test_documents_are_stored_in_kv_dtype(tmp_path, independent):
         assert 0 < diff < 0.05 * want.logits.abs().max().item()  # rounded states, not exact; close (as for schemas)
     held = lambda store: sum(store.pc.store.usage().values())  # noqa: E731
     assert held(half) > 0 and 2 * held(half) == held(ref)  # every state in bfloat16: half the bytes
-    reopened = DocumentStore(engine("bfloat16"), path=tmp_path / "docs", independent=independent)
+    reopened = DocumentStore(engine("bfloat16"), path=tmp_path / "docs", exact=not independent,
+                             independent=independent)
     if independent:  # the persisted bfloat16 states are read back as they were stored
         assert torch.equal(reopened.prefill(Q, ["tokyo", "paris"], SYS).logits,
                            half.prefill(Q, ["tokyo", "paris"], SYS).logits)
@@ -130,7 +133,8 @@ def test_documents_are_stored_in_kv_dtype(tmp_path, independent):
 @pytest.mark.parametrize("family", ["llama", "bloom"])
 def test_hybrid_reuses_the_stored_chain_then_independent_documents(family):
     pc = PromptCache(make_model(family), make_tokenizer())
-    chains, hybrid = DocumentStore(pc), DocumentStore(pc, hybrid=True)
+    chains, hybrid = DocumentStore(pc, exact=True), DocumentStore(pc)  # the default mode is the hybrid
+    assert hybrid.mode == "reuse" and hybrid.hybrid and DocumentStore(pc, hybrid=True).mode == "reuse"
     for k, v in DOCS.items():
         chains.add(k, v)
         hybrid.add(k, v)
@@ -155,22 +159,24 @@ def test_hybrid_reuses_the_stored_chain_then_independent_documents(family):
     assert whole.exact and whole.recomputed_tokens == 0 and torch.max(torch.abs(whole.logits - ref)).item() <= TOL
 
 
-def test_hybrid_and_independent_exclude_each_other():
-    with pytest.raises(ValueError, match="independent=True and hybrid=True exclude each other"):
-        DocumentStore(PromptCache(make_model("llama"), make_tokenizer()), independent=True, hybrid=True)
+def test_modes_exclude_each_other():
+    pc = PromptCache(make_model("llama"), make_tokenizer())
+    for kw in ({"independent": True, "hybrid": True}, {"exact": True, "independent": True}):
+        with pytest.raises(ValueError, match="exclude each other"):
+            DocumentStore(pc, **kw)
 
 
 def test_chains_survive_a_restart_on_the_engines_spill_folder(tmp_path):
     from promptcache import EngineConfig, StoreConfig
 
     model, cfg = make_model("llama"), EngineConfig(store=StoreConfig(spill_dir=str(tmp_path / "spill")))
-    store = DocumentStore(PromptCache(model, make_tokenizer(), cfg))
+    store = DocumentStore(PromptCache(model, make_tokenizer(), cfg), exact=True)
     for k, v in DOCS.items():
         store.add(k, v)
     first = store.prefill(Q, ["tokyo", "paris"], SYS)
     assert store.pc.store.persist() > 0  # what `promptcache serve` does when it stops
     store.pc.store.close()
-    restarted = DocumentStore(PromptCache(model, make_tokenizer(), cfg))  # a new process on the same folder
+    restarted = DocumentStore(PromptCache(model, make_tokenizer(), cfg), exact=True)  # a new process on the same folder
     for k, v in DOCS.items():
         restarted.add(k, v)
     again = restarted.prefill(Q, ["tokyo", "paris"], SYS)

@@ -187,3 +187,59 @@ def test_documents_and_schema_modules_share_one_key_scheme():
     other.add("paris", DOCS["paris"])
     assert alone_key(ids, store.pc.model_key, "tenant-b") in store.pc.store and key != alone_key(
         ids, store.pc.model_key, "tenant-b")
+
+
+def _doc_tokens(store, ids):
+    return sum(len(store.get(d).token_ids) for d in ids)
+
+
+@pytest.mark.parametrize("persisted", [False, True], ids=["memory", "folder"])
+def test_first_question_after_add_reuses_every_document_in_any_order(tmp_path, persisted):
+    store = make_store(path=tmp_path / "d" if persisted else None)  # the default mode
+    assert store.mode == "reuse" and not store.exact
+    for k, v in DOCS.items():
+        store.add(k, v)
+    for ids in (["rome", "paris"], ["tokyo", "rome", "paris"], ["paris", "rome"]):  # subsets, any order
+        res = store.prefill("What is famous there?", ids, "S.")
+        prefix = len(store.layout("What is famous there?", [], "S.").spans[0])
+        assert res.cached_tokens == prefix + _doc_tokens(store, ids)  # every document from the cache
+        assert res.hit_tiers == {"host": 1 + len(ids)} and not res.exact  # the prefix and each document
+        assert 0 < res.recomputed_tokens < _doc_tokens(store, ids)  # "auto": a budget of their tokens
+        assert res.reused_tokens == res.cached_tokens - res.recomputed_tokens
+        assert res.new_tokens == sum(len(s) for s in res.layout.spans if s.kind == "new")  # separators, question
+
+
+def test_a_reopened_default_store_serves_its_documents_from_disk_at_once(tmp_path):
+    store = make_store(path=tmp_path / "d")
+    for k, v in DOCS.items():
+        store.add(k, v)
+    ref = store.prefill("Where?", ["tokyo", "paris"], "S.")
+    reopened = make_store(path=tmp_path / "d")  # a fresh engine: nothing in memory
+    res = reopened.prefill("Where?", ["tokyo", "paris"], "S.")
+    assert res.hit_tiers.get("disk") == 2  # both documents read back, none encoded again
+    assert res.cached_tokens == ref.cached_tokens and res.recomputed_tokens == ref.recomputed_tokens
+    assert torch.allclose(res.logits, ref.logits, atol=1e-5)
+
+
+def test_learned_position_models_default_to_exact_chains():
+    store = make_store("gpt2")
+    assert store.mode == "exact"
+    store.add("paris", DOCS["paris"])
+    assert store.prefill("Q?", ["paris"]).exact
+
+
+def test_the_shipped_rag_example_reuses_the_documents_on_its_first_run(tmp_path, capsys):
+    import importlib.util
+    import re
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "examples" / "rag.py"
+    spec = importlib.util.spec_from_file_location("rag_example", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    for run, (encoded, served) in enumerate([(8, 0), (0, 8)]):  # a first run, then one over the same folder
+        example.main(["--max-new-tokens", "2", "--store", str(tmp_path / "store")])
+        out = capsys.readouterr().out
+        assert f"{encoded} documents encoded and stored, {served} served" in out, run
+        lines = re.findall(r"(\d+) of (\d+) prompt tokens reused from the cache, (\d+) of the documents", out)
+        assert len(lines) == 3 and all(int(r) > int(n) // 2 and int(c) > 0 for r, n, c in lines), lines

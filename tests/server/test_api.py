@@ -135,9 +135,10 @@ def test_documents_through_extra_body(oai, pc, docs):
     first = ask(oai, msgs, max_tokens=5, extra_body={"documents": ["kyoto", "lisbon"]})
     r = ask(oai, msgs, max_tokens=5, extra_body={"documents": ["kyoto", "lisbon"]})
     assert first.choices[0].message.content == r.choices[0].message.content == expected.text
-    # the server plans chain documents as a token chain in its KV pool: the second request reuses
-    # every full block of the first (all but the last token must run)
-    block = 16  # the server's default block size
-    prompt = r.usage.prompt_tokens
-    assert prompt == expected.cached_tokens + expected.new_tokens
-    assert r.usage.prompt_tokens_details.cached_tokens == (prompt - 1) // block * block > 0
+    # the server's store is the library's default mode with its defaults: the documents encoded at
+    # add() are reused from the first request on, the same tokens recomputed as in the library
+    assert docs.mode == "reuse" and not expected.exact and expected.recomputed_tokens > 0
+    for res in (first, r):
+        assert res.usage.prompt_tokens == expected.cached_tokens + expected.new_tokens
+        assert res.usage.prompt_tokens_details.cached_tokens == expected.reused_tokens
+        assert expected.reused_tokens > sum(len(docs.get(d).token_ids) for d in ("kyoto", "lisbon")) // 2
