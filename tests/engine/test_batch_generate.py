@@ -103,8 +103,9 @@ def test_a_bad_prompt_fails_before_any_work_and_names_the_fault(pc):
     assert pc.engine().scheduler.steps == steps  # nothing was queued
 
 
-def test_documents_are_batched_as_pairs(pc):
-    store = DocumentStore(pc)
+@pytest.mark.parametrize("exact", [True, False], ids=["exact", "reuse"])
+def test_documents_are_batched_as_pairs(pc, exact):
+    store = DocumentStore(pc, exact=exact)
     for i, text in enumerate(["Paris is the capital of France.", "Tokyo is a city in Japan.",
                               "Rome has the Colosseum.", "Oslo is in Norway."]):
         store.add(f"d{i}", text)
@@ -113,11 +114,15 @@ def test_documents_are_batched_as_pairs(pc):
     one = [store.generate(q, ids, **GREEDY) for q, ids in pairs]
     many = store.generate(pairs, **GREEDY)
     assert [g.token_ids for g in many] == [g.token_ids for g in one]
-    assert all(g.exact for g in many) and many[0].cached_tokens > 0  # chains: the first turn's blocks reused
-    for (q, ids), g in zip(pairs, many):
-        layout = store.layout(q, ids)
-        want = pc.model.generate(torch.tensor([list(layout.token_ids)]), max_new_tokens=6, do_sample=False)
-        assert g.token_ids == want[0, len(layout.token_ids):].tolist()
+    assert all(g.cached_tokens > 0 for g in many)  # exact: the first turn's blocks; reuse: the documents
+    if exact:
+        assert all(g.exact for g in many)
+        for (q, ids), g in zip(pairs, many):
+            layout = store.layout(q, ids)
+            want = pc.model.generate(torch.tensor([list(layout.token_ids)]), max_new_tokens=6, do_sample=False)
+            assert g.token_ids == want[0, len(layout.token_ids):].tolist()
+    else:
+        assert not many[1].exact and many[1].reused_tokens > 0
     with pytest.raises(TypeError, match="doc_ids"):
         store.generate(pairs, ["d0"])
 
