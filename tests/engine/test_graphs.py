@@ -17,7 +17,9 @@ from promptcache.engine.kvpool import KVPool
 from promptcache.engine.request import Request
 from promptcache.engine.sampling import SamplingParams
 from promptcache.engine.serving import ServingScheduler
+from promptcache.engine import PmlPrompt
 from promptcache.errors import ConfigError
+from promptcache.pml import parse_prompt
 from tiny import fresh_model, make_model, make_tokenizer
 from trip import POOLED, PROMPTS, SCHEMA
 
@@ -32,8 +34,8 @@ def serve(pc, forward, budget: int, max_new: int = 6) -> tuple[list[Request], Se
     sched = ServingScheduler(pc.runner, pool, token_budget=budget, forward=forward)
     reqs = []
     for p in PROMPTS:
-        reqs.append(Request(None, SamplingParams(max_new_tokens=max_new, temperature=0.0), pc.tokenizer,
-                            plan=lambda pool, p=p: pc.plan(p, recompute=0)))
+        reqs.append(Request(PmlPrompt(pc, parse_prompt(p), recompute=0),
+                            SamplingParams(max_new_tokens=max_new, temperature=0.0), pc.tokenizer))
         sched.add(reqs[-1])
     while sched.has_work:
         sched.step()

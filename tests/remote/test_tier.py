@@ -210,6 +210,7 @@ def test_encode_lock_one_thread_encodes_the_other_waits(redis_server):
     with a.encode_lock(KEY, ttl=30) as mine:
         results["a"] = mine
         entered.set()
+        time.sleep(0.5)  # the waiter is at the lock before it is released (on a busy machine it was not always)
         a.put(KEY, state())
     t.join(timeout=60)
     assert results == {"a": True, "b": False}
