@@ -22,7 +22,7 @@ import torch
 
 from ..layout import PromptLayout
 
-__all__ = ["PrefillPlan", "Segment"]
+__all__ = ["PrefillPlan", "PromptSpec", "Segment"]
 
 
 @dataclass(eq=False)
@@ -59,3 +59,16 @@ class PrefillPlan:
         if not self.new_ids or len(self.new_ids) != len(self.new_pos):
             raise ValueError(f"a plan runs at least one new token with a position each "
                              f"(got {len(self.new_ids)} ids, {len(self.new_pos)} positions)")
+
+
+class PromptSpec:
+    """What a request asks the engine to prefill, planned by the scheduler at admission
+    (``prompts.py`` has the kinds): ``plan(pool)`` -> a ``PrefillPlan`` read from the pool and the
+    store, or None for a prompt assembled in a private buffer first, which ``prefill()`` runs
+    (a ``PrefillResult`` holding its cache)."""
+
+    def plan(self, pool) -> PrefillPlan | None:
+        raise NotImplementedError
+
+    def prefill(self):
+        raise NotImplementedError(f"{type(self).__name__} always plans into the pool")

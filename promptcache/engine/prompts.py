@@ -19,35 +19,21 @@ a prompt's logits and then decode from the same state).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from ..layout import PromptLayout
 from ..pml.nodes import Prompt
-from .plan import PrefillPlan
+from .plan import PrefillPlan, PromptSpec
+from .prefix import PrefixCache
 from .results import PrefillResult
 
-if TYPE_CHECKING:
-    from .facade import PromptCache
-    from .prefix import PrefixCache
-
 __all__ = ["PmlPrompt", "PrefilledPrompt", "PromptSpec", "TokenPrompt"]
-
-
-class PromptSpec:
-    """A prompt as the scheduler plans it (see the module's docstring)."""
-
-    def plan(self, pool) -> PrefillPlan | None:
-        raise NotImplementedError
-
-    def prefill(self) -> PrefillResult:
-        raise NotImplementedError(f"{type(self).__name__} always plans into the pool")
 
 
 @dataclass(frozen=True, eq=False)
 class PmlPrompt(PromptSpec):
     """A parsed PML prompt over a schema loaded in ``namespace`` (None: the engine's own)."""
 
-    pc: "PromptCache"
+    pc: object  # the PromptCache (facade.py) whose schemas it imports
     tree: Prompt
     namespace: str | None = None
     recompute: float | str | None = None  # None: the engine's RecomputeConfig
@@ -65,10 +51,10 @@ class TokenPrompt(PromptSpec):
     pool or the store (exact prefix reuse) and its own blocks are shared as they fill; without, it
     reuses and shares nothing (the baseline: every token runs). ``layout``: reported in results."""
 
-    pc: "PromptCache"
+    pc: object  # the PromptCache (facade.py) it runs on
     ids: tuple[int, ...]
     namespace: str
-    prefix: "PrefixCache | None" = None
+    prefix: PrefixCache | None = None
     layout: PromptLayout | None = None
 
     def __post_init__(self):

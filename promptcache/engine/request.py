@@ -29,8 +29,7 @@ from .sampling import Sampler, SamplingParams
 from .text import TextStream
 
 if TYPE_CHECKING:
-    from .plan import PrefillPlan
-    from .prompts import PromptSpec
+    from .plan import PrefillPlan, PromptSpec
 
 __all__ = ["Request", "Status", "StepOutput"]
 

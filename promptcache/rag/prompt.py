@@ -11,25 +11,21 @@ pool.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from ..engine import PrefillResult, PromptSpec, TokenPrompt
-
-if TYPE_CHECKING:
-    from ..engine.prefix import PrefixCache
-    from .store import DocumentStore
+from ..engine.prefix import PrefixCache
 
 __all__ = ["DocumentPrompt"]
 
 
 @dataclass(frozen=True, eq=False)
 class DocumentPrompt(PromptSpec):
-    store: "DocumentStore"
+    store: object  # the DocumentStore (store.py) that holds the documents
     question: str
     doc_ids: tuple[str, ...]
     system: str | None = None
     recompute: float | str | None = None
-    prefix: "PrefixCache | None" = None  # the chains of the engine that runs it (None: the library's engine)
+    prefix: PrefixCache | None = None  # the chains of the engine that runs it (None: the library's engine)
 
     def plan(self, pool):
         if self.store.private_prefill:
