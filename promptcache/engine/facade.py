@@ -179,7 +179,8 @@ class PromptCache:
         return layout_prompt(tree, schema, self.tok, max_positions=self.adapter.max_positions)
 
     def prefill(self, prompt: str | Path | Prompt, reserve: int = 0, keep_cache: bool = False,
-                namespace: str | None = None, *, recompute: float | str | None = None) -> PrefillResult:
+                namespace: str | None = None, *, recompute: float | str | None = None,
+                layout: PromptLayout | None = None) -> PrefillResult:
         """Assemble the prompt's cache and run its new tokens: next-token logits and statistics.
 
         ``keep_cache=True`` hands the assembled cache to the caller (``result.cache``, with room
@@ -192,10 +193,11 @@ class PromptCache:
         ``engine/recompute.py``). ``"auto"`` recomputes nothing for an exact layout and
         ``AUTO_FRACTION`` of the drifted tokens otherwise; 1.0 equals a plain forward over the
         prompt's tokens in prompt order at the layout's positions. ``res.exact`` and
-        ``res.recomputed_tokens`` say what the answer is."""
+        ``res.recomputed_tokens`` say what the answer is. ``layout``: the prompt's layout when the
+        caller has it already (``PmlPrompt``), so it is not computed twice."""
         t0 = time.perf_counter()
         r = self.recompute_fraction(recompute)
-        layout = self.layout(prompt, namespace)
+        layout = self.layout(prompt, namespace) if layout is None else layout
         entry = self.schema(layout.schema.name, namespace) if layout.schema is not None else None
         try:
             plan = assemble(layout, entry, self.store)
@@ -214,14 +216,14 @@ class PromptCache:
                                            recompute=req)
 
     def plan(self, prompt: str | Path | Prompt, namespace: str | None = None, *,
-             recompute: float | str | None = None) -> PrefillPlan | None:
+             recompute: float | str | None = None, layout: PromptLayout | None = None) -> PrefillPlan | None:
         """The prompt as a ``PrefillPlan`` for the serving scheduler: its stored states (read in
         place from the store's tensors, or promoted into the KV pool) and its new tokens. None
         when the prompt recomputes part of its cached states (a drifted layout under ``"auto"`` or
         any layout with ``recompute`` > 0 that is not exact): those are assembled in a private
         buffer (``prefill``), which the scheduler copies into the pool."""
         r = self.recompute_fraction(recompute)
-        layout = self.layout(prompt, namespace)
+        layout = self.layout(prompt, namespace) if layout is None else layout
         entry = self.schema(layout.schema.name, namespace) if layout.schema is not None else None
         if r > 0 and not is_exact(layout, entry):  # decided before any store lookup: the private
             return None  # prefill looks the states up itself (a lookup promotes them between tiers)
@@ -351,7 +353,7 @@ class PromptCache:
         layout = self.layout(tree, ns)
         if not use_cache:
             return TokenPrompt(self, tuple(layout.token_ids), ns, None, layout)
-        return PmlPrompt(self, tree, ns, recompute)
+        return PmlPrompt(self, tree, ns, recompute, layout)
 
     def chat_ids(self, messages: list[dict]) -> list[int]:
         """Token ids of chat messages rendered with the tokenizer's chat template and a generation prompt."""

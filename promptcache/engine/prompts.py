@@ -37,12 +37,14 @@ class PmlPrompt(PromptSpec):
     tree: Prompt
     namespace: str | None = None
     recompute: float | str | None = None  # None: the engine's RecomputeConfig
+    layout: PromptLayout | None = None  # laid out already (checked when the request was made)
 
     def plan(self, pool) -> PrefillPlan | None:
-        return self.pc.plan(self.tree, self.namespace, recompute=self.recompute)
+        return self.pc.plan(self.tree, self.namespace, recompute=self.recompute, layout=self.layout)
 
     def prefill(self) -> PrefillResult:
-        return self.pc.prefill(self.tree, keep_cache=True, namespace=self.namespace, recompute=self.recompute)
+        return self.pc.prefill(self.tree, keep_cache=True, namespace=self.namespace, recompute=self.recompute,
+                               layout=self.layout)
 
 
 @dataclass(frozen=True, eq=False)

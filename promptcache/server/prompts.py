@@ -143,7 +143,7 @@ class Planner:
         except PMLError as e:
             raise APIError(400, f"bad PML prompt: {e}", "pml") from None
         plan = self._sampling(req, max(layout.position_ids) + 1, max_tokens, default, "pml")
-        plan.prompt, plan.prompt_tokens = PmlPrompt(self.pc, tree, ns, req.recompute), len(layout.token_ids)
+        plan.prompt, plan.prompt_tokens = PmlPrompt(self.pc, tree, ns, req.recompute, layout), len(layout.token_ids)
         return plan
 
     def _documents(self, req: ChatRequest, msgs: list[dict], ns: str, max_tokens) -> Plan:
