@@ -12,18 +12,17 @@ from __future__ import annotations
 import argparse
 import io
 import shutil
-import socket
 import tempfile
 import threading
 import time
 from pathlib import Path
 
-import uvicorn
 from PIL import Image
 from selenium import webdriver
 from selenium.webdriver.common.by import By
 from selenium.webdriver.support.ui import WebDriverWait
 
+from eval.serve_load import start_server
 from promptcache.frontend.common import load_engine
 from promptcache.server import create_app
 from promptcache.server.compute import ComputeThread
@@ -33,17 +32,6 @@ PROMPT = ('<prompt schema="travel"><user><trip days="four" travelers="two adults
           " Which district should we stay in?</user></prompt>")
 FLAGS = ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
          "--disable-background-networking", "--disable-component-update", "--disable-sync", "--window-size=1280,900")
-
-
-def serve(app) -> str:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    threading.Thread(target=server.run, daemon=True).start()
-    while not server.started:
-        time.sleep(0.05)
-    return f"http://127.0.0.1:{port}"
 
 
 def shot(driver, path: Path) -> None:
@@ -75,7 +63,7 @@ def main() -> None:
     compute.call(pc.add_schema, ROOT / "schemas" / "travel.xml")
     app = create_app(pc, model_name=args.model, compute=compute)
     app.state.studio_sources = {"travel": (ROOT / "schemas" / "travel.xml").read_text()}  # as `promptcache studio` does
-    url = serve(app)
+    url = start_server(app)[1].removesuffix("/v1")
     profile = tempfile.mkdtemp(prefix="studio-shots-")
     opts = webdriver.ChromeOptions()
     opts.binary_location = shutil.which("chromium") or "/usr/bin/chromium"
