@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from ..engine import PrefillResult, PromptSpec, TokenPrompt
 from ..engine.prefix import PrefixCache
+from ..layout import PromptLayout
 
 __all__ = ["DocumentPrompt"]
 
@@ -26,11 +27,13 @@ class DocumentPrompt(PromptSpec):
     system: str | None = None
     recompute: float | str | None = None
     prefix: PrefixCache | None = None  # the chains of the engine that runs it (None: the library's engine)
+    layout: PromptLayout | None = None  # an exact store's prompt, laid out when the request was made
 
     def plan(self, pool):
         if self.store.private_prefill:
             return None
-        layout = self.store.layout(self.question, list(self.doc_ids), self.system)
+        layout = self.layout if self.layout is not None else self.store.layout(self.question, list(self.doc_ids),
+                                                                                self.system)
         pc = self.store.pc
         prefix = self.prefix if self.prefix is not None else pc.engine().prefix
         return TokenPrompt(pc, tuple(layout.token_ids), self.store.namespace, prefix, layout).plan(pool)

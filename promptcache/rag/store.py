@@ -198,13 +198,20 @@ class DocumentStore:
         return not self.exact
 
     def prompt(self, question: str, doc_ids: list[str], system: str | None = None, *,
-               recompute: float | str | None = None, prefix=None) -> DocumentPrompt:
+               recompute: float | str | None = None, prefix=None,
+               layout: PromptLayout | None = None) -> DocumentPrompt:
         """The question over ``doc_ids`` as a request's prompt (checked now: unknown ids fail here).
-        ``prefix``: the ``PrefixCache`` of the engine that runs it (None: ``pc.engine()``'s)."""
+        ``prefix``: the ``PrefixCache`` of the engine that runs it (None: ``pc.engine()``'s);
+        ``layout``: ``self.layout(question, doc_ids, system)`` when the caller has it. An exact
+        store's prompt is planned from its layout, laid out once, here."""
         if recompute is not None:
             check_recompute(recompute)
-        self._order(doc_ids)
-        return DocumentPrompt(self, question, tuple(doc_ids), system, recompute, prefix)
+        if self.private_prefill:
+            self._order(doc_ids)
+            layout = None
+        elif layout is None:
+            layout = self.layout(question, doc_ids, system)  # checks the ids too
+        return DocumentPrompt(self, question, tuple(doc_ids), system, recompute, prefix, layout)
 
     def generate(self, question: str | list[tuple[str, list[str]]], doc_ids: list[str] | None = None,
                  system: str | None = None, max_new_tokens: int = 64, *, recompute: float | str | None = None,

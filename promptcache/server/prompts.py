@@ -162,7 +162,8 @@ class Planner:
                            "documents", "document_not_found")
         layout = store.layout(question, ids, system)
         plan = self._sampling(req, max(layout.position_ids) + 1, max_tokens, CHAT_DEFAULT_MAX_TOKENS, "messages")
-        plan.prompt = store.prompt(question, ids, system, recompute=req.recompute, prefix=self.prefix)
+        plan.prompt = store.prompt(question, ids, system, recompute=req.recompute, prefix=self.prefix,
+                                   layout=layout)
         plan.prompt_tokens = len(layout.token_ids)
         return plan
 
