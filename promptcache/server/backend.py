@@ -131,7 +131,7 @@ class Backend:
             self._running = False
             self._cv.notify()
         futures.wait([self._done], 5.0)
-        if self.pool is not None and self._done.done():
+        if self._done.done():
             self.after_close(self.engine.close)  # shared blocks go down the store's tiers (persisted where the store persists)
 
     def after_close(self, fn: Callable[[], object]) -> None:

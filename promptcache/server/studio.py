@@ -141,7 +141,7 @@ def add_studio_routes(app: FastAPI, pc, planner, prefix, backend, namespace, pla
 
             def where(i: int) -> str:
                 key = entry.keys[i]
-                return "pool" if pool is not None and key in pool else (pc.store.tier_of(key) or "missing")
+                return "pool" if key in pool else (pc.store.tier_of(key) or "missing")
 
             view = studio_views.prompt_view(layout, pc.tokenizer, where)
             why = studio_views.why_not_exact(layout, entry.contexts) if entry else None
@@ -161,7 +161,7 @@ def add_studio_routes(app: FastAPI, pc, planner, prefix, backend, namespace, pla
             pool = backend.pool
             view = studio_views.chain_view(
                 ids, keys, prefix.block_size, pc.tokenizer,
-                lambda k: "pool" if pool is not None and k in pool else (pc.store.tier_of(k) or "computed"))
+                lambda k: "pool" if k in pool else (pc.store.tier_of(k) or "computed"))
             view.update(exact=True, why=None, schema=None)
         view["cached_tokens"] = sum(s["tokens"] for s in view["spans"] if s["kind"] == "cached")
         view["new_tokens"] = sum(s["tokens"] for s in view["spans"] if s["kind"] != "cached")
@@ -218,16 +218,15 @@ def add_studio_routes(app: FastAPI, pc, planner, prefix, backend, namespace, pla
             for i, key in entry.keys.items():
                 own[key] = f"{name}: {entry.layout.spans[i].name}"
                 modules.append({"label": own[key], "tokens": len(entry.layout.spans[i].token_ids),
-                                "where": "pool" if backend.pool is not None and key in backend.pool
+                                "where": "pool" if key in backend.pool
                                 else (pc.store.tier_of(key) or "missing")})
         out = {"namespace": ns, "time": time.time(), "tiers": pc.store.describe(),
                "pins": _pins(pc.store.pins), "series": traffic.series(ns), "totals": traffic.total(ns),
-               "modules": modules, "pool": None}
-        if backend.pool is not None:
-            snap = backend.pool.describe()
-            codes, mine = studio_cache.blocks(snap, own, all_own=not tenants)
-            out["pool"] = {"block_size": snap["block_size"], "codes": codes, "counts": studio_cache.summary(codes),
-                           "entries": mine, "evictions": snap["evictions"]}
+               "modules": modules}
+        snap = backend.pool.describe()  # every model runs on the pool
+        codes, mine = studio_cache.blocks(snap, own, all_own=not tenants)
+        out["pool"] = {"block_size": snap["block_size"], "codes": codes, "counts": studio_cache.summary(codes),
+                       "entries": mine, "evictions": snap["evictions"]}
         return out
 
 
