@@ -225,10 +225,10 @@ class SpliceCache(Cache):
             off += n
         return hit
 
-    def place(self, spans: list[tuple[object, object, torch.Tensor]]) -> int:
-        """Put stored spans (key, kv [L, 2, H, n, D], positions [n]) at slots 0.. in order, copying
-        only those not already resident at their slot; set the length. Returns bytes copied.
-        ``kv`` may be a zero-argument callable, called only when the span must be copied.
+    def place(self, segments) -> int:
+        """Put stored segments (``engine.plan.Segment``: ``key``, ``positions`` [n], ``states()`` ->
+        kv [L, 2, H, n, D]) at slots 0.. in order, copying only those not already resident at their
+        slot (``states()`` is called only then); set the length. Returns bytes copied.
 
         With ``overlap`` on a GPU, spans held in host memory are copied on a side stream in groups
         of layers, and layer ``l`` of the next forward waits only for its group's copies
@@ -236,10 +236,10 @@ class SpliceCache(Cache):
         old, new, off, copied = self.resident or {}, {}, 0, 0
         self.resident = {}  # until placement completes, nothing in this buffer is trusted
         from_host = []  # (off, kv) copied layer by layer on the side stream
-        for key, kv, pos in spans:
-            n = len(pos)
+        for seg in segments:
+            key, pos, n = seg.key, seg.positions, seg.n
             if old.get(off) != (key, n):
-                kv = kv() if callable(kv) else kv
+                kv = seg.states()
                 if self.overlap and self.buf.is_cuda and not kv.is_cuda:
                     self.ensure_capacity(off + n)  # (``write`` does this itself)
                     from_host.append((off, kv))
@@ -407,23 +407,23 @@ class CachePool:
         cache.resident = {}
         return cache
 
-    def prewarm(self, capacity: int, spans: list[tuple[object, object, torch.Tensor]] = ()) -> None:
+    def prewarm(self, capacity: int, segments=()) -> None:
         """Have a free buffer of at least ``capacity`` slots with its pages already touched, so the
         first prompt does not pay for faulting in fresh memory (tens of ms per 100 MiB on CPU).
-        ``spans`` (as for ``SpliceCache.place``) are placed in it at slots 0.. in order: a first
+        ``segments`` (as for ``SpliceCache.place``) are placed in it at slots 0.. in order: a first
         prompt importing them in that order copies nothing."""
         capacity = -(-capacity // self.granule) * self.granule
         with self._lock:
             fits = [c for c in self._free if c.capacity >= capacity]
-            cache = max(fits, key=lambda c: c.resident_match([(k, len(p)) for k, _, p in spans])) if fits else None
+            cache = max(fits, key=lambda c: c.resident_match([(seg.key, seg.n) for seg in segments])) if fits else None
             if cache is not None:
                 self._free.remove(cache)
         if cache is None:
             cache = SpliceCache(self.spec, capacity, device=self.device, pin=self.pin, overlap=self.overlap)
             cache.buf.zero_()
             cache.resident = {}
-        if spans:
-            cache.place(spans)
+        if segments:
+            cache.place(segments)
         self.release(cache)
 
     def release(self, cache: SpliceCache) -> None:

@@ -13,6 +13,7 @@ import torch
 from transformers import DynamicCache
 
 from promptcache.cache import SpliceCache
+from promptcache.engine.plan import Segment
 from promptcache.models import get_adapter
 
 
@@ -135,7 +136,7 @@ def assembled_cache(model, schema_layout, prompt_layout, room=64):
         lo, hi = len(ids) - len(span.token_ids), len(ids)
         kv = torch.stack([torch.stack([_layer_kv(past, l)[0][0, :, lo:hi], _layer_kv(past, l)[1][0, :, lo:hi]])
                           for l in range(n_layers)])  # [L, 2, H, n, D]
-        placed.append((i, kv, torch.tensor(span.position_ids)))
+        placed.append(Segment(str(i), kv, torch.tensor(span.position_ids)))
     n_cached = sum(len(s) for s in prompt_layout.cached)
     cache = SpliceCache(adapter.kv_spec(), n_cached + room)
     cache.place(placed)

@@ -14,47 +14,39 @@ Decisions:
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass
 
 from ..layout import PromptLayout, Span
+from .plan import PrefillPlan, Segment
 from .registry import EncodedSchema
 
-__all__ = ["Assembly", "assemble", "is_exact", "leading_exact"]
+__all__ = ["assemble", "is_exact", "leading_exact", "moves_last"]
 
 
-@dataclass(frozen=True, kw_only=True)
-class Assembly:
-    cached: list[tuple]  # (content key, kv [L, 2, H, n, D], positions [n]) in KV order
-    new_ids: list[int]  # [T], T >= 1
-    new_pos: list[int]  # [T]
-    max_position: int  # the prompt's largest position ID
-    hit_tiers: dict[str, int]  # cached spans served per store tier
-    exact: bool  # the assembled state equals a plain prefill of the same tokens
-    moved_last: bool = False  # no new token: the last cached token runs as the new one
-
-
-def assemble(layout: PromptLayout, entry: EncodedSchema | None, store) -> Assembly:
-    """``store.get(key) -> (kv, tier)`` for every cached span of ``layout`` (from ``entry``)."""
+def assemble(layout: PromptLayout, entry: EncodedSchema | None, store) -> PrefillPlan:
+    """The layout's plan: ``store.get(key) -> (kv, tier)`` for every cached span (keys from
+    ``entry``), read in place (segments in KV order), and its new tokens."""
     hits: Counter[str] = Counter()
-    cached = []  # (content key, kv, positions, span index)
+    segments = []
     cached_spans, new_spans = layout.cached, layout.new  # each is a filter over the spans: once
     for s in cached_spans:
         key = entry.keys[s.schema_index]
         kv, tier = store.get(key)
         hits[tier] += 1
-        cached.append((key, kv, entry.positions[s.schema_index], s.schema_index))
+        segments.append(Segment(key, kv, entry.positions[s.schema_index]))
     new_ids = [t for s in new_spans for t in s.token_ids]
     new_pos = [p for s in new_spans for p in s.position_ids]
-    moved_last = not new_ids
     if not new_ids:  # recompute the last cached token so there are logits to return
-        last = cached_spans[-1]
+        last, seg = cached_spans[-1], segments[-1]
         new_ids, new_pos = [last.token_ids[-1]], [last.position_ids[-1]]
-        key, kv, pos, idx = cached[-1]
-        cached[-1] = (key + "[:-1]", kv[:, :, :, :-1], pos[:-1], idx)
-    exact = _is_exact(cached_spans, new_spans, entry, [idx for *_, idx in cached])
-    return Assembly(cached=[(k, kv, pos) for k, kv, pos, _ in cached], new_ids=new_ids, new_pos=new_pos,
-                    max_position=max(layout.position_ids), hit_tiers=dict(hits), exact=exact,
-                    moved_last=moved_last)
+        segments[-1] = Segment(seg.key + "[:-1]", seg.kv[:, :, :, :-1], seg.positions[:-1])
+    exact = _is_exact(cached_spans, new_spans, entry, [s.schema_index for s in cached_spans])
+    return PrefillPlan(segments=segments, new_ids=new_ids, new_pos=new_pos, max_position=max(layout.position_ids),
+                       exact=exact, layout=layout, hit_tiers=dict(hits))
+
+
+def moves_last(layout: PromptLayout) -> bool:
+    """The prompt has no new token: its last cached token runs as the new one (``assemble``'s rule)."""
+    return not any(s.token_ids for s in layout.new)
 
 
 def is_exact(layout: PromptLayout, entry: EncodedSchema | None) -> bool:

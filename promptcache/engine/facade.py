@@ -39,7 +39,7 @@ from ..store import StoreError, build_store
 from ..tokens import as_span_tokenizer
 from ..tunables import PREWARM_SLACK
 from . import compiled
-from .assemble import assemble, is_exact, leading_exact
+from .assemble import assemble, is_exact, leading_exact, moves_last
 from .config import EngineConfig, ServingConfig
 from .core import Engine
 from .encoder import Progress, SchemaEncoder
@@ -139,10 +139,13 @@ class PromptCache:
         assembly buffer now (CPU), so the first prompt finds them in place; False leaves states
         held by another tier unread (a lazily loaded artifact, states in a remote store)."""
         entry = self.registry.register(layout, keys, namespace, seconds)
-        stored = [(keys[i], functools.partial(lambda k: self.store.get(k)[0], keys[i]), entry.positions[i])
+        stored = [Segment(keys[i], None, entry.positions[i], load=functools.partial(self._stored_states, keys[i]))
                   for i in entry.default_order()] if place else []
         self.runner.prewarm(layout.end + PREWARM_SLACK, stored)
         return entry
+
+    def _stored_states(self, key: str) -> torch.Tensor:
+        return self.store.get(key)[0]
 
     def compile(self, schema: str | Path, out_dir: str | Path, progress: Progress | None = None,
                 namespace: str | None = None, source_name: str | None = None) -> Path:
@@ -199,21 +202,12 @@ class PromptCache:
         r = self.recompute_fraction(recompute)
         layout = self.layout(prompt, namespace) if layout is None else layout
         entry = self.schema(layout.schema.name, namespace) if layout.schema is not None else None
-        try:
-            plan = assemble(layout, entry, self.store)
-        except StoreError as e:  # a state vanished (shared tier down or evicted) or failed verification
-            if entry is None:
-                raise
-            log.warning("schema '%s': a stored state cannot be used (%s); re-encoding what is missing", entry.name, e)
-            self._ensure_states(entry.layout, entry.keys, fetch=True)
-            plan = assemble(layout, entry, self.store)
+        plan = self._assemble(layout, entry)
         req = None
         if r > 0 and not plan.exact:  # exact plans (and r = 0) skip this walk over the layout
             req = recompute_request(layout, leading_exact(layout, entry), r, self.config.recompute.selection,
-                                    plan.moved_last)
-        return self.runner.prefill_spliced(plan.cached, plan.new_ids, plan.new_pos, plan.max_position, t0, reserve,
-                                           keep_cache, exact=plan.exact, layout=layout, hit_tiers=plan.hit_tiers,
-                                           recompute=req)
+                                    moves_last(layout))
+        return self.runner.prefill_spliced(plan, t0, reserve, keep_cache, recompute=req)
 
     def plan(self, prompt: str | Path | Prompt, namespace: str | None = None, *,
              recompute: float | str | None = None, layout: PromptLayout | None = None) -> PrefillPlan | None:
@@ -227,36 +221,31 @@ class PromptCache:
         entry = self.schema(layout.schema.name, namespace) if layout.schema is not None else None
         if r > 0 and not is_exact(layout, entry):  # decided before any store lookup: the private
             return None  # prefill looks the states up itself (a lookup promotes them between tiers)
+        return self._assemble(layout, entry)
+
+    def _assemble(self, layout: PromptLayout, entry: EncodedSchema | None) -> PrefillPlan:
+        """``assemble.assemble``; a stored state that vanished (shared tier down or evicted) or
+        failed verification is re-encoded with the schema's other missing states, once."""
         try:
-            a = assemble(layout, entry, self.store)
-        except StoreError as e:  # as in ``prefill``: re-encode what vanished, once
+            return assemble(layout, entry, self.store)
+        except StoreError as e:
             if entry is None:
                 raise
             log.warning("schema '%s': a stored state cannot be used (%s); re-encoding what is missing", entry.name, e)
             self._ensure_states(entry.layout, entry.keys, fetch=True)
-            a = assemble(layout, entry, self.store)
-        segments = [Segment(key, kv, pos) for key, kv, pos in a.cached]
-        return PrefillPlan(segments=segments, new_ids=a.new_ids, new_pos=a.new_pos, max_position=a.max_position,
-                           exact=a.exact, layout=layout, hit_tiers=a.hit_tiers)
+            return assemble(layout, entry, self.store)
 
     def recompute_fraction(self, recompute: float | str | None) -> float:
         """The fraction a call uses: ``None`` means ``config.recompute.fraction``; else checked to be
         ``"auto"`` (``AUTO_FRACTION`` of the drifted tokens) or a fraction in [0, 1]."""
         return fraction_of(self.config.recompute.fraction if recompute is None else check_recompute(recompute))
 
-    def run_spliced(self, cached: list[tuple[str, torch.Tensor, torch.Tensor]], new_ids: list[int],
-                    new_pos: list[int], max_position: int, t0: float | None = None, reserve: int = 0,
-                    keep_cache: bool = False, *, layout: PromptLayout | None = None,
-                    hit_tiers: dict[str, int] | None = None, exact: bool = False,
-                    recompute: RecomputeRequest | None = None) -> PrefillResult:
-        """The splice itself: stored states (content key, kv [L, 2, H, n, D], positions [n]) placed
-        in order, then ``new_ids`` run at ``new_pos`` on top; ``max_position`` is the largest
-        position of the prompt (generation continues after it). Used by the RAG store, which
-        passes its ``layout`` and ``hit_tiers`` for the result. ``exact``: the caller vouches that
-        the states equal a plain prefill (the RAG store's chains); ``recompute``: a request from
-        ``recompute.recompute_request``."""
-        return self.runner.prefill_spliced(cached, new_ids, new_pos, max_position, t0, reserve, keep_cache,
-                                           layout=layout, hit_tiers=hit_tiers, exact=exact, recompute=recompute)
+    def run_spliced(self, plan: PrefillPlan, t0: float | None = None, reserve: int = 0, keep_cache: bool = False,
+                    *, recompute: RecomputeRequest | None = None) -> PrefillResult:
+        """A plan the caller made (stored segments in KV order, new tokens at their positions),
+        assembled in a private buffer and run: the RAG store's prompts. ``recompute``: a request
+        from ``recompute.recompute_request``."""
+        return self.runner.prefill_spliced(plan, t0, reserve, keep_cache, recompute=recompute)
 
     def prefill_baseline(self, prompt, namespace: str | None = None) -> PrefillResult:
         """Full prefill of the prompt's tokens (prompt order, positions 0..n-1), stock model path."""

@@ -1,10 +1,11 @@
 """``PrefillPlan``: what one prompt's prefill reads and runs, whoever planned it.
 
-Three planners produce it: PML schema prompts (``PromptCache.plan``), token chains (the
-server's automatic prefix reuse and ``DocumentStore`` chains: ``chains.ChainPlanner``) and, for
-prompts that must be assembled in a private buffer first (selective recompute, independent
-documents), any ``start(reserve) -> PrefillResult`` (``ServingScheduler`` copies that result into
-the request's own blocks). The serving scheduler takes a plan and nothing else.
+Two planners produce it: PML schema prompts (``assemble.assemble``, through ``PromptCache.plan``)
+and token chains (the server's automatic prefix reuse and ``DocumentStore`` chains:
+``chains.ChainPlanner``). The serving scheduler reads a plan from the pool and the store; a prompt
+that recomputes part of its stored states is instead assembled in a private buffer from the same
+plan (``ModelRunner.prefill_spliced``), and the scheduler copies that buffer into the request's own
+blocks.
 
 A plan's ``segments`` are stored states read in place, in KV order; ``new_ids`` run after them
 at ``new_pos``. ``publish`` (chains only) names the keys under which the request's own full
@@ -30,14 +31,25 @@ class Segment:
     """Stored states a prompt reads: ``key`` names them (content key or chain block key)."""
 
     key: str
-    kv: torch.Tensor | None  # [L, 2, H, n, D] (None: already a shared entry of the pool under ``key``)
+    kv: torch.Tensor | None  # [L, 2, H, n, D] (None: already a shared entry of the pool under ``key``,
+    # or given by ``load``)
     positions: torch.Tensor  # [n] position IDs
     promote: bool = False  # copy into the pool even where it could be read in place (small chain
     # blocks: in the pool, consecutive blocks form one run that attention reads as one view)
+    load: Callable[[], torch.Tensor] | None = None  # gives ``kv`` when it is needed (a private buffer
+    # that already holds the segment at its slot never calls it)
 
     @property
     def n(self) -> int:
         return len(self.positions)
+
+    def states(self) -> torch.Tensor:
+        """The segment's states [L, 2, H, n, D] (``load``-ed when not held)."""
+        if self.kv is not None:
+            return self.kv
+        if self.load is None:
+            raise RuntimeError(f"segment {self.key} holds no states (a pool entry's key)")
+        return self.load()
 
 
 @dataclass(eq=False, kw_only=True)

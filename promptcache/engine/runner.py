@@ -1,5 +1,5 @@
 """``ModelRunner``: the model and everything needed to run it (adapter, KV spec, device, forward
-lock, buffer pool, EOS ids): ``forward``, the spliced (private buffer) and the plain prefill.
+lock, buffer pool, EOS ids): ``forward``, a plan assembled in a private buffer and the plain prefill.
 
 Decisions:
   * Every forward of an engine goes through ``forward`` / ``prefill_plain`` (and the serving
@@ -22,13 +22,11 @@ import torch
 from ..cache import CachePool, KVSpec, SpliceCache
 from ..layout import PromptLayout
 from ..models import get_adapter
+from .plan import PrefillPlan, Segment
 from .recompute import RecomputeRequest, run_recompute
 from .results import PrefillResult
 
 __all__ = ["ModelRunner", "eos_ids"]
-
-CachedSpan = tuple  # (content key, kv [L, 2, H, n, D] or a zero-argument callable giving it, positions [n])
-
 
 def eos_ids(model, tokenizer) -> frozenset[int]:
     """Token ids that end generation: the model's generation config, else the tokenizer's EOS."""
@@ -59,26 +57,25 @@ class ModelRunner:
         with self.lock:
             return self.adapter.forward(ids, pos, cache)
 
-    def prefill_spliced(self, cached: list[CachedSpan], new_ids: list[int], new_pos: list[int], max_position: int,
-                        t0: float | None = None, reserve: int = 0, keep_cache: bool = False, *, exact: bool = False,
-                        layout: PromptLayout | None = None, hit_tiers: dict[str, int] | None = None,
-                        recompute: RecomputeRequest | None = None) -> PrefillResult:
-        """Place stored spans at slots 0.. in order (copying only those not already in place), run
-        ``new_ids`` at ``new_pos`` on top. ``max_position``: the prompt's largest position
-        (generation continues after it); ``reserve``: slots kept free for generated tokens.
-        ``recompute``: also compute a selection of the cached tokens afresh (``recompute.py``);
-        with every candidate recomputed and the layout's positions 0..n-1 the result is exact."""
+    def prefill_spliced(self, plan: PrefillPlan, t0: float | None = None, reserve: int = 0,
+                        keep_cache: bool = False, recompute: RecomputeRequest | None = None) -> PrefillResult:
+        """The plan assembled in a private buffer: its segments placed at slots 0.. in order (copying
+        only those not already in place), its new tokens run on top; ``reserve``: slots kept free
+        for generated tokens. ``recompute``: also compute a selection of the cached tokens afresh
+        (``recompute.py``); with every candidate recomputed and the layout's positions 0..n-1 the
+        result is exact."""
         t0 = time.perf_counter() if t0 is None else t0
-        n_cached = sum(len(p) for _, _, p in cached)
+        segments, new_ids, new_pos, layout = plan.segments, plan.new_ids, plan.new_pos, plan.layout
+        n_cached = plan.cached_tokens
         capacity = n_cached + len(new_ids) + reserve
-        self.adapter.check_limits(max_position, capacity)
+        self.adapter.check_limits(plan.max_position, capacity)
         # before the spans are placed: a tensor built from a list on a GPU waits for the stream, which
         # must not hold the (asynchronous) copies of the stored spans yet
         ids = torch.tensor([new_ids], dtype=torch.long, device=self.device)  # [1, T]
         pos = torch.tensor([new_pos], dtype=torch.long, device=self.device)  # [1, T]
-        cache = self.pool.acquire(capacity, [(k, len(p)) for k, _, p in cached])
+        cache = self.pool.acquire(capacity, [(seg.key, seg.n) for seg in segments])
         try:
-            copied = cache.place(cached)
+            copied = cache.place(segments)
             if recompute is None:
                 logits, redone = self.forward(ids, pos, cache)[0], 0  # [V]
             else:
@@ -90,14 +87,15 @@ class ModelRunner:
             self.pool.release(cache)
             raise
         ttft = time.perf_counter() - t0
+        exact = plan.exact
         if redone and redone == len(recompute.candidates) and layout is not None:
             exact = exact or list(layout.position_ids) == list(range(len(layout.position_ids)))
         if not keep_cache:
             self.pool.release(cache)
             cache = None
         return PrefillResult(logits=logits, ttft=ttft, cached_tokens=n_cached, new_tokens=len(new_ids), exact=exact,
-                             bytes_copied=copied, hit_tiers=dict(hit_tiers or {}), layout=layout, cache=cache,
-                             next_position=max_position + 1, recomputed_tokens=redone)
+                             bytes_copied=copied, hit_tiers=dict(plan.hit_tiers), layout=layout, cache=cache,
+                             next_position=plan.max_position + 1, recomputed_tokens=redone)
 
     def prefill_plain(self, token_ids: list[int], t0: float | None = None,
                       layout: PromptLayout | None = None) -> PrefillResult:
@@ -127,12 +125,12 @@ class ModelRunner:
         """Keep the buffers, forget what they hold: the next prompt copies every stored span."""
         self.pool.forget_residents()
 
-    def prewarm(self, capacity: int, spans: list[CachedSpan] = ()) -> None:
+    def prewarm(self, capacity: int, segments: list[Segment] = ()) -> None:
         """On CPU, have a touched buffer of ``capacity`` slots (fresh memory faults page by page)
-        holding ``spans`` at slots 0.. in order, so a fresh process's first prompt that imports
+        holding ``segments`` at slots 0.. in order, so a fresh process's first prompt that imports
         them in that order copies nothing (the copy is paid here, once, at registration)."""
         if self.device.type == "cpu":
-            self.pool.prewarm(capacity, spans)
+            self.pool.prewarm(capacity, segments)
 
     def sync(self) -> None:
         if self.device.type == "cuda":

@@ -55,6 +55,7 @@ rewrites its file.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -64,6 +65,7 @@ import torch
 
 from ..engine import Generation, PrefillResult, PromptCache
 from ..engine.chains import chained, stored_run
+from ..engine.plan import PrefillPlan, Segment
 from ..engine.recompute import check_recompute, check_selection, recompute_request
 from ..keys import alone_key, chain_root, token_digest
 from ..layout import PromptLayout, Span
@@ -285,7 +287,7 @@ class DocumentStore:
             self._put(key, self.pc.encode_span(list(first.token_ids)))
         kv, tier = self.pc.store.get(key)
         hits[tier] = hits.get(tier, 0) + 1
-        cached.append((key, kv, torch.arange(len(first.token_ids), device=self.pc.device)))
+        cached.append(Segment(key, kv, torch.arange(len(first.token_ids), device=self.pc.device)))
 
     def _prefill_independent(self, question: str, docs: list[Document], system: str | None, reserve: int,
                              keep_cache: bool, t0: float, r: float, found: tuple) -> PrefillResult:
@@ -295,7 +297,7 @@ class DocumentStore:
         question run."""
         cached, hits, chained = found
         layout, _ = self._layout(question, docs, system, chained)
-        n_exact = sum(len(p) for *_, p in cached)
+        n_exact = sum(seg.n for seg in cached)
         more, more_hits = self._independent_states(layout, chained)
         cached += more
         for tier, n in more_hits.items():
@@ -304,13 +306,13 @@ class DocumentStore:
         drifted = chained < len(docs)
         req = recompute_request(layout, n_exact, r, self.selection, False) \
             if r > 0 and drifted else None
-        return self.pc.run_spliced(cached, [t for s in new for t in s.token_ids],
-                                   [p for s in new for p in s.position_ids], max(layout.position_ids), t0,
-                                   reserve, keep_cache, layout=layout, hit_tiers=hits, exact=not drifted,
-                                   recompute=req)
+        plan = PrefillPlan(segments=cached, new_ids=[t for s in new for t in s.token_ids],
+                           new_pos=[p for s in new for p in s.position_ids], max_position=max(layout.position_ids),
+                           exact=not drifted, layout=layout, hit_tiers=hits)
+        return self.pc.run_spliced(plan, t0, reserve, keep_cache, recompute=req)
 
     def _independent_states(self, layout: PromptLayout, skip: int):
-        """(cached states for run_spliced, tier hits): each document after the first ``skip``
+        """(stored segments, tier hits): each document after the first ``skip``
         moved to its start."""
         cached, hits, device = [], {}, self.pc.device
         for span in [s for s in layout.spans if s.name.startswith("doc:")][skip:]:
@@ -320,18 +322,22 @@ class DocumentStore:
             kv, tier = self.pc.store.get(key)
             hits[tier] = hits.get(tier, 0) + 1
             start = span.position_ids[0]
-            moved = (lambda kv=kv, start=start: relocate(self.pc.adapter, kv, start)) if start else kv
-            cached.append((f"{key}@{start}", moved, torch.arange(start, start + len(span), device=device)))
+            positions = torch.arange(start, start + len(span), device=device)
+            if start:  # moved to its place only when a buffer does not hold it there already
+                cached.append(Segment(f"{key}@{start}", None, positions,
+                                      load=functools.partial(relocate, self.pc.adapter, kv, start)))
+            else:
+                cached.append(Segment(f"{key}@0", kv, positions))
         return cached, hits
 
     def _chain_states(self, layout: PromptLayout, docs: list[Document]) -> tuple[list, dict]:
-        """(cached states, tier hits): the prefix, then the longest stored chain of the leading
+        """(stored segments, tier hits): the prefix, then the longest stored chain of the leading
         documents (chain spans of ``layout``: each document with its separator)."""
         cached, hits = [], {}
         self._prefix_state(layout, cached, hits)
         spans = [s for s in layout.spans if s.name.startswith("doc:")][:len(docs)]
         found, chain_hits = stored_run(self.pc.store, self._chain_keys(cached, spans))
-        cached += [(key, kv, torch.tensor(span.position_ids, device=self.pc.device))
+        cached += [Segment(key, kv, torch.tensor(span.position_ids, device=self.pc.device))
                    for (key, kv), span in zip(found, spans)]
         for tier, n in chain_hits.items():
             hits[tier] = hits.get(tier, 0) + n
@@ -339,7 +345,7 @@ class DocumentStore:
 
     def _chain_keys(self, cached: list, spans: list[Span]) -> list[str]:
         """Chain keys of ``spans`` after the last of ``cached`` (the prefix, or the chain's root)."""
-        parent = cached[-1][0] if cached else chain_root(self.pc.model_key, self.namespace)
+        parent = cached[-1].key if cached else chain_root(self.pc.model_key, self.namespace)
         return chained(parent, [(s.token_ids, s.position_ids[0]) for s in spans])
 
     def _prefill_chain(self, question: str, docs: list[Document], system: str | None, reserve: int,
@@ -354,11 +360,12 @@ class DocumentStore:
         run = spans[matched:] + [layout.spans[-1]]
         ran = PromptLayout([Span("new", s.name, s.token_ids, s.position_ids, s.source) if s in run else s
                             for s in layout.spans], None)  # what ran: the unmatched documents are new
-        res = self.pc.run_spliced(cached, [t for s in run for t in s.token_ids],
-                                  [p for s in run for p in s.position_ids], max(layout.position_ids), t0,
-                                  reserve, keep_cache or bool(links), layout=ran, hit_tiers=hits, exact=True)
+        plan = PrefillPlan(segments=cached, new_ids=[t for s in run for t in s.token_ids],
+                           new_pos=[p for s in run for p in s.position_ids], max_position=max(layout.position_ids),
+                           exact=True, layout=ran, hit_tiers=hits)
+        res = self.pc.run_spliced(plan, t0, reserve, keep_cache or bool(links))
         if links:
-            off = sum(len(pos) for *_, pos in cached)
+            off = sum(seg.n for seg in cached)
             for key, n in links:
                 self._put(key, res.cache.read(off, n))
                 off += n

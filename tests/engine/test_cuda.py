@@ -13,6 +13,7 @@ import torch
 from promptcache import PromptCache, SamplingParams
 from promptcache.cache import KVSpec, SpliceCache
 from promptcache.engine import EngineConfig, RunnerConfig, StoreConfig
+from promptcache.engine.plan import Segment
 from tiny import fresh_model, make_tokenizer
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -62,7 +63,7 @@ def test_gpu_tiers_match_cpu(cpu, config):
 def test_overlapped_copy_equals_serial_copy_bit_for_bit():
     torch.manual_seed(0)
     spec = KVSpec(layers=6, kv_heads=4, head_dim=16, dtype=torch.float32)
-    spans = [(f"m{i}", torch.randn(6, 2, 4, n, 16).pin_memory(), torch.arange(10 * i, 10 * i + n))
+    spans = [Segment(f"m{i}", torch.randn(6, 2, 4, n, 16).pin_memory(), torch.arange(10 * i, 10 * i + n))
              for i, n in enumerate([7, 300, 33])]
     out = {}
     for overlap in (True, False):
@@ -71,9 +72,9 @@ def test_overlapped_copy_equals_serial_copy_bit_for_bit():
         cache.place(spans)
         assert (cache.layer_ready is not None) == overlap
         out[overlap] = cache.read(0, cache.length).cpu()
-        assert torch.equal(cache.positions[0, : cache.length].cpu(), torch.cat([p for _, _, p in spans]))
+        assert torch.equal(cache.positions[0, : cache.length].cpu(), torch.cat([seg.positions for seg in spans]))
     assert torch.equal(out[True], out[False])
-    assert torch.equal(out[True], torch.cat([kv for _, kv, _ in spans], dim=3))
+    assert torch.equal(out[True], torch.cat([seg.kv for seg in spans], dim=3))
 
 
 @pytest.mark.parametrize("kv_dtype", ["bfloat16", "float16"])
