@@ -129,11 +129,13 @@ class Adapter:
     @property
     def context_limit(self) -> int | None:
         """Most tokens one sequence (prompt plus answer) may hold and be served exactly: the
-        smallest of the context (``max_positions``, which knows bounded ropes and MPT's
-        ``max_seq_len``) and the sliding attention window (``max_entries``). None: unbounded.
-        The server's request limit reads it, not ``max_position_embeddings``."""
-        limits = [n for n in (self.max_positions, self.max_entries()) if n is not None]
-        return min(limits) if limits else None
+        context (``max_positions``, which knows bounded ropes and MPT's ``max_seq_len``). None:
+        unbounded. The server's request limit reads it, not ``max_position_embeddings``. A sliding
+        window does not bound it: the KV pool applies windows by position ID (``paged.KeyRule``),
+        so a sequence longer than the window is served exactly; only a prompt assembled in a
+        private buffer (selective recompute), whose mask counts entries, must fit in the window
+        (``check_limits`` refuses it, naming the window)."""
+        return self.max_positions
 
     def check_limits(self, max_pos: int, entries: int) -> None:
         limit = self.max_position()

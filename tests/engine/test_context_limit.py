@@ -1,8 +1,13 @@
 """``Adapter.context_limit``: the request limit the server reads comes from the adapter, which knows
-a sliding window and MPT's ``max_seq_len`` (``max_position_embeddings`` knows neither)."""
+MPT's ``max_seq_len`` (``max_position_embeddings`` does not); a sliding window does not bound it
+(the pool applies windows by position, tests/engine/test_paged_positions.py), but a prompt
+assembled in a private buffer must still fit in the window."""
 
 from __future__ import annotations
 
+import pytest
+
+from promptcache.models.base import UnsupportedModelError
 from promptcache.models.families import adapter_class
 from tiny import fresh_model
 
@@ -15,11 +20,23 @@ def _limit(model):
         adapter.close()
 
 
-def test_context_limit_is_the_context_or_the_sliding_window_whichever_is_smaller():
+def test_context_limit_is_the_context_even_with_a_smaller_sliding_window():
     model = fresh_model("mistral")
     assert _limit(model) == (None, 1024)  # no window: the context
     model.config.sliding_window = 128
-    assert _limit(model) == (128, 128)
+    assert _limit(model) == (128, 1024)  # the window bounds entries in a private buffer, not the sequence
+
+
+def test_a_private_buffer_past_the_sliding_window_is_refused_naming_it():
+    model = fresh_model("mistral")
+    model.config.sliding_window = 128
+    adapter = adapter_class(model.config)(model)
+    try:
+        adapter.check_limits(100, 128)  # inside the window
+        with pytest.raises(UnsupportedModelError, match="sliding attention window \\(128\\)"):
+            adapter.check_limits(200, 129)
+    finally:
+        adapter.close()
 
 
 def test_mpt_context_is_max_seq_len():
