@@ -35,9 +35,9 @@ import click
 from ..frontend.errors import guard
 from ..frontend.options import engine_config, engine_options, model_options
 from ..frontend.walker import SettingsCommand, deprecated, option_name, settings_from, settings_options
-from .compute import ComputeThread
+from .core.compute import ComputeThread
 from .config import ServerConfig
-from .limits import LOOPBACK_HOSTS
+from .core.limits import LOOPBACK_HOSTS
 from . import vllm_flags
 from .vllm_flags import vllm_options
 

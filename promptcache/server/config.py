@@ -18,8 +18,8 @@ from dataclasses import dataclass
 
 from ..errors import ConfigError
 from ..settings import nested, setting
-from .backend import ServingConfig
-from .limits import Limits
+from ..engine import ServingConfig
+from .core.limits import Limits
 
 __all__ = ["ServerConfig"]
 

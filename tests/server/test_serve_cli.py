@@ -143,7 +143,7 @@ def test_limit_and_browser_options_reach_the_app(monkeypatch):
 
 def test_host_allow_list_defaults():
     from promptcache.server.cli import host_list
-    from promptcache.server.limits import LOOPBACK_HOSTS
+    from promptcache.server.core.limits import LOOPBACK_HOSTS
 
     assert host_list("127.0.0.1", ()) == LOOPBACK_HOSTS and host_list("0.0.0.0", ()) is None
     assert host_list("0.0.0.0", ("a.example,b.example", "c.example")) == ("a.example", "b.example", "c.example")
@@ -154,7 +154,7 @@ def test_serve_has_one_option_per_serving_config_field_with_its_default():
     import dataclasses
 
     from promptcache.engine.prefix import DEFAULT_BLOCK_SIZE
-    from promptcache.server.backend import ServingConfig
+    from promptcache.engine import ServingConfig
     from promptcache.server.cli import serve
     from promptcache.tunables import BLOCK_SIZE
 

@@ -17,7 +17,7 @@ import openai
 import pytest
 
 from promptcache.server import create_app
-from promptcache.server.backend import ServingConfig
+from promptcache.engine import ServingConfig
 from serverkit import MODEL, ROOT, client, free_port, metric, running
 
 LONG_USER = " ".join(f"Item {i} is a bicycle part with a name and a price." for i in range(40))

@@ -21,10 +21,10 @@ import json
 
 from pydantic import ValidationError
 
-from . import anthropic_protocol as A
-from . import tools
-from .protocol import APIError
-from .toolcalls import CallStream, ToolCall
+from . import protocol as A
+from ..openai import tools
+from ..core.errors import APIError
+from ..openai.toolcalls import CallStream, ToolCall
 
 
 def active(req: A.MessagesRequest) -> bool:

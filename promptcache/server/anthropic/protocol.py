@@ -18,7 +18,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from .protocol import APIError, new_id
+from ..core.errors import APIError
+from ..openai.protocol import new_id
 
 TTL_SECONDS = {"5m": 300, "1h": 3600}
 MAX_BREAKPOINTS = 4  # the API's limit of cache_control blocks per request

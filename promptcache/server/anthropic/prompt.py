@@ -22,8 +22,8 @@ from dataclasses import dataclass
 
 from pydantic import ValidationError
 
-from . import anthropic_tools
-from .anthropic_protocol import MAX_BREAKPOINTS, TTL_SECONDS, AnthropicError, MessagesRequest, TextBlock, invalid
+from . import tools as anthropic_tools
+from .protocol import MAX_BREAKPOINTS, TTL_SECONDS, AnthropicError, MessagesRequest, TextBlock, invalid
 
 
 @dataclass(frozen=True)
