@@ -34,6 +34,7 @@ from fastapi.responses import Response, StreamingResponse
 
 from ...engine import PromptSpec, SamplingParams
 from ...engine.results import Generation, PrefillResult
+from ...errors import PromptCacheError
 from .access import note
 from .backend import Backend, Job, QueueFull
 from .errors import APIError
@@ -68,8 +69,8 @@ class Exchange:
         raise NotImplementedError
 
 
-class ClientGone(Exception):
-    """The client disconnected (or the request was cancelled) before its answer was sent."""
+class ClientGone(PromptCacheError):
+    """The client disconnected (or the request was cancelled) before its answer was sent: answered 499."""
 
 
 def engine_failed(error: BaseException) -> APIError:
