@@ -99,7 +99,7 @@ def create_app(pc, *, api_keys: dict[str, str] | None = None, documents=None, ma
     _add_error_handlers(app, metrics)
 
     add_openai_routes(app, lifecycle, preparer, prep, tenancy.namespace, model_name)
-    add_messages_route(app, MessagesContext(pc, lifecycle, backend.prefix, pc.store.pins, tenancy.namespace,
+    add_messages_route(app, MessagesContext(pc, lifecycle, prep, backend.prefix, pc.store.pins, tenancy.namespace,
                                             model_name, context))
     add_tokenize_routes(app, preparer, tenancy.namespace, model_name)
     _add_health_routes(app, backend, metrics, tenancy, open_metrics)

@@ -44,6 +44,7 @@ from ...store import PinBudgetError, Pins
 from ..core.errors import APIError
 from ..core.events import EventSink
 from ..core.lifecycle import Exchange, Lifecycle, Submission, engine_failed
+from ..openai.prepare import PrepThread
 from ..openai.toolcalls import parse as parse_calls
 from . import protocol as A
 from . import tools as anthropic_tools
@@ -56,6 +57,7 @@ class MessagesContext:
 
     pc: PromptCache
     lifecycle: Lifecycle
+    prep: PrepThread  # rendering and tokenizing run there, never on the event loop
     prefix: PrefixCache  # the engine's automatic prefix cache: the blocks a breakpoint pins
     pins: Pins
     namespace: Callable[[Request], str]  # raises APIError 401 for a bad key
@@ -71,10 +73,7 @@ def add_messages_route(app: FastAPI, ctx: MessagesContext) -> None:
         try:
             ns = ctx.namespace(request)
             req = await _parse(request, ctx.model_name)
-            anthropic_tools.check(req, ctx.pc.tokenizer)
-            prompt = render(ctx.pc.tokenizer, req)
-            sub = Submission(TokenPrompt(ctx.pc, tuple(prompt.ids), ns, ctx.prefix), len(prompt.ids),
-                             _sampling(req, len(prompt.ids), ctx.context), anthropic_tools.processors(req, ctx.pc))
+            prompt, sub = await ctx.prep.run(_prepare, ctx, req, ns)
             _pin(ctx, prompt, ns, block_bytes)
             return await ctx.lifecycle.serve(request, MessagesExchange(req, sub, ctx.pc.tokenizer,
                                                                        ctx.prefix.block_size))
@@ -87,12 +86,23 @@ def add_messages_route(app: FastAPI, ctx: MessagesContext) -> None:
         try:
             ctx.namespace(request)
             req = (await _parse(request, ctx.model_name, A.CountTokensRequest)).as_request()
-            anthropic_tools.check(req, ctx.pc.tokenizer)
-            prompt = render(ctx.pc.tokenizer, req)
+            prompt = await ctx.prep.run(_render, ctx, req)
         except APIError as e:
             raise A.AnthropicError.of(e) from None
         return {"input_tokens": len(prompt.ids)}
 
+
+def _render(ctx: MessagesContext, req: A.MessagesRequest) -> RenderedPrompt:
+    anthropic_tools.check(req, ctx.pc.tokenizer)
+    return render(ctx.pc.tokenizer, req)
+
+
+def _prepare(ctx: MessagesContext, req: A.MessagesRequest, ns: str) -> tuple[RenderedPrompt, Submission]:
+    """The rendered prompt and what to submit (checked against the context); on the prep thread."""
+    prompt = _render(ctx, req)
+    params = _sampling(req, len(prompt.ids), ctx.context)
+    return prompt, Submission(TokenPrompt(ctx.pc, tuple(prompt.ids), ns, ctx.prefix), len(prompt.ids), params,
+                              anthropic_tools.processors(req, ctx.pc))
 
 async def _parse(request: Request, model_name: str, kind: type = A.MessagesRequest):
     """The request body as ``kind`` (``MessagesRequest`` or ``CountTokensRequest``); 400 naming the field."""
