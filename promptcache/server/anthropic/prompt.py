@@ -2,7 +2,7 @@
 
 The conversation is rendered with the model's chat template, in the API's order: ``tools``
 (the template places them), ``system`` (its text blocks joined into one system turn), then
-``messages`` (``tool_use`` / ``tool_result`` blocks as ``anthropic_tools.py`` says). A last ``assistant``
+``messages`` (``tool_use`` / ``tool_result`` blocks as ``tools.py`` says). A last ``assistant``
 message is a prefill: the answer continues it (``continue_final_message``) instead of starting a
 new turn.
 

@@ -13,7 +13,7 @@ pinned (as the hosted API does not cache below its minimum length).
 ``cache_creation_input_tokens`` the tokens of the full blocks past those that this request
 stored, ``input_tokens`` the rest (so the three add up to the prompt, as in the API).
 
-Tools: ``anthropic_tools.py`` (checked before rendering; an answer of a request with tools is
+Tools: ``tools.py`` (checked before rendering; an answer of a request with tools is
 parsed into ``tool_use`` blocks, and streamed as content blocks opened as text and calls come).
 
 ``POST /v1/messages/count_tokens`` answers ``{"input_tokens": N}``: the tokens the same request's

@@ -24,7 +24,7 @@ blocks, which have nothing to recompute, so it changes nothing there. Without
 
 Size: text is measured before the tokenizer or the chat template sees it; past ``max_chars``
 characters (messages together, the prompt, the PML text) it is a 400, so a Preparer used without
-the HTTP guard (``limits.py``) still never tokenizes an unbounded text. Token-id prompts are
+the HTTP guard (``core/limits.py``) still never tokenizes an unbounded text. Token-id prompts are
 checked against the context before their ids are.
 """
 
@@ -39,7 +39,7 @@ import torch
 from ...engine import PmlPrompt, SamplingParams, TokenPrompt
 from ...engine.encoder import release_free_memory
 from ...pml import PMLError, parse_prompt
-from . import fields as openai_fields
+from . import fields
 from . import tools
 from ..core.errors import APIError
 from ..core.lifecycle import Submission
@@ -180,14 +180,14 @@ class Preparer:
         if req.min_tokens > max_tokens:
             raise APIError(400, f"min_tokens is {req.min_tokens}, more than max_tokens ({max_tokens})", "min_tokens")
         constraints = tools.processors(req, self.pc) if isinstance(req, ChatRequest) and tools.active(req) \
-            else openai_fields.constraints(req, self.pc)
+            else fields.constraints(req, self.pc)
         try:
             params = SamplingParams(max_new_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,
                                     stop=tuple(req.stop_list() or ()), seed=req.seed, min_tokens=req.min_tokens,
                                     ignore_eos=req.ignore_eos)
         except ValueError as e:  # settings the engine refuses (SamplingParams names the field)
             raise APIError(400, str(e)) from None
-        return Submission(None, length, params, constraints, openai_fields.logprobs_k(req))
+        return Submission(None, length, params, constraints, fields.logprobs_k(req))
 
 
 class PrepThread:
@@ -221,7 +221,7 @@ def _prepared(how, req, ns: str) -> Submission:
 
 
 def _check_common(req: BaseRequest) -> None:
-    openai_fields.check(req)
+    fields.check(req)
     if req.n != 1:
         raise APIError(400, f"n={req.n}: one choice per request is supported", "n")
     for name in ("max_tokens", "max_completion_tokens"):

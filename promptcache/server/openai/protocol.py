@@ -1,6 +1,6 @@
 """OpenAI's request and response shapes (the subset served), and OpenAI-style errors.
 
-Unknown request fields are refused (400 naming the field; ``openai_fields.py`` says which
+Unknown request fields are refused (400 naming the field; ``fields.py`` says which
 fields are served and how, ``tools.py`` the tool fields); the extension fields (``pml``, ``documents``, ``recompute``) arrive
 top-level, which is what the ``openai`` client's ``extra_body=`` sends. One exception: the fields
 a router in front of replicas adds to every request it forwards (sglang-router and vllm-router
@@ -51,7 +51,7 @@ class BaseRequest(BaseModel):
     n: int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
-    frequency_penalty: float = 0.0  # only 0 (openai_fields.check)
+    frequency_penalty: float = 0.0  # only 0 (fields.check)
     presence_penalty: float = 0.0
     user: str | None = None  # accepted, not used
     metadata: dict | None = None  # accepted, not used

@@ -4,14 +4,14 @@
     GET  /studio/static/NAME     its files
     GET  /studio/api/info        model, the caller's namespace and schemas, block size, pool or not
     POST /studio/api/schema      {"name": loaded schema} or {"pml": schema text} -> the layout as bars
-                                 (studio_views.schema_view); bad PML: 400 with "line" and "reason",
+                                 (views.schema_view); bad PML: 400 with "line" and "reason",
                                  as ``promptcache validate`` reports them
     POST /studio/api/prompt      {"pml": prompt} or {"messages": [...]}, optional "recompute" -> spans
                                  with where their states are, the layout's gaps, ``exact`` or why not
     POST /studio/api/full        the same body plus "max_tokens": an SSE stream of a full prefill's
                                  answer (no stored state), beside the cached one the page streams
                                  from /v1/chat/completions
-    GET  /studio/api/cache       the cache view for the caller's namespace (studio_cache.py)
+    GET  /studio/api/cache       the cache view for the caller's namespace (cache.py)
 
 The page itself holds no data and needs no key; every JSON route takes the API's keys (the page
 asks for one when a route answers 401) and shows only the key's namespace. A schema posted as
