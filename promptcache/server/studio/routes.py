@@ -44,9 +44,9 @@ from ..core.backend import Backend
 from ..core.errors import APIError
 from ..core.events import EventSink
 from ..core.lifecycle import Exchange, Lifecycle, Submission
-from ..core.limits import SCOPE_KEY, parsed_body
+from ..core.limits import SCOPE_KEY
 from ..openai.prepare import Preparer, PrepThread
-from ..openai.protocol import Message
+from ..openai.protocol import Message, parse
 from . import cache as studio_cache
 from . import views as studio_views
 from .cache import Traffic
@@ -68,15 +68,6 @@ class PromptBody(BaseModel):
     messages: list[Message] | None = None
     recompute: float | str | None = None
     max_tokens: int = 64
-
-
-def _body(request: Request, cls):
-    try:
-        body = cls.model_validate(parsed_body(request.scope))
-    except ValidationError as e:
-        err = e.errors()[0]
-        raise APIError(400, f"{'.'.join(str(x) for x in err['loc'])}: {err['msg']}") from None
-    return body
 
 
 @dataclass
@@ -142,7 +133,7 @@ class Studio:
 
     async def schema(self, request: Request):
         ns = self.ctx.namespace(request)
-        body = _body(request, SchemaBody)
+        body = parse(request, SchemaBody)
         if (body.name is None) == (body.pml is None):
             raise APIError(400, "send either 'name' (a loaded schema) or 'pml' (schema text)", "pml")
         if body.name is not None:
@@ -163,7 +154,7 @@ class Studio:
 
     async def prompt(self, request: Request):
         ns = self.ctx.namespace(request)
-        body = _check_prompt(_body(request, PromptBody), self.preparer.max_chars)
+        body = _check_prompt(parse(request, PromptBody), self.preparer.max_chars)
         view = await self.ctx.prep.run(self.prompt_view, body, ns)
         if "error" in view:
             return JSONResponse(APIError(400, view["error"]["message"], "pml").body() | view, status_code=400)
@@ -211,7 +202,7 @@ class Studio:
     async def full(self, request: Request):
         """The baseline beside the cached answer: every token runs, nothing reused or shared."""
         ns = self.ctx.namespace(request)
-        body = _check_prompt(_body(request, PromptBody), self.preparer.max_chars)
+        body = _check_prompt(parse(request, PromptBody), self.preparer.max_chars)
         ids = await self.ctx.prep.run(self._token_ids, body, ns)
         context = self.preparer.context
         if context is not None and len(ids) + body.max_tokens > context:
