@@ -12,6 +12,7 @@ lifecycle, and the HTTP edges around it.
     tenancy.py    ``Tenancy``: API key -> namespace
     workerinfo.py /model_info and /server_info: what a router reads from a replica
 
-Owns no API shape: ``openai/``, ``anthropic/`` and ``studio/`` parse and render around it, and
-nothing here imports them.
+Parses and renders no API's requests (``APIError`` answers in OpenAI's error shape, the server's
+default; the Anthropic routes convert it): ``openai/``, ``anthropic/`` and ``studio/`` parse and
+render around it, and nothing here imports them.
 """
