@@ -25,6 +25,7 @@ scheduler frees the request's blocks at its next step.
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from dataclasses import dataclass
 from typing import AsyncIterator
@@ -75,6 +76,11 @@ class ClientGone(PromptCacheError):
 
 def engine_failed(error: BaseException) -> APIError:
     return APIError(500, f"the engine failed: {error}")
+
+
+def sse(obj: dict) -> str:
+    """One server-sent event of data only (``data: JSON``), as OpenAI's streams and the studio's send."""
+    return f"data: {json.dumps(obj)}\n\n"
 
 
 class Call:

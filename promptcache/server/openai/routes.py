@@ -14,7 +14,6 @@ call sent whole, once its block closes).
 
 from __future__ import annotations
 
-import json
 from typing import Callable
 
 from fastapi import FastAPI, Request
@@ -22,7 +21,7 @@ from fastapi import FastAPI, Request
 from ...engine.results import Generation, PrefillResult, TokenLogprob
 from ..core.errors import APIError
 from ..core.events import EventSink
-from ..core.lifecycle import Exchange, Lifecycle, Submission, engine_failed
+from ..core.lifecycle import Exchange, Lifecycle, Submission, engine_failed, sse
 from . import fields, tools
 from . import protocol as P
 from .prepare import Preparer, PrepThread
@@ -99,7 +98,7 @@ class OpenAIStream(EventSink):
         self.include_usage = bool(opts and opts.include_usage)
 
     def prefilled(self, result: PrefillResult):
-        return [self._event(P.chat_chunk(self.ex.rid, self.ex.req.model, {"role": "assistant", "content": ""}))] \
+        return [sse(P.chat_chunk(self.ex.rid, self.ex.req.model, {"role": "assistant", "content": ""}))] \
             if self.ex.chat else []
 
     def logprob(self, entry: TokenLogprob):
@@ -124,10 +123,10 @@ class OpenAIStream(EventSink):
         return out + ["data: [DONE]\n\n"]
 
     def failed(self, error: BaseException):
-        return [self._event(engine_failed(error).body())]
+        return [sse(engine_failed(error).body())]
 
     def cancelled(self):
-        return [self._event(APIError(500, "the request was cancelled (its reader fell behind, or the server "
+        return [sse(APIError(500, "the request was cancelled (its reader fell behind, or the server "
                                           "is shutting down)").body())]
 
     def _take(self) -> dict | None:
@@ -136,13 +135,9 @@ class OpenAIStream(EventSink):
         return lp
 
     def _deltas(self, pieces: list) -> list[str]:
-        return [self._event(P.chat_chunk(self.ex.rid, self.ex.req.model, delta, logprobs=self._take()))
+        return [sse(P.chat_chunk(self.ex.rid, self.ex.req.model, delta, logprobs=self._take()))
                 for delta in openai_deltas(pieces, self.calls)]
 
     def _piece(self, content, logprobs: dict | None = None, finish: str | None = None, use: dict | None = None) -> str:
         make = P.chat_chunk if self.ex.chat else P.completion_chunk
-        return self._event(make(self.ex.rid, self.ex.req.model, content, finish, use, logprobs=logprobs))
-
-    @staticmethod
-    def _event(obj: dict) -> str:
-        return f"data: {json.dumps(obj)}\n\n"
+        return sse(make(self.ex.rid, self.ex.req.model, content, finish, use, logprobs=logprobs))

@@ -23,7 +23,6 @@ with files are the operator's). Requests' counts for the hit-rate series are tak
 
 from __future__ import annotations
 
-import json
 import tempfile
 import time
 from dataclasses import dataclass
@@ -43,7 +42,7 @@ from ...pml import PMLError, parse_prompt
 from ..core.backend import Backend
 from ..core.errors import APIError
 from ..core.events import EventSink
-from ..core.lifecycle import Exchange, Lifecycle, Submission
+from ..core.lifecycle import Exchange, Lifecycle, Submission, sse
 from ..core.limits import SCOPE_KEY
 from ..openai.prepare import Preparer, PrepThread
 from ..openai.protocol import Message, parse
@@ -291,24 +290,20 @@ class FullRunStream(EventSink):
         self.prompt_tokens = prompt_tokens
 
     def prefilled(self, result: PrefillResult):
-        return [_event({"type": "prefilled", "ttft_ms": result.ttft * 1e3, "prompt_tokens": self.prompt_tokens,
+        return [sse({"type": "prefilled", "ttft_ms": result.ttft * 1e3, "prompt_tokens": self.prompt_tokens,
                         "cached_tokens": result.cached_tokens})]
 
     def text(self, piece: str):
-        return [_event({"type": "text", "text": piece})]
+        return [sse({"type": "text", "text": piece})]
 
     def done(self, generation: Generation):
-        return [_event({"type": "done", "completion_tokens": len(generation.token_ids)})]
+        return [sse({"type": "done", "completion_tokens": len(generation.token_ids)})]
 
     def failed(self, error: BaseException):
-        return [_event({"type": "error", "message": str(error)})]
+        return [sse({"type": "error", "message": str(error)})]
 
     def cancelled(self):
-        return [_event({"type": "error", "message": "the run was cancelled"})]
-
-
-def _event(obj: dict) -> str:
-    return f"data: {json.dumps(obj)}\n\n"
+        return [sse({"type": "error", "message": "the run was cancelled"})]
 
 
 def _check_prompt(body: PromptBody, max_chars: int) -> PromptBody:
