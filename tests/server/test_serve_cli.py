@@ -193,7 +193,7 @@ def test_budgets_are_the_store_options(monkeypatch):
     assert configs[0].store.pin_budget == 2**28
     for flag in ("--cache-gb", "--pin-gb"):  # the GiB spellings are gone: a usage error naming the option
         out = CliRunner().invoke(serve, ["embedded", flag, "1"])
-        assert out.exit_code == 2 and f"No such option: {flag}" in out.output, out.output
+        assert out.exit_code == 2 and "No such option" in out.output and flag in out.output, out.output
         assert "Loading model" not in out.output
 
 
