@@ -4,12 +4,12 @@ A settings class (``EngineConfig``, ``StoreConfig``, ``ServerConfig`` ...) is a 
 whose fields are values or other settings classes (a field whose ``default_factory`` is a
 dataclass is a nested section). The command line, the environment and config files are generated
 from this shape by ``frontend/options.py``; this module holds the part that needs no click, so
-the library (``EngineConfig``'s deprecated flat keywords) and the front ends walk the same tree.
+the library (``EngineConfig`` names the section of a misplaced keyword) and the front ends walk the same tree.
 
 Decisions:
 - A leaf's *flat name* is its field name, or ``metadata["flat"]`` where the field's name would
-  read badly without its section (``RecomputeConfig.fraction`` is ``recompute``, the name the
-  setting had before sections). Option ``--flat-name``, environment ``PROMPTCACHE_FLAT_NAME``.
+  read badly without its section (``RecomputeConfig.fraction`` is ``recompute``). Option
+  ``--flat-name``, environment ``PROMPTCACHE_FLAT_NAME``.
 - Flat names are unique under a root: ``leaves`` raises ``TypeError`` otherwise, and it runs at
   import of every module that generates options, so a clash fails at once, not in a user's shell.
 - Help sits beside the field (``setting(default, "help")``), never in a table elsewhere; a
@@ -62,7 +62,7 @@ class Leaf:
     owner: type  # the settings class that declares the field
 
     @property
-    def name(self) -> str:  # the flat name: option, environment variable, flat config key
+    def name(self) -> str:  # the flat name: option, environment variable
         return flat_name(self.field)
 
     @property
@@ -91,8 +91,8 @@ def sections(root: type, path: tuple[str, ...] = (), title: str = "") -> list[Se
 
 def leaves(root: type) -> list[Leaf]:
     """Every value field under ``root``, in field order (a section's leaves where the section
-    stands). ``TypeError`` when two share a flat name: options, variables and flat keys would
-    then set either one."""
+    stands). ``TypeError`` when two share a flat name: options and variables would then set
+    either one."""
     out = [Leaf(s.path + (f.name,), f, s.cls) for s in sections(root)
            for f in dataclasses.fields(s.cls) if section_class(f) is None]
     seen: dict[str, Leaf] = {}

@@ -25,7 +25,7 @@ from selenium.webdriver.support.ui import WebDriverWait
 from eval.serve_load import start_server
 from promptcache.frontend.common import load_engine
 from promptcache.server import create_app
-from promptcache.server.compute import ComputeThread
+from promptcache.server.core.compute import ComputeThread
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPT = ('<prompt schema="travel"><user><trip days="four" travelers="two adults"/><tokyo/>'

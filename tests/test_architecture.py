@@ -11,6 +11,9 @@ Packages: every module collapses to its unit, the first name under ``promptcache
 or a top module). ``LAYERS`` ranks the units, lowest first; a unit imports units of its own rank or
 below, never above, and no two units import each other through any path. The package face
 (``promptcache/__init__``) and entry points (``__main__``) hand names on and are left out.
+Inside ``server`` the same rule ranks its subpackages (``SERVER_LAYERS``): ``core`` (the lifecycle
+and the worker), the APIs above it, the app and its commands on top. No package holds more than
+``MAX_MODULES`` modules, and no function in ``promptcache/`` runs past ``MAX_FUNCTION_LINES``.
 ``cli`` sits above ``server``: the ``promptcache`` group resolves ``serve`` from ``server/cli.py``;
 the server never imports ``cli`` (what both need is ``frontend``).
 """
@@ -133,11 +136,21 @@ LAYERS = [
     {"errors", "fsutil", "jsonsafe", "progress", "tunables", "settings", "cache", "bench"},  # foundations: no model, no language
     {"pml", "tokens", "layout", "keys", "builder", "models", "store", "artifact"},  # language, models, storage
     {"engine"},
-    {"rag", "compiled", "frontend"},  # built on the engine (``compiled``: the deprecated name of engine.compiled)
+    {"rag", "frontend"},  # built on the engine
     {"server"},  # the HTTP app and its ``serve`` command
     {"cli"},  # the ``promptcache`` command group
 ]
 RANK = {unit: rank for rank, units in enumerate(LAYERS) for unit in units}
+
+SERVER_LAYERS = [
+    {"core"},  # the worker, the one request lifecycle, errors, limits, metrics, tenancy: no API shape
+    {"openai"},  # OpenAI's routes; its preparer, tools and tool-call parser serve the APIs above
+    {"anthropic", "studio"},  # Anthropic's Messages API and the studio, on openai's tool machinery
+    {"app", "cli", "config", "vllm_flags", "studio_cli"},  # create_app and the commands that serve it
+]
+SERVER_RANK = {unit: rank for rank, units in enumerate(SERVER_LAYERS) for unit in units}
+MAX_MODULES = 12  # modules in one package folder, __init__ included
+MAX_FUNCTION_LINES = 80
 
 
 def unit(mod: str) -> str:
@@ -152,6 +165,41 @@ def package_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
             continue
         out.setdefault(unit(mod), set()).update(unit(t) for t in targets if t != "promptcache")
     return {u: ts - {u} for u, ts in out.items()}
+
+
+def server_unit(mod: str) -> str | None:
+    """``promptcache.server.core.backend`` -> ``core``; a top module of the server is its own unit;
+    None outside the server and for its face (``__init__``) and ``__main__``."""
+    parts = mod.split(".")
+    if parts[:2] != ["promptcache", "server"] or len(parts) < 3 or parts[2] == "__main__":
+        return None
+    return parts[2]
+
+
+def server_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    """Server unit -> server units it imports (another unit only)."""
+    out: dict[str, set[str]] = {}
+    for mod, targets in graph.items():
+        u = server_unit(mod)
+        if u is not None:
+            out.setdefault(u, set()).update(v for t in targets if (v := server_unit(t)) is not None)
+    return {u: vs - {u} for u, vs in out.items()}
+
+
+def package_sizes(base: Path = PKG) -> dict[str, int]:
+    """Package folder (relative to promptcache/) -> the modules directly in it."""
+    return {str(d.relative_to(base.parent)): len(list(d.glob("*.py")))
+            for d in [base, *base.rglob("*")] if d.is_dir() and (d / "__init__.py").exists()}
+
+
+def long_functions(limit: int = MAX_FUNCTION_LINES) -> list[str]:
+    found = []
+    for path in sorted(PKG.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno + 1 > limit:
+                found.append(f"{path.relative_to(PKG.parent)}:{node.lineno}: {node.name} "
+                             f"({node.end_lineno - node.lineno + 1} lines)")
+    return found
 
 
 def test_the_walker_sees_imports_and_cycles():
@@ -197,3 +245,30 @@ def test_the_layer_test_sees_a_loop_and_an_upward_import():
 def test_no_private_member_used_across_modules():
     found = private_uses("promptcache") + private_uses("eval")
     assert not found, "private members used from outside their object:\n" + "\n".join(found)
+
+
+def test_every_server_unit_has_a_layer():
+    missing = sorted(set(server_graph(import_graph())) - set(SERVER_RANK))
+    assert not missing, f"server units without a layer in SERVER_LAYERS: {missing}"
+
+
+def test_server_subpackages_import_only_their_layer_or_below():
+    g = server_graph(import_graph())
+    assert "core" in g["openai"] and "openai" in g["anthropic"]  # the walker sees the subpackages
+    found = [f"server.{u} (layer {SERVER_RANK[u]}) imports server.{v} (layer {SERVER_RANK[v]})"
+             for u, vs in sorted(g.items()) for v in sorted(vs) if SERVER_RANK[v] > SERVER_RANK[u]]
+    assert not found, "server imports running back up its layers:\n" + "\n".join(found)
+    assert not cycles(g), "server subpackage loops: " + "; ".join(" <-> ".join(c) for c in cycles(g))
+
+
+def test_server_packages_hold_at_most_twelve_modules():
+    sizes = {name: n for name, n in package_sizes().items() if name.startswith("promptcache/server")}
+    assert len(sizes) >= 5  # server and its four subpackages
+    big = {name: n for name, n in sizes.items() if n > MAX_MODULES}
+    assert not big, f"packages over {MAX_MODULES} modules: {big}"
+
+
+def test_no_function_runs_past_the_limit():
+    found = long_functions()
+    assert not found, f"functions over {MAX_FUNCTION_LINES} lines:\n" + "\n".join(found)
+    assert long_functions(3), "the walker sees functions"

@@ -19,13 +19,10 @@ ROOT = Path(__file__).resolve().parents[1]
 ENVIRONMENT = {"SourceFileError", "ModelNotFoundError", "OfflineError", "DeviceError", "QueueFull", "EnvironmentProblem",
                "FolderBusy", "SpillFolderBusy", "PinBudgetError", "PoolFull"}  # PinBudgetError, PoolFull: capacity, like QueueFull
 
-MOVED = {"promptcache.compiled"}  # deprecated aliases (importing one warns; it defines nothing)
-
-
 def defined_exceptions() -> dict[str, type]:
     found = {}
     for info in pkgutil.walk_packages(promptcache.__path__, "promptcache."):
-        if info.name.endswith("__main__") or info.name in MOVED:
+        if info.name.endswith("__main__"):
             continue
         module = importlib.import_module(info.name)
         for name, obj in vars(module).items():

@@ -127,20 +127,14 @@ def test_engine_file_by_section(tmp_path, capsys):
     assert "warning" not in capsys.readouterr().err
 
 
-def test_engine_file_flat_keys_of_before_are_read_and_warned(tmp_path, capsys):
+def test_engine_file_flat_keys_are_refused_with_their_place(tmp_path):
     toml = tmp_path / "old.toml"
     toml.write_text('recompute = 0.3\nhost_budget = "2GiB"\nnamespace = "t"\n')
-    cfg = engine_config({}, toml, env={})
-    assert cfg.recompute.fraction == 0.3 and cfg.store.host_budget == 2 * 2**30 and cfg.namespace == "t"
-    err = capsys.readouterr().err
-    assert "warning:" in err and "flat keys (recompute, host_budget) are deprecated" in err
-    assert "[recompute] fraction, [store] host_budget" in err
-    toml.write_text('[engine]\nencode_chunk = 7\nnamespace = "old"\n')
-    cfg = engine_config({}, toml, env={})
-    assert cfg.runner.encode_chunk == 7 and cfg.namespace == "old"
-    assert "the [engine] table is deprecated" in capsys.readouterr().err
-    toml.write_text('host_budget = 1\n[store]\nhost_budget = 2\n')
-    with pytest.raises(ValueError, match="host_budget and store.host_budget both set StoreConfig.host_budget"):
+    with pytest.raises(ValueError, match=r"unknown keys recompute \(its place: \[recompute\] fraction\), "
+                                         r"host_budget \(its place: \[store\] host_budget\)"):
+        engine_config({}, toml, env={})
+    toml.write_text('[engine]\nencode_chunk = 7\n')
+    with pytest.raises(ValueError, match=r"unknown keys engine"):
         engine_config({}, toml, env={})
     toml.write_text("[runner]\ndevice = 'cuda'\n")
     with pytest.raises(ValueError, match="device are set by options"):

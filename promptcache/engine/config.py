@@ -11,23 +11,16 @@ Decisions:
   tiers, spill folder, remote), ``RecomputeConfig`` (how much drifted context is computed afresh
   and which tokens), and ``namespace`` (tenancy: salts every key, so it belongs to no concern
   below it). Each class validates itself on construction (``ConfigError`` naming the field).
-- Option, environment variable and flat config key names stay those of the flat config that came
-  before (``--host-budget``, ``PROMPTCACHE_RECOMPUTE``): ``settings.leaves`` walks the sections;
-  ``RecomputeConfig.fraction`` keeps the flat name ``recompute``.
-- The flat spelling still works and warns (``DeprecationWarning`` naming the new one):
-  ``EngineConfig(host_budget=..., recompute=0.2, packed_linear=True)`` routes each keyword into
-  its section (on top of a section given beside it, so ``dataclasses.replace(cfg,
-  host_budget=...)`` works too); ``cfg.host_budget`` reads ``cfg.store.host_budget``.
-  ``recompute`` is both: ``recompute=`` takes a ``RecomputeConfig`` or, deprecated, a fraction or
-  ``"auto"``; ``cfg.recompute`` is the ``RecomputeConfig``, which compares equal (deprecated) to
-  its fraction, so ``cfg.recompute == "auto"`` keeps its meaning. Read ``cfg.recompute.fraction``.
+- Option and environment variable names are the leaves' flat names (``--host-budget``,
+  ``PROMPTCACHE_RECOMPUTE``): ``settings.leaves`` walks the sections; ``RecomputeConfig.fraction``
+  has the flat name ``recompute``. In Python a setting is read and written in its section only
+  (``cfg.store.host_budget``, ``EngineConfig(store=StoreConfig(host_budget=...))``); a flat keyword
+  is a TypeError naming the section that owns it.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import re
-import warnings
 from dataclasses import dataclass, fields
 
 from ..errors import ConfigError
@@ -114,7 +107,7 @@ class ServingConfig:
                                   f"got {v!r}")
 
 
-@dataclass(frozen=True, eq=False)
+@dataclass(frozen=True)
 class RecomputeConfig:
     """Drifted cached tokens computed afresh: ``fraction`` "auto" (exact layouts none, drifted ones
     a measured budget: engine/recompute.py AUTO_FRACTION) or a fraction in [0, 1] (0: the paper's
@@ -135,18 +128,6 @@ class RecomputeConfig:
         except ValueError as e:
             raise ConfigError(str(e)) from None
 
-    def __eq__(self, other):
-        if isinstance(other, RecomputeConfig):
-            return (self.fraction, self.selection) == (other.fraction, other.selection)
-        if isinstance(other, (int, float, str)) and not isinstance(other, bool):
-            warnings.warn("comparing EngineConfig.recompute with a fraction is deprecated: it is a RecomputeConfig "
-                          "now; compare config.recompute.fraction", DeprecationWarning, stacklevel=2)
-            return self.fraction == (other.strip().lower() if isinstance(other, str) else other)
-        return NotImplemented
-
-    def __hash__(self):
-        return hash((self.fraction, self.selection))
-
 
 @dataclass(frozen=True, init=False)
 class EngineConfig:
@@ -162,18 +143,17 @@ class EngineConfig:
     namespace: str = setting("default", "Cache namespace: states are never shared across namespaces.")
 
     def __init__(self, runner: RunnerConfig | None = None, store: StoreConfig | None = None,
-                 recompute: RecomputeConfig | float | str | None = None, namespace: str = "default", **flat):
-        if recompute is not None and not isinstance(recompute, RecomputeConfig):
-            flat["recompute"] = recompute  # the flat spelling: a fraction or "auto"
-            recompute = None
+                 recompute: RecomputeConfig | None = None, namespace: str = "default", **unknown):
+        if unknown:
+            raise TypeError(f"EngineConfig() got unexpected keyword arguments {', '.join(sorted(unknown))}"
+                            + _owners(unknown))
         parts = {"runner": runner or RunnerConfig(), "store": store or StoreConfig(),
                  "recompute": recompute or RecomputeConfig()}
-        for name, changes in _route(flat).items():
-            parts[name] = dataclasses.replace(parts[name], **changes)
         for name, part in parts.items():
             cls = _SECTIONS[name]
             if not isinstance(part, cls):
-                raise ConfigError(f"EngineConfig.{name} must be a {cls.__name__}, got {type(part).__name__}")
+                raise ConfigError(f"EngineConfig.{name} must be a {cls.__name__}, got {type(part).__name__} {part!r}"
+                                  + (f" (write {cls.__name__}(fraction={part!r}))" if name == "recompute" else ""))
             object.__setattr__(self, name, part)
         object.__setattr__(self, "namespace", check_namespace(namespace))
 
@@ -182,45 +162,17 @@ class EngineConfig:
         (an empty string is an error, never the default)."""
         return self.namespace if namespace is None else check_namespace(namespace)
 
-    def store_config(self) -> StoreConfig:
-        """Deprecated: ``config.store`` is the StoreConfig (no copy is made any more)."""
-        warnings.warn("EngineConfig.store_config() is deprecated: read config.store", DeprecationWarning, stacklevel=2)
-        return self.store
-
 
 _SECTIONS = {"runner": RunnerConfig, "store": StoreConfig, "recompute": RecomputeConfig}
-# flat keyword -> (section, field): every leaf below a section, by its flat name
+# flat name -> (section, field): every leaf below a section (to name the owner of a misplaced keyword)
 FLAT = {leaf.name: leaf.path for leaf in leaves(EngineConfig) if len(leaf.path) == 2}
 
 
-def _route(flat: dict) -> dict[str, dict]:
-    """{section: {field: value}} for the flat keywords, with one DeprecationWarning naming the new
-    spelling; an unknown keyword is a TypeError, as a dataclass's own ``__init__`` raises."""
-    unknown = sorted(set(flat) - set(FLAT))
-    if unknown:
-        raise TypeError(f"EngineConfig() got unexpected keyword arguments {', '.join(unknown)}")
-    routed: dict[str, dict] = {}
-    for name, value in flat.items():
-        section, field = FLAT[name]
-        routed.setdefault(section, {})[field] = value
-    if routed:
-        spelled = ", ".join(f"{s}={_SECTIONS[s].__name__}({', '.join(f'{f}=...' for f in fs)})"
-                            for s, fs in routed.items())
-        warnings.warn(f"EngineConfig({', '.join(f'{k}=...' for k in flat)}) is deprecated: write EngineConfig({spelled})",
-                      DeprecationWarning, stacklevel=3)
-    return routed
-
-
-def _flat_property(name: str, section: str, field: str) -> property:
-    def read(self):
-        warnings.warn(f"EngineConfig.{name} is deprecated: read config.{section}.{field}", DeprecationWarning,
-                      stacklevel=2)
-        return getattr(getattr(self, section), field)
-
-    return property(read, doc=f"Deprecated: ``config.{section}.{field}``.")
-
-
-for _name, (_section, _field) in FLAT.items():
-    if _name not in _SECTIONS:  # ``recompute`` is the section itself (RecomputeConfig.__eq__ keeps old reads)
-        setattr(EngineConfig, _name, _flat_property(_name, _section, _field))
-del _name, _section, _field
+def _owners(keywords) -> str:
+    """Where keywords that are a section's settings belong (empty when none is)."""
+    owned = []
+    for k in sorted(k for k in keywords if k in FLAT):
+        section, field = FLAT[k]
+        owned.append(f"{k} is {_SECTIONS[section].__name__}.{field}: "
+                     f"EngineConfig({section}={_SECTIONS[section].__name__}({field}=...))")
+    return f" ({'; '.join(owned)})" if owned else ""

@@ -102,10 +102,6 @@ class KVPool:
     def _is_pinned(self, key: str) -> bool:
         return self.pinned is not None and self.pinned(key)
 
-    @property
-    def used_blocks(self) -> int:
-        return self.num_blocks - len(self._free)
-
     def allocate(self, count: int) -> list[int] | None:
         """``count`` blocks for a request (None: not available even after evicting idle entries)."""
         if count > self.num_blocks:

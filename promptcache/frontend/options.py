@@ -9,8 +9,7 @@ model group sets it.
 Precedence, highest first: command line > environment (``PROMPTCACHE_<FIELD>``, e.g.
 ``PROMPTCACHE_HOST_BUDGET=4GiB``) > config file (``--config F.toml``: ``namespace`` at the top,
 the rest in ``[runner]``, ``[store]``, ``[recompute]``; ``[server]`` is ``serve``'s) > the
-dataclass's defaults. The flat file layout of before (every key at the top, or under
-``[engine]``) is still read, with a warning.
+dataclass's defaults. A key out of its section's table is refused with its place.
 """
 
 from __future__ import annotations
@@ -54,7 +53,7 @@ def engine_config(cli_values: dict, config_file: str | Path | None = None, env=N
     """The EngineConfig from defaults (the dataclass's, then ``defaults``) < config file <
     environment < command line. A bad value is a ValueError naming where it came from."""
     return settings_from(EngineConfig, cli_values, config_file, env, defaults=defaults, skip=SKIPPED,
-                         ignore=OTHER_TABLES, flat_ok=True, old_table="engine",
+                         ignore=OTHER_TABLES,
                          fixed={"device": device} if device is not None else None)
 
 

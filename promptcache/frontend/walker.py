@@ -30,18 +30,13 @@ import click
 
 from ..settings import Leaf, help_of, leaves, section_class, sections
 
-__all__ = ["ENV_PREFIX", "SettingOption", "SettingsCommand", "deprecated", "env_name", "option_name", "parse_size",
+__all__ = ["ENV_PREFIX", "SettingOption", "SettingsCommand", "env_name", "option_name", "parse_size",
            "parser", "read_toml", "settings_from", "settings_options"]
 
 ENV_PREFIX = "PROMPTCACHE_"
 OWN = "Options"  # the heading of a command's own (hand-written) options
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
           "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-
-
-def deprecated(message: str) -> None:
-    """Tell the user of a deprecated spelling (stderr: the front end prints, the library warns)."""
-    click.echo(f"warning: {message}", err=True)
 
 
 def option_name(flat: str) -> str:
@@ -241,22 +236,15 @@ def read_toml(path: str | Path) -> dict:
         raise ValueError(f"--config {path}: {e}") from None
 
 
-def _file_values(root: type, table: dict, where: str, *, flat_ok: bool, ignore=(), old_table: dict | None = None):
-    """{flat name: (value, source)} from a config file's table for ``root``. ``flat_ok``: a leaf
-    of a section may also sit at the top by its flat name (the layout before sections:
-    deprecated, warned); ``old_table``: more such flat keys (a legacy table)."""
+def _file_values(root: type, table: dict, where: str, *, ignore=()):
+    """{flat name: (value, source)} from a config file's table for ``root``: each leaf in its
+    section's table (``[store] host_budget``). A leaf at the top by its flat name is an unknown key
+    whose message names its place."""
     every = leaves(root)
     by_path, by_flat = {leaf.path: leaf for leaf in every}, {leaf.name: leaf for leaf in every}
     section_paths = {s.path for s in sections(root)}
     values: dict[str, tuple] = {}
-    keys: dict[str, str] = {}  # flat name -> the key that set it
-    unknown, old = [], []
-
-    def put(leaf, value, key):
-        if leaf.name in keys:
-            raise ValueError(f"{where}: {keys[leaf.name]} and {key} both set {leaf.owner.__name__}.{leaf.field.name}: "
-                             "keep one (the key in its section)")
-        values[leaf.name], keys[leaf.name] = (value, f"{where} key {key}"), key
+    unknown = []
 
     def visit(tab, path):
         for key, v in tab.items():
@@ -264,27 +252,17 @@ def _file_values(root: type, table: dict, where: str, *, flat_ok: bool, ignore=(
             if p in section_paths and isinstance(v, dict):
                 visit(v, p)
             elif p in by_path and not isinstance(v, dict):
-                put(by_path[p], v, ".".join(p))
-            elif not path and flat_ok and key in by_flat and not isinstance(v, dict):
-                old.append(key)
-                put(by_flat[key], v, key)
+                values[by_path[p].name] = (v, f"{where} key {'.'.join(p)}")
+            elif not path and key in by_flat and by_flat[key].section:
+                leaf = by_flat[key]
+                unknown.append(f"{key} (its place: [{'.'.join(leaf.section)}] {leaf.field.name})")
             elif path or key not in ignore:
                 unknown.append(".".join(p))
 
     visit(table, ())
-    for key, v in (old_table or {}).items():
-        if key in by_flat and not isinstance(v, dict):
-            old.append(key)
-            put(by_flat[key], v, key)
-        else:
-            unknown.append(key)
     if unknown:
         known = sorted({".".join(leaf.path) for leaf in every})
         raise ValueError(f"{where}: unknown keys {', '.join(unknown)} (known: {', '.join(known)})")
-    if old:
-        spelled = ", ".join(f"[{'.'.join(by_flat[k].section)}] {by_flat[k].field.name}" if by_flat[k].section
-                            else by_flat[k].field.name for k in old)
-        deprecated(f"{where}: flat keys ({', '.join(old)}) are deprecated; write them in their sections: {spelled}")
     return values
 
 
@@ -315,11 +293,10 @@ def _build(cls: type, path: tuple, parsed: dict, sources: dict):
 
 def settings_from(root: type, given: dict, config_file: str | Path | None = None, env=None, *,
                   defaults: dict | None = None, skip=(), table_path: tuple[str, ...] = (), ignore=(),
-                  flat_ok: bool = False, old_table: str | None = None, fixed: dict | None = None):
+                  fixed: dict | None = None):
     """A ``root`` instance from the command line's ``given`` values > ``env`` > the config file's
     table at ``table_path`` > ``defaults`` > the dataclass's defaults. ``ignore``: other roots'
-    tables at the file's top; ``flat_ok`` / ``old_table``: the flat layout before sections is read
-    (warned); ``fixed``: {flat name: parsed value} set by other options (``--device``)."""
+    tables at the file's top; ``fixed``: {flat name: parsed value} set by other options (``--device``)."""
     env = os.environ if env is None else env
     every = {leaf.name: leaf for leaf in leaves(root) if leaf.name not in skip}
     values: dict[str, tuple] = {k: (v, "command default") for k, v in (defaults or {}).items()}
@@ -330,10 +307,7 @@ def settings_from(root: type, given: dict, config_file: str | Path | None = None
             if not isinstance(data, dict):
                 raise ValueError(f"{config_file}: {'.'.join(table_path[:depth + 1])} must be a table ([...]), "
                                  f"got {data!r}")
-        old = data.pop(old_table, None) if old_table else None
-        if old is not None:
-            deprecated(f"{config_file}: the [{old_table}] table is deprecated; write its keys in their sections")
-        found = _file_values(root, data, str(config_file), flat_ok=flat_ok, ignore=ignore, old_table=old)
+        found = _file_values(root, data, str(config_file), ignore=ignore)
         values.update({k: v for k, v in found.items() if k in every})
         skipped = sorted(set(found) - set(every))
         if skipped:

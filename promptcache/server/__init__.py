@@ -1,20 +1,18 @@
 """``promptcache serve``: an OpenAI-compatible (and Anthropic Messages) HTTP server over one PromptCache engine.
 
-    app.py      FastAPI routes, keys -> namespaces, SSE streaming      (create_app)
-    protocol.py OpenAI request/response shapes and error objects
-    openai_fields.py  logprobs, response_format, prompt_cache_key, refusals
-    prompts.py  request -> Plan (start callable, token count, sampling); validation
-    anthropic.py          POST /v1/messages (Anthropic's Messages API), cache_control pins
-    anthropic_protocol.py its request/response/event shapes and errors
-    anthropic_prompt.py   a Messages request -> token IDs and breakpoint token offsets
-    backend.py  the worker thread stepping the serving core: bounded queue, backpressure, drain
-    metrics.py  Prometheus counters
-    access.py   one access-log line per request (ASGI middleware)
-    tokenize.py POST /tokenize and /detokenize
-    workerinfo.py  /model_info and /server_info: what a router reads from a replica
+    core/       what every API shares: the worker stepping the engine, typed events, the one request
+                lifecycle (submit, await the prefill, map errors, count, stream or collect), errors,
+                limits, metrics, access log, tenancy
+    openai/     chat and completions, /v1/models, /tokenize: parsing, preparing, rendering
+    anthropic/  POST /v1/messages (Anthropic's Messages API) and cache_control pins
+    studio/     GET /studio and its JSON API
+    app.py      ``create_app``: the parts built once, each room's routes added
     cli.py      the click command ``serve`` (options, errors and engine loading: ``promptcache.frontend``)
+    config.py   ``ServerConfig``: serve's settings; vllm_flags.py: vLLM's flags, accepted or refused
+    studio_cli.py  the ``promptcache studio`` command
 
-Layering: ``promptcache.cli`` sits above ``server`` (the ``promptcache`` group resolves ``serve``
+Layering (``tests/test_architecture.py``): core < openai < anthropic, studio < the app and its
+commands; ``promptcache.cli`` sits above ``server`` (the ``promptcache`` group resolves ``serve``
 from here); nothing here imports ``cli``. Prefix reuse for plain token prompts is
 ``promptcache.engine.prefix`` (the terminal ``chat`` uses it too).
 

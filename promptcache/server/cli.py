@@ -20,8 +20,8 @@ Settings: one option per ``ServerConfig`` leaf (``config.py``: ``--host``, ``--p
 ``--max-queue`` ...; its ``serving`` section ``--kv-pool-tokens`` ..., its ``limits`` section
 ``--max-request-bytes`` ...), generated as the engine's are (``frontend/walker.py``), also read
 from ``PROMPTCACHE_<FIELD>`` and the config file's ``[server]`` tables. The model, what to load,
-the keys and the served name are the command's own options. Budgets are the store's:
-``--cache-gb`` / ``--pin-gb`` are hidden deprecated aliases (``resolve_aliases``).
+the keys and the served name are the command's own options. Budgets of stored states are the
+store's (``--host-budget``, ``--device-budget``, ``--pin-budget``: sizes such as 4GiB).
 """
 
 from __future__ import annotations
@@ -34,10 +34,10 @@ import click
 
 from ..frontend.errors import guard
 from ..frontend.options import engine_config, engine_options, model_options
-from ..frontend.walker import SettingsCommand, deprecated, option_name, settings_from, settings_options
-from .compute import ComputeThread
+from ..frontend.walker import SettingsCommand, settings_from, settings_options
+from .core.compute import ComputeThread
 from .config import ServerConfig
-from .limits import LOOPBACK_HOSTS
+from .core.limits import LOOPBACK_HOSTS
 from . import vllm_flags
 from .vllm_flags import vllm_options
 
@@ -88,29 +88,6 @@ def server_config(given: dict, config_file: str | Path | None = None, env=None) 
         return settings_from(ServerConfig, given, config_file, env, table_path=("server",))
     except ValueError as e:
         raise click.UsageError(str(e)) from None
-
-
-ALIASES = {"cache_gb": ("host_budget", "device_budget"), "pin_gb": ("pin_budget",)}  # deprecated GiB options
-
-
-def resolve_aliases(engine: dict, old: dict) -> dict:
-    """``engine`` (the engine options given) with the deprecated ``--cache-gb`` / ``--pin-gb`` (in
-    GiB) mapped onto the store's budget options they stand for, with a warning. Given beside one
-    of those options it is a usage error: two options never set one budget silently."""
-    engine = dict(engine)
-    for name, value in old.items():
-        if value is None:
-            continue
-        flag, targets = "--" + name.replace("_", "-"), ALIASES[name]
-        both = [option_name(t) for t in targets if t in engine]
-        if both:
-            raise click.UsageError(f"{flag} and {' '.join(both)} both set the same budget: give {' / '.join(both)} "
-                                   f"only ({flag} is deprecated)")
-        if value < 0:
-            raise click.UsageError(f"{flag} must be >= 0 GiB, got {value}")
-        deprecated(f"{flag} is deprecated: use {' and '.join(option_name(t) for t in targets)} (sizes: {value:g}GiB)")
-        engine.update({t: int(value * 2**30) for t in targets})
-    return engine
 
 
 def host_list(host: str, allowed: tuple[str, ...]) -> tuple[str, ...] | None:
@@ -213,15 +190,12 @@ def _keys(key_file: str | None, listed: tuple[str, ...], namespace: str) -> dict
               help="A key clients must send (repeatable); these keys share the engine's namespace.")
 @click.option("--served-model-name", "--model-name", "model_name", default=None,
               help="The model id clients send (default: the model as given).")
-@click.option("--cache-gb", type=float, default=None, hidden=True,
-              help="Deprecated: --host-budget and --device-budget (sizes, e.g. 4GiB).")
-@click.option("--pin-gb", type=float, default=None, hidden=True, help="Deprecated: --pin-budget (a size, e.g. 1GiB).")
 @vllm_options
 @server_options
 @engine_options(defaults=SERVE_DEFAULTS)
 @guard
 def serve(model_arg, model, device, dtype, engine, config_file, server, src_root, schemas, compiled, documents,
-          api_key_file, api_key_list, model_name, cache_gb, pin_gb, vllm):
+          api_key_file, api_key_list, model_name, vllm):
     """Serve an OpenAI-compatible API (chat, completions, models, health, metrics) and Anthropic's
     Messages API that reuse attention states across requests. MODEL (or --model): a Hugging Face id,
     a local directory, 'smollm2' or 'embedded'. Needs the 'serve' extra. On a CPU in float32 serve
@@ -237,8 +211,7 @@ def serve(model_arg, model, device, dtype, engine, config_file, server, src_root
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     model = _model(model_arg, model)
     settings = server_config(server, config_file)
-    config = engine_config(resolve_aliases(engine, {"cache_gb": cache_gb, "pin_gb": pin_gb}), config_file,
-                           defaults=serve_defaults(device, dtype))
+    config = engine_config(engine, config_file, defaults=serve_defaults(device, dtype))
     keys = _keys(api_key_file, api_key_list, config.namespace)
     vllm_flags.check(vllm, check_device(device), server)
     # the model is loaded, encoded and served on one thread (compute.py: why)

@@ -2,14 +2,14 @@
 
 Decisions: a *setting* of the server (where it binds, how many requests it admits, how it drains,
 what browsers and request sizes it accepts, the serving core's pool and budgets) is a field here
-or in a section below it (``serving``: ``backend.ServingConfig``; ``limits``: ``limits.Limits``),
+or in a section below it (``serving``: ``engine.ServingConfig``; ``limits``: ``limits.Limits``),
 so ``serve``'s options, its ``PROMPTCACHE_*`` variables and the config file's ``[server]``,
 ``[server.serving]``, ``[server.limits]`` tables are generated from it like the engine's. What
 ``serve`` is asked to serve (the model, schemas, compiled schemas, documents, the served model
 name) and its keys (``--api-key``, ``--api-key-file``: credentials, never in a variable or a
 shared file by accident) stay hand-written options of the command. Budgets of stored states are
-the store's (``StoreConfig``), never the server's: ``--cache-gb`` and ``--pin-gb`` are deprecated
-aliases of ``--host-budget`` / ``--device-budget`` and ``--pin-budget``.
+the store's (``StoreConfig``: ``--host-budget``, ``--device-budget``, ``--pin-budget``), never the
+server's.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from dataclasses import dataclass
 
 from ..errors import ConfigError
 from ..settings import nested, setting
-from .backend import ServingConfig
-from .limits import Limits
+from ..engine import ServingConfig
+from .core.limits import Limits
 
 __all__ = ["ServerConfig"]
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import click
 
 from ..frontend.errors import guard
-from .compute import ComputeThread
+from .core.compute import ComputeThread
 
 
 @click.command("studio")

@@ -197,7 +197,7 @@ def _as_uint8(blob) -> torch.Tensor:
         return blob
     view = memoryview(blob).cast("B")
     if view.readonly:
-        view = memoryview(bytearray(view))  # torch needs writable memory; the old path copied too
+        view = memoryview(bytearray(view))  # torch.frombuffer needs writable memory: one copy of a read-only buffer
     return torch.frombuffer(view, dtype=torch.uint8) if len(view) else torch.empty(0, dtype=torch.uint8)
 
 

@@ -1,9 +1,8 @@
 """``StoreConfig``: the store's settings, the one owner of every byte budget of stored states.
 
 Decisions: each budget has one setting. ``device_budget`` / ``host_budget`` bound the memory
-tiers (the server's old ``--cache-gb`` set both: it is now a deprecated alias of them),
-``disk_budget`` the spill folder, and ``pin_budget`` what the server's ``cache_control``
-breakpoints may pin at once (the old ``--pin-gb``). Validated on construction: a bad value is a
+tiers, ``disk_budget`` the spill folder, and ``pin_budget`` what the server's ``cache_control``
+breakpoints may pin at once. Validated on construction: a bad value is a
 ``ConfigError`` naming ``StoreConfig.<field>``, raised before anything is built.
 """
 

@@ -39,50 +39,28 @@ def test_every_section_validates_itself(make, where):
         make()
 
 
-def test_flat_keywords_are_routed_with_a_warning_naming_the_new_spelling():
-    with pytest.warns(DeprecationWarning, match=r"write EngineConfig\(store=StoreConfig\(host_budget=\.\.\.\), "
-                                                r"runner=RunnerConfig\(packed_linear=\.\.\.\)"):
-        cfg = EngineConfig(host_budget=123, packed_linear=True, recompute_selection="qmatch", namespace="n")
-    assert cfg.store.host_budget == 123 and cfg.runner.packed_linear is True
-    assert cfg.recompute == RecomputeConfig(selection="qmatch") and cfg.namespace == "n"
-    with pytest.warns(DeprecationWarning, match=r"recompute=RecomputeConfig\(fraction=\.\.\.\)"):
-        old = EngineConfig(recompute=0.2)
-    assert old.recompute.fraction == 0.2 and isinstance(old.recompute, RecomputeConfig)
-    with pytest.warns(DeprecationWarning):
-        assert EngineConfig(recompute=" Auto ").recompute.fraction == "auto"
-    with pytest.warns(DeprecationWarning), pytest.raises(ConfigError, match="RecomputeConfig.fraction"):
-        EngineConfig(recompute=2.0)
+def test_a_flat_keyword_is_a_type_error_naming_the_section_that_owns_it():
+    with pytest.raises(TypeError, match=r"host_budget is StoreConfig.host_budget: "
+                                        r"EngineConfig\(store=StoreConfig\(host_budget=\.\.\.\)\)"):
+        EngineConfig(host_budget=123)
+    with pytest.raises(TypeError, match=r"packed_linear is RunnerConfig.packed_linear"):
+        EngineConfig(packed_linear=True, namespace="n")
     with pytest.raises(TypeError, match="host_budjet"):
         EngineConfig(host_budjet=1)
+    with pytest.raises(ConfigError, match=r"EngineConfig.recompute must be a RecomputeConfig, got float 0.2 "
+                                          r"\(write RecomputeConfig\(fraction=0.2\)\)"):
+        EngineConfig(recompute=0.2)
+    cfg = EngineConfig(runner=RunnerConfig(encode_chunk=99))
+    assert not hasattr(cfg, "encode_chunk") and not hasattr(cfg, "store_config")  # read in the section
 
 
-def test_a_flat_keyword_beside_its_section_changes_that_section():
-    with pytest.warns(DeprecationWarning):
-        cfg = EngineConfig(store=StoreConfig(spill_dir="/tmp/x"), host_budget=7)
-    assert cfg.store == StoreConfig(spill_dir="/tmp/x", host_budget=7)
+def test_recompute_config_compares_as_a_config():
+    assert EngineConfig().recompute == RecomputeConfig() and RecomputeConfig() != "auto"
+    assert RecomputeConfig(fraction=0.3) != 0.3 and RecomputeConfig(fraction=0.3).fraction == 0.3
+    assert len({RecomputeConfig(), RecomputeConfig(fraction="auto")}) == 1  # hashable, by value
 
 
-def test_flat_reads_warn_and_read_the_section():
-    cfg = EngineConfig(runner=RunnerConfig(encode_chunk=99), store=StoreConfig(host_budget=3))
-    with pytest.warns(DeprecationWarning, match=r"EngineConfig.host_budget is deprecated: read config.store.host_budget"):
-        assert cfg.host_budget == 3
-    with pytest.warns(DeprecationWarning, match="config.runner.encode_chunk"):
-        assert cfg.encode_chunk == 99
-    with pytest.warns(DeprecationWarning, match="config.recompute_selection|config.recompute.selection"):
-        assert cfg.recompute_selection == "qmatch"
-    # ``recompute`` is the section now; the old reading (a fraction or "auto") still compares
-    with pytest.warns(DeprecationWarning, match="compare config.recompute.fraction"):
-        assert cfg.recompute == "auto"
-    with pytest.warns(DeprecationWarning):
-        assert EngineConfig(recompute=RecomputeConfig(fraction=0.3)).recompute == 0.3
-    with pytest.warns(DeprecationWarning, match="read config.store"):
-        assert cfg.store_config() is cfg.store
-
-
-def test_dataclasses_replace_on_sections_and_on_flat_names():
+def test_dataclasses_replace_on_sections():
     cfg = EngineConfig(store=StoreConfig(host_budget=1))
     new = dataclasses.replace(cfg, store=dataclasses.replace(cfg.store, disk_budget=9), namespace="b")
     assert new.store == StoreConfig(host_budget=1, disk_budget=9) and new.namespace == "b" and cfg.store.disk_budget is None
-    with pytest.warns(DeprecationWarning):
-        flat = dataclasses.replace(cfg, kv_dtype="bfloat16")
-    assert flat.runner.kv_dtype == "bfloat16" and flat.store == cfg.store

@@ -162,7 +162,7 @@ def test_missing_redis_client_names_the_extra(monkeypatch):
 
 
 def test_server_metrics_count_remote_hits_and_errors(redis_server, embedded):
-    from promptcache.server.metrics import Metrics
+    from promptcache.server.core.metrics import Metrics
 
     replica(embedded, redis_server.url).add_schema(SCHEMA)
     pc = replica(embedded, redis_server.url)

@@ -10,7 +10,7 @@ import pytest
 from promptcache import EngineConfig, PromptCache, StoreConfig
 from promptcache.models.embedded import embedded_model
 from promptcache.server import create_app
-from promptcache.server.backend import ServingConfig
+from promptcache.engine import ServingConfig
 from promptcache.store import Pins
 from serverkit import BLOCK, MODEL, running
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from promptcache.server.anthropic_prompt import render
-from promptcache.server.anthropic_protocol import AnthropicError, MessagesRequest
+from promptcache.server.anthropic.prompt import render
+from promptcache.server.anthropic.protocol import AnthropicError, MessagesRequest
 from tiny import make_tokenizer
 
 EPH = {"type": "ephemeral"}

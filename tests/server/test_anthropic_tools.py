@@ -112,8 +112,8 @@ def test_a_template_without_tools_refuses_them(server):
 
 
 def test_a_tool_result_breakpoint_ends_after_its_text(tool_pc):
-    from promptcache.server.anthropic_prompt import render
-    from promptcache.server.anthropic_protocol import MessagesRequest
+    from promptcache.server.anthropic.prompt import render
+    from promptcache.server.anthropic.protocol import MessagesRequest
 
     use = {"type": "tool_use", "id": "toolu_1", "name": "get_time", "input": {"zone": "UTC"}}
     result = {"type": "tool_result", "tool_use_id": "toolu_1", "content": "It is noon.", "is_error": True,
@@ -133,7 +133,7 @@ def test_a_tool_result_breakpoint_ends_after_its_text(tool_pc):
 def test_stream_events_open_a_block_per_text_run_and_per_call():
     import json
 
-    from promptcache.server.anthropic_tools import ToolEvents
+    from promptcache.server.anthropic.tools import ToolEvents
 
     def kinds(events):
         out = []

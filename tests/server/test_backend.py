@@ -7,7 +7,8 @@ import asyncio
 
 from promptcache.engine import PmlPrompt, PromptSpec, SamplingParams
 from promptcache.pml import parse_prompt
-from promptcache.server.backend import Backend
+from promptcache.server.core.backend import Backend
+from promptcache.server.core.events import Cancelled, Done, Event, Failed, Prefilled, Text
 
 PROMPT = "<prompt><user>Tell me about bicycles and their wheels.</user></prompt>"
 
@@ -27,13 +28,11 @@ class Broken(PromptSpec):
         raise RuntimeError("no such prompt")
 
 
-async def drain(job) -> list[tuple[str, object]]:
+async def drain(job) -> list[Event]:
     events = []
-    while True:
-        kind, value = await asyncio.wait_for(job.events.get(), 60)
-        events.append((kind, value))
-        if kind in ("done", "error"):
-            return events
+    while not events or not events[-1].last:
+        events.append(await asyncio.wait_for(job.events.get(), 60))
+    return events
 
 
 def idle(backend) -> bool:
@@ -54,12 +53,12 @@ def test_a_failing_request_gets_an_error_and_the_others_finish(pc):
         *good, bad = asyncio.run(main())
     finally:
         backend.close()
-    assert bad[-1][0] == "error" and "no such prompt" in str(bad[-1][1])
+    assert isinstance(bad[-1], Failed) and "no such prompt" in str(bad[-1].error)
     expected = pc.generate(PROMPT, max_new_tokens=6, temperature=0.0)
     for events in good:
-        assert [k for k, _ in events][0] == "prefilled" and events[-1][0] == "done"
-        assert "".join(v for k, v in events if k == "text") == expected.text
-        assert events[-1][1].token_ids == expected.token_ids
+        assert isinstance(events[0], Prefilled) and isinstance(events[-1], Done)
+        assert "".join(e.piece for e in events if isinstance(e, Text)) == expected.text
+        assert events[-1].generation.token_ids == expected.token_ids
     assert sorted(outcomes) == ["done"] * 3 + ["error"] and backend.in_flight == 0
     assert not backend.scheduler.has_work and idle(backend)
 
@@ -70,11 +69,10 @@ def test_cancel_frees_the_requests_blocks(pc):
     async def main():
         long = [backend.submit(prompt(pc), greedy(400)) for _ in range(2)]
         for job in long:
-            assert (await job.events.get())[0] == "prefilled"
+            assert isinstance(await job.events.get(), Prefilled)
         held = backend.pool.free_blocks
         backend.cancel(long[0])
-        kind, value = (await drain(long[0]))[-1]
-        assert kind == "error" and isinstance(value, asyncio.CancelledError)
+        assert isinstance((await drain(long[0]))[-1], Cancelled)
         assert long[0].request.finish_reason == "cancelled" and long[0].request not in backend.scheduler.running
         assert backend.pool.free_blocks > held  # its own blocks (400 tokens reserved) are free again
         backend.cancel(long[1])
@@ -88,7 +86,7 @@ def test_cancel_frees_the_requests_blocks(pc):
 
 
 def test_a_reader_that_stops_reading_is_paused_then_cancelled(pc):
-    from promptcache.server.backend import ServingConfig
+    from promptcache.engine import ServingConfig
 
     outcomes = []
     config = ServingConfig(max_unread=4, pause_timeout=0.5)
@@ -98,7 +96,7 @@ def test_a_reader_that_stops_reading_is_paused_then_cancelled(pc):
         stalled = backend.submit(prompt(pc), greedy(400))
         reading = backend.submit(prompt(pc), greedy(30))
         events = await drain(reading)  # the other request is not held up by the stalled one
-        assert events[-1][0] == "done" and len(events[-1][1].token_ids) == 30
+        assert isinstance(events[-1], Done) and len(events[-1].generation.token_ids) == 30
         for _ in range(200):
             if stalled.request.finished:
                 break

@@ -11,8 +11,9 @@ import pytest
 
 from promptcache.engine import PmlPrompt, SamplingParams
 from promptcache.pml import parse_prompt
-from promptcache.server.backend import Backend
-from promptcache.server.compute import ComputeThread
+from promptcache.server.core.backend import Backend
+from promptcache.server.core.compute import ComputeThread
+from promptcache.server.core.events import Done
 
 PROMPT = "<prompt><user>Tell me about bicycles and their wheels.</user></prompt>"
 
@@ -41,7 +42,7 @@ def test_the_engine_of_a_backend_runs_on_the_compute_thread_it_was_given(pc):
         async def main():
             job = backend.submit(PmlPrompt(pc, parse_prompt(PROMPT)), SamplingParams(max_new_tokens=5))
             events = []
-            while not events or events[-1][0] not in ("done", "error"):
+            while not events or not events[-1].last:
                 events.append(await asyncio.wait_for(job.events.get(), 60))
             return events
 
@@ -49,5 +50,5 @@ def test_the_engine_of_a_backend_runs_on_the_compute_thread_it_was_given(pc):
         backend.close(5.0)
     finally:
         hook.remove()
-    assert events[-1][0] == "done" and len(events[-1][1].token_ids) == 5
+    assert isinstance(events[-1], Done) and len(events[-1].generation.token_ids) == 5
     assert threads == {compute.ident}  # the self-check and every step: never the caller's thread

@@ -12,7 +12,7 @@ import pytest
 from serverkit import MODEL, http, running
 
 from promptcache.server import create_app
-from promptcache.server.limits import Limits, host_name
+from promptcache.server.core.limits import Limits, host_name
 
 MSGS = [{"role": "user", "content": "hello"}]
 

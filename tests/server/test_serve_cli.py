@@ -143,7 +143,7 @@ def test_limit_and_browser_options_reach_the_app(monkeypatch):
 
 def test_host_allow_list_defaults():
     from promptcache.server.cli import host_list
-    from promptcache.server.limits import LOOPBACK_HOSTS
+    from promptcache.server.core.limits import LOOPBACK_HOSTS
 
     assert host_list("127.0.0.1", ()) == LOOPBACK_HOSTS and host_list("0.0.0.0", ()) is None
     assert host_list("0.0.0.0", ("a.example,b.example", "c.example")) == ("a.example", "b.example", "c.example")
@@ -154,7 +154,7 @@ def test_serve_has_one_option_per_serving_config_field_with_its_default():
     import dataclasses
 
     from promptcache.engine.prefix import DEFAULT_BLOCK_SIZE
-    from promptcache.server.backend import ServingConfig
+    from promptcache.engine import ServingConfig
     from promptcache.server.cli import serve
     from promptcache.tunables import BLOCK_SIZE
 
@@ -182,26 +182,19 @@ def _capture_config(monkeypatch):
     return configs
 
 
-def test_old_budget_flags_are_deprecated_aliases_of_the_store_budgets(monkeypatch):
+def test_budgets_are_the_store_options(monkeypatch):
     from click.testing import CliRunner
 
     from promptcache.server.cli import serve
 
     configs = _capture_config(monkeypatch)
-    out = CliRunner().invoke(serve, ["embedded", "--cache-gb", "0.5", "--pin-gb", "0.25"])
-    assert out.exit_code == 0, out.output
-    assert "warning: --cache-gb is deprecated: use --host-budget and --device-budget" in out.output
-    assert "warning: --pin-gb is deprecated: use --pin-budget" in out.output
-    store = configs[0].store
-    assert store.host_budget == store.device_budget == 2**29 and store.pin_budget == 2**28
-    out = CliRunner().invoke(serve, ["embedded", "--host-budget", "1GiB"])  # serve's default: 4GiB each
-    assert out.exit_code == 0 and configs[2].store.host_budget == 2**30 and configs[2].store.device_budget == 4 * 2**30
-    for args in (["--cache-gb", "1", "--host-budget", "1GiB"], ["--pin-gb", "1", "--pin-budget", "1GiB"]):
-        out = CliRunner().invoke(serve, ["embedded", *args])
-        assert out.exit_code == 2 and "both set the same budget" in out.output, out.output
+    out = CliRunner().invoke(serve, ["embedded", "--host-budget", "1GiB", "--pin-budget", "256MiB"])  # serve's default: 4GiB each
+    assert out.exit_code == 0 and configs[0].store.host_budget == 2**30 and configs[0].store.device_budget == 4 * 2**30
+    assert configs[0].store.pin_budget == 2**28
+    for flag in ("--cache-gb", "--pin-gb"):  # the GiB spellings are gone: a usage error naming the option
+        out = CliRunner().invoke(serve, ["embedded", flag, "1"])
+        assert out.exit_code == 2 and "No such option" in out.output and flag in out.output, out.output
         assert "Loading model" not in out.output
-    help_ = CliRunner().invoke(serve, ["--help"]).output
-    assert "--cache-gb" not in help_ and "--pin-gb" not in help_  # hidden: still accepted, never advertised
 
 
 def test_server_settings_come_from_the_environment_and_the_config_file(monkeypatch, tmp_path):

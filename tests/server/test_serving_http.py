@@ -17,18 +17,18 @@ import openai
 import pytest
 
 from promptcache.server import create_app
-from promptcache.server.backend import ServingConfig
+from promptcache.engine import ServingConfig
 from serverkit import MODEL, ROOT, client, free_port, metric, running
 
 LONG_USER = " ".join(f"Item {i} is a bicycle part with a name and a price." for i in range(40))
 
 
-def raw_post(url: str, body: dict) -> socket.socket:
-    """Send a chat request on a raw socket and return it unread (the caller closes it)."""
+def raw_post(url: str, body: dict, path: str = "/v1/chat/completions") -> socket.socket:
+    """Send a request on a raw socket and return it unread (the caller closes it)."""
     host, port = url.removeprefix("http://").split(":")
     data = json.dumps(body).encode()
     s = socket.create_connection((host, int(port)))
-    s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\ncontent-type: application/json\r\n"
+    s.sendall(f"POST {path} HTTP/1.1\r\n".encode() + b"Host: 127.0.0.1\r\ncontent-type: application/json\r\n"
               + f"content-length: {len(data)}\r\n\r\n".encode() + data)
     return s
 
@@ -67,6 +67,25 @@ def test_a_client_that_disconnects_while_queued_is_dropped(pc):
             temperature=0, stream=True)
         next(iter(stream))  # the long request runs
         s = raw_post(url, {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 5})
+        assert wait_for(lambda: len(app.state.backend.scheduler.waiting) == 1)
+        s.close()
+        assert wait_for(lambda: metric(url, "promptcache_requests_finished_total", outcome="cancelled") == 1)
+        assert not app.state.backend.scheduler.waiting
+        assert len(app.state.backend.scheduler.running) == 1  # the long one goes on
+        stream.close()
+        assert wait_for(lambda: app.state.backend.in_flight == 0)
+
+
+def test_an_anthropic_client_that_disconnects_while_queued_is_dropped(pc):
+    """The Messages route runs the same lifecycle: its queued request is cancelled at once too."""
+    app = create_app(pc, model_name=MODEL, serving=ServingConfig(max_num_seqs=1))
+    with running(app) as url:
+        stream = client(url).chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "Tell me a long story."}], max_tokens=2000,
+            temperature=0, stream=True)
+        next(iter(stream))  # the long request runs
+        s = raw_post(url, {"model": MODEL, "max_tokens": 5, "messages": [{"role": "user", "content": "Hi"}]},
+                     "/v1/messages")
         assert wait_for(lambda: len(app.state.backend.scheduler.waiting) == 1)
         s.close()
         assert wait_for(lambda: metric(url, "promptcache_requests_finished_total", outcome="cancelled") == 1)

@@ -126,7 +126,9 @@ def test_cache_view_changes_after_requests(browser, server):
     wait(browser, lambda d: count(head.text) >= count(before) + 2, timeout=10)  # polled once a second
     assert browser.find_elements(By.CSS_SELECTOR, "#cache-blocks i.yours")
     assert browser.find_element(By.ID, "hit-chart").get_attribute("data-points") >= points
-    rows = [r.text for r in browser.find_elements(By.CSS_SELECTOR, "#cache-entries tbody tr")]
+    # read in one script: the page rebuilds the table every second, so rows found one call earlier go stale
+    rows = browser.execute_script("return [...document.querySelectorAll('#cache-entries tbody tr')]"
+                                  ".map((r) => r.innerText)")
     assert any("A question for the cache" in r for r in rows)
 
 YOURS = ("return [...document.querySelectorAll('#cache-blocks i')]"

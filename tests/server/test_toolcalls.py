@@ -7,7 +7,7 @@ import logging
 
 import pytest
 
-from promptcache.server.toolcalls import CallStream, ToolCall, parse
+from promptcache.server.openai.toolcalls import CallStream, ToolCall, parse
 
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}\n</tool_call>'
 OTHER = '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>'
@@ -43,7 +43,7 @@ def test_several_calls_with_text_around_them():
 def test_malformed_blocks_stay_content_and_are_logged(caplog):
     bad_json = '<tool_call>\n{"name": "f", "arguments": {"a": 1}\n</tool_call>'  # one brace short
     no_args = '<tool_call>\n{"name": "f"}\n</tool_call>'
-    with caplog.at_level(logging.WARNING, logger="promptcache.server.toolcalls"):
+    with caplog.at_level(logging.WARNING, logger="promptcache.server.openai.toolcalls"):
         content, calls = parse("a " + bad_json + " b " + no_args + " " + CALL)
     assert [c.name for c in calls] == ["get_weather"]
     assert content == "a " + bad_json + " b " + no_args

@@ -140,7 +140,7 @@ def test_a_template_without_tools_is_400_naming_tools(oai):
 
 def test_which_templates_support_tools():
     from promptcache.models.embedded import CHAT_TEMPLATE, embedded_tokenizer
-    from promptcache.server.tools import unsupported
+    from promptcache.server.openai.tools import unsupported
     from serverkit import HERMES_TEMPLATE
 
     def why(template):

@@ -4,7 +4,7 @@ Tenancy. Content keys are hashes salted with the namespace (``keys.py``), so the
 whose an entry is. The view attributes keys it can derive for the caller's namespace: its
 schemas' module states (``EncodedSchema.keys``) and the prefix blocks of its own recent plain
 chat and completion requests (recorded by ``Traffic``; their block keys are derived when a view
-asks, from the same token ids the planner made). Those entries are listed with names, text and
+asks, from the same token ids the preparer made). Those entries are listed with names, text and
 where they are; every other block is drawn only by its state (free, a running request's,
 shared, pinned, idle), never with a key, a name or text. Blocks of answers, Anthropic requests
 and documents are not attributed (they show as not yours), except on a server without keys,

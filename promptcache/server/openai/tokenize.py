@@ -4,7 +4,7 @@
                 -> {"tokens": [ids], "count": n, "max_model_len": context}
     /detokenize {"tokens": [ids]} -> {"prompt": text}
 
-Messages are rendered exactly as a chat request's (``Planner.chat_ids``: the chat template with
+Messages are rendered exactly as a chat request's (``Preparer.chat_ids``: the chat template with
 the generation prompt), so ``count`` is the prompt size a chat request would have; a plain prompt
 is tokenized as a completion's is (special tokens such as BOS added). Both need a key when the
 server has keys; ``model``, when sent, must be the served one.
@@ -12,10 +12,14 @@ server has keys; ``model``, when sent, must be the served one.
 
 from __future__ import annotations
 
+from typing import Callable
+
 from fastapi import FastAPI, Request
 from pydantic import BaseModel, ConfigDict
 
-from .protocol import APIError, Message
+from ..core.errors import APIError
+from .prepare import Preparer
+from .protocol import Message, parse
 
 
 class TokenizeRequest(BaseModel):
@@ -33,8 +37,9 @@ class DetokenizeRequest(BaseModel):
     tokens: list[int]
 
 
-def add_tokenize_routes(app: FastAPI, pc, planner, namespace, parse, model_name: str) -> None:
-    """``parse(request, cls)``: the app's body parser (400 naming a bad field); ``namespace``: key check."""
+def add_tokenize_routes(app: FastAPI, preparer: Preparer, namespace: Callable[[Request], str], model_name: str) -> None:
+    """``namespace(request)``: the key check (APIError 401)."""
+    pc = preparer.pc
     vocab = pc.model.config.vocab_size
 
     def check_model(req):
@@ -45,7 +50,7 @@ def add_tokenize_routes(app: FastAPI, pc, planner, namespace, parse, model_name:
     @app.post("/tokenize")
     async def tokenize(request: Request):
         namespace(request)
-        req = await parse(request, TokenizeRequest, check=False)
+        req = parse(request, TokenizeRequest)
         check_model(req)
         if (req.prompt is None) == (req.messages is None):
             raise APIError(400, "send either 'prompt' or 'messages'", "prompt")
@@ -53,15 +58,15 @@ def add_tokenize_routes(app: FastAPI, pc, planner, namespace, parse, model_name:
             if not req.add_generation_prompt:
                 raise APIError(400, "add_generation_prompt=false is not supported (chat requests always add it)",
                                "add_generation_prompt")
-            ids = planner.chat_ids(planner.chat_messages(req.messages))
+            ids = preparer.chat_ids(preparer.chat_messages(req.messages))
         else:
             ids = pc.tokenizer(req.prompt, add_special_tokens=req.add_special_tokens).input_ids
-        return {"tokens": list(ids), "count": len(ids), "max_model_len": planner.context}
+        return {"tokens": list(ids), "count": len(ids), "max_model_len": preparer.context}
 
     @app.post("/detokenize")
     async def detokenize(request: Request):
         namespace(request)
-        req = await parse(request, DetokenizeRequest, check=False)
+        req = parse(request, DetokenizeRequest)
         check_model(req)
         bad = [t for t in req.tokens if not 0 <= t < vocab]
         if bad:

@@ -4,7 +4,7 @@ Tools become OpenAI function specs (``input_schema`` is ``parameters``) for the 
 template, and need a template that supports them (``tools.unsupported``: Hermes ``<tool_call>``
 blocks); ``tool_use`` blocks of the history become the assistant turn's ``tool_calls`` and each
 ``tool_result`` block a ``tool`` turn (its text; ``is_error`` puts ``Error: `` before it), in the
-order the blocks come. Answers are parsed (``toolcalls.py``) into ``tool_use`` blocks (ids
+order the blocks come. Answers are parsed (``openai/toolcalls.py``) into ``tool_use`` blocks (ids
 ``toolu_...``, ``input`` the arguments object) after a text block when there was text;
 ``stop_reason`` is ``tool_use`` when the answer called tools.
 
@@ -21,10 +21,10 @@ import json
 
 from pydantic import ValidationError
 
-from . import anthropic_protocol as A
-from . import tools
-from .protocol import APIError
-from .toolcalls import CallStream, ToolCall
+from . import protocol as A
+from ..openai import tools
+from ..core.errors import APIError
+from ..openai.toolcalls import CallStream, ToolCall
 
 
 def active(req: A.MessagesRequest) -> bool:

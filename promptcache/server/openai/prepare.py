@@ -1,4 +1,4 @@
-"""Requests -> what the engine runs: ``Plan(prompt, prompt_tokens, params, ...)``, or an APIError.
+"""Requests -> what the engine runs: a ``Submission(prompt, prompt_tokens, params, ...)``, or an APIError.
 
 ``prompt`` is the request's ``PromptSpec`` (data: a PML prompt, token ids, documents); the
 engine's scheduler plans it at admission, reading stored states in place from the KV pool (or
@@ -23,43 +23,41 @@ blocks, which have nothing to recompute, so it changes nothing there. Without
 16 (OpenAI's default). A prompt plus ``max_tokens`` past the model's context is a 400.
 
 Size: text is measured before the tokenizer or the chat template sees it; past ``max_chars``
-characters (messages together, the prompt, the PML text) it is a 400, so a Planner used without
-the HTTP guard (``limits.py``) still never tokenizes an unbounded text. Token-id prompts are
+characters (messages together, the prompt, the PML text) it is a 400, so a Preparer used without
+the HTTP guard (``core/limits.py``) still never tokenizes an unbounded text. Token-id prompts are
 checked against the context before their ids are.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import asyncio
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 
-from ..engine import PmlPrompt, PromptSpec, SamplingParams, TokenPrompt
-from ..pml import PMLError, parse_prompt
-from . import openai_fields, tools
-from .protocol import APIError, ChatRequest, CompletionRequest, BaseRequest
+import torch
+
+from ...engine import PmlPrompt, SamplingParams, TokenPrompt
+from ...engine.encoder import release_free_memory
+from ...pml import PMLError, parse_prompt
+from . import fields
+from . import tools
+from ..core.errors import APIError
+from ..core.lifecycle import Submission
+from .protocol import ChatRequest, CompletionRequest, BaseRequest
 
 CHAT_DEFAULT_MAX_TOKENS = 256
 COMPLETION_DEFAULT_MAX_TOKENS = 16
 
 
-@dataclass
-class Plan:
-    prompt: PromptSpec
-    prompt_tokens: int
-    params: SamplingParams
-    constraints: tuple = ()  # per-request logits processors (JSON output, tool calls); fresh ones per request
-    logprobs: int | None = None  # None: none; k: each token's log-probability and k rivals
-    tool_calls: bool = False  # the answer is parsed for tool calls (tools.py)
-
-
-class Planner:
-    """Builds Plans for one engine; ``documents`` maps namespace -> DocumentStore."""
+class Preparer:
+    """Builds Submissions for one engine; ``documents`` maps namespace -> DocumentStore."""
 
     def __init__(self, pc, prefix, documents: dict | None = None, max_chars: int = 2_000_000):
         """``prefix``: the engine's ``PrefixCache`` (token prompts reuse its chains)."""
         self.pc, self.prefix, self.documents, self.max_chars = pc, prefix, documents or {}, max_chars
         self.context = pc.adapter.context_limit  # the model's context, its sliding window if smaller
 
-    def chat(self, req: ChatRequest, ns: str) -> Plan:
+    def chat(self, req: ChatRequest, ns: str) -> Submission:
         _check_common(req)
         if req.pml is not None:
             if req.messages or req.documents:
@@ -77,12 +75,10 @@ class Planner:
             if req.tools:
                 raise APIError(400, "tools cannot be combined with documents", "tools")
             return self._documents(req, msgs, ns, max_tokens)
-        plan = self._tokens(self.chat_ids(msgs, tools.template_tools(req)), req, ns, max_tokens,
+        return self._tokens(self.chat_ids(msgs, tools.template_tools(req)), req, ns, max_tokens,
                             CHAT_DEFAULT_MAX_TOKENS, "messages")
-        plan.tool_calls = tools.active(req)
-        return plan
 
-    def completion(self, req: CompletionRequest, ns: str) -> Plan:
+    def completion(self, req: CompletionRequest, ns: str) -> Submission:
         _check_common(req)
         if req.pml is not None:
             if req.prompt:
@@ -125,12 +121,11 @@ class Planner:
         return tok(text).input_ids
 
     # -- the three paths -------------------------------------------------------------------------
-    def _tokens(self, ids, req: BaseRequest, ns: str, max_tokens, default: int, param: str) -> Plan:
-        plan = self._sampling(req, len(ids), max_tokens, default, param)
-        plan.prompt = TokenPrompt(self.pc, tuple(ids), ns, self.prefix)
-        return plan
+    def _tokens(self, ids, req: BaseRequest, ns: str, max_tokens, default: int, param: str) -> Submission:
+        sub = self._sampling(req, len(ids), max_tokens, default, param)
+        return replace(sub, prompt=TokenPrompt(self.pc, tuple(ids), ns, self.prefix))
 
-    def _pml(self, req: BaseRequest, ns: str, max_tokens, default: int) -> Plan:
+    def _pml(self, req: BaseRequest, ns: str, max_tokens, default: int) -> Submission:
         self._check_size(len(req.pml), "pml")
         try:
             tree = parse_prompt(req.pml)
@@ -142,11 +137,11 @@ class Planner:
             layout = self.pc.layout(tree, ns)
         except PMLError as e:
             raise APIError(400, f"bad PML prompt: {e}", "pml") from None
-        plan = self._sampling(req, max(layout.position_ids) + 1, max_tokens, default, "pml")
-        plan.prompt, plan.prompt_tokens = PmlPrompt(self.pc, tree, ns, req.recompute, layout), len(layout.token_ids)
-        return plan
+        sub = self._sampling(req, max(layout.position_ids) + 1, max_tokens, default, "pml")
+        return replace(sub, prompt=PmlPrompt(self.pc, tree, ns, req.recompute, layout),
+                       prompt_tokens=len(layout.token_ids))
 
-    def _documents(self, req: ChatRequest, msgs: list[dict], ns: str, max_tokens) -> Plan:
+    def _documents(self, req: ChatRequest, msgs: list[dict], ns: str, max_tokens) -> Submission:
         store = self.documents.get(ns)
         if store is None:
             raise APIError(400, "this server has no documents (start it with --documents DIR)", "documents")
@@ -161,19 +156,17 @@ class Planner:
             raise APIError(404, f"unknown document ids {unknown} (the store has {len(store)} documents)",
                            "documents", "document_not_found")
         layout = store.layout(question, ids, system)
-        plan = self._sampling(req, max(layout.position_ids) + 1, max_tokens, CHAT_DEFAULT_MAX_TOKENS, "messages")
-        plan.prompt = store.prompt(question, ids, system, recompute=req.recompute, prefix=self.prefix,
-                                   layout=layout)
-        plan.prompt_tokens = len(layout.token_ids)
-        return plan
+        sub = self._sampling(req, max(layout.position_ids) + 1, max_tokens, CHAT_DEFAULT_MAX_TOKENS, "messages")
+        return replace(sub, prompt=store.prompt(question, ids, system, recompute=req.recompute, prefix=self.prefix,
+                                                layout=layout), prompt_tokens=len(layout.token_ids))
 
     def _check_size(self, chars: int, param: str) -> None:
         if chars > self.max_chars:
             raise APIError(400, f"{param} holds {chars} characters, the limit is {self.max_chars}", param)
 
-    def _sampling(self, req: BaseRequest, length: int, max_tokens, default: int, param: str) -> Plan:
+    def _sampling(self, req: BaseRequest, length: int, max_tokens, default: int, param: str) -> Submission:
         """The request's sampling settings and logits processors, checked against the context; the
-        caller sets the plan's prompt."""
+        caller sets the submission's prompt."""
         room = None if self.context is None else self.context - length
         if room is not None and room < 1:
             raise APIError(400, f"the prompt is {length} tokens, the model's context is {self.context} "
@@ -187,18 +180,48 @@ class Planner:
         if req.min_tokens > max_tokens:
             raise APIError(400, f"min_tokens is {req.min_tokens}, more than max_tokens ({max_tokens})", "min_tokens")
         constraints = tools.processors(req, self.pc) if isinstance(req, ChatRequest) and tools.active(req) \
-            else openai_fields.constraints(req, self.pc)
+            else fields.constraints(req, self.pc)
         try:
             params = SamplingParams(max_new_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,
                                     stop=tuple(req.stop_list() or ()), seed=req.seed, min_tokens=req.min_tokens,
                                     ignore_eos=req.ignore_eos)
         except ValueError as e:  # settings the engine refuses (SamplingParams names the field)
             raise APIError(400, str(e)) from None
-        return Plan(None, length, params, constraints, openai_fields.logprobs_k(req))
+        return Submission(None, length, params, constraints, fields.logprobs_k(req))
+
+
+class PrepThread:
+    """The one worker thread requests are prepared on (tokenizing, the chat template, PML layout), never
+    the event loop: ``/health`` and running streams stay live while a large prompt is tokenized.
+    One thread keeps the preparer's calls into the tokenizer and the engine serial."""
+
+    def __init__(self):
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="promptcache-prep")
+
+    async def run(self, fn, *args):
+        """``fn(*args)`` on the prep thread."""
+        return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
+
+    async def prepare(self, how, req, ns: str) -> Submission:
+        """``how(req, ns)`` (a Preparer method) on the prep thread."""
+        return await self.run(_prepared, how, req, ns)
+
+    def shutdown(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _prepared(how, req, ns: str) -> Submission:
+    """``how(req, ns)``; a refused request gives the heap it grew back to the OS (tokenizing 2M
+    characters leaves ~200 MB in glibc's arenas otherwise)."""
+    try:
+        return how(req, ns)
+    except APIError:
+        release_free_memory(torch.device("cpu"))
+        raise
 
 
 def _check_common(req: BaseRequest) -> None:
-    openai_fields.check(req)
+    fields.check(req)
     if req.n != 1:
         raise APIError(400, f"n={req.n}: one choice per request is supported", "n")
     for name in ("max_tokens", "max_completion_tokens"):

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client import CONTENT_TYPE_LATEST  # noqa: F401  (re-exported for the app)
+from prometheus_client import CONTENT_TYPE_LATEST
 from prometheus_client.core import CounterMetricFamily
 
 # the shared (Redis) tier's counters (TieredStore.shared_stats) -> metric name, help
@@ -13,6 +13,8 @@ REMOTE = {"hits": ("promptcache_remote_hits", "stored states fetched from the sh
 
 
 class Metrics:
+    content_type = CONTENT_TYPE_LATEST  # of ``render()``
+
     def __init__(self, backend, prefix_cache, store):
         r = self.registry = CollectorRegistry()
         self.requests = Counter("promptcache_requests", "HTTP requests answered", ["endpoint", "status"], registry=r)

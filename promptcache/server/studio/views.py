@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from ..layout import PromptLayout, SchemaLayout
+from ...layout import PromptLayout, SchemaLayout
 
 MAX_PIECES = 512  # token pieces listed per span for the hover (a long document is cut, with its count)
 

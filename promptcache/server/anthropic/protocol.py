@@ -6,7 +6,7 @@ so a client never gets an answer that silently ignored what it asked for. Served
 ``stop_sequences``, ``stream``, ``temperature`` ([0, 1], default 1) and ``top_p`` (clients
 whose ``create`` no longer takes them send them in ``extra_body``), ``metadata`` (accepted, not
 used), a top-level ``cache_control`` (a breakpoint after the last message's last block), ``tools``
-and ``tool_choice`` with ``tool_use`` / ``tool_result`` blocks (``anthropic_tools.py``). Refused
+and ``tool_choice`` with ``tool_use`` / ``tool_result`` blocks (``tools.py``). Refused
 with a 400 naming them: ``top_k``, ``thinking`` and every other field; content blocks other than
 ``text``, ``tool_use`` and ``tool_result``; ``cache_control`` on a tool or a ``tool_use`` block.
 """
@@ -18,7 +18,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from .protocol import APIError, new_id
+from ..core.errors import APIError
+from ..openai.protocol import new_id
 
 TTL_SECONDS = {"5m": 300, "1h": 3600}
 MAX_BREAKPOINTS = 4  # the API's limit of cache_control blocks per request
@@ -78,7 +79,7 @@ class ToolUseBlock(BaseModel):
     id: str
     name: str
     input: dict
-    cache_control: CacheControl | None = None  # refused (anthropic_tools.py): no place for it in a call's JSON
+    cache_control: CacheControl | None = None  # refused (tools.py): no place for it in a call's JSON
 
 
 class ToolResultBlock(BaseModel):
@@ -98,7 +99,7 @@ class ToolSpec(BaseModel):
     description: str | None = None
     input_schema: dict
     type: Literal["custom"] | None = None
-    cache_control: CacheControl | None = None  # refused (anthropic_tools.py): tools render inside the template
+    cache_control: CacheControl | None = None  # refused (tools.py): tools render inside the template
 
 
 class ToolChoice(BaseModel):
@@ -127,7 +128,7 @@ class MessagesRequest(BaseModel):
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     metadata: dict | None = None
     cache_control: CacheControl | None = None  # automatic caching: a breakpoint after the last block
-    tools: list[ToolSpec] | None = None  # anthropic_tools.py
+    tools: list[ToolSpec] | None = None  # tools.py
     tool_choice: ToolChoice | None = None
 
 

@@ -2,7 +2,7 @@
 
 The conversation is rendered with the model's chat template, in the API's order: ``tools``
 (the template places them), ``system`` (its text blocks joined into one system turn), then
-``messages`` (``tool_use`` / ``tool_result`` blocks as ``anthropic_tools.py`` says). A last ``assistant``
+``messages`` (``tool_use`` / ``tool_result`` blocks as ``tools.py`` says). A last ``assistant``
 message is a prefill: the answer continues it (``continue_final_message``) instead of starting a
 new turn.
 
@@ -22,8 +22,8 @@ from dataclasses import dataclass
 
 from pydantic import ValidationError
 
-from . import anthropic_tools
-from .anthropic_protocol import MAX_BREAKPOINTS, TTL_SECONDS, AnthropicError, MessagesRequest, TextBlock, invalid
+from . import tools as anthropic_tools
+from .protocol import MAX_BREAKPOINTS, TTL_SECONDS, AnthropicError, MessagesRequest, TextBlock, invalid
 
 
 @dataclass(frozen=True)

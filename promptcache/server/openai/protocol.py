@@ -1,6 +1,6 @@
 """OpenAI's request and response shapes (the subset served), and OpenAI-style errors.
 
-Unknown request fields are refused (400 naming the field; ``openai_fields.py`` says which
+Unknown request fields are refused (400 naming the field; ``fields.py`` says which
 fields are served and how, ``tools.py`` the tool fields); the extension fields (``pml``, ``documents``, ``recompute``) arrive
 top-level, which is what the ``openai`` client's ``extra_body=`` sends. One exception: the fields
 a router in front of replicas adds to every request it forwards (sglang-router and vllm-router
@@ -14,26 +14,12 @@ import time
 import uuid
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from fastapi import Request
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from ..engine.recompute import check_recompute
-from ..errors import PromptCacheError
-
-
-class APIError(PromptCacheError):
-    """An error answered as ``{"error": {message, type, param, code}}`` with ``status``."""
-
-    TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-             405: "invalid_request_error", 413: "invalid_request_error", 415: "invalid_request_error",
-             503: "server_overloaded", 500: "server_error"}
-
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
-        super().__init__(message)
-        self.status, self.message, self.param, self.code = status, message, param, code
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.TYPES.get(self.status, "error"),
-                          "param": self.param, "code": self.code}}
+from ...engine.recompute import check_recompute
+from ..core.errors import APIError
+from ..core.limits import parsed_body
 
 
 # field -> the values that ask for nothing (None always does); what sglang-router forwards
@@ -65,7 +51,7 @@ class BaseRequest(BaseModel):
     n: int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
-    frequency_penalty: float = 0.0  # only 0 (openai_fields.check)
+    frequency_penalty: float = 0.0  # only 0 (fields.check)
     presence_penalty: float = 0.0
     user: str | None = None  # accepted, not used
     metadata: dict | None = None  # accepted, not used
@@ -91,7 +77,7 @@ class StreamOptions(BaseModel):
 
 
 class ContentPart(BaseModel):
-    model_config = ConfigDict(extra="allow")  # a part's other fields are refused by the planner, by index
+    model_config = ConfigDict(extra="allow")  # a part's other fields are refused by the preparer, by index
     type: str
     text: str | None = None
 
@@ -221,3 +207,19 @@ def completion_chunk(rid: str, model: str, text: str, finish: str | None = None,
     if use is not None:
         out["usage"] = use
     return out
+
+
+def parse(request: Request, cls: type[BaseModel], model_name: str | None = None):
+    """The request body (parsed by ``limits.RequestGuard``) as ``cls``; APIError 400 naming the
+    field at fault, 404 when ``model_name`` is given and the request names another model."""
+    try:
+        req = cls.model_validate(parsed_body(request.scope))
+    except ValidationError as e:
+        err = e.errors()[0]
+        field = ".".join(str(x) for x in err["loc"]) or None
+        msg = "is not supported by this server" if err["type"] == "extra_forbidden" else err["msg"]
+        raise APIError(400, f"{field}: {msg}", field) from None
+    if model_name is not None and req.model != model_name:
+        raise APIError(404, f"model '{req.model}' does not exist (this server serves '{model_name}')",
+                       "model", "model_not_found")
+    return req

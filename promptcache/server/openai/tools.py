@@ -28,8 +28,9 @@ from __future__ import annotations
 import functools
 import json
 
-from ..engine.constrained import ConstraintError, Tag, tags_processor
-from .protocol import APIError, ChatRequest, Message
+from ...engine.constrained import ConstraintError, Tag, tags_processor
+from ..core.errors import APIError
+from .protocol import ChatRequest, Message
 from .toolcalls import BEGIN, END
 
 CALL_BEGIN, CALL_END, SEPARATOR = BEGIN + "\n", "\n" + END, "\n"

@@ -18,8 +18,9 @@ Decisions:
 
 from __future__ import annotations
 
-from ..engine.constrained import ConstraintError, json_processor
-from .protocol import APIError, BaseRequest, ChatRequest, CompletionRequest
+from ...engine.constrained import ConstraintError, json_processor
+from ..core.errors import APIError
+from .protocol import BaseRequest, ChatRequest, CompletionRequest
 
 MAX_TOP_LOGPROBS = {"chat": 20, "completion": 5}
 

@@ -10,14 +10,9 @@ the next chunk of arriving prompts within a token budget, and shared states are 
 from the KV pool.
 
 Requests arrive as ``Job``s, each wrapping an engine ``Request`` (its prompt spec, sampling
-settings, logits processors). Each step's outcome goes back to the request's asyncio loop as an
-event:
-
-    ("prefilled", PrefillResult)  after the prompt ran (usage, TTFT)
-    ("logprob", TokenLogprob)     a token's log-probability (requests that ask), before its text
-    ("text", str)                 a decoded text piece
-    ("done", Generation)          finished; its blocks (or cache) are free again
-    ("error", Exception)          failed; nothing more follows
+settings, logits processors). Each step's outcome goes back to the request's asyncio loop as a
+typed event (``events.py``: ``Prefilled``, ``Logprob``, ``Text``, then one of ``Done``,
+``Failed``, ``Cancelled``); ``lifecycle.py`` reads them for every route.
 
 Capacity: at most ``max_queue`` jobs are admitted at once (decoding or waiting); ``submit`` raises
 ``QueueFull`` beyond that (the server answers 503); the pool admits what fits, the rest waits.
@@ -40,9 +35,10 @@ from concurrent import futures
 from dataclasses import dataclass, field
 from typing import Callable
 
-from ..engine import Engine, PromptSpec, Request, SamplingParams, ServingConfig
-from ..errors import PromptCacheError
+from ...engine import Engine, PromptSpec, Request, SamplingParams, ServingConfig
+from ...errors import PromptCacheError
 from .compute import ComputeThread
+from .events import Cancelled, Done, Event, Failed, Logprob, Prefilled, Text
 
 log = logging.getLogger(__name__)
 
@@ -60,12 +56,12 @@ class Job:
     events: asyncio.Queue | None = None
     cancelled: bool = False
     submitted: float = field(default_factory=time.perf_counter)
-    reported: bool = False  # "prefilled" was sent
+    reported: bool = False  # Prefilled was sent
     paused_since: float | None = None
 
-    def emit(self, kind: str, value) -> None:
+    def emit(self, event: Event) -> None:
         try:
-            self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, value))
+            self.loop.call_soon_threadsafe(self.events.put_nowait, event)
         except RuntimeError:  # the request's event loop is gone (server shutting down)
             pass
 
@@ -212,11 +208,11 @@ class Backend:
             job.request.outputs.clear()  # read here, from the step's list
             if not job.reported and job.request.prefill is not None:
                 job.reported = True
-                job.emit("prefilled", job.request.prefill)
+                job.emit(Prefilled(job.request.prefill))
             if out.logprob is not None:
-                job.emit("logprob", out.logprob)
+                job.emit(Logprob(out.logprob))
             if out.text:
-                job.emit("text", out.text)
+                job.emit(Text(out.text))
             if out.finished:
                 self._report(job)
 
@@ -233,9 +229,9 @@ class Backend:
         how = "error" if req.error is not None else "cancelled" if req.finish_reason == "cancelled" else "done"
         self._finish(job, how)
         if how == "error":
-            job.emit("error", req.error)
+            job.emit(Failed(req.error))
         elif how == "done":
-            job.emit("done", req.generation())
+            job.emit(Done(req.generation()))
 
     @property
     def published_blocks(self) -> int:
@@ -251,5 +247,5 @@ class Backend:
         with self._cv:
             self._in_flight -= 1
         if how == "cancelled":
-            job.emit("error", asyncio.CancelledError())
+            job.emit(Cancelled())
         self.on_finish(job, how)

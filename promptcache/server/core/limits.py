@@ -21,8 +21,8 @@ import asyncio
 import json
 from dataclasses import dataclass, fields
 
-from ..settings import setting
-from .protocol import APIError
+from ...settings import setting
+from .errors import APIError
 
 LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")  # the allow-list when bound to a loopback address
 BODY_METHODS = {"POST", "PUT", "PATCH"}
