@@ -133,7 +133,7 @@ LAYERS = [
     {"errors", "fsutil", "jsonsafe", "progress", "tunables", "settings", "cache", "bench"},  # foundations: no model, no language
     {"pml", "tokens", "layout", "keys", "builder", "models", "store", "artifact"},  # language, models, storage
     {"engine"},
-    {"rag", "compiled", "frontend"},  # built on the engine (``compiled``: the deprecated name of engine.compiled)
+    {"rag", "compiled", "frontend", "integrations"},  # built on the engine (``compiled``: the deprecated name of engine.compiled)
     {"server"},  # the HTTP app and its ``serve`` command
     {"cli"},  # the ``promptcache`` command group
 ]
