@@ -11,7 +11,7 @@ mover promptcache itself uses, so both sides rotate alike).
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -33,6 +33,8 @@ class _Compiled:
     kv_spec: dict  # layers, kv_heads, head_dim, dtype
     sums: dict[str, str]  # "span_<i>" -> codec checksum
     opened: StatesFile
+    loaded: dict[int, torch.Tensor] = field(default_factory=dict)  # span index -> its verified state (worker)
+    checked: set[int] = field(default_factory=set)  # spans whose checksum the scheduler has verified
 
 
 class CompiledStates:
@@ -67,20 +69,34 @@ class CompiledStates:
 
     def kv(self, name, digest, spans) -> torch.Tensor:
         """kv [L, 2, H, n, D] of ``spans`` in order (n: their tokens); CodecError if one fails its checksum."""
-        c = self.schemas[(name, digest)]
-        spec, parts = c.kv_spec, []
-        for i in spans:
-            shape = (spec["layers"], 2, spec["kv_heads"], len(c.spans.token_ids[i]), spec["head_dim"])
-            parts.append(c.opened.read(f"span_{i}", StateInfo(None, spec["dtype"], shape, c.spans.model,
-                                                              c.sums[f"span_{i}"])))
-        return torch.cat(parts, dim=3)
+        return torch.cat([self._span(self.schemas[(name, digest)], i) for i in spans], dim=3)
 
     def verify(self, name, digest, spans) -> None:
-        """Read (and so checksum) every state of ``spans``; SupplyError naming a damaged one."""
+        """Read (and so checksum) every state of ``spans`` not read before, without keeping it (the
+        scheduler's check); SupplyError naming a damaged one."""
+        c = self.schemas[(name, digest)]
         try:
-            self.kv(name, digest, spans)
+            for i in spans:
+                if i not in c.loaded and i not in c.checked:
+                    self._read(c, i)
+                    c.checked.add(i)
         except CodecError as e:
             raise SupplyError(f"a stored state of schema '{name}' cannot be used: {e}") from None
+
+    @staticmethod
+    def _span(c: _Compiled, i: int) -> torch.Tensor:
+        """Span i's state [L, 2, H, n, D], read and verified once, then kept (a compiled schema is
+        served whole, so its states stay in memory as they would in promptcache's host tier)."""
+        kv = c.loaded.get(i)
+        if kv is None:
+            kv = c.loaded[i] = CompiledStates._read(c, i)
+        return kv
+
+    @staticmethod
+    def _read(c: _Compiled, i: int) -> torch.Tensor:
+        spec = c.kv_spec
+        shape = (spec["layers"], 2, spec["kv_heads"], len(c.spans.token_ids[i]), spec["head_dim"])
+        return c.opened.read(f"span_{i}", StateInfo(None, spec["dtype"], shape, c.spans.model, c.sums[f"span_{i}"]))
 
 
 def _open(folder: Path) -> _Compiled:
