@@ -48,7 +48,8 @@ def make_prompts(n: int, modules: int, imports: int, seed: int, tag: str) -> lis
     for k in range(n):
         chosen = sorted(rng.sample(range(modules), imports))
         refs = "".join(f"<m{i}/>" for i in chosen)
-        out.append(f'<prompt schema="notes">{refs} Question {tag}{k}: what does note {chosen[-1]} say? Answer:</prompt>')
+        question = f" Question {tag}{k}: what does note {chosen[-1]} say? Answer:"
+        out.append(f'<prompt schema="notes">{refs}{question}</prompt>')
     return out
 
 
