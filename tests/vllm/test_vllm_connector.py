@@ -94,3 +94,17 @@ def test_a_request_the_connector_refuses_is_computed_in_full(pc, client):
     assert cached == 0
     assert text == plain.text
     assert "computed in full by vLLM" in log.read_text()
+
+
+def test_a_salt_refused_once_stays_refused(pc, client):
+    """A request refused under another request's salt leaves plain blocks under that salt in vLLM's
+    prefix cache: the good request that follows must not be read as rotated (computed in full too)."""
+    client, log = client
+    text = '<prompt schema="facts"><tokyo/><oslo/> Question: where does the train leave from? Answer:</prompt>'
+    good = plan_request(pc, text).kwargs
+    bad = {"prompt": good["prompt"], "extra_body": {**good["extra_body"], "kv_transfer_params": {
+        "promptcache": {**good["extra_body"]["kv_transfer_params"]["promptcache"], "start": 10_000}}}}
+    plain = pc.generate(list(good["prompt"]), max_new_tokens=TOKENS)
+    assert ask(client, bad)[0] == plain.text
+    assert ask(client, good)[0] == plain.text
+    assert "an earlier request with this cache_salt was computed in full" in log.read_text()
