@@ -83,13 +83,12 @@ class CompiledStates:
         except CodecError as e:
             raise SupplyError(f"a stored state of schema '{name}' cannot be used: {e}") from None
 
-    @staticmethod
-    def _span(c: _Compiled, i: int) -> torch.Tensor:
+    def _span(self, c: _Compiled, i: int) -> torch.Tensor:
         """Span i's state [L, 2, H, n, D], read and verified once, then kept (a compiled schema is
         served whole, so its states stay in memory as they would in promptcache's host tier)."""
         kv = c.loaded.get(i)
         if kv is None:
-            kv = c.loaded[i] = CompiledStates._read(c, i)
+            kv = c.loaded[i] = self._read(c, i)
         return kv
 
     @staticmethod

@@ -1,6 +1,6 @@
-"""tests/vllm: vLLM's CPU build with promptcache's connector (minutes: it installs and starts vLLM).
+"""tests/on_vllm: vLLM's CPU build with promptcache's connector (minutes: it installs and starts vLLM).
 Marked ``vllm`` (left out of ``pytest -q`` by pyproject's addopts) and ``slow``; CI runs them as
-their own step: ``python -m pytest -q -m vllm tests/vllm``."""
+their own step: ``python -m pytest -q -m vllm tests/on_vllm``."""
 
 from __future__ import annotations
 
