@@ -203,8 +203,13 @@ def test_damaged_or_foreign_folders_are_left_out(compiled, tmp_path, caplog):
     with caplog.at_level(logging.ERROR, logger="promptcache.integrations.vllm.states"):
         assert CompiledStates([edited]).schemas == {}
         assert "manifest_sha256" in caplog.text
-        assert CompiledStates([compiled], {"layers": 30, "kv_heads": 3, "head_dim": 64}).schemas == {}
+        assert CompiledStates([compiled], {"model_type": "llama", "layers": 30, "kv_heads": 3,
+                                           "head_dim": 64}).schemas == {}
         assert "vLLM's model has" in caplog.text
+        spec = json.loads((compiled / "manifest.json").read_text())["kv_spec"]
+        same = {k: spec[k] for k in ("layers", "kv_heads", "head_dim")}
+        assert CompiledStates([compiled], {"model_type": "llama", **same}).schemas != {}
+        assert CompiledStates([compiled], {"model_type": "qwen2", **same}).schemas == {}
 
 
 def test_a_corrupted_state_is_refused_at_check(pc, compiled, tmp_path):

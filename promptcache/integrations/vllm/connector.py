@@ -67,9 +67,10 @@ class PromptCacheConnector(KVConnectorBase_V1):
         self.block_size = vllm_config.cache_config.block_size
         self.layers = hf.num_hidden_layers
         self.kv_heads = getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads
-        shape = {"layers": self.layers, "kv_heads": self.kv_heads, "head_dim": vllm_config.model_config.get_head_size()}
+        model = {"model_type": hf.model_type, "layers": self.layers, "kv_heads": self.kv_heads,
+                 "head_dim": vllm_config.model_config.get_head_size()}
         folders = self._kv_transfer_config.get_from_extra_config("compiled", [])
-        self.states = CompiledStates(folders, shape)
+        self.states = CompiledStates(folders, model)
         try:
             self.inv_freq, self.rope_refusal = rope_inv_freq(hf), None
         except SupplyError as e:

@@ -32,6 +32,7 @@ class _Compiled:
     spans: SchemaSpans
     kv_spec: dict  # layers, kv_heads, head_dim, dtype
     sums: dict[str, str]  # "span_<i>" -> codec checksum
+    model_type: str  # the compiled model's config.model_type
     opened: StatesFile
     loaded: dict[int, torch.Tensor] = field(default_factory=dict)  # span index -> its verified state (worker)
     checked: set[int] = field(default_factory=set)  # spans whose checksum the scheduler has verified
@@ -39,8 +40,8 @@ class _Compiled:
 
 class CompiledStates:
     """The compiled schemas of ``folders``, by (name, digest). A folder that cannot be used is
-    logged and left out (its schemas' requests are then computed in full); ``model`` (layers,
-    kv_heads, head_dim) leaves out artifacts of another shape."""
+    logged and left out (its schemas' requests are then computed in full); ``model`` (model_type,
+    layers, kv_heads, head_dim of the model vLLM serves) leaves out artifacts of another model."""
 
     def __init__(self, folders, model: dict | None = None):
         self.schemas: dict[tuple[str, str], _Compiled] = {}
@@ -50,7 +51,7 @@ class CompiledStates:
             except ArtifactError as e:
                 log.error("promptcache: compiled schema %s is not used: %s", folder, e)
                 continue
-            shape = {k: c.kv_spec.get(k) for k in ("layers", "kv_heads", "head_dim")}
+            shape = {"model_type": c.model_type, **{k: c.kv_spec.get(k) for k in ("layers", "kv_heads", "head_dim")}}
             if model is not None and shape != model:
                 log.error("promptcache: compiled schema %s is not used: its states are %s, vLLM's model has %s",
                           folder, shape, model)
@@ -107,7 +108,8 @@ def _open(folder: Path) -> _Compiled:
                          model=manifest["model_digest"],
                          token_ids={s["index"]: tuple(s["token_ids"]) for s in spans},
                          starts={s["index"]: s["start"] for s in spans})
-    return _Compiled(folder, record, manifest["kv_spec"], manifest["states"]["sha256"], opened)
+    return _Compiled(folder, record, manifest["kv_spec"], manifest["states"]["sha256"],
+                     manifest["model"].get("model_type"), opened)
 
 
 def rope_inv_freq(config) -> torch.Tensor:
