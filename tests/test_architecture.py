@@ -136,7 +136,7 @@ LAYERS = [
     {"errors", "fsutil", "jsonsafe", "progress", "tunables", "settings", "cache", "bench"},  # foundations: no model, no language
     {"pml", "tokens", "layout", "keys", "builder", "models", "store", "artifact"},  # language, models, storage
     {"engine"},
-    {"rag", "frontend"},  # built on the engine
+    {"rag", "frontend", "integrations"},  # built on the engine
     {"server"},  # the HTTP app and its ``serve`` command
     {"cli"},  # the ``promptcache`` command group
 ]

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import inspect
 import pkgutil
 import subprocess
@@ -19,10 +20,15 @@ ROOT = Path(__file__).resolve().parents[1]
 ENVIRONMENT = {"SourceFileError", "ModelNotFoundError", "OfflineError", "DeviceError", "QueueFull", "EnvironmentProblem",
                "FolderBusy", "SpillFolderBusy", "PinBudgetError", "PoolFull"}  # PinBudgetError, PoolFull: capacity, like QueueFull
 
+NEEDS = {"promptcache.integrations.vllm.connector": "vllm"}  # loaded by vLLM itself: imports vllm, no extra of ours
+
+
 def defined_exceptions() -> dict[str, type]:
     found = {}
     for info in pkgutil.walk_packages(promptcache.__path__, "promptcache."):
         if info.name.endswith("__main__"):
+            continue
+        if info.name in NEEDS and importlib.util.find_spec(NEEDS[info.name]) is None:
             continue
         module = importlib.import_module(info.name)
         for name, obj in vars(module).items():

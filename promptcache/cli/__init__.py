@@ -18,6 +18,7 @@ import click
 from .chat import chat
 from .commands import bench, compile, inspect, run, validate
 from .demo import demo
+from .vllm_config import vllm_config
 
 __all__ = ["main"]
 
@@ -70,7 +71,7 @@ def main():
     """
 
 
-for _command in (demo, run, compile, inspect, validate, bench, chat):
+for _command in (demo, run, compile, inspect, validate, bench, chat, vllm_config):
     main.add_command(_command)
 
 if __name__ == "__main__":

@@ -1,0 +1,25 @@
+"""``promptcache vllm-config``: the ``--kv-transfer-config`` JSON that serves compiled schemas from vLLM."""
+
+from __future__ import annotations
+
+import json
+
+import click
+
+from ..frontend.errors import guard
+from ..integrations.vllm import kv_transfer_config
+
+
+@click.command("vllm-config")
+@click.option("--compiled", "compiled", multiple=True, required=True, type=click.Path(file_okay=False, exists=True),
+              help="A compiled schema folder (`promptcache compile`); repeat for several.")
+@guard
+def vllm_config(compiled):
+    """Print vLLM's --kv-transfer-config for serving COMPILED schemas' states (one JSON line, last).
+
+    \b
+    vllm serve MODEL --kv-transfer-config "$(promptcache vllm-config --compiled build/s | tail -1)"
+    (with promptcache importable by vLLM's Python; docs/vllm.md). Clients send prompts with
+    promptcache.integrations.vllm.to_vllm_request.
+    """
+    click.echo(json.dumps(kv_transfer_config(compiled), separators=(",", ":")))

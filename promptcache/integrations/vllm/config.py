@@ -1,0 +1,28 @@
+"""The ``--kv-transfer-config`` JSON that loads the connector into vLLM (``promptcache vllm-config``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ...artifact import ArtifactError, read_manifest
+
+__all__ = ["CONNECTOR_MODULE", "CONNECTOR_NAME", "kv_transfer_config"]
+
+CONNECTOR_NAME = "PromptCacheConnector"
+CONNECTOR_MODULE = "promptcache.integrations.vllm.connector"
+
+
+def kv_transfer_config(compiled) -> dict:
+    """vLLM's kv-transfer config for the compiled schema folders ``compiled`` (absolute paths:
+    vLLM may run elsewhere). Each folder must be a readable artifact (``ArtifactError`` otherwise).
+    A load that fails in vLLM fails the request (``kv_load_failure_policy`` "fail"): recomputing
+    only the failed blocks would mix plain states into a rotated layout."""
+    folders = []
+    for folder in compiled:
+        path = Path(folder).resolve()
+        read_manifest(path)  # raises ArtifactError naming what is wrong
+        folders.append(str(path))
+    if not folders:
+        raise ArtifactError("give at least one compiled schema folder (--compiled DIR)")
+    return {"kv_connector": CONNECTOR_NAME, "kv_connector_module_path": CONNECTOR_MODULE, "kv_role": "kv_consumer",
+            "kv_load_failure_policy": "fail", "kv_connector_extra_config": {"compiled": folders}}

@@ -1,0 +1,208 @@
+"""``PromptCacheConnector``: vLLM's KV connector over promptcache's compiled schemas.
+
+Loaded by vLLM (``--kv-transfer-config``, see ``config.kv_transfer_config``); the only module of
+the package that imports vllm. vLLM makes two instances:
+
+* scheduler side: ``get_num_new_matched_tokens`` checks a request's
+  ``kv_transfer_params["promptcache"]`` (``supply.check``: known schema, same model, the prompt's
+  first tokens are the spans' tokens, the salt) and reads its states once (checksums), then claims
+  the supplied tokens vLLM's prefix cache does not already hold; ``build_connector_meta`` hands
+  the worker each claimed request's spans, token range, offset and block ids.
+* worker side: ``start_load_kv`` concatenates the spans' states, rotates the keys by the offset
+  (``supply`` explains why one offset is exact), keeps this tensor-parallel rank's heads and
+  writes keys and values into vLLM's paged cache through the attention backend's own
+  ``do_kv_cache_update`` (so every backend's block layout is its own business).
+
+Errors never give a wrong answer: a request whose states cannot be supplied is computed in full
+by vLLM (reason logged, at warning). Its blocks then enter vLLM's prefix cache under its salt,
+so a later request with that salt would find plain blocks where it expects rotated ones: the
+connector remembers refused salts and refuses them again. A load that fails on the worker fails
+the request (``kv_load_failure_policy`` "fail").
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1, KVConnectorMetadata,
+                                                               KVConnectorRole)
+
+from .states import CompiledStates, rope_inv_freq, rotated
+from .supply import PARAMS_KEY, SupplyError, check
+
+__all__ = ["PromptCacheConnector"]
+
+log = logging.getLogger(__name__)
+
+REFUSED_SALTS = 65536  # salts remembered as computed in full (least recently refused forgotten first)
+
+
+@dataclass
+class Load:
+    """One request's states to write: tokens [first, tokens) of its spans, at ``slots``."""
+
+    req_id: str
+    schema: tuple[str, str]  # (name, digest)
+    spans: tuple[int, ...]
+    first: int  # the first token vLLM's own prefix cache does not hold
+    tokens: int
+    offset: int
+    block_ids: list[int]
+
+
+@dataclass
+class PromptCacheMetadata(KVConnectorMetadata):
+    loads: list[Load] = field(default_factory=list)
+
+
+class PromptCacheConnector(KVConnectorBase_V1):
+    def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None):
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        hf = vllm_config.model_config.hf_text_config
+        self.block_size = vllm_config.cache_config.block_size
+        self.layers = hf.num_hidden_layers
+        self.kv_heads = getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads
+        model = {"model_type": hf.model_type, "layers": self.layers, "kv_heads": self.kv_heads,
+                 "head_dim": vllm_config.model_config.get_head_size()}
+        folders = self._kv_transfer_config.get_from_extra_config("compiled", [])
+        self.states = CompiledStates(folders, model)
+        try:
+            self.inv_freq, self.rope_refusal = rope_inv_freq(hf), None
+        except SupplyError as e:
+            self.inv_freq, self.rope_refusal = None, str(e)
+            log.error("promptcache: no states will be supplied: %s", e)
+        self.tp_size = vllm_config.parallel_config.tensor_parallel_size
+        self.claimed: dict[str, Load] = {}  # scheduler: checked, waiting for their blocks
+        self.loads: dict[str, Load] = {}  # scheduler: blocks allocated, for the next metadata
+        self.refused: OrderedDict[str, None] = OrderedDict()
+
+    # -- scheduler side -----------------------------------------------------------------------------
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:
+        params = (request.kv_transfer_params or {}).get(PARAMS_KEY)
+        if params is None:
+            return 0, False
+        load = self._check(request, params)
+        if load is None:
+            return 0, False
+        if num_computed_tokens >= load.tokens:
+            return 0, False  # vLLM's prefix cache holds them (an earlier request with this salt)
+        self.claimed[request.request_id] = load
+        return load.tokens - num_computed_tokens, False
+
+    def _check(self, request, params) -> Load | None:
+        salt = request.cache_salt
+        try:
+            if salt in self.refused:
+                self.refused.move_to_end(salt)
+                raise SupplyError("an earlier request with this cache_salt was computed in full, and vLLM's prefix "
+                                  "cache may hold its plain blocks under it")
+            if self.rope_refusal:
+                raise SupplyError(self.rope_refusal)
+            if not isinstance(params, dict):
+                raise SupplyError(f"kv_transfer_params['{PARAMS_KEY}'] is not an object")
+            schema = self.states.schema(params.get("schema"), params.get("digest"))
+            ok = check(params, schema, request.prompt_token_ids, salt)
+            self.states.verify(schema.name, schema.digest, ok.spans)
+        except SupplyError as e:
+            log.warning("promptcache: request %s is computed in full by vLLM: %s", request.request_id, e)
+            if salt is not None:
+                self.refused[salt] = None
+                if len(self.refused) > REFUSED_SALTS:
+                    self.refused.popitem(last=False)
+            return None
+        return Load(request.request_id, (schema.name, schema.digest), ok.spans, 0, ok.tokens, ok.offset, [])
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens: int):
+        load = self.claimed.pop(request.request_id, None)
+        if load is not None and num_external_tokens > 0:
+            load.first = load.tokens - num_external_tokens
+            self.loads[request.request_id] = load
+
+    def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
+        meta = PromptCacheMetadata()
+        for new in scheduler_output.scheduled_new_reqs:
+            load = self.loads.pop(new.req_id, None)
+            if load is not None:
+                load.block_ids = list(new.block_ids[0])
+                meta.loads.append(load)
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):  # resumed after preemption: all its blocks are new
+            load = self.loads.pop(req_id, None)
+            if load is not None and cached.new_block_ids[i] is not None:
+                load.block_ids = list(cached.new_block_ids[i][0])
+                meta.loads.append(load)
+        return meta
+
+    def request_finished(self, request, block_ids) -> tuple[bool, dict[str, Any] | None]:
+        self.claimed.pop(request.request_id, None)
+        self.loads.pop(request.request_id, None)
+        return False, None
+
+    # -- worker side ----------------------------------------------------------------------------------
+    def start_load_kv(self, forward_context, **kwargs: Any) -> None:
+        if not self.has_connector_metadata():
+            return
+        meta = self._get_connector_metadata()
+        if not isinstance(meta, PromptCacheMetadata) or not meta.loads:
+            return
+        layers = _attention_layers(forward_context.no_compile_layers)
+        if len(layers) != self.layers:
+            raise RuntimeError(f"promptcache: found {len(layers)} attention layers with a KV cache, "
+                               f"the model has {self.layers}")
+        heads = self._rank_heads()
+        for load in meta.loads:
+            kv = self.states.kv(*load.schema, load.spans)  # [L, 2, H, n, D]
+            kv = rotated(kv[:, :, heads, load.first:load.tokens], self.inv_freq, load.offset)
+            slots = _slots(load.block_ids, self.block_size, load.first, load.tokens)
+            for i, layer in enumerate(layers):
+                cache = layer.kv_cache
+                key = kv[i, 0].transpose(0, 1).to(cache.dtype).contiguous()  # [n', H_rank, D]
+                value = kv[i, 1].transpose(0, 1).to(cache.dtype).contiguous()
+                layer.impl.do_kv_cache_update(layer, key.to(cache.device), value.to(cache.device), cache,
+                                              slots.to(cache.device))
+            log.debug("promptcache: request %s: wrote %d tokens (offset %d)", load.req_id,
+                      load.tokens - load.first, load.offset)
+
+    def _rank_heads(self) -> slice:
+        """This rank's KV heads: a contiguous share, or one head replicated over several ranks."""
+        if self.tp_size == 1:
+            return slice(None)
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+        rank = get_tensor_model_parallel_rank()
+        if self.tp_size <= self.kv_heads:
+            per = self.kv_heads // self.tp_size
+            return slice(rank * per, (rank + 1) * per)
+        h = rank * self.kv_heads // self.tp_size
+        return slice(h, h + 1)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # start_load_kv writes every layer before the forward
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata, **kwargs: Any) -> None:
+        return  # a consumer: states are compiled by promptcache, never saved from vLLM
+
+    def wait_for_save(self):
+        return
+
+
+def _attention_layers(no_compile_layers: dict) -> list:
+    """The attention layers holding a KV cache, in model order (by the layer number in their name)."""
+    found = []
+    for name, layer in no_compile_layers.items():
+        cache = getattr(layer, "kv_cache", None)
+        number = re.search(r"\.(\d+)\.", name)
+        if isinstance(cache, torch.Tensor) and cache.numel() and hasattr(layer, "impl") and number:
+            found.append((int(number.group(1)), layer))
+    return [layer for _, layer in sorted(found, key=lambda x: x[0])]
+
+
+def _slots(block_ids: list[int], block_size: int, first: int, end: int) -> torch.Tensor:
+    """Slot of each token first..end-1 of a request: block_ids[i // block_size] * block_size + i % block_size."""
+    i = torch.arange(first, end)
+    return torch.tensor(block_ids, dtype=torch.long)[i // block_size] * block_size + i % block_size
