@@ -118,6 +118,15 @@ def kernel_for(q: torch.Tensor):
     return _state["ops"].attend if _covers(q) else None
 
 
+def gathers(buf: torch.Tensor) -> bool:
+    """Whether decode rows over the pool buffer ``buf`` [L, 2, Hk, S, D] are read by the native
+    gather op (``gather_kernel_for``): it reads each row's own slots in place, up to the row's own
+    length, so a row's own length costs no padding or copy and every decode row can go through it."""
+    d = buf.shape[-1]
+    return (buf.device.type == "cpu" and buf.dtype == torch.float32 and d % 16 == 0 and 16 <= d <= 256
+            and available())
+
+
 def gather_kernel_for(q: torch.Tensor, kv: torch.Tensor):
     """The native gather op for decode queries ``q`` [X, B, G, D] over a pool buffer ``kv`` when
     it covers them (as ``kernel_for``, and a float32 pool), else None. Called as

@@ -143,11 +143,14 @@ def build_plan(pool: KVPool, rows: list[PagedRow], scale: float | None = None, k
     plan, dev = StepPlan(pool, scale), pool.buf.device
     by_key: dict[str, tuple[torch.Tensor, list[int]]] = {}
     decodes, off = [], 0
+    # the native gather op reads each decode row's own slots in place up to its length: every decode
+    # row goes through it (one call a layer); the fallback gathers copies padded to the longest row
+    gather_max = None if cpu_attention.gathers(pool.buf) else GATHER_MAX
     for row in rows:
         t = len(row.ids)
         for key, view in row.shared:
             by_key.setdefault(key, (view, []))[1].extend(range(off, off + t))
-        if t == 1 and len(row.own) <= GATHER_MAX:
+        if t == 1 and (gather_max is None or len(row.own) <= gather_max):
             decodes.append((off, row.own))
         else:  # a chunk, or a decode row with a long own part (read in place, not padded into the gather)
             done = len(row.own) - t

@@ -309,11 +309,15 @@ def test_recompute_identity_through_the_pool(family, tokenizer):
     assert reqs[1].token_ids == pc.generate(prompt, max_new_tokens=6, temperature=0.0, recompute=1.0).token_ids
 
 
-def test_a_decode_row_with_a_long_own_part_is_read_in_place_and_stays_exact(tokenizer, monkeypatch):
-    """Rows whose own part is longer than GATHER_MAX decode outside the padded gather."""
+@pytest.mark.parametrize("native_gather", [True, False])
+def test_a_decode_row_with_a_long_own_part_is_read_in_place_and_stays_exact(tokenizer, monkeypatch, native_gather):
+    """Rows whose own part is longer than GATHER_MAX: through the native gather op (it reads each row's
+    own slots in place up to its length), or without it outside the padded gather; exact either way."""
     import promptcache.engine.paged as paged
 
     monkeypatch.setattr(paged, "GATHER_MAX", 8)  # the tiny prompts' own parts are longer than this
+    if not native_gather:
+        monkeypatch.setattr(paged.cpu_attention, "gathers", lambda buf: False)
     pc = PromptCache(make_model("llama"), tokenizer)
     chains = PrefixCache(pc, 8)
     long_ids = pc.tokenizer("Paris is the capital of France, famous for museums, cafes and the Eiffel Tower.").input_ids
@@ -328,6 +332,26 @@ def test_a_decode_row_with_a_long_own_part_is_read_in_place_and_stays_exact(toke
         sched.step()
     for ids, r in zip((long_ids, short_ids), reqs):
         assert r.token_ids == plain(pc, ids, 6)
+
+
+def test_decode_rows_of_any_own_length_share_one_gather_where_the_native_op_reads_the_pool(tokenizer, monkeypatch):
+    """The plan: with the native gather op every decode row is a gathered decode row (one call a
+    layer, no padding cost); without it a row past GATHER_MAX is read as a prefill-like part."""
+    import promptcache.engine.paged as paged
+
+    monkeypatch.setattr(paged, "GATHER_MAX", 8)
+    pc = PromptCache(make_model("llama"), tokenizer)
+    pool = KVPool(pc.runner.spec, pc.device, 256, 8)
+    slots = [pool.slots(pool.allocate(n // 8 + 1), 0, n) for n in (20, 5, 40)]
+    rows = [paged.PagedRow([1], [len(s) - 1], [], s, logits=True) for s in slots]
+    for native in (True, False):
+        monkeypatch.setattr(paged.cpu_attention, "gathers", lambda buf, native=native: native)
+        plan = paged.build_plan(pool, rows)
+        if native:
+            assert plan.decode_q.tolist() == [0, 1, 2] and not plan.prefills and plan.decodes_only
+            assert plan.decode_lengths.tolist() == [20, 5, 40]
+        else:
+            assert plan.decode_q.tolist() == [1] and [p[:2] for p in plan.prefills] == [(0, 1), (2, 3)]
 
 
 def test_a_fragmented_pool_allocates_the_longest_free_runs_first(tokenizer):
