@@ -28,10 +28,10 @@ from pathlib import Path
 import torch
 
 from promptcache.bench import load_avg, round_robin
-from promptcache.engine.graphs import CompiledSteps
-from promptcache.engine.kvpool import KVPool
-from promptcache.engine.paged import PagedRow, paged_forward
-from promptcache.engine.runner import ModelRunner
+from promptcache.engine.serving_core.graphs import CompiledSteps
+from promptcache.engine.serving_core.kvpool import KVPool
+from promptcache.engine.serving_core.paged import PagedRow, paged_forward
+from promptcache.engine.prefill.runner import ModelRunner
 from promptcache.models.loading import load_model
 from promptcache.models.packed import pack_linears, packed_refusal
 

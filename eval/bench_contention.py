@@ -46,10 +46,10 @@ def decode_step(rows: int, shared: int):
     """A function running one decode step of ``rows`` rows behind a ``shared``-token prompt."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from promptcache.engine import cpu_attention
-    from promptcache.engine.kvpool import KVPool
-    from promptcache.engine.paged import PagedRow, paged_forward
-    from promptcache.engine.runner import ModelRunner
+    from promptcache.engine.serving_core import cpu_attention
+    from promptcache.engine.serving_core.kvpool import KVPool
+    from promptcache.engine.serving_core.paged import PagedRow, paged_forward
+    from promptcache.engine.prefill.runner import ModelRunner
     from promptcache.models.packed import pack_linears
     from promptcache.models.smollm2 import ensure_smollm2
 

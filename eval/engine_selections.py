@@ -1,5 +1,5 @@
 """Engine selections only the studies use, registered with the engine on import
-(``promptcache.engine.recompute.register_selection``); then
+(``promptcache.engine.prefill.recompute.register_selection``); then
 ``EngineConfig(recompute=RecomputeConfig(selection="qattn_mix"))`` or ``"qmatch_later"`` works like
 the library's own.
 
@@ -9,7 +9,7 @@ measurements (eval/results/quality.md); the studies re-run them.
 
 from __future__ import annotations
 
-from promptcache.engine.recompute import RecomputeRequest, fill, match_order, register_selection, tail, top
+from promptcache.engine.prefill.recompute import RecomputeRequest, fill, match_order, register_selection, tail, top
 
 __all__ = ["qattn_mix", "qmatch_later"]
 

@@ -5,7 +5,7 @@ should the rest of a recompute budget go?
 
 Reference implementation (``recompute_reference.py``, teacher-forced answer, as ``selection_study``)
 on the retrieval task. Per question: full prefill and naive reuse; the notes ranked by
-``promptcache.engine.recompute.match_scores`` (BM25 idf of the question's token ids over the
+``promptcache.engine.prefill.recompute.match_scores`` (BM25 idf of the question's token ids over the
 prompt's own notes); then whole notes recomputed in three orders after the best note: ``later``
 (the engine's ``match_order``: by score, ties later note first), ``next`` (the notes after the best
 one, then those before it) and ``prev`` (the notes before it, nearest first, then those after), at
@@ -27,7 +27,7 @@ from .recompute_reference import blend, independent_kv
 from .selection_study import build_prompt, correct
 from .selections import whole_notes, request
 
-from promptcache.engine.recompute import match_order
+from promptcache.engine.prefill.recompute import match_order
 
 FRACTIONS = (0.15, 0.3, 0.5)
 

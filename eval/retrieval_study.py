@@ -149,7 +149,7 @@ def engine_anchor(selection: str) -> Callable:
     """An anchor through the engine: the request's documents reused independently, ``selection``
     (an engine selection) choosing ``AUTO_FRACTION`` of their tokens (the same notes' states: a
     store on the same namespace encodes nothing again)."""
-    from promptcache.engine.recompute import AUTO_FRACTION
+    from promptcache.engine.prefill.recompute import AUTO_FRACTION
     from promptcache.rag import DocumentStore
 
     def run(pc, req: Request, max_new_tokens: int) -> Answer:

@@ -10,7 +10,7 @@ a sample is correct when greedy decoding starts with the code (teacher-forced ar
 Writes ``selection_study.csv`` (per sample) and ``selection_study_summary.csv`` to ``--out`` and
 the curve ``selection_curve.png`` to ``--figures``.
 
-``--impl engine`` measures the engine's own selections (``promptcache.engine.recompute``) instead:
+``--impl engine`` measures the engine's own selections (``promptcache.engine.prefill.recompute``) instead:
 ``DocumentStore(independent=True)`` with the 8 notes as documents, ``generate(..., recompute=r)``
 with each ``EngineConfig.recompute.selection``; a sample is correct when the greedy answer (14
 tokens) holds the code; TTFT is the engine's (selection pass included). Rows ``full`` (the stock
@@ -218,7 +218,7 @@ def main(argv=None):
     path = ensure_smollm2()
     samples = retrieval_samples(args.first + args.samples, seed=11)[args.first:]
     if args.impl == "engine":
-        from promptcache.engine.recompute import SELECTIONS as ENGINE_SELECTIONS
+        from promptcache.engine.prefill.recompute import SELECTIONS as ENGINE_SELECTIONS
 
         names = [n for n in args.selections if n in ENGINE_SELECTIONS] or list(ENGINE_SELECTIONS)
         stem = f"selection_engine{args.tag}"

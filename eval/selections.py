@@ -194,7 +194,7 @@ def cacheblend_iter(model, p, base, budget, until: int = 4):
 def request(p):
     """The engine's ``RecomputeRequest`` for a reference prompt: the modules as spans, the suffix
     (the question, never the forced answer) as the new tokens."""
-    from promptcache.engine.recompute import RecomputeRequest
+    from promptcache.engine.prefill.recompute import RecomputeRequest
 
     ids = p.ids.tolist()
     return RecomputeRequest(fraction=0.0, selection="qmatch", slot_order=list(range(p.n)), slot_ids=ids,
@@ -203,10 +203,10 @@ def request(p):
 
 
 def _engine_selection(name: str):
-    """An engine selection (``promptcache.engine.recompute.SELECTIONS``) that reads token ids only,
+    """An engine selection (``promptcache.engine.prefill.recompute.SELECTIONS``) that reads token ids only,
     on a reference prompt. No forward pass to choose."""
     def run(model, p, base, budget):
-        from promptcache.engine.recompute import SELECTIONS as ENGINE
+        from promptcache.engine.prefill.recompute import SELECTIONS as ENGINE
 
         return torch.tensor(ENGINE[name](None, request(p), budget), dtype=torch.long), None, 0
     return run

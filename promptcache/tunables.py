@@ -25,7 +25,7 @@ DECODE_SLACK = 64
 # (launching a copy costs CPU time; fewer groups mean larger copies and a later first layer).
 COPY_GROUPS = 4
 
-# -- serving (engine/serving.py, engine/paged.py) -------------------------------------------------
+# -- serving (engine/serving_core/scheduler.py, engine/serving_core/paged.py) -------------------------------------------------
 # Prefill tokens a scheduler step runs even when decode rows use up the token budget, so a queue
 # of new prompts always moves.
 MIN_CHUNK = 16
@@ -34,7 +34,7 @@ MIN_CHUNK = 16
 # row to it made the gather of many rows behind a long prompt cost more than the step's attention
 # (eval/results/design_figures.md).
 GATHER_MAX = 256
-# Without the native CPU kernel (engine/cpu_attention.py; it reads decode rows' own keys by slot
+# Without the native CPU kernel (engine/serving_core/cpu_attention.py; it reads decode rows' own keys by slot
 # itself), decode rows' own tokens are attended with plain matrix products (one batched product,
 # softmax, one product) from this many rows on, with torch's fused CPU attention below it. The fused kernel
 # pays per (row, head) item, so matrix products win from 8 rows on and the fused kernel is as fast
@@ -49,5 +49,5 @@ SEGMENTS_MAX = 4
 # graphs a step's tokens and logits rows are padded up to one of these sizes, each pair one graph,
 # compiled once (lazily: only the pairs that occur). Steps larger than the last run eagerly: they
 # are bound by their matrix products and compiling gains nothing there; 128 holds the new tokens
-# of a 99%-cached 8K prompt (engine/graphs.py).
+# of a 99%-cached 8K prompt (engine/serving_core/graphs.py).
 COMPILE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)

@@ -12,8 +12,8 @@ from __future__ import annotations
 import torch
 from transformers import DynamicCache
 
-from promptcache.cache import SpliceCache
-from promptcache.engine.plan import Segment
+from promptcache.models.splice import SpliceCache
+from promptcache.engine.prefill.plan import Segment
 from promptcache.models import get_adapter
 
 

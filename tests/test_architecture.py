@@ -23,6 +23,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import pytest
+
 PKG = Path(__file__).resolve().parents[1] / "promptcache"
 ROOTS = {"promptcache": PKG, "eval": PKG.parent / "eval"}
 
@@ -133,7 +135,7 @@ def _private(name: str) -> bool:
 
 
 LAYERS = [
-    {"errors", "fsutil", "jsonsafe", "progress", "tunables", "settings", "cache", "bench"},  # foundations: no model, no language
+    {"errors", "fsutil", "jsonsafe", "progress", "tunables", "settings", "bench"},  # foundations: no model, no language
     {"pml", "tokens", "layout", "keys", "builder", "models", "store", "artifact"},  # language, models, storage
     {"engine"},
     {"rag", "frontend", "integrations"},  # built on the engine
@@ -167,22 +169,33 @@ def package_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
     return {u: ts - {u} for u, ts in out.items()}
 
 
-def server_unit(mod: str) -> str | None:
-    """``promptcache.server.core.backend`` -> ``core``; a top module of the server is its own unit;
-    None outside the server and for its face (``__init__``) and ``__main__``."""
+ENGINE_LAYERS = [
+    {"decoding"},  # sampling, text, constraints: tokens and logits only
+    {"prefill"},  # settings, plans, recompute, the runner and its private buffer, results
+    {"schemas"},  # schema encoding, registry, compiled artifacts, PML prompts laid into plans
+    {"serving_core"},  # pool, chains, requests, step loop, paged attention, native kernel, Engine
+    {"facade", "stream"},  # PromptCache and GenerationStream on top
+]
+ENGINE_RANK = {unit: rank for rank, units in enumerate(ENGINE_LAYERS) for unit in units}
+SUB_LAYERS = {"server": SERVER_RANK, "engine": ENGINE_RANK}
+
+
+def sub_unit(mod: str, package: str = "server") -> str | None:
+    """``promptcache.server.core.backend`` -> ``core`` (likewise in ``engine``); a top module of the
+    package is its own unit; None outside it and for its face (``__init__``) and ``__main__``."""
     parts = mod.split(".")
-    if parts[:2] != ["promptcache", "server"] or len(parts) < 3 or parts[2] == "__main__":
+    if parts[:2] != ["promptcache", package] or len(parts) < 3 or parts[2] == "__main__":
         return None
     return parts[2]
 
 
-def server_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
-    """Server unit -> server units it imports (another unit only)."""
+def sub_graph(graph: dict[str, set[str]], package: str = "server") -> dict[str, set[str]]:
+    """Units of ``package`` -> its units they import (another unit only)."""
     out: dict[str, set[str]] = {}
     for mod, targets in graph.items():
-        u = server_unit(mod)
+        u = sub_unit(mod, package)
         if u is not None:
-            out.setdefault(u, set()).update(v for t in targets if (v := server_unit(t)) is not None)
+            out.setdefault(u, set()).update(v for t in targets if (v := sub_unit(t, package)) is not None)
     return {u: vs - {u} for u, vs in out.items()}
 
 
@@ -205,8 +218,8 @@ def long_functions(limit: int = MAX_FUNCTION_LINES) -> list[str]:
 def test_the_walker_sees_imports_and_cycles():
     g = import_graph()
     assert "promptcache.engine.facade" in g["promptcache.engine"]  # from .facade import PromptCache
-    assert "promptcache.engine.compiled" in g["promptcache.engine.facade"]  # from . import compiled
-    assert "promptcache.engine.facade" not in g["promptcache.engine.compiled"]  # called with the facade, not importing it
+    assert "promptcache.engine.schemas.compiled" in g["promptcache.engine.facade"]  # from . import compiled
+    assert "promptcache.engine.facade" not in g["promptcache.engine.schemas.compiled"]  # called with the facade, not importing it
     assert "server" in package_graph(g)["cli"]  # the group resolves ``serve`` from server/cli.py
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     src = ast.parse("if TYPE_CHECKING:\n    import x\nelse:\n    import y\ndef f():\n    import z\n")
@@ -247,23 +260,26 @@ def test_no_private_member_used_across_modules():
     assert not found, "private members used from outside their object:\n" + "\n".join(found)
 
 
-def test_every_server_unit_has_a_layer():
-    missing = sorted(set(server_graph(import_graph())) - set(SERVER_RANK))
-    assert not missing, f"server units without a layer in SERVER_LAYERS: {missing}"
+@pytest.mark.parametrize("package", sorted(SUB_LAYERS))
+def test_every_subpackage_unit_has_a_layer(package):
+    missing = sorted(set(sub_graph(import_graph(), package)) - set(SUB_LAYERS[package]))
+    assert not missing, f"{package} units without a layer: {missing}"
 
 
-def test_server_subpackages_import_only_their_layer_or_below():
-    g = server_graph(import_graph())
-    assert "core" in g["openai"] and "openai" in g["anthropic"]  # the walker sees the subpackages
-    found = [f"server.{u} (layer {SERVER_RANK[u]}) imports server.{v} (layer {SERVER_RANK[v]})"
-             for u, vs in sorted(g.items()) for v in sorted(vs) if SERVER_RANK[v] > SERVER_RANK[u]]
-    assert not found, "server imports running back up its layers:\n" + "\n".join(found)
-    assert not cycles(g), "server subpackage loops: " + "; ".join(" <-> ".join(c) for c in cycles(g))
+@pytest.mark.parametrize("package", sorted(SUB_LAYERS))
+def test_subpackages_import_only_their_layer_or_below(package):
+    g, rank = sub_graph(import_graph(), package), SUB_LAYERS[package]
+    seen = {"server": ("openai", "core"), "engine": ("serving_core", "prefill")}[package]
+    assert seen[1] in g[seen[0]]  # the walker sees the subpackages
+    found = [f"{package}.{u} (layer {rank[u]}) imports {package}.{v} (layer {rank[v]})"
+             for u, vs in sorted(g.items()) for v in sorted(vs) if rank[v] > rank[u]]
+    assert not found, f"{package} imports running back up its layers:\n" + "\n".join(found)
+    assert not cycles(g), f"{package} subpackage loops: " + "; ".join(" <-> ".join(c) for c in cycles(g))
 
 
-def test_server_packages_hold_at_most_twelve_modules():
-    sizes = {name: n for name, n in package_sizes().items() if name.startswith("promptcache/server")}
-    assert len(sizes) >= 5  # server and its four subpackages
+def test_packages_hold_at_most_twelve_modules():
+    sizes = package_sizes()
+    assert {"promptcache/server/core", "promptcache/engine/serving_core", "promptcache"} <= set(sizes)  # seen
     big = {name: n for name, n in sizes.items() if n > MAX_MODULES}
     assert not big, f"packages over {MAX_MODULES} modules: {big}"
 

@@ -32,10 +32,10 @@ def serve_together(pc, prompts: list[str], max_new: int = 6, budget: int = 12, f
     (chunks of at most ``budget`` tokens, states read in place: recompute=0, greedy, ``max_new``
     tokens each; ``forward``: the step's forward, default the eager one). The finished requests."""
     from promptcache.engine import PmlPrompt
-    from promptcache.engine.kvpool import KVPool
-    from promptcache.engine.request import Request
-    from promptcache.engine.sampling import SamplingParams
-    from promptcache.engine.serving import ServingScheduler
+    from promptcache.engine.serving_core.kvpool import KVPool
+    from promptcache.engine.serving_core.request import Request
+    from promptcache.engine.decoding.sampling import SamplingParams
+    from promptcache.engine.serving_core.scheduler import ServingScheduler
     from promptcache.pml import parse_prompt
 
     sched = ServingScheduler(pc.runner, KVPool(pc.runner.spec, pc.device, 1024, 16), token_budget=budget,

@@ -1,13 +1,19 @@
 """The engine: encode schemas once, serve prompts from spliced attention states.
 
-``PromptCache`` (``facade.py``) is the public class; the rest are its rooms: ``runner``
-(model, forwards, buffers), ``registry`` (encoded schemas, fingerprints, keys), ``encoder``,
-``assemble`` (prompt plans), ``prompts`` (what a request asks for), ``core`` (the serving core:
-pool, step loop, prefix chains), ``serving`` (the step loop), ``sampling``, ``constrained`` (JSON
-output), ``request``, ``stream``, ``results``, ``config``.
+``PromptCache`` (``facade.py``) is the public class; the rest are its rooms, by concern:
 
-The names below are imported on first use (PEP 562): ``promptcache.engine.config`` (the settings
-the command line's options are built from) needs no torch, so ``promptcache --help`` loads none.
+* ``decoding/``: sampling, incremental text, constrained (JSON) output;
+* ``prefill/``: settings, the ``PrefillPlan`` a prefill reads, selective recompute, the model
+  runner (a plan assembled in a private splice buffer), results;
+* ``schemas/``: schema encoding, the registry of encoded schemas, compiled schema artifacts, and
+  laying a PML prompt over a schema into a plan (``assemble``);
+* ``serving_core/``: KV pool, prefix chains, requests and prompt specs, the step loop
+  (``scheduler``), paged attention and the native CPU kernel, step graphs, ``core.Engine``;
+* ``facade.py`` (``PromptCache``) and ``stream.py`` (``GenerationStream``) on top.
+
+Each room imports only rooms listed before it (tests/test_architecture.py). The names below are
+imported on first use (PEP 562): ``promptcache.engine.prefill.config`` (the settings the command
+line's options are built from) needs no torch, so ``promptcache --help`` loads none.
 """
 
 _HOMES = {"StoreConfig": "config", "EngineConfig": "config", "RecomputeConfig": "config", "RunnerConfig": "config",
@@ -22,7 +28,11 @@ __all__ = sorted(_HOMES)
 def __getattr__(name: str):
     if name not in _HOMES:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    from . import config, core, facade, prompts, registry, request, results, runner, sampling, stream
+    from . import facade, stream
+    from .decoding import sampling
+    from .prefill import config, results, runner
+    from .schemas import registry
+    from .serving_core import core, prompts, request
 
     homes = {"config": config, "core": core, "facade": facade, "prompts": prompts, "registry": registry,
              "request": request, "results": results, "runner": runner, "sampling": sampling, "stream": stream}

@@ -38,19 +38,19 @@ from ..progress import bar_for, progress_for
 from ..store import StoreError, build_store
 from ..tokens import as_span_tokenizer
 from ..tunables import PREWARM_SLACK
-from . import compiled
-from .assemble import assemble, is_exact, leading_exact, moves_last
-from .config import EngineConfig, ServingConfig
-from .core import Engine
-from .encoder import Progress, SchemaEncoder
-from .plan import PrefillPlan, Segment
-from .prompts import PmlPrompt, PromptSpec, TokenPrompt
-from .recompute import RecomputeRequest, check_recompute, fraction_of, recompute_request
-from .registry import EncodedSchema, SchemaRegistry
-from .request import Request
-from .results import Generation, PrefillResult
-from .runner import ModelRunner
-from .sampling import SamplingParams, sampling_params
+from .schemas import compiled
+from .schemas.assemble import assemble, is_exact, leading_exact, moves_last
+from .prefill.config import EngineConfig, ServingConfig
+from .serving_core.core import Engine
+from .schemas.encoder import Progress, SchemaEncoder
+from .prefill.plan import PrefillPlan, Segment
+from .serving_core.prompts import PmlPrompt, PromptSpec, TokenPrompt
+from .prefill.recompute import RecomputeRequest, check_recompute, fraction_of, recompute_request
+from .schemas.registry import EncodedSchema, SchemaRegistry
+from .serving_core.request import Request
+from .prefill.results import Generation, PrefillResult
+from .prefill.runner import ModelRunner
+from .decoding.sampling import SamplingParams, sampling_params
 from .stream import GenerationStream
 
 __all__ = ["PromptCache"]
@@ -193,7 +193,7 @@ class PromptCache:
 
         ``recompute``: ``"auto"`` or the fraction of the drifted cached tokens computed afresh in
         the prompt's own context (None: ``config.recompute.fraction``, default ``"auto"``; see
-        ``engine/recompute.py``). ``"auto"`` recomputes nothing for an exact layout and
+        ``engine/prefill/recompute.py``). ``"auto"`` recomputes nothing for an exact layout and
         ``AUTO_FRACTION`` of the drifted tokens otherwise; 1.0 equals a plain forward over the
         prompt's tokens in prompt order at the layout's positions. ``res.exact`` and
         ``res.recomputed_tokens`` say what the answer is. ``layout``: the prompt's layout when the

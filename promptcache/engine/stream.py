@@ -9,11 +9,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Iterator
 
-from .request import Request
-from .results import Generation
+from .serving_core.request import Request
+from .prefill.results import Generation
 
 if TYPE_CHECKING:
-    from .core import Engine
+    from .serving_core.core import Engine
 
 __all__ = ["GenerationStream"]
 

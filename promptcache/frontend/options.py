@@ -18,7 +18,7 @@ from pathlib import Path
 
 import click
 
-from ..engine.config import EngineConfig
+from ..engine.prefill.config import EngineConfig
 from ..settings import leaves
 from .walker import ENV_PREFIX, env_name, option_name, parse_size, parser, settings_from, settings_options
 

@@ -30,7 +30,7 @@ from typing import ClassVar
 import torch
 import transformers
 
-from ..cache import KVSpec, SpliceCache
+from .splice import KVSpec, SpliceCache
 from ..errors import PromptCacheError
 from .masks import additive as additive_mask, check as check_mask, slot_causal
 

@@ -1,7 +1,7 @@
 """``DocumentPrompt``: a question over ``DocumentStore`` documents, as the engine's scheduler plans it.
 
 Chain stores are exact (every state a plain prefill's), so their prompt is planned as a token
-chain (``engine.chains``, the prefix reuse the server uses for plain prompts): blocks shared in
+chain (``engine.serving_core.chains``, the prefix reuse the server uses for plain prompts): blocks shared in
 the KV pool by every request that matches them, published as requests fill them. Independent and
 hybrid stores place documents encoded alone and recompute part of their states, so their prompt
 is assembled in a private buffer (``DocumentStore.prefill``) that the scheduler copies into the
@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..engine import PrefillResult, PromptSpec, TokenPrompt
-from ..engine.prefix import PrefixCache
+from ..engine.serving_core.prefix import PrefixCache
 from ..layout import PromptLayout
 
 __all__ = ["DocumentPrompt"]

@@ -2,7 +2,7 @@
 
 The document API and its prompt plans; the folder a store persists to is ``folder.py``,
 ``Document`` and the errors ``documents.py``. Chains are keyed and looked up with the engine's
-chain mechanism (``engine.chains``: ``chained``, ``stored_run``), the one the server's prefix reuse
+chain mechanism (``engine.serving_core.chains``: ``chained``, ``stored_run``), the one the server's prefix reuse
 uses.
 
     store = DocumentStore(pc, "docs.pcache")           # persisted; reopened with its states
@@ -31,7 +31,7 @@ then the question and the template's tail. Three modes (``DocumentStore.mode``; 
   retrieval study). ``recompute=r`` (the engine's selective recompute; the default selection
   ``qmatch`` recomputes the documents the question names, then the others from the first) is the
   quality knob; small fractions kept the most answers (figures: eval/results/quality.md). The default, ``recompute="auto"``,
-  recomputes 0.15 of the drifted documents' tokens (``engine.recompute.AUTO_FRACTION``).
+  recomputes 0.15 of the drifted documents' tokens (``engine.prefill.recompute.AUTO_FRACTION``).
   Rotary and ALiBi models only (learned absolute positions cannot be moved).
 * **Hybrid** (``hybrid=True``): the longest stored chain of the request's leading documents (exact;
   chains are written by chain stores on the same engine), then the other documents as in
@@ -64,9 +64,9 @@ from pathlib import Path
 import torch
 
 from ..engine import Generation, PrefillResult, PromptCache
-from ..engine.chains import chained, stored_run
-from ..engine.plan import PrefillPlan, Segment
-from ..engine.recompute import check_recompute, check_selection, recompute_request
+from ..engine.serving_core.chains import chained, stored_run
+from ..engine.prefill.plan import PrefillPlan, Segment
+from ..engine.prefill.recompute import check_recompute, check_selection, recompute_request
 from ..keys import alone_key, chain_root, token_digest
 from ..layout import PromptLayout, Span
 from ..models.relocate import check_relocatable, relocate

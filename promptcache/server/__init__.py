@@ -14,7 +14,7 @@
 Layering (``tests/test_architecture.py``): core < openai < anthropic, studio < the app and its
 commands; ``promptcache.cli`` sits above ``server`` (the ``promptcache`` group resolves ``serve``
 from here); nothing here imports ``cli``. Prefix reuse for plain token prompts is
-``promptcache.engine.prefix`` (the terminal ``chat`` uses it too).
+``promptcache.engine.serving_core.prefix`` (the terminal ``chat`` uses it too).
 
 Needs the ``serve`` extra: ``pip install -e ".[serve]"``.
 """

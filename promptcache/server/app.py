@@ -32,7 +32,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..engine import ServingConfig
-from ..engine.prefix import DEFAULT_BLOCK_SIZE
+from ..engine.serving_core.prefix import DEFAULT_BLOCK_SIZE
 from ..store import Pins
 from .anthropic.routes import MessagesContext, add_messages_route
 from .core.access import AccessLog

@@ -14,7 +14,7 @@ import math
 import pytest
 import torch
 
-from promptcache.cache import SpliceCache
+from promptcache.models.splice import SpliceCache
 from promptcache.models import get_adapter
 from tiny import VOCAB, make_model
 

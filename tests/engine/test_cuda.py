@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from promptcache import PromptCache, SamplingParams
-from promptcache.cache import KVSpec, SpliceCache
+from promptcache.models.splice import KVSpec, SpliceCache
 from promptcache.engine import EngineConfig, RunnerConfig, StoreConfig
-from promptcache.engine.plan import Segment
+from promptcache.engine.prefill.plan import Segment
 from tiny import fresh_model, make_tokenizer
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -109,9 +109,9 @@ def test_batched_generate_on_the_gpu_equals_one_by_one():
 
 
 def test_compiled_steps_with_cuda_graphs_equal_eager_steps_on_the_gpu():
-    """engine/graphs.py on CUDA: graphs between attention operations captured and replayed; the
+    """engine/serving_core/graphs.py on CUDA: graphs between attention operations captured and replayed; the
     answers equal the eager paged steps' (float32 logits within 1e-4, the same greedy tokens)."""
-    from promptcache.engine.graphs import CompiledSteps
+    from promptcache.engine.serving_core.graphs import CompiledSteps
     from trip import serve_together
 
     pc = engine("cuda")  # float32 on the GPU

@@ -10,7 +10,7 @@ import torch
 
 from oracle import definition_state
 from promptcache import EngineConfig, PMLError, PromptCache, RecomputeConfig, RunnerConfig, layout_schema
-from promptcache.cache import SpliceCache
+from promptcache.models.splice import SpliceCache
 from promptcache.models import UnsupportedModelError, get_adapter, supported_model_types
 from tiny import FAMILIES, fresh_model, make_model, make_tokenizer
 

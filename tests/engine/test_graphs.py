@@ -1,4 +1,4 @@
-"""Compiled serving steps (``engine/graphs.py``): bucketing, and compiled steps equal to eager ones.
+"""Compiled serving steps (``engine/serving_core/graphs.py``): bucketing, and compiled steps equal to eager ones.
 
 Exactness: every family the pool serves gets, through compiled steps, the logits (within 1e-4)
 and greedy tokens of the eager paged steps, for PML prompts with gaps, unions and parameters
@@ -12,11 +12,11 @@ import pytest
 import torch
 
 from promptcache import PromptCache
-from promptcache.engine.graphs import CompiledSteps, bucket_for, compile_refusal
-from promptcache.engine.kvpool import KVPool
-from promptcache.engine.request import Request
-from promptcache.engine.sampling import SamplingParams
-from promptcache.engine.serving import ServingScheduler
+from promptcache.engine.serving_core.graphs import CompiledSteps, bucket_for, compile_refusal
+from promptcache.engine.serving_core.kvpool import KVPool
+from promptcache.engine.serving_core.request import Request
+from promptcache.engine.decoding.sampling import SamplingParams
+from promptcache.engine.serving_core.scheduler import ServingScheduler
 from promptcache.engine import PmlPrompt
 from promptcache.errors import ConfigError
 from promptcache.pml import parse_prompt
@@ -167,7 +167,7 @@ def test_the_cuda_options_are_ones_torch_compile_takes_and_the_attention_op_is_k
     """The CUDA path cannot run here; what can be checked on a CPU is checked: torch.compile
     validates option names when it is called (an unknown one raises), and the attention op
     carries the tag inductor's graph partition reads."""
-    from promptcache.engine.graphs import compile_options
+    from promptcache.engine.serving_core.graphs import compile_options
 
     cpu = compile_options(torch.device("cpu"))
     assert "triton.cudagraphs" not in cpu

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import torch
 
-from promptcache.cache import KVSpec
-from promptcache.engine.kvpool import KVPool
+from promptcache.models.splice import KVSpec
+from promptcache.engine.serving_core.kvpool import KVPool
 from promptcache.store import StoreConfig, build_store
 
 SPEC = KVSpec(layers=2, kv_heads=2, head_dim=4, dtype=torch.float32)

@@ -1,4 +1,4 @@
-"""The native CPU attention kernel (engine/cpu_attention.py, engine/native/attention.cpp) against
+"""The native CPU attention kernel (engine/serving_core/cpu_attention.py, engine/serving_core/native/attention.cpp) against
 attention computed in float64, and the engine's use of it."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from promptcache.engine import cpu_attention
+from promptcache.engine.serving_core import cpu_attention
 
 
 @pytest.fixture(scope="module")

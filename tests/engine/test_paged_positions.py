@@ -18,13 +18,13 @@ from transformers import AutoModelForCausalLM, FalconConfig, MistralConfig, Qwen
 
 from oracle import assembled_cache, plain_logits
 from promptcache import PromptCache
-from promptcache.engine import paged
+from promptcache.engine.serving_core import paged
 from promptcache.engine import PmlPrompt, TokenPrompt
-from promptcache.engine.prefix import PrefixCache
-from promptcache.engine.kvpool import KVPool
-from promptcache.engine.request import Request
-from promptcache.engine.sampling import SamplingParams
-from promptcache.engine.serving import ServingScheduler
+from promptcache.engine.serving_core.prefix import PrefixCache
+from promptcache.engine.serving_core.kvpool import KVPool
+from promptcache.engine.serving_core.request import Request
+from promptcache.engine.decoding.sampling import SamplingParams
+from promptcache.engine.serving_core.scheduler import ServingScheduler
 from promptcache.models import get_adapter
 from promptcache.pml import parse_prompt
 from tiny import VOCAB, fresh_model, make_tokenizer
@@ -216,7 +216,7 @@ def test_compiled_steps_apply_the_window_as_eager_ones_do(tokenizer):
     """Compiled steps (symbolic sizes, CPU) of the windowed Mistral serving the gapped prompts
     past their window: the same first logits (within 1e-4) and greedy tokens as eager steps.
     (ALiBi families: tests/engine/test_graphs.py runs every pooled family compiled.)"""
-    from promptcache.engine.graphs import CompiledSteps
+    from promptcache.engine.serving_core.graphs import CompiledSteps
     from trip import serve_together
 
     pc = PromptCache(mistral(26), tokenizer)

@@ -14,7 +14,7 @@ import torch
 from oracle import plain_logits_at
 from promptcache import EngineConfig, PromptCache, RecomputeConfig
 from eval import engine_selections  # the studies' selections: registered, so tested here too
-from promptcache.engine.recompute import SELECTIONS, register_selection
+from promptcache.engine.prefill.recompute import SELECTIONS, register_selection
 from tiny import FAMILIES, make_model, make_tokenizer
 
 TOL = 1e-4
@@ -91,7 +91,7 @@ def test_exact_prompts_have_nothing_to_recompute_and_the_config_applies():
 
 
 def test_auto_is_the_default_exact_prompts_recompute_nothing_drifted_ones_the_budget():
-    from promptcache.engine.recompute import AUTO_FRACTION
+    from promptcache.engine.prefill.recompute import AUTO_FRACTION
 
     pc = _engine("llama")
     assert pc.config.recompute.fraction == "auto"
@@ -135,7 +135,7 @@ def test_unknown_selection_is_refused():
 
 
 def _request(spans_ids: list[list[int]], question: list[int], fraction: float):
-    from promptcache.engine.recompute import RecomputeRequest
+    from promptcache.engine.prefill.recompute import RecomputeRequest
 
     ids = [t for s in spans_ids for t in s]
     spans, at = [], 0
@@ -149,7 +149,7 @@ def _request(spans_ids: list[list[int]], question: list[int], fraction: float):
 
 
 def test_qmatch_recomputes_the_span_that_holds_the_questions_rare_words_first():
-    from promptcache.engine.recompute import match_scores, qmatch
+    from promptcache.engine.prefill.recompute import match_scores, qmatch
 
     # 4 spans sharing the words 1, 2 ("the", "code"); only span 2 holds 7 ("green"), asked for
     spans = [[1, 2, 3, 10], [1, 2, 4, 11], [1, 2, 7, 12], [1, 2, 5, 13]]
@@ -163,7 +163,7 @@ def test_qmatch_recomputes_the_span_that_holds_the_questions_rare_words_first():
 
 
 def test_anchored_recomputes_every_spans_boundary_then_the_named_span_then_prompt_order():
-    from promptcache.engine.recompute import BOUNDARY_TOKENS, anchored, epic
+    from promptcache.engine.prefill.recompute import BOUNDARY_TOKENS, anchored, epic
 
     assert BOUNDARY_TOKENS == 4
     # 3 spans of 8 tokens; only span 1 holds 7 (the question's rare word)
@@ -181,7 +181,7 @@ def test_anchored_recomputes_every_spans_boundary_then_the_named_span_then_promp
 
 def test_qmatch_names_every_span_close_to_the_best_match_and_falls_back_to_prompt_order():
     from eval.engine_selections import qmatch_later
-    from promptcache.engine.recompute import named_spans, qmatch
+    from promptcache.engine.prefill.recompute import named_spans, qmatch
 
     # spans 1 and 3 both hold the rare word 7: both named, the later first among equals
     spans = [[1, 2, 3], [1, 7, 4], [1, 2, 5], [1, 7, 8]]
@@ -198,7 +198,7 @@ def test_qmatch_names_every_span_close_to_the_best_match_and_falls_back_to_promp
 
 
 def test_qmatch_through_the_engine_picks_the_union_the_question_names():
-    from promptcache.engine.recompute import qmatch, recompute_request
+    from promptcache.engine.prefill.recompute import qmatch, recompute_request
 
     pc = _engine("llama", selection="qmatch")
     layout = pc.layout(UNIONS)  # "Which city has temples?": only module b mentions temples

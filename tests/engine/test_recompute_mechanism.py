@@ -16,7 +16,7 @@ from transformers import DynamicCache
 
 from oracle import assembled_cache, plain_logits_at
 from promptcache import layout_prompt, layout_schema
-from promptcache.cache import SpliceCache
+from promptcache.models.splice import SpliceCache
 from promptcache.models import get_adapter
 from tiny import FAMILIES, make_model, make_tokenizer
 

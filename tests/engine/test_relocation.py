@@ -13,7 +13,7 @@ import functools
 import pytest
 import torch
 
-from promptcache.cache import SpliceCache
+from promptcache.models.splice import SpliceCache
 from promptcache.models import UnsupportedModelError, get_adapter
 from promptcache.models.relocate import can_relocate, relocate, rope_spec
 from tiny import FAMILIES, VOCAB, make_model

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from promptcache import PromptCache, SamplingParams
-from promptcache.engine.sampling import Sampler, sampling_params
+from promptcache.engine.decoding.sampling import Sampler, sampling_params
 from tiny import make_model, make_tokenizer
 
 SCHEMA = """<schema name="s">
@@ -113,8 +113,8 @@ def test_min_tokens_masks_eos_and_ignore_eos_keeps_going():
     """A request whose model prefers EOS: min_tokens holds it off, ignore_eos never stops on it."""
     import torch
 
-    from promptcache.engine.request import Request
-    from promptcache.engine.sampling import SamplingParams
+    from promptcache.engine.serving_core.request import Request
+    from promptcache.engine.decoding.sampling import SamplingParams
     from tiny import make_tokenizer
 
     tok = make_tokenizer()

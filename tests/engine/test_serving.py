@@ -15,12 +15,12 @@ import torch
 from oracle import definition_greedy, definition_state, plain_logits, plain_logits_at
 from promptcache import PromptCache
 from promptcache.engine import PmlPrompt, TokenPrompt
-from promptcache.engine.prefix import PrefixCache
-from promptcache.engine.kvpool import KVPool, PoolFull
-from promptcache.engine.paged import paged_refusal
-from promptcache.engine.request import Request
-from promptcache.engine.sampling import SamplingParams
-from promptcache.engine.serving import ServingScheduler
+from promptcache.engine.serving_core.prefix import PrefixCache
+from promptcache.engine.serving_core.kvpool import KVPool, PoolFull
+from promptcache.engine.serving_core.paged import paged_refusal
+from promptcache.engine.serving_core.request import Request
+from promptcache.engine.decoding.sampling import SamplingParams
+from promptcache.engine.serving_core.scheduler import ServingScheduler
 from promptcache.pml import parse_prompt
 from tiny import FAMILIES, make_model, make_tokenizer
 from trip import POOLED, PROMPTS, SCHEMA
@@ -272,7 +272,7 @@ def test_requests_arriving_together_behind_one_new_prompt_compute_it_once(tokeni
 
 def test_the_fallback_attention_ops_equal_the_fused_kernel(tokenizer, monkeypatch):
     """Where torch has no fused CPU attention returning the log-sum-exp, plain ops do the same."""
-    import promptcache.engine.paged as paged
+    import promptcache.engine.serving_core.paged as paged
 
     monkeypatch.setattr(paged, "_CPU_FLASH", None)
     pc = engine("qwen2", tokenizer)
@@ -313,7 +313,7 @@ def test_recompute_identity_through_the_pool(family, tokenizer):
 def test_a_decode_row_with_a_long_own_part_is_read_in_place_and_stays_exact(tokenizer, monkeypatch, native_gather):
     """Rows whose own part is longer than GATHER_MAX: through the native gather op (it reads each row's
     own slots in place up to its length), or without it outside the padded gather; exact either way."""
-    import promptcache.engine.paged as paged
+    import promptcache.engine.serving_core.paged as paged
 
     monkeypatch.setattr(paged, "GATHER_MAX", 8)  # the tiny prompts' own parts are longer than this
     if not native_gather:
@@ -337,7 +337,7 @@ def test_a_decode_row_with_a_long_own_part_is_read_in_place_and_stays_exact(toke
 def test_decode_rows_of_any_own_length_share_one_gather_where_the_native_op_reads_the_pool(tokenizer, monkeypatch):
     """The plan: with the native gather op every decode row is a gathered decode row (one call a
     layer, no padding cost); without it a row past GATHER_MAX is read as a prefill-like part."""
-    import promptcache.engine.paged as paged
+    import promptcache.engine.serving_core.paged as paged
 
     monkeypatch.setattr(paged, "GATHER_MAX", 8)
     pc = PromptCache(make_model("llama"), tokenizer)
@@ -389,7 +389,7 @@ def test_a_pool_full_of_idle_entries_evicts_the_oldest_until_one_run_holds_a_req
 def test_a_prompt_stored_in_scattered_blocks_is_read_together_and_stays_exact(tokenizer, monkeypatch):
     """A shared prompt whose blocks lie apart in the pool is more segments than SEGMENTS_MAX: they
     are attended as one (concatenated a layer at a time), with the same answer as a plain prefill."""
-    import promptcache.engine.paged as paged
+    import promptcache.engine.serving_core.paged as paged
 
     grouped = []
     group = paged._group_segments
@@ -415,7 +415,7 @@ def test_a_prompt_stored_in_scattered_blocks_is_read_together_and_stays_exact(to
 
 
 def test_chain_keys_hash_each_block_once_and_start_over_on_other_tokens():
-    from promptcache.engine.chains import ChainKeys, chained
+    from promptcache.engine.serving_core.chains import ChainKeys, chained
 
     def want(ids):
         return chained("root", [(ids[i * 4 : (i + 1) * 4], 8 + i * 4) for i in range(len(ids) // 4)])
@@ -433,8 +433,8 @@ def test_a_decode_only_step_attends_as_plain_attention_over_the_concatenated_key
     """The decode-only attention (interpolated merges, no step-wide scatter; the rows' own tokens
     through the fused kernel or matrix products) equals softmax attention over each row's
     segments followed by its own tokens, and the general path."""
-    import promptcache.cache as cache
-    import promptcache.engine.paged as paged
+    import promptcache.models.splice as cache
+    import promptcache.engine.serving_core.paged as paged
 
     if kernel == "own-by-matmul":
         monkeypatch.setattr(paged, "DECODE_MATMUL_ROWS", 1)
@@ -464,8 +464,8 @@ def test_a_decode_only_step_attends_as_plain_attention_over_the_concatenated_key
 
 
 def test_a_step_with_a_chunk_or_a_segment_some_rows_skip_takes_the_general_path():
-    import promptcache.cache as cache
-    import promptcache.engine.paged as paged
+    import promptcache.models.splice as cache
+    import promptcache.engine.serving_core.paged as paged
 
     spec = cache.KVSpec(layers=1, kv_heads=1, head_dim=4, dtype=torch.float32)
     pool = KVPool(spec, torch.device("cpu"), tokens=64, block_size=4)
@@ -481,8 +481,8 @@ def test_a_chunk_whose_earlier_tokens_lie_in_pieces_attends_as_plain_causal_atte
     """A prefill chunk whose row's earlier own tokens lie in several pool runs (a reused prefix's
     blocks, then blocks of its own) reads each run in place, or all of them gathered past
     SEGMENTS_MAX runs; either way it equals causal softmax attention over the row's tokens in order."""
-    import promptcache.cache as cache
-    import promptcache.engine.paged as paged
+    import promptcache.models.splice as cache
+    import promptcache.engine.serving_core.paged as paged
 
     g = torch.Generator().manual_seed(runs * head_dim)
     spec = cache.KVSpec(layers=2, kv_heads=2, head_dim=head_dim, dtype=torch.float32)

@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
-from promptcache.cache import CachePool, KVSpec, SpliceCache, SpliceLayer
+from promptcache.models.splice import CachePool, KVSpec, SpliceCache, SpliceLayer
 from promptcache.models import UnsupportedModelError, get_adapter
 from promptcache.models import masks
 from promptcache.models.families import Bloom, LlamaFamily

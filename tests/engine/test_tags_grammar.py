@@ -1,4 +1,4 @@
-"""``engine.constrained.tags_processor``: tagged JSON (tool calls) as a logits processor, driven
+"""``engine.decoding.constrained.tags_processor``: tagged JSON (tool calls) as a logits processor, driven
 token by token on the embedded tokenizer (no model): what it lets through and what it masks."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import torch
 
 pytest.importorskip("xgrammar")
 
-from promptcache.engine.constrained import Tag, tags_processor  # noqa: E402
+from promptcache.engine.decoding.constrained import Tag, tags_processor  # noqa: E402
 from promptcache.models.embedded import embedded_tokenizer  # noqa: E402
 
 VOCAB = 4096

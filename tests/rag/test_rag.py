@@ -43,7 +43,7 @@ def definition_logits(store, question, doc_ids, system):
         positions += list(span.position_ids)
     kv = torch.cat(kv_parts, dim=3)
     new = [s for s in layout if s.kind == "new"]  # separators and the question, run together on top
-    from promptcache.cache import SpliceCache
+    from promptcache.models.splice import SpliceCache
 
     cache = SpliceCache(pc.spec, kv.shape[3] + 64)
     cache.write(0, kv, torch.tensor(positions))

@@ -153,7 +153,7 @@ def test_host_allow_list_defaults():
 def test_serve_has_one_option_per_serving_config_field_with_its_default():
     import dataclasses
 
-    from promptcache.engine.prefix import DEFAULT_BLOCK_SIZE
+    from promptcache.engine.serving_core.prefix import DEFAULT_BLOCK_SIZE
     from promptcache.engine import ServingConfig
     from promptcache.server.cli import serve
     from promptcache.tunables import BLOCK_SIZE

@@ -38,8 +38,8 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 
 from ...engine import PromptCache, SamplingParams, TokenPrompt
-from ...engine.prefix import PrefixCache
-from ...engine.results import Generation, PrefillResult
+from ...engine.serving_core.prefix import PrefixCache
+from ...engine.prefill.results import Generation, PrefillResult
 from ...store import PinBudgetError, Pins
 from ..core.errors import APIError
 from ..core.events import EventSink

@@ -4,7 +4,7 @@ The worker is a ``ComputeThread``: ``promptcache serve`` hands in the one that l
 so all parallel torch work of the process runs on one thread (``compute.py`` says why: a step
 costs a third more otherwise on 2 cores).
 
-It steps the engine's serving core (``engine.core.Engine``, the one the library's ``generate``
+It steps the engine's serving core (``engine.serving_core.core.Engine``, the one the library's ``generate``
 runs on): every step is ONE forward that decodes a token for each running request and prefills
 the next chunk of arriving prompts within a token budget, and shared states are read in place
 from the KV pool.

@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar, Iterable
 
-from ...engine.results import Generation, PrefillResult, TokenLogprob
+from ...engine.prefill.results import Generation, PrefillResult, TokenLogprob
 
 
 class EventSink:

@@ -34,7 +34,7 @@ from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
 from ...engine import PromptSpec, SamplingParams
-from ...engine.results import Generation, PrefillResult
+from ...engine.prefill.results import Generation, PrefillResult
 from ...errors import PromptCacheError
 from .access import note
 from .backend import Backend, Job, QueueFull

@@ -13,12 +13,12 @@ Decisions:
     completions: ``logprobs`` in [0, 5] (the number of rivals). A token's text is its decoded
     string (an incomplete UTF-8 piece shows as U+FFFD; ``bytes`` are that string's UTF-8).
   * ``response_format``: ``json_object`` constrains the answer to one JSON object and
-    ``json_schema`` to its ``json_schema.schema`` (``engine.constrained``, xgrammar).
+    ``json_schema`` to its ``json_schema.schema`` (``engine.decoding.constrained``, xgrammar).
 """
 
 from __future__ import annotations
 
-from ...engine.constrained import ConstraintError, json_processor
+from ...engine.decoding.constrained import ConstraintError, json_processor
 from ..core.errors import APIError
 from .protocol import BaseRequest, ChatRequest, CompletionRequest
 

@@ -37,7 +37,7 @@ from dataclasses import replace
 import torch
 
 from ...engine import PmlPrompt, SamplingParams, TokenPrompt
-from ...engine.encoder import release_free_memory
+from ...engine.schemas.encoder import release_free_memory
 from ...pml import PMLError, parse_prompt
 from . import fields
 from . import tools

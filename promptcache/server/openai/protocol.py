@@ -17,7 +17,7 @@ from typing import Literal
 from fastapi import Request
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from ...engine.recompute import check_recompute
+from ...engine.prefill.recompute import check_recompute
 from ..core.errors import APIError
 from ..core.limits import parsed_body
 

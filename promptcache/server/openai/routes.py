@@ -18,7 +18,7 @@ from typing import Callable
 
 from fastapi import FastAPI, Request
 
-from ...engine.results import Generation, PrefillResult, TokenLogprob
+from ...engine.prefill.results import Generation, PrefillResult, TokenLogprob
 from ..core.errors import APIError
 from ..core.events import EventSink
 from ..core.lifecycle import Exchange, Lifecycle, Submission, engine_failed, sse

@@ -12,7 +12,7 @@ A history with assistant ``tool_calls`` or ``tool`` messages needs such a templa
 ``tool_choice``:
   * ``"none"``: the prompt is rendered WITHOUT the tools and the answer is not parsed: plain text.
   * ``"auto"`` (the default with tools): free text; once the model writes ``<tool_call>`` the
-    call is constrained (xgrammar, ``engine.constrained.tags_processor``) to one of the tools'
+    call is constrained (xgrammar, ``engine.decoding.constrained.tags_processor``) to one of the tools'
     names with arguments valid against its ``parameters`` schema.
   * ``"required"``: the answer is only calls (one or more) to the tools, constrained likewise;
     ``{"type": "function", "function": {"name": N}}``: only calls to N.
@@ -28,7 +28,7 @@ from __future__ import annotations
 import functools
 import json
 
-from ...engine.constrained import ConstraintError, Tag, tags_processor
+from ...engine.decoding.constrained import ConstraintError, Tag, tags_processor
 from ..core.errors import APIError
 from .protocol import ChatRequest, Message
 from .toolcalls import BEGIN, END

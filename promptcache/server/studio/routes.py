@@ -35,8 +35,8 @@ from fastapi.responses import HTMLResponse, JSONResponse, RedirectResponse, Resp
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from ...engine import PromptCache, SamplingParams, TokenPrompt
-from ...engine.assemble import leading_exact
-from ...engine.results import Generation, PrefillResult
+from ...engine.schemas.assemble import leading_exact
+from ...engine.prefill.results import Generation, PrefillResult
 from ...layout import layout_prompt, layout_schema
 from ...pml import PMLError, parse_prompt
 from ..core.backend import Backend

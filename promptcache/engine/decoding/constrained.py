@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 from transformers import LogitsProcessor
 
-from ..errors import PromptCacheError
+from ...errors import PromptCacheError
 
 __all__ = ["ConstraintError", "Tag", "json_processor", "tags_processor"]
 

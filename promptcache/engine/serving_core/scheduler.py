@@ -45,14 +45,14 @@ from collections import deque
 
 import torch
 
-from ..tunables import MIN_CHUNK
+from ...tunables import MIN_CHUNK
 from . import cpu_attention
 from .kvpool import KVPool, PoolFull, SharedEntry
 from .paged import PagedRow, paged_forward
-from .plan import PrefillPlan
+from ..prefill.plan import PrefillPlan
 from .request import Request, Status, StepOutput
-from .results import PrefillResult
-from .runner import ModelRunner
+from ..prefill.results import PrefillResult
+from ..prefill.runner import ModelRunner
 
 log = logging.getLogger(__name__)
 

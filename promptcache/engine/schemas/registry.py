@@ -11,9 +11,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ..keys import content_keys, model_fingerprint, tokenizer_fingerprint
-from ..layout import SchemaLayout
-from ..pml import PMLError
+from ...keys import content_keys, model_fingerprint, tokenizer_fingerprint
+from ...layout import SchemaLayout
+from ...pml import PMLError
 
 __all__ = ["EncodedSchema", "SchemaRegistry"]
 

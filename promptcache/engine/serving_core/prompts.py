@@ -20,11 +20,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..layout import PromptLayout
-from ..pml.nodes import Prompt
-from .plan import PrefillPlan, PromptSpec
+from ...layout import PromptLayout
+from ...pml.nodes import Prompt
+from ..prefill.plan import PrefillPlan, PromptSpec
 from .prefix import PrefixCache
-from .results import PrefillResult
+from ..prefill.results import PrefillResult
 
 __all__ = ["PmlPrompt", "PrefilledPrompt", "PromptSpec", "TokenPrompt"]
 

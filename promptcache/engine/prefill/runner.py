@@ -19,9 +19,9 @@ import time
 
 import torch
 
-from ..cache import CachePool, KVSpec, SpliceCache
-from ..layout import PromptLayout
-from ..models import get_adapter
+from ...models.splice import CachePool, KVSpec, SpliceCache
+from ...layout import PromptLayout
+from ...models import get_adapter
 from .plan import PrefillPlan, Segment
 from .recompute import RecomputeRequest, run_recompute
 from .results import PrefillResult

@@ -24,12 +24,12 @@ from typing import TYPE_CHECKING, Sequence
 
 import torch
 
-from .results import Generation, PrefillResult, TokenLogprob
-from .sampling import Sampler, SamplingParams
-from .text import TextStream
+from ..prefill.results import Generation, PrefillResult, TokenLogprob
+from ..decoding.sampling import Sampler, SamplingParams
+from ..decoding.text import TextStream
 
 if TYPE_CHECKING:
-    from .plan import PrefillPlan, PromptSpec
+    from ..prefill.plan import PrefillPlan, PromptSpec
 
 __all__ = ["Request", "Status", "StepOutput"]
 
@@ -55,7 +55,7 @@ class StepOutput:
 class Request:
     def __init__(self, prompt: "PromptSpec", params: SamplingParams, tokenizer, constraints: Sequence = (),
                  logprobs: int | None = None):
-        """``constraints``: per-request logits processors (``engine.constrained``). ``logprobs``:
+        """``constraints``: per-request logits processors (``engine.decoding.constrained``). ``logprobs``:
         None records none; k records each token's log-probability and its k most likely rivals."""
         self.id = next(_ids)
         self.prompt, self.params = prompt, params

@@ -27,7 +27,7 @@ from transformers import GenerationConfig
 from transformers.generation.logits_process import (LogitsProcessorList, RepetitionPenaltyLogitsProcessor,
                                                     TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
 
-from ..errors import ConfigError
+from ...errors import ConfigError
 
 __all__ = ["Sampler", "SamplingParams", "sampling_params"]
 
@@ -109,7 +109,7 @@ def sampling_params(params: SamplingParams | int | None = None, **kwargs) -> Sam
 class Sampler:
     """Picks one request's tokens: ``sample(logits [V], context)`` -> token id.
 
-    ``constraints``: per-request logits processors (``engine.constrained``) run before the
+    ``constraints``: per-request logits processors (``engine.decoding.constrained``) run before the
     settings' own; they read the context (its last id is the previous sampled token), so a
     sampler with constraints always keeps one and never takes the plain argmax shortcut."""
 

@@ -32,9 +32,9 @@ from typing import Callable
 
 import torch
 
-from ..cache import KVSpec
-from ..errors import PromptCacheError
-from ..tunables import BLOCK_SIZE
+from ...models.splice import KVSpec
+from ...errors import PromptCacheError
+from ...tunables import BLOCK_SIZE
 
 log = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """The native CPU attention kernel (``native/attention.cpp``), built once per machine and loaded as
 ``torch.ops.promptcache_native`` (``attend``: queries over keys, causal chunks too;
 ``attend_gather``: decode rows over their own keys read from the pool by slot); ``kernel_for`` and
-``gather_kernel_for`` hand them to ``engine/paged.py``.
+``gather_kernel_for`` hand them to ``engine/serving_core/paged.py``.
 
 Why: torch's fused CPU attention (``_scaled_dot_product_flash_attention_for_cpu``) does its matrix
 products through MKL's sgemm, which on an AMD CPU takes its AVX2 path: on the 2-core AMD EPYC

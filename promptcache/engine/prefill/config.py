@@ -23,10 +23,10 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, fields
 
-from ..errors import ConfigError
-from ..settings import leaves, nested, setting
-from ..store.config import StoreConfig
-from ..tunables import BLOCK_SIZE
+from ...errors import ConfigError
+from ...settings import leaves, nested, setting
+from ...store.config import StoreConfig
+from ...tunables import BLOCK_SIZE
 from .budget import AUTO, DEFAULT_SELECTION, check_recompute
 
 __all__ = ["EngineConfig", "RecomputeConfig", "RunnerConfig", "ServingConfig", "check_namespace"]
@@ -63,7 +63,7 @@ class RunnerConfig:
         False, "CPU, float32: run every linear layer through oneDNN with its weight packed once (faster "
                "decoding; within float32 rounding of the stock forward; one more copy of the linear "
                "weights in memory).")
-    # serving steps of few tokens run through torch.compile (engine/graphs.py): on a CPU one graph
+    # serving steps of few tokens run through torch.compile (engine/serving_core/graphs.py): on a CPU one graph
     # with symbolic sizes, on a GPU padded buckets captured as CUDA graphs. Off by default: it adds
     # the compiles to a server's start, for slightly faster steps on a CPU (eval/results/compile.md)
     compile: bool = setting(
@@ -110,8 +110,8 @@ class ServingConfig:
 @dataclass(frozen=True)
 class RecomputeConfig:
     """Drifted cached tokens computed afresh: ``fraction`` "auto" (exact layouts none, drifted ones
-    a measured budget: engine/recompute.py AUTO_FRACTION) or a fraction in [0, 1] (0: the paper's
-    splice); ``selection`` which tokens (engine/recompute.py SELECTIONS)."""
+    a measured budget: engine/prefill/recompute.py AUTO_FRACTION) or a fraction in [0, 1] (0: the paper's
+    splice); ``selection`` which tokens (engine/prefill/recompute.py SELECTIONS)."""
 
     fraction: float | str = setting(
         AUTO, "Drifted cached tokens computed afresh per prompt: auto (exact prompts none, drifted ones a measured "

@@ -1,7 +1,7 @@
 """Automatic prefix reuse for plain token prompts (vLLM-style automatic prefix caching).
 
 A prompt's tokens are cut into blocks of ``block_size`` tokens from position 0, keyed as a chain
-(``engine.chains.ChainPlanner``): equal keys mean an equal token prefix, so a stored block's
+(``engine.serving_core.chains.ChainPlanner``): equal keys mean an equal token prefix, so a stored block's
 states are what a plain prefill computes there, and reuse is exact up to float rounding.
 
 A ``TokenPrompt`` plans through ``chains.plan(ids, namespace, pool)``: blocks live in the KV
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from ..tunables import BLOCK_SIZE
+from ...tunables import BLOCK_SIZE
 from .chains import ChainPlanner
 
 DEFAULT_BLOCK_SIZE = BLOCK_SIZE  # tunables.py: the server's and chat's default

@@ -1,5 +1,5 @@
 // Attention of float32 queries over float32 keys/values on the CPU, returning the log-sum-exp the
-// paged engine merges partial results with (engine/paged.py). Registered as
+// paged engine merges partial results with (engine/serving_core/paged.py). Registered as
 // torch.ops.promptcache_native.attend(q, k, v, scale, causal_t) -> (out, lse):
 //   q [X, M, D], k and v [X, N, D] (last dimension contiguous; other strides free, so the KV pool's
 //   blocks are read in place), D a multiple of 16 up to 256;

@@ -54,8 +54,8 @@ from transformers import AttentionInterface
 from transformers.cache_utils import Cache, CacheLayerMixin
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from ..cache import SpliceCache
-from ..tunables import DECODE_MATMUL_ROWS, GATHER_MAX, SEGMENTS_MAX  # read at call time (tests set them here)
+from ...models.splice import SpliceCache
+from ...tunables import DECODE_MATMUL_ROWS, GATHER_MAX, SEGMENTS_MAX  # read at call time (tests set them here)
 from . import cpu_attention
 from .kvpool import KVPool
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from .tunables import CAPACITY_GRANULE, COPY_GROUPS
+from ..tunables import CAPACITY_GRANULE, COPY_GROUPS
 
 
 @dataclass(frozen=True)
@@ -226,7 +226,7 @@ class SpliceCache(Cache):
         return hit
 
     def place(self, segments) -> int:
-        """Put stored segments (``engine.plan.Segment``: ``key``, ``positions`` [n], ``states()`` ->
+        """Put stored segments (``engine.prefill.plan.Segment``: ``key``, ``positions`` [n], ``states()`` ->
         kv [L, 2, H, n, D]) at slots 0.. in order, copying only those not already resident at their
         slot (``states()`` is called only then); set the length. Returns bytes copied.
 

@@ -21,7 +21,7 @@ from typing import Callable
 
 import torch
 
-from ..layout import PromptLayout
+from ...layout import PromptLayout
 
 __all__ = ["PrefillPlan", "PromptSpec", "Segment"]
 

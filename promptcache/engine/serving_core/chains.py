@@ -23,10 +23,10 @@ from collections import Counter
 
 import torch
 
-from ..keys import chain_key, chain_root
-from ..store import StoreError
-from ..tunables import BLOCK_SIZE
-from .plan import PrefillPlan, Segment
+from ...keys import chain_key, chain_root
+from ...store import StoreError
+from ...tunables import BLOCK_SIZE
+from ..prefill.plan import PrefillPlan, Segment
 
 __all__ = ["ChainKeys", "ChainPlanner", "chained", "stored_run"]
 

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from ..layout import PromptLayout
+    from ...layout import PromptLayout
 
 __all__ = ["FINISH_REASONS", "Generation", "PrefillResult", "TokenLogprob", "Usage", "preview"]
 

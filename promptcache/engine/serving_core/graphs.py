@@ -61,8 +61,8 @@ from contextlib import contextmanager
 import torch
 from transformers import AttentionInterface
 
-from ..errors import ConfigError
-from ..tunables import COMPILE_BUCKETS
+from ...errors import ConfigError
+from ...tunables import COMPILE_BUCKETS
 from .kvpool import KVPool
 from .paged import PagedRow, StepPlan, attend, attention_swapped, build_plan, key_rule, paged_forward, \
     paged_refusal, step_inputs, write_kv

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 from collections import Counter
 
-from ..layout import PromptLayout, Span
-from .plan import PrefillPlan, Segment
+from ...layout import PromptLayout, Span
+from ..prefill.plan import PrefillPlan, Segment
 from .registry import EncodedSchema
 
 __all__ = ["assemble", "is_exact", "leading_exact", "moves_last"]

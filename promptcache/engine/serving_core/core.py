@@ -30,15 +30,15 @@ import threading
 from collections import deque
 from typing import Iterator
 
-from ..models import UnsupportedModelError
-from ..progress import Progress
-from .config import ServingConfig
+from ...models import UnsupportedModelError
+from ...progress import Progress
+from ..prefill.config import ServingConfig
 from .graphs import CompiledSteps
 from .kvpool import KVPool
 from .paged import paged_refusal
 from .prefix import PrefixCache
 from .request import Request, StepOutput
-from .serving import ServingScheduler
+from .scheduler import ServingScheduler
 
 log = logging.getLogger(__name__)
 

@@ -38,7 +38,7 @@ from typing import Callable
 
 import torch
 
-from ..layout import PromptLayout
+from ...layout import PromptLayout
 from .budget import AUTO, AUTO_FRACTION, DEFAULT_SELECTION, check_fraction, check_recompute, fraction_of
 
 __all__ = ["AUTO", "AUTO_FRACTION", "BOUNDARY_TOKENS", "DEFAULT_SELECTION", "RecomputeRequest", "SCORED",

@@ -21,12 +21,11 @@ from __future__ import annotations
 import logging
 import time
 from pathlib import Path
-from ..artifact import (ArtifactError, compiled_for, foreign, intact, layout_record, materialize_schema, materialized,
-                        mismatches, read_manifest, schema_sources, write_artifact)
-from ..keys import PORTABLE, content_keys, model_digest
-from ..layout import SchemaLayout, layout_schema
-from ..pml import PMLError, parse_schema
-from ..store.codec import CodecError, StateInfo, StatesFile
+from ...artifact import (ArtifactError, compiled_for, foreign, intact, layout_record, materialize_schema, materialized, mismatches, read_manifest, schema_sources, write_artifact)
+from ...keys import PORTABLE, content_keys, model_digest
+from ...layout import SchemaLayout, layout_schema
+from ...pml import PMLError, parse_schema
+from ...store.codec import CodecError, StateInfo, StatesFile
 
 # ``pc`` below is the engine's facade (``facade.PromptCache``), which calls this module with
 # itself; it is not imported, even for type checking, so the two modules never import each other.

@@ -24,9 +24,9 @@ from typing import Callable
 
 import torch
 
-from ..cache import SpliceCache
-from ..layout import EncodePass, SchemaLayout
-from .runner import ModelRunner
+from ...models.splice import SpliceCache
+from ...layout import EncodePass, SchemaLayout
+from ..prefill.runner import ModelRunner
 
 log = logging.getLogger(__name__)
 
