@@ -156,3 +156,29 @@ def test_exact_logits_for_a_prefix_prompt_through_the_core(pc):
     ids = pc.tokenizer("Keep it cheap and short, please.").input_ids
     out = pc.generate(ids, max_new_tokens=1, temperature=0.0)
     assert out.token_ids == [int(torch.argmax(plain_logits(pc.model, ids)))]
+
+
+
+def test_a_queued_requests_ttft_counts_from_submission():
+    """With one request running at a time, the second request of a batch waits for the first to
+    finish: its TTFT counts from its submission, so it includes that wait (not from admission)."""
+    import time
+
+    from promptcache import SamplingParams
+    from promptcache.engine import Request, ServingConfig, TokenPrompt
+
+    pc = PromptCache(make_model("llama"), make_tokenizer())
+    engine = pc.engine(ServingConfig(max_num_seqs=1))
+    params = SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True)
+    reqs = [Request(TokenPrompt(pc, tuple(pc.tokenizer(text).input_ids), pc.config.namespace), params, pc.tokenizer)
+            for text in ("one plain prompt", "another plain prompt")]
+    for r in reqs:
+        engine.submit(r)
+    submitted = time.perf_counter()
+    while not reqs[0].finished:
+        engine.step()
+    first_done = time.perf_counter()
+    assert reqs[1].prefill is None  # it waited: one running request at a time
+    while not reqs[1].finished:
+        engine.step()
+    assert reqs[1].prefill.ttft >= first_done - submitted

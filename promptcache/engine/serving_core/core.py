@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import deque
 from typing import Iterator
 
@@ -87,7 +88,8 @@ class Engine:
         return n * self.prefix.block_size
 
     def submit(self, request: Request) -> Request:
-        """Queue a request (any thread); it is admitted by a later step."""
+        """Queue a request (any thread); it is admitted by a later step. Its TTFT counts from now."""
+        request.submitted = time.perf_counter()
         self._incoming.append(request)
         return request
 

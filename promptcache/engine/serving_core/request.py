@@ -85,7 +85,8 @@ class Request:
         self.own_pos: list[int] = []  # their positions
         self.published = 0  # leading own blocks shared under chain keys (no longer freed by it)
         self.publishing = True  # False once a block's key was already shared by another request
-        self.admitted = 0.0  # perf_counter at admission (its TTFT counts from there)
+        self.submitted = 0.0  # perf_counter when it was submitted: its TTFT counts from there (queueing included)
+        self.admitted = 0.0  # perf_counter at admission
         self.bytes_copied = 0
 
     @property

@@ -76,6 +76,7 @@ class RequestQueue:
     def add(self, request: Request) -> None:
         if request.status is not Status.WAITING:
             raise ValueError(f"request {request.id} is {request.status.value}; only a new request can be added")
+        request.submitted = request.submitted or time.perf_counter()  # an engine sets it at submission
         self.waiting.append(request)
 
 
@@ -299,6 +300,7 @@ class ServingScheduler(RequestQueue):
                            exact=res.exact, layout=res.layout)
         req.admit(plan, [], [], blocks, self._slots_of(blocks), res.bytes_copied + n * self.pool.spec.bytes_per_token)
         req.own_ids, req.own_pos = list(ids), list(own_pos)
+        res.ttft = time.perf_counter() - req.submitted  # as a pool prefill's: from submission, queueing included
         req.prefill = res
         return "admitted"
 
@@ -339,7 +341,7 @@ class ServingScheduler(RequestQueue):
         plan = req.plan
         if self.runner.device.type == "cuda":
             torch.cuda.synchronize(self.runner.device)
-        return PrefillResult(logits=logits, ttft=time.perf_counter() - req.admitted, cached_tokens=plan.cached_tokens,
+        return PrefillResult(logits=logits, ttft=time.perf_counter() - req.submitted, cached_tokens=plan.cached_tokens,
                              new_tokens=len(plan.new_ids), exact=plan.exact, bytes_copied=req.bytes_copied,
                              hit_tiers=dict(plan.hit_tiers), layout=plan.layout, next_position=plan.max_position + 1)
 
