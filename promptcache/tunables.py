@@ -34,6 +34,13 @@ MIN_CHUNK = 16
 # row to it made the gather of many rows behind a long prompt cost more than the step's attention
 # (eval/results/design_figures.md).
 GATHER_MAX = 256
+# With the native gather op, a decode row reads the shared segments it holds in the pool in the same
+# call as its own tokens (their slots prepended to its own): no partial result per segment and no
+# merge, where cascade attention's per-segment calls and merges cost more than reading a short
+# shared prefix once per row (a RAG batch: one or two small shared runs per row; eval/results/batch.md).
+# Prefill chunks keep cascade attention (a segment read once for all their queries), and segments
+# read in place from a store tensor stay cascade segments (they have no pool slots).
+FOLD_SHARED = True
 # Without the native CPU kernel (engine/serving_core/cpu_attention.py; it reads decode rows' own keys by slot
 # itself), decode rows' own tokens are attended with plain matrix products (one batched product,
 # softmax, one product) from this many rows on, with torch's fused CPU attention below it. The fused kernel

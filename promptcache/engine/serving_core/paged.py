@@ -55,7 +55,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from ...models.splice import SpliceCache
-from ...tunables import DECODE_MATMUL_ROWS, GATHER_MAX, SEGMENTS_MAX  # read at call time (tests set them here)
+from ...tunables import DECODE_MATMUL_ROWS, FOLD_SHARED, GATHER_MAX, SEGMENTS_MAX  # read at call time (tests set them here)
 from . import cpu_attention
 from .kvpool import KVPool
 
@@ -80,6 +80,9 @@ class PagedRow:
     # key positions, read only where attention depends on them (``KeyRule``: ALiBi, sliding windows):
     shared_pos: list[torch.Tensor] | None = None  # position IDs [n] of each shared segment, as ``shared``
     own_pos: list[int] | None = None  # position IDs of the own tokens (None: just ``pos``, nothing earlier)
+    # pool slots [n] of each shared segment held in the pool (None: a store tensor read in place); a
+    # decode row read by the native gather op reads such segments with its own slots (FOLD_SHARED)
+    shared_slots: list[torch.Tensor | None] | None = None
 
 
 @dataclass(frozen=True)
@@ -148,10 +151,16 @@ def build_plan(pool: KVPool, rows: list[PagedRow], scale: float | None = None, k
     gather_max = None if cpu_attention.gathers(pool.buf) else GATHER_MAX
     for row in rows:
         t = len(row.ids)
-        for key, view in row.shared:
+        decode = t == 1 and (gather_max is None or len(row.own) <= gather_max)
+        slots = row.shared_slots if decode and gather_max is None and FOLD_SHARED else None
+        folded = []  # shared pool slots this decode row reads with its own (one softmax over both)
+        for i, (key, view) in enumerate(row.shared):
+            if slots is not None and slots[i] is not None:
+                folded.append(slots[i])
+                continue
             by_key.setdefault(key, (view, []))[1].extend(range(off, off + t))
-        if t == 1 and (gather_max is None or len(row.own) <= gather_max):
-            decodes.append((off, row.own))
+        if decode:
+            decodes.append((off, torch.cat([*folded, row.own]) if folded else row.own))
         else:  # a chunk, or a decode row with a long own part (read in place, not padded into the gather)
             done = len(row.own) - t
             plan.prefills.append((off, off + t, _parts(row.own[done:], 1)[0], _parts(row.own[:done], SEGMENTS_MAX)))

@@ -148,6 +148,7 @@ class ServingScheduler(RequestQueue):
         r.own_ids.extend(ids)  # their states are written by this step's forward
         r.own_pos.extend(pos)
         return PagedRow(ids, pos, r.shared, r.slots[: done + len(ids)], logits=logits, shared_pos=r.shared_pos,
+                        shared_slots=r.shared_slots,
                         own_pos=r.own_pos)
 
     def _chunk(self, r: Request, budget: int) -> PagedRow:
@@ -218,8 +219,9 @@ class ServingScheduler(RequestQueue):
             return self._no_room(req, entries, plan.cached_tokens)
         # the views hold the segments' tokens in KV order: their positions, cut at the views' lengths
         positions = torch.cat([seg.positions.to("cpu", torch.long) for seg in plan.segments]) if shared else None
-        req.admit(plan, entries, shared, blocks, self._slots_of(blocks), copied)
-        req.shared_pos = list(positions.split([v.shape[3] for _, v in shared])) if shared else []
+        req.admit(plan, entries, [(k, v) for k, v, _ in shared], blocks, self._slots_of(blocks), copied)
+        req.shared_pos = list(positions.split([v.shape[3] for _, v, _ in shared])) if shared else []
+        req.shared_slots = [slots for _, _, slots in shared]
         return "admitted"
 
     def _slots_of(self, blocks: list[int]) -> torch.Tensor:
@@ -237,8 +239,9 @@ class ServingScheduler(RequestQueue):
 
     def _resolve(self, plan: PrefillPlan):
         """Pin the plan's segments: pool entries acquired, states on another device or dtype
-        promoted into the pool, the rest read in place. Returns (entries, shared views, bytes
-        copied); shared is None when promotion found no room."""
+        promoted into the pool, the rest read in place. Returns (entries, shared (key, view, pool
+        slots or None for a store tensor read in place), bytes copied); shared is None when
+        promotion found no room."""
         pool, copied = self.pool, 0
         held = [pool.acquire(seg.key) for seg in plan.segments]  # first: pinned before anything is evicted
         entries = [e for e in held if e is not None]
@@ -251,13 +254,13 @@ class ServingScheduler(RequestQueue):
                     return entries, None, copied
                 entries.append(held[i])
                 copied += seg.kv.numel() * seg.kv.element_size()
-        shared: list[tuple[str, torch.Tensor]] = []
+        shared: list[tuple[str, torch.Tensor, torch.Tensor | None]] = []
         chain: list[SharedEntry] = []  # consecutive full pool entries: coalesced into runs
         for seg, entry in zip(plan.segments, held):
             if entry is None:  # read in place from the store's tensor
                 shared += self._runs(chain)
                 chain = []
-                shared.append((seg.key, seg.kv))
+                shared.append((seg.key, seg.kv, None))
                 continue
             chain.append(entry)
             if entry.n != len(entry.blocks) * pool.block_size:  # partial: ends a run
@@ -266,14 +269,15 @@ class ServingScheduler(RequestQueue):
         shared += self._runs(chain)
         return entries, shared, copied
 
-    def _runs(self, chain: list[SharedEntry]) -> list[tuple[str, torch.Tensor]]:
+    def _runs(self, chain: list[SharedEntry]) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
+        """Consecutive pool entries as views of contiguous runs: (key, view, the run's pool slots)."""
         if not chain:
             return []
         blocks = [b for e in chain for b in e.blocks]
         views, out, slot = self.pool.views(blocks, sum(e.n for e in chain)), [], 0
         for v in views:
             start = blocks[slot // self.pool.block_size] * self.pool.block_size
-            out.append((f"pool:{start}:{v.shape[3]}", v))
+            out.append((f"pool:{start}:{v.shape[3]}", v, torch.arange(start, start + v.shape[3], device=self.pool.buf.device)))
             slot += v.shape[3]
         return out
 
