@@ -7,7 +7,6 @@ import json
 import click
 
 from ..frontend.errors import guard
-from ..integrations.vllm import kv_transfer_config
 
 
 @click.command("vllm-config")
@@ -22,4 +21,6 @@ def vllm_config(compiled):
     (with promptcache importable by vLLM's Python; docs/vllm.md). Clients send prompts with
     promptcache.integrations.vllm.to_vllm_request.
     """
+    from ..integrations.vllm import kv_transfer_config  # reads manifests (torch): not at `promptcache --help`
+
     click.echo(json.dumps(kv_transfer_config(compiled), separators=(",", ":")))
