@@ -59,33 +59,16 @@ def test_each_turn_of_a_chat_reuses_the_previous_turns(pc):
         assert app.state.backend.published_blocks > 0
 
 
-def test_a_client_that_disconnects_while_queued_is_dropped(pc):
+@pytest.mark.parametrize("route", ["/v1/chat/completions", "/v1/messages"])
+def test_a_client_that_disconnects_while_queued_is_dropped(pc, route):
+    """Every API runs the one lifecycle: a queued request whose client left is cancelled at once."""
     app = create_app(pc, model_name=MODEL, serving=ServingConfig(max_num_seqs=1))  # one runs, others queue
     with running(app) as url:
         stream = client(url).chat.completions.create(
             model=MODEL, messages=[{"role": "user", "content": "Tell me a long story."}], max_tokens=2000,
             temperature=0, stream=True)
         next(iter(stream))  # the long request runs
-        s = raw_post(url, {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 5})
-        assert wait_for(lambda: len(app.state.backend.scheduler.waiting) == 1)
-        s.close()
-        assert wait_for(lambda: metric(url, "promptcache_requests_finished_total", outcome="cancelled") == 1)
-        assert not app.state.backend.scheduler.waiting
-        assert len(app.state.backend.scheduler.running) == 1  # the long one goes on
-        stream.close()
-        assert wait_for(lambda: app.state.backend.in_flight == 0)
-
-
-def test_an_anthropic_client_that_disconnects_while_queued_is_dropped(pc):
-    """The Messages route runs the same lifecycle: its queued request is cancelled at once too."""
-    app = create_app(pc, model_name=MODEL, serving=ServingConfig(max_num_seqs=1))
-    with running(app) as url:
-        stream = client(url).chat.completions.create(
-            model=MODEL, messages=[{"role": "user", "content": "Tell me a long story."}], max_tokens=2000,
-            temperature=0, stream=True)
-        next(iter(stream))  # the long request runs
-        s = raw_post(url, {"model": MODEL, "max_tokens": 5, "messages": [{"role": "user", "content": "Hi"}]},
-                     "/v1/messages")
+        s = raw_post(url, {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 5}, route)
         assert wait_for(lambda: len(app.state.backend.scheduler.waiting) == 1)
         s.close()
         assert wait_for(lambda: metric(url, "promptcache_requests_finished_total", outcome="cancelled") == 1)
