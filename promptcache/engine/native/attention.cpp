@@ -1,8 +1,9 @@
-// Attention of float32 queries over float32 or bfloat16 keys/values on the CPU (float32 accumulation), returning the log-sum-exp the
-// paged engine merges partial results with (engine/paged.py). Registered as
-// torch.ops.promptcache_native.attend(q, k, v, scale, causal_t) -> (out, lse):
-//   q [X, M, D] float32, k and v [X, N, D] both float32 or both bfloat16 (last dimension contiguous; other strides free, so the KV pool's
-//   blocks are read in place), D a multiple of 16 up to 256;
+// Attention of float32 queries over float32 or bfloat16 keys/values on the CPU (float32
+// accumulation), returning the log-sum-exp the paged engine merges partial results with
+// (engine/paged.py). Registered as torch.ops.promptcache_native.attend(q, k, v, scale, causal_t) -> (out, lse):
+//   q [X, M, D] float32, k and v [X, N, D] both float32 or both bfloat16 (last dimension
+//   contiguous; other strides free, so the KV pool's blocks are read in place), D a multiple of 16
+//   up to 256;
 //   causal_t = 0: every query sees every key; causal_t = t > 0: query r sees keys 0 .. r % t
 //   (q holds G groups of t consecutive queries over the same t keys);
 //   out [X, M, D] = softmax(scale * q k^T) v, lse [X, M] = logsumexp(scale * q k^T) (natural log);
