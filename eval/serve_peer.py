@@ -22,6 +22,10 @@ tree (also on error or Ctrl-C); how, in ``eval/peer_servers.py``.
 4. Turns: a ``--turns``-turn greedy chat; per turn n+1, ``usage.prompt_tokens_details.cached_tokens``
    against turn n's prompt + answer tokens (what a server could have reused).
 
+``--dtype float32,bfloat16``: every server started and measured in each dtype, one after the other
+(every row says its ``dtype``); the ratios against peers are taken within a dtype, and each
+server's bfloat16 / float32 grid throughput is printed.
+
 Writes ``serve_peer_grid.csv``, ``serve_peer_warm.csv``, ``serve_peer_stall.csv``,
 ``serve_peer_turns.csv`` and ``serve_peer.png`` to ``--out`` (default eval/results/), each row
 with the 1-minute load average when it was taken, and prints promptcache's ratios against each
@@ -164,7 +168,8 @@ def measure(server: Server, tok, args) -> dict[str, list[dict]]:
     """Start ``server``, run every measurement against it, stop it (also on error or Ctrl-C)."""
     import openai
 
-    with Running(server, args, args.out / f"serve_peer_{server.name}.log") as run:
+    dtype = "" if args.dtype == "float32" else f"_{args.dtype}"
+    with Running(server, args, args.out / f"serve_peer_{server.name}{dtype}.log") as run:
         oai = openai.OpenAI(base_url=run.url, api_key="none", max_retries=0, timeout=args.request_timeout)
         t = Target(server.name, oai, server.model(args), server.exact_length, run.proc.pid)
         t.chat([{"role": "user", "content": question(0)}], 8)  # warm-up: lazy init, first compile
@@ -226,6 +231,17 @@ def ratios(rows: dict[str, list[dict]], ours: str = "promptcache") -> None:
                 f"{sum(r['previous_tokens'] for r in later)} tokens of the turns before (prompt + answer)")
         elif later:
             say(f"{server}, turns: no usage.prompt_tokens_details.cached_tokens reported")
+
+
+def dtype_ratios(grid: list[dict], dtypes: list[str]) -> None:
+    """Each server's grid throughput in every dtype against its first (float32 first: the speed-up)."""
+    base = {(r["server"], r["system_tokens"], r["concurrency"]): r for r in grid if r["dtype"] == dtypes[0]}
+    for d in dtypes[1:]:
+        for r in (r for r in grid if r["dtype"] == d):
+            b = base.get((r["server"], r["system_tokens"], r["concurrency"]))
+            if b is not None:
+                say(f"{r['server']} {d} / {dtypes[0]}: system {r['system_tokens']:5d} x c{r['concurrency']:<3d}: "
+                    f"tok/s {r['tok_s'] / b['tok_s']:.2f}x, TTFT p50 {r['ttft_p50_s'] / b['ttft_p50_s']:.2f}x")
 
 
 def plot(path: Path, grid: list[dict]) -> None:
@@ -295,13 +311,15 @@ def parse(argv):
     ap.add_argument("--turns", type=int, default=4)
     ap.add_argument("--turn-system-tokens", type=int, default=128)
     ap.add_argument("--request-timeout", type=float, default=900.0, help="seconds per request (and per cell)")
+    ap.add_argument("--dtype", default="float32", help="the servers' dtype, or several, comma-separated "
+                    "(float32,bfloat16: each server in each, ratios within a dtype)")
     ap.add_argument("--quick", action="store_true", help="tiny sizes: " + str(QUICK))
     ap.add_argument("--out", type=Path, default=RESULTS)
     args = ap.parse_args(argv)
     if args.quick:
         for k, v in QUICK.items():
             setattr(args, k, v)
-    args.servers = args.servers.split(",")
+    args.servers, args.dtypes = args.servers.split(","), args.dtype.split(",")
     for name in args.servers:
         if name not in SERVERS:
             ap.error(f"--servers: unknown server '{name}' (known: {', '.join(SERVERS)})")
@@ -320,12 +338,20 @@ def main(argv=None) -> dict[str, list[dict]]:
     if load1() > 0.5:
         say(f"note: load average {load1()} before the run: other processes share the CPU, figures are under load")
     rows: dict[str, list[dict]] = {"grid": [], "warm": [], "stall": [], "turns": []}
-    for name in args.servers:
-        for table, new in measure(SERVERS[name], tok, args).items():
-            rows[table] += new
-            write_csv(f"serve_peer_{table}.csv", rows[table], args.out)  # after each server: partial runs keep theirs
-    plot(args.out / "serve_peer.png", rows["grid"])
-    ratios(rows)
+    for args.dtype in args.dtypes:
+        for name in args.servers:
+            for table, new in measure(SERVERS[name], tok, args).items():
+                rows[table] += [{"server": r["server"], "dtype": args.dtype, **r} for r in new]
+                write_csv(f"serve_peer_{table}.csv", rows[table], args.out)  # after each server: partial runs keep theirs
+    several = len(args.dtypes) > 1
+    plot(args.out / "serve_peer.png", [{**r, "server": f"{r['server']} {r['dtype']}"} if several else r
+                                       for r in rows["grid"]])
+    for d in args.dtypes:
+        if several:
+            say(f"{d}:")
+        ratios({table: [r for r in rs if r["dtype"] == d] for table, rs in rows.items()})
+    if several:
+        dtype_ratios(rows["grid"], args.dtypes)
     say(f"wrote {args.out}/serve_peer_{{grid,warm,stall,turns}}.csv and serve_peer.png")
     return rows
 

@@ -294,7 +294,8 @@ def validate(files, model, src_root):
 @click.option("--model", "-m", default="embedded:bench", show_default=True, help="The model to time (see run --model).")
 @click.option("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda when available).")
 @click.option("--dtype", default="auto", show_default=True, type=click.Choice(("auto", "float32", "bfloat16", "float16")),
-              help="auto: float32 on CPU, bfloat16 on CUDA.")
+              help="auto: the checkpoint's dtype where the device computes it natively, else float32 "
+                   "(embedded models: float32 on CPU, bfloat16 on CUDA).")
 @engine_options
 @click.option("--schema-tokens", default=2000, show_default=True, help="Tokens of the synthetic schema timed.")
 @click.option("--new-tokens", default=32, show_default=True, help="New prompt tokens run on top of the cached ones.")

@@ -78,9 +78,11 @@ class PromptCache:
         self._engine_lock = threading.Lock()
 
     @classmethod
-    def from_pretrained(cls, name_or_path: str | Path, device: str = "cpu", dtype: str = "float32",
+    def from_pretrained(cls, name_or_path: str | Path, device: str = "cpu", dtype: str = "auto",
                         config: EngineConfig | None = None, **load_kwargs) -> "PromptCache":
-        """Load a Hugging Face model id or a local directory (see ``models.loading``)."""
+        """Load a Hugging Face model id or a local directory (see ``models.loading``). ``dtype``
+        "auto": the checkpoint's dtype where ``device`` computes it natively, float32 otherwise
+        (``models.native_dtype``; logged)."""
         from ..models.loading import load_model  # transformers' Auto classes: loaded only when used
 
         model, tokenizer = load_model(name_or_path, device=device, dtype=dtype, **load_kwargs)

@@ -9,7 +9,7 @@ import click
 
 from .errors import EnvironmentProblem
 
-__all__ = ["check_device", "load_engine", "load_tokenizer", "read_prompt", "resolve_dtype", "setup_logging"]
+__all__ = ["check_device", "dtype_line", "load_engine", "load_tokenizer", "read_prompt", "setup_logging"]
 
 
 def setup_logging() -> None:
@@ -39,24 +39,32 @@ def check_device(device: str | None) -> str:
     return device
 
 
-def resolve_dtype(dtype: str, device: str) -> str:
-    return ("bfloat16" if device.startswith("cuda") else "float32") if dtype == "auto" else dtype
-
-
 def load_engine(model: str, device: str | None, dtype: str, config=None):
     """A PromptCache for ``model`` (messages on stderr say what loads, and that embedded text is noise)."""
     from ..engine import EngineConfig, PromptCache
     from ..models.loading import load_model
 
     device = check_device(device)
-    dtype = resolve_dtype(dtype, device)
     _resolve_alias(model)  # fetched here with progress lines; load_model loads it under the alias's name
+    # dtype "auto": resolved against the checkpoint's config as it loads (models.native_dtype.auto_dtype)
     click.echo(f"Loading model {model} on {device} ({dtype}) ...", err=True)
     if str(model).startswith("embedded"):
         click.echo("  note: embedded models have RANDOM weights: their text is noise, their speed is real "
                    "(--model smollm2 for real text).", err=True)
     m, tok = load_model(model, device=device, dtype=dtype)
+    click.echo(f"  dtype: {dtype_line(dtype, next(m.parameters()).dtype, device)}", err=True)
     return PromptCache(m, tok, config or EngineConfig())
+
+
+def dtype_line(asked: str, got, device: str) -> str:
+    """What the model computes in, and why (said at start): 'bfloat16 (auto; this CPU computes
+    bfloat16 natively)'."""
+    from ..models.native_dtype import bf16_refusal
+
+    name = str(got).removeprefix("torch.")
+    why = bf16_refusal(device)
+    native = "bfloat16 natively" if why is None else f"no native bfloat16: {why}"
+    return f"{name} ({asked}; {device} computes {native})"
 
 
 def _resolve_alias(model: str) -> str:

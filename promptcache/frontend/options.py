@@ -60,7 +60,9 @@ def engine_config(cli_values: dict, config_file: str | Path | None = None, env=N
 def model_options(f):
     """--model, --device, --dtype (a click.Choice: typos are refused before anything loads)."""
     f = click.option("--dtype", default="auto", show_default=True, type=click.Choice(DTYPES),
-                     help="auto: float32 on CPU, bfloat16 on CUDA.")(f)
+                     help="auto: the checkpoint's dtype where the device computes it natively (bfloat16 on a "
+                          "CPU with bfloat16 instructions), else float32; a float32 checkpoint runs in bfloat16 "
+                          "on CUDA.")(f)
     f = click.option("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda when available).")(f)
     f = click.option("--model", "-m", default="embedded", show_default=True,
                      help="Hugging Face model id, local directory, 'smollm2' (SmolLM2-135M-Instruct, fetched "

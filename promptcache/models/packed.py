@@ -1,4 +1,5 @@
-"""Linear layers through oneDNN with their weights packed once (CPU, float32): ``pack_linears``.
+"""Linear layers through oneDNN with their weights packed once (CPU; float32, and bfloat16 where
+the CPU computes it natively): ``pack_linears``.
 
 transformers runs every ``nn.Linear`` through ``F.linear`` (MKL on x86), which re-reads the
 weight in its plain layout at every call. oneDNN's linear with the weight reordered once into its
@@ -14,6 +15,12 @@ the packed copies cost one more copy of the linear weights in memory). It is an 
 promptcache or not, then computes with the packed weights, equal to the stock forward within
 float32 rounding, not bit for bit. A self-check on the first layer refuses to pack when the two
 disagree beyond that.
+
+A bfloat16 model is packed into oneDNN's bfloat16 kernels (bfloat16 weights and activations,
+float32 accumulation, the output rounded to bfloat16 as the stock forward's is) where the CPU has
+bfloat16 instructions (``native_dtype.bf16_refusal``): about twice the float32 rate on a matrix
+product (eval/results/bf16.md). Without them oneDNN would emulate bfloat16, slower than float32,
+so packing is refused and the model is better loaded in float32 (what ``--dtype auto`` does).
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ import threading
 import torch
 
 from ..errors import ConfigError
+from .native_dtype import bf16_refusal
 
 log = logging.getLogger(__name__)
 
@@ -64,21 +72,29 @@ def packed_refusal(model) -> str | None:
     p = next(model.parameters())
     if p.device.type != "cpu":
         return f"the model is on {p.device.type}; packed linears are a CPU path"
-    if p.dtype != torch.float32:
-        return f"the model computes in {str(p.dtype).removeprefix('torch.')}; packed linears are float32 only"
+    if p.dtype not in (torch.float32, torch.bfloat16):
+        return f"the model computes in {str(p.dtype).removeprefix('torch.')}; packed linears are float32 or bfloat16"
     if not torch.backends.mkldnn.is_available() or _REORDER is None or _LINEAR is None:
         return "this torch build has no oneDNN (mkldnn) linear"
+    if p.dtype == torch.bfloat16 and (why := bf16_refusal(p.device)) is not None:
+        return f"the model computes in bfloat16 but {why}; load it in float32 (--dtype float32 or auto)"
     return None
+
+
+def _tolerance(dtype: torch.dtype) -> float:
+    """The self-check's bound: float32 rounding, or one bfloat16 rounding of the output (the packed
+    and the stock bfloat16 layer both accumulate in float32 and round once, maybe to neighbours)."""
+    return 1e-5 if dtype == torch.float32 else 2 * torch.finfo(dtype).eps
 
 
 def _self_check(linear: torch.nn.Linear) -> float:
     """Largest |difference| between the packed and the stock layer on a fixed probe, relative to
     the output's scale."""
     g = torch.Generator().manual_seed(0)
-    x = torch.randn((3, linear.in_features), generator=g)
+    x = torch.randn((3, linear.in_features), generator=g).to(linear.weight.dtype)
     with torch.inference_mode():
-        want = torch.nn.functional.linear(x, linear.weight, linear.bias)
-        got = PackedLinear(linear.weight, linear.bias)(x)
+        want = torch.nn.functional.linear(x, linear.weight, linear.bias).float()
+        got = PackedLinear(linear.weight, linear.bias)(x).float()
     return ((got - want).abs().max() / want.abs().max().clamp_min(1e-30)).item()
 
 
@@ -163,8 +179,9 @@ def pack_linears(model) -> int:
     linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
     if not linears:
         return 0
+    dtype = linears[0].weight.dtype
     err = _self_check(linears[0])
-    if not err <= 1e-5:
+    if not err <= _tolerance(dtype):
         raise ConfigError(f"RunnerConfig.packed_linear (--packed-linear): the packed linear differs from F.linear by {err:.2g} "
                           "(relative) on this machine; leave it off")
     n = 0
@@ -179,7 +196,7 @@ def pack_linears(model) -> int:
         if not _packed(m):
             m.forward = PackedLinear(m.weight, m.bias)
             n += 1
-    log.info("packed %d linear layers for oneDNN", n)
+    log.info("packed %d linear layers for oneDNN (%s)", n, str(dtype).removeprefix("torch."))
     return n
 
 

@@ -68,17 +68,21 @@ server_options = settings_options(ServerConfig, "server")
 
 def serve_defaults(device: str | None, dtype: str) -> dict:
     """serve's defaults, above the dataclasses' and below everything a user sets: 4 GiB of memory
-    per tier for stored states, and on a CPU in float32 the linears packed for oneDNN (what vLLM's
-    CPU build does: about twice as fast a decode step, within float32 rounding of the stock
-    forward, eval/results/design_figures.md; ``--no-packed-linear`` turns it off). The library's default stays off: it changes
-    the model object in place, which a server that loaded the model may do, a library may not."""
+    per tier for stored states, and on a CPU the linears packed for oneDNN in float32, and in
+    bfloat16 where the CPU computes it natively (what vLLM's CPU build does: about twice as fast a
+    decode step, within rounding of the stock forward, eval/results/design_figures.md,
+    eval/results/bf16.md; ``--no-packed-linear`` turns it off). ``auto`` resolves to one of those
+    two on a CPU (models/native_dtype.py). The library's default stays off: it changes the model
+    object in place, which a server that loaded the model may do, a library may not."""
     import torch
 
-    from ..frontend.common import check_device, resolve_dtype
+    from ..frontend.common import check_device
+    from ..models.native_dtype import bf16_native
 
     device = check_device(device)
-    cpu_f32 = device == "cpu" and resolve_dtype(dtype, device) == "float32" and torch.backends.mkldnn.is_available()
-    return {**SERVE_DEFAULTS, "packed_linear": cpu_f32}  # one option per ServerConfig leaf
+    packs = dtype in ("auto", "float32") or (dtype == "bfloat16" and bf16_native(device))
+    packed = device == "cpu" and packs and torch.backends.mkldnn.is_available()
+    return {**SERVE_DEFAULTS, "packed_linear": packed}  # one option per ServerConfig leaf
 
 
 def server_config(given: dict, config_file: str | Path | None = None, env=None) -> ServerConfig:

@@ -22,12 +22,12 @@ def test_quick_run_writes_every_table(tmp_path, capsys):
                      "--out", str(tmp_path)])
     q = serve_peer.QUICK
     grid = read_csv(tmp_path / "serve_peer_grid.csv")
-    assert list(grid[0]) == ["server", "system_tokens", "concurrency", "requests", "gen_mean", "wall_s", "tok_s",
+    assert list(grid[0]) == ["server", "dtype", "system_tokens", "concurrency", "requests", "gen_mean", "wall_s", "tok_s",
                              "ttft_p50_s", "ttft_p99_s", "ttft_max_s", "itl_p50_ms", "rss_before_mb", "rss_growth_mb", "load1"]
     assert [(int(r["system_tokens"]), int(r["concurrency"])) for r in grid] == \
         [(n, c) for n in q["lengths"] for c in q["concurrency"]]
     for r in grid:
-        assert r["server"] == "promptcache" and int(r["requests"]) == max(int(r["concurrency"]), q["min_requests"])
+        assert r["server"] == "promptcache" and r["dtype"] == "float32" and int(r["requests"]) == max(int(r["concurrency"]), q["min_requests"])
         assert 0 < float(r["gen_mean"]) <= q["gen"] and float(r["tok_s"]) > 0
         assert 0 < float(r["ttft_p50_s"]) <= float(r["ttft_p99_s"]) <= float(r["ttft_max_s"]) <= float(r["wall_s"])
         assert 0 < float(r["itl_p50_ms"]) < 1000 * float(r["wall_s"])  # between two tokens of one stream
@@ -51,6 +51,21 @@ def test_quick_run_writes_every_table(tmp_path, capsys):
 
     assert (tmp_path / "serve_peer.png").stat().st_size > 0 and (tmp_path / "serve_peer_promptcache.log").exists()
     assert "wrote" in capsys.readouterr().out
+
+
+def test_each_dtype_starts_its_own_server_and_every_row_says_its_dtype(tmp_path, capsys):
+    serve_peer.main(["--quick", "--servers", "promptcache", "--model", "embedded", "--threads", "1",
+                     "--dtype", "float32,bfloat16", "--out", str(tmp_path)])
+    q = serve_peer.QUICK
+    grid = read_csv(tmp_path / "serve_peer_grid.csv")
+    assert [(r["dtype"], int(r["concurrency"])) for r in grid] == [(d, c) for d in ("float32", "bfloat16")
+                                                                   for c in q["concurrency"]]
+    assert [r["dtype"] for r in read_csv(tmp_path / "serve_peer_warm.csv")] == ["float32", "bfloat16"]
+    assert (tmp_path / "serve_peer_promptcache_bfloat16.log").exists()
+    args = serve_peer.parse(["--servers", "promptcache", "--dtype", "bfloat16", "--quick"])
+    assert "--dtype bfloat16" in " ".join(peer_servers.SERVERS["promptcache"].cmd(args, "m", 1))
+    out = capsys.readouterr().out
+    assert "promptcache bfloat16 / float32: system" in out
 
 
 def test_the_server_tree_is_gone_after_an_error_inside(tmp_path):

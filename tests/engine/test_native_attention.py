@@ -83,6 +83,44 @@ def test_gather_reads_each_rows_slots(b, g, d):
         close((out[:, i], lse[:, i]), reference(q[:, i], kbuf[:, idx], vbuf[:, idx], 0.2))
 
 
+# a bfloat16 pool is read as it is, each element widened to float32 (exact): the result equals the
+# float64 attention over the same bfloat16 values, to float32 rounding as for a float32 pool
+@pytest.mark.parametrize("x,m,n,d", [(3, 192, 1024, 64), (3, 3, 2048, 64), (2, 5, 70, 16), (2, 33, 65, 80)])
+def test_bfloat16_keys_and_values_equal_float64_attention_over_their_values(op, x, m, n, d):
+    g = torch.Generator().manual_seed(m * n + d)
+    q = torch.randn(x, m, d, generator=g) * 2
+    buf = (torch.randn(2, x, n + 9, d, generator=g) * 2).bfloat16()  # strided views, as from a pool
+    k, v = buf[0, :, 9:], buf[1, :, 9:]
+    assert cpu_attention.kernel_for(q, k) is op
+    close(op(q, k, v, d ** -0.5, 0), reference(q, k.float(), v.float(), d ** -0.5))
+
+
+@pytest.mark.parametrize("x,groups,t,d", [(3, 3, 130, 64), (2, 1, 64, 16)])
+def test_bfloat16_causal_chunks(op, x, groups, t, d):
+    g = torch.Generator().manual_seed(t)
+    q = torch.randn(x, groups * t, d, generator=g)
+    k, v = torch.randn(x, t, d, generator=g).bfloat16(), torch.randn(x, t, d, generator=g).bfloat16()
+    close(op(q, k, v, 0.3, t), reference(q, k.float(), v.float(), 0.3, causal_t=t))
+
+
+@pytest.mark.parametrize("b,g,d", [(64, 3, 64), (3, 7, 32)])
+def test_bfloat16_gather_reads_each_rows_slots(b, g, d):
+    gen = torch.Generator().manual_seed(b * g + d)
+    buf = torch.randn(2, 2, 3, 700, d, generator=gen).bfloat16()
+    kbuf, vbuf = buf[1, 0], buf[1, 1]
+    gather = cpu_attention.gather_kernel_for(torch.zeros(1, 1, 1, d), kbuf)
+    assert gather is not None
+    lengths = torch.randint(1, 150, (b,), generator=gen)
+    slots = torch.zeros(b, int(lengths.max()), dtype=torch.long)
+    for i, n in enumerate(lengths.tolist()):
+        slots[i, :n] = torch.randperm(700, generator=gen)[:n]
+    q = torch.randn(3, b, g, d, generator=gen)
+    out, lse = gather(q, kbuf, vbuf, slots, lengths, 0.2)
+    for i, n in enumerate(lengths.tolist()):
+        idx = slots[i, :n]
+        close((out[:, i], lse[:, i]), reference(q[:, i], kbuf[:, idx].float(), vbuf[:, idx].float(), 0.2))
+
+
 def test_gather_refuses_slots_outside_the_pool():
     gather = cpu_attention.gather_kernel_for(torch.zeros(1, 1, 1, 16), torch.zeros(1))
     q, k = torch.randn(1, 2, 1, 16), torch.randn(1, 10, 16)
@@ -108,6 +146,8 @@ def test_bad_input_is_refused_with_its_shapes(op):
         op(torch.randn(2, 4, 16), torch.randn(3, 5, 16), torch.randn(3, 5, 16), 1.0, 0)
     with pytest.raises(RuntimeError, match="float32"):
         op(torch.randn(1, 4, 16).double(), torch.randn(1, 5, 16), torch.randn(1, 5, 16), 1.0, 0)
+    with pytest.raises(RuntimeError, match="both float32 or both bfloat16"):
+        op(torch.randn(1, 4, 16), torch.randn(1, 5, 16).bfloat16(), torch.randn(1, 5, 16), 1.0, 0)
     with pytest.raises(RuntimeError, match="causal_t"):
         op(torch.randn(1, 4, 16), torch.randn(1, 5, 16), torch.randn(1, 5, 16), 1.0, 3)
 
@@ -116,7 +156,8 @@ def test_shapes_it_does_not_cover_go_to_torch():
     for q in (torch.zeros(1, 2, 8), torch.zeros(1, 2, 24), torch.zeros(1, 2, 272), torch.zeros(1, 2, 64).double()):
         assert cpu_attention.kernel_for(q) is None
         assert cpu_attention.gather_kernel_for(q, torch.zeros(1)) is None
-    assert cpu_attention.gather_kernel_for(torch.zeros(1, 1, 1, 16), torch.zeros(1, dtype=torch.bfloat16)) is None
+    assert cpu_attention.gather_kernel_for(torch.zeros(1, 1, 1, 16), torch.zeros(1, dtype=torch.float16)) is None
+    assert cpu_attention.kernel_for(torch.zeros(1, 2, 16), torch.zeros(1, dtype=torch.float16)) is None
 
 
 def test_switched_off_by_the_environment():

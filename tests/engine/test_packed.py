@@ -43,11 +43,14 @@ def test_packed_linears_stay_within_rounding_and_the_engine_stays_exact(family, 
     assert torch.max(torch.abs(res.logits - want)).item() <= TOL
 
 
-def test_packing_twice_changes_nothing_and_other_models_are_refused(tokenizer):
+def test_packing_twice_changes_nothing_and_other_models_are_refused(tokenizer, monkeypatch):
     model = fresh_model("llama")
     n = pack_linears(model)
     assert n > 0 and pack_linears(model) == 0
-    with pytest.raises(ConfigError, match="packed_linear.*float32"):
+    with pytest.raises(ConfigError, match="packed_linear.*float32 or bfloat16"):
+        pack_linears(fresh_model("llama").to(torch.float16))
+    monkeypatch.setenv("PROMPTCACHE_BF16", "0")  # a CPU without bfloat16 instructions
+    with pytest.raises(ConfigError, match="packed_linear.*bfloat16 but turned off by PROMPTCACHE_BF16"):
         pack_linears(fresh_model("llama").to(torch.bfloat16))
 
 

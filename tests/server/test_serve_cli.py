@@ -257,12 +257,17 @@ def test_the_default_config_raises_no_deprecation_warning(monkeypatch):
         assert status == 200, text
 
 
-def test_serve_packs_linears_by_default_on_a_cpu_in_float32_and_a_user_setting_wins():
+def test_serve_packs_linears_by_default_on_a_cpu_in_float32_and_a_user_setting_wins(monkeypatch):
     from promptcache.frontend.options import engine_config
+    from promptcache.models.native_dtype import bf16_native
     from promptcache.server.cli import serve_defaults
 
     assert serve_defaults("cpu", "auto")["packed_linear"] is True
-    assert serve_defaults("cpu", "bfloat16")["packed_linear"] is False  # packed linears are float32 only
+    assert serve_defaults("cpu", "float16")["packed_linear"] is False  # packed linears are float32 or bfloat16
+    assert serve_defaults("cpu", "bfloat16")["packed_linear"] is bf16_native("cpu")
+    monkeypatch.setenv("PROMPTCACHE_BF16", "0")  # a CPU without bfloat16 instructions: no bfloat16 packing
+    assert serve_defaults("cpu", "bfloat16")["packed_linear"] is False
+    assert serve_defaults("cpu", "auto")["packed_linear"] is True  # auto is float32 there
     assert engine_config({}, None, env={}, defaults=serve_defaults("cpu", "float32")).runner.packed_linear
     off = engine_config({"packed_linear": False}, None, env={}, defaults=serve_defaults("cpu", "float32"))
     assert off.runner.packed_linear is False

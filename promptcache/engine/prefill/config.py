@@ -60,9 +60,9 @@ class RunnerConfig:
     # (models/packed.py: faster decode steps, within float32 rounding of the stock forward; one more
     # copy of the linear weights in memory; eval/results/design_figures.md)
     packed_linear: bool = setting(
-        False, "CPU, float32: run every linear layer through oneDNN with its weight packed once (faster "
-               "decoding; within float32 rounding of the stock forward; one more copy of the linear "
-               "weights in memory).")
+        False, "CPU, float32 (or bfloat16 where the CPU has bfloat16 instructions): run every linear layer "
+               "through oneDNN with its weight packed once (faster decoding; within rounding of the stock "
+               "forward; one more copy of the linear weights in memory).")
     # serving steps of few tokens run through torch.compile (engine/serving_core/graphs.py): on a CPU one graph
     # with symbolic sizes, on a GPU padded buckets captured as CUDA graphs. Off by default: it adds
     # the compiles to a server's start, for slightly faster steps on a CPU (eval/results/compile.md)

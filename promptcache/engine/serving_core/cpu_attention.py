@@ -17,9 +17,11 @@ then a load of a few milliseconds. Where it cannot be built (no compiler) a warn
 torch's fused kernel is used; both compute the same attention (float32, within rounding: the
 tests hold them to 1e-5). ``PROMPTCACHE_NATIVE_ATTENTION=0`` turns the kernel off.
 
-It covers what the engine's CPU attention calls without a mask: float32, head dims that are a
+It covers what the engine's CPU attention calls without a mask: float32 queries over float32 or
+bfloat16 keys and values (a bfloat16 pool is read in place, each element widened to float32 as it
+is read: float32 products and sums, half the bytes, no converted copy), head dims that are a
 multiple of 16 up to 256, keys read in place through strides, and causal chunks. Anything else
-(a mask tensor, another head dim, CUDA) stays on torch's kernels.
+(a mask tensor, a float16 pool, another head dim, CUDA) stays on torch's kernels.
 """
 
 from __future__ import annotations
@@ -112,10 +114,14 @@ def _covers(q: torch.Tensor) -> bool:
     return q.device.type == "cpu" and q.dtype == torch.float32 and d % 16 == 0 and 16 <= d <= 256 and available()
 
 
-def kernel_for(q: torch.Tensor):
+KV_DTYPES = (torch.float32, torch.bfloat16)  # what the kernel reads keys and values in
+
+
+def kernel_for(q: torch.Tensor, kv: torch.Tensor | None = None):
     """The native op for queries ``q`` [X, M, D] when it covers them (CPU, float32, D a multiple
-    of 16 up to 256), else None. Called as ``op(q, k, v, scale, causal_t) -> (out, lse)``."""
-    return _state["ops"].attend if _covers(q) else None
+    of 16 up to 256; keys/values ``kv`` float32 or bfloat16 where given), else None. Called as
+    ``op(q, k, v, scale, causal_t) -> (out, lse)``."""
+    return _state["ops"].attend if (kv is None or kv.dtype in KV_DTYPES) and _covers(q) else None
 
 
 def gathers(buf: torch.Tensor) -> bool:
@@ -123,12 +129,11 @@ def gathers(buf: torch.Tensor) -> bool:
     gather op (``gather_kernel_for``): it reads each row's own slots in place, up to the row's own
     length, so a row's own length costs no padding or copy and every decode row can go through it."""
     d = buf.shape[-1]
-    return (buf.device.type == "cpu" and buf.dtype == torch.float32 and d % 16 == 0 and 16 <= d <= 256
-            and available())
+    return buf.device.type == "cpu" and buf.dtype in KV_DTYPES and d % 16 == 0 and 16 <= d <= 256 and available()
 
 
 def gather_kernel_for(q: torch.Tensor, kv: torch.Tensor):
     """The native gather op for decode queries ``q`` [X, B, G, D] over a pool buffer ``kv`` when
-    it covers them (as ``kernel_for``, and a float32 pool), else None. Called as
+    it covers them (as ``kernel_for``, and a float32 or bfloat16 pool), else None. Called as
     ``op(q, k, v, slots, lengths, scale) -> (out [X, B, G, D], lse [X, B, G])``."""
-    return _state["ops"].attend_gather if kv.dtype == torch.float32 and _covers(q) else None
+    return _state["ops"].attend_gather if kv.dtype in KV_DTYPES and _covers(q) else None

@@ -307,12 +307,14 @@ def _bias(mask: torch.Tensor) -> torch.Tensor:
 
 
 def _attend(q, k, v, bias=None, scale: float = 1.0, fused: bool = True):
-    """q [X, m, D] against k, v [X, n, D] (float32; scores scaled by ``scale``); bias [X or 1, m, n]
-    additive (``_bias``) or None. ``fused``: a fused CPU kernel where there is one (the native
-    kernel without a bias, else torch's), else matrix products. Returns (out [X, m, D], lse [X, m])."""
-    native = cpu_attention.kernel_for(q) if fused and bias is None else None
+    """q [X, m, D] (float32) against k, v [X, n, D] (the pool's dtype; scores scaled by ``scale``);
+    bias [X or 1, m, n] additive (``_bias``) or None. ``fused``: a fused CPU kernel where there is
+    one (the native kernel without a bias, reading a float32 or bfloat16 pool as it is, else
+    torch's on float32), else matrix products. Returns (out [X, m, D], lse [X, m]), float32."""
+    native = cpu_attention.kernel_for(q, k) if fused and bias is None else None
     if native is not None:
         return native(q, k, v, scale, 0)
+    k, v = k.float(), v.float()
     if fused and q.device.type == "cpu" and _CPU_FLASH is not None:
         out, lse = _CPU_FLASH(q[:, None], k[:, None], v[:, None], 0.0, False,
                               attn_mask=None if bias is None else bias[:, None], scale=scale)[:2]
@@ -333,10 +335,11 @@ def _attend_causal(q, k, v):
     """q [Hk, G, t, D] (scaled) causally against the same t tokens' k, v [Hk, t, D] (query i sees
     keys 0..i). Returns (out [Hk, G, t, D], lse [Hk, G, t])."""
     hk, g, t, d = q.shape
-    native = cpu_attention.kernel_for(q)
+    native = cpu_attention.kernel_for(q, k)
     if native is not None:  # query j of each group sees keys 0..j
         o, l = native(q.reshape(hk, g * t, d), k, v, 1.0, t)
         return o.view(hk, g, t, d), l.view(hk, g, t)
+    k, v = k.float(), v.float()
     if q.device.type == "cpu" and _CPU_FLASH is not None:
         kx, vx = k[:, None].expand(hk, g, t, d), v[:, None].expand(hk, g, t, d)  # views: no copy
         return _CPU_FLASH(q, kx, vx, 0.0, True, scale=1.0)[:2]
@@ -541,10 +544,11 @@ def _attend_own(plan: StepPlan, q: torch.Tensor, kbuf: torch.Tensor, vbuf: torch
 
 
 def _layer_kv(views: list[torch.Tensor], layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Keys and values [Hk, n, D] (float32) of one layer of segments read together."""
+    """Keys and values [Hk, n, D] (the pool's dtype: ``_attend`` widens them where its kernel does
+    not read them as they are) of one layer of segments read together."""
     if len(views) == 1:
-        return views[0][layer, 0].float(), views[0][layer, 1].float()
-    kv = torch.cat([v[layer] for v in views], dim=2).float()  # [2, Hk, n, D]
+        return views[0][layer, 0], views[0][layer, 1]
+    kv = torch.cat([v[layer] for v in views], dim=2)  # [2, Hk, n, D]
     return kv[0], kv[1]
 
 
@@ -568,10 +572,11 @@ def _parts_at(slots: torch.Tensor, most: int) -> list[tuple[slice | torch.Tensor
 
 
 def _read(kbuf: torch.Tensor, vbuf: torch.Tensor, part: slice | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Keys and values [Hk, n, D] (float32) of a part (``_parts``) of a layer's pool buffers."""
+    """Keys and values [Hk, n, D] (the pool's dtype, as ``_layer_kv``) of a part (``_parts``) of a
+    layer's pool buffers."""
     if isinstance(part, slice):
-        return kbuf[:, part].float(), vbuf[:, part].float()
-    return kbuf.index_select(1, part).float(), vbuf.index_select(1, part).float()
+        return kbuf[:, part], vbuf[:, part]
+    return kbuf.index_select(1, part), vbuf.index_select(1, part)
 
 
 AttentionInterface.register(ATTENTION_NAME, paged_attention)

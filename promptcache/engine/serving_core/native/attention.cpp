@@ -1,8 +1,9 @@
-// Attention of float32 queries over float32 keys/values on the CPU, returning the log-sum-exp the
-// paged engine merges partial results with (engine/serving_core/paged.py). Registered as
-// torch.ops.promptcache_native.attend(q, k, v, scale, causal_t) -> (out, lse):
-//   q [X, M, D], k and v [X, N, D] (last dimension contiguous; other strides free, so the KV pool's
-//   blocks are read in place), D a multiple of 16 up to 256;
+// Attention of float32 queries over float32 or bfloat16 keys/values on the CPU (float32
+// accumulation), returning the log-sum-exp the paged engine merges partial results with
+// (engine/serving_core/paged.py). Registered as torch.ops.promptcache_native.attend(q, k, v, scale, causal_t) -> (out, lse):
+//   q [X, M, D] float32, k and v [X, N, D] both float32 or both bfloat16 (last dimension
+//   contiguous; other strides free, so the KV pool's blocks are read in place), D a multiple of 16
+//   up to 256;
 //   causal_t = 0: every query sees every key; causal_t = t > 0: query r sees keys 0 .. r % t
 //   (q holds G groups of t consecutive queries over the same t keys);
 //   out [X, M, D] = softmax(scale * q k^T) v, lse [X, M] = logsumexp(scale * q k^T) (natural log);
@@ -18,6 +19,10 @@
 // of online softmax (flash attention) over tiles that stay in L1: 48 queries x 64 keys, Q K^T and
 // P V in register-blocked vector loops (6 query rows x 64 keys, 6 query rows x D; 24 accumulators),
 // exp in a vector polynomial, K^T packed once per call (python -m eval.bench_attention measures it).
+//
+// bfloat16 keys/values (a bfloat16 KV pool) are widened to float32 as they are read (a shift of
+// the 16 bits into a float's upper half: exact), so the products and sums are float32 as for a
+// float32 pool, with half the bytes read and no converted copy of the pool.
 //
 // Portable C++: GCC/Clang vector extensions, lowered to AVX-512, AVX2 or SSE by -march; threads
 // from ATen's parallel_for (torch's own pool).
@@ -53,6 +58,25 @@ inline v16 load(const float* p) {
   return v;
 }
 inline void store(float* p, v16 v) { std::memcpy(p, &v, sizeof v); }
+
+// bfloat16 (its bits, uint16_t) widened to float32: the bits moved to a float's upper half (exact)
+typedef uint16_t h16 __attribute__((vector_size(32)));
+typedef uint32_t u16v __attribute__((vector_size(64)));
+inline v16 load(const uint16_t* p) {
+  h16 h;
+  std::memcpy(&h, p, sizeof h);
+  const u16v w = __builtin_convertvector(h, u16v) << 16;
+  v16 v;
+  std::memcpy(&v, &w, sizeof v);
+  return v;
+}
+inline float to_float(float x) { return x; }
+inline float to_float(uint16_t x) {
+  const uint32_t w = static_cast<uint32_t>(x) << 16;
+  float f;
+  std::memcpy(&f, &w, sizeof f);
+  return f;
+}
 
 // exp(x) for x <= 0 (scores minus their running max), 0 below -87 (and at -inf): Cody-Waite
 // reduction x = n ln2 + r, |r| <= ln2/2, Cephes' degree-6 polynomial, 2^n from the exponent bits.
@@ -130,14 +154,14 @@ inline void scores(const float* q, int64_t q_stride, const float* kt, float scal
     for (int c = 0; c < 4; ++c) store(s + i * kKeys + c * 16, acc[i][c] * sc);
 }
 
-// O[RR][D] += P[RR][kn] . V[kn][D]
-template <int ND, int RR>
-inline void values(const float* p, const float* v, int64_t v_stride, int kn, float* o) {
+// O[RR][D] += P[RR][kn] . V[kn][D] (V float32 or bfloat16)
+template <int ND, int RR, class V>
+inline void values(const float* p, const V* v, int64_t v_stride, int kn, float* o) {
   v16 acc[RR][ND];
   for (int i = 0; i < RR; ++i)
     for (int c = 0; c < ND; ++c) acc[i][c] = load(o + i * ND * 16 + c * 16);
   for (int j = 0; j < kn; ++j) {
-    const float* vj = v + j * v_stride;
+    const V* vj = v + j * v_stride;
     v16 vv[ND];
     for (int c = 0; c < ND; ++c) vv[c] = load(vj + c * 16);
     for (int i = 0; i < RR; ++i) {
@@ -165,12 +189,12 @@ void scores_rows(const float* q, int64_t q_stride, const float* kt, float scale,
   remainder<ND, kRR>(rows - i, [&](auto rr) { scores<ND, rr>(q + i * q_stride, q_stride, kt, scale, s + i * kKeys); });
 }
 
-template <int ND>
-void values_rows(const float* p, const float* v, int64_t v_stride, int kn, float* o, int rows) {
+template <int ND, class V>
+void values_rows(const float* p, const V* v, int64_t v_stride, int kn, float* o, int rows) {
   constexpr int rr = ND <= 4 ? kRR : 2;  // accumulators and operands stay in 32 vector registers
   int i = 0;
-  for (; i + rr <= rows; i += rr) values<ND, rr>(p + i * kKeys, v, v_stride, kn, o + i * ND * 16);
-  remainder<ND, rr>(rows - i, [&](auto r) { values<ND, r>(p + i * kKeys, v, v_stride, kn, o + i * ND * 16); });
+  for (; i + rr <= rows; i += rr) values<ND, rr, V>(p + i * kKeys, v, v_stride, kn, o + i * ND * 16);
+  remainder<ND, rr>(rows - i, [&](auto r) { values<ND, r, V>(p + i * kKeys, v, v_stride, kn, o + i * ND * 16); });
 }
 
 // Online-softmax attention of `rows` (<= kRows) queries q (row stride q_stride) over keys
@@ -230,9 +254,10 @@ void attend_rows(const float* q, int64_t q_stride, int rows, const int64_t* limi
   }
 }
 
+template <class V>
 struct TileRef {
   const float* kt;
-  const float* v;
+  const V* v;
   int64_t v_stride;
 };
 
@@ -241,16 +266,18 @@ struct TileRef {
 template <int D, bool Pad, class Key>
 inline void pack_tile(float* kt, int kn, Key&& key) {
   for (int j = 0; j < kn; ++j) {
-    const float* kj = key(j);
-    for (int d = 0; d < D; ++d) kt[d * kKeys + j] = kj[d];
+    const auto* kj = key(j);
+    for (int d = 0; d < D; ++d) kt[d * kKeys + j] = to_float(kj[d]);
   }
   if constexpr (Pad)
     for (int d = 0; d < D; ++d)
       for (int j = kn; j < kKeys; ++j) kt[d * kKeys + j] = 0.0f;
 }
 
+template <class KV>
 struct Args {
-  const float *q, *k, *v;
+  const float* q;
+  const KV *k, *v;
   float* kt;  // K^T in key tiles: [X][N / kKeys rounded up][D][kKeys]
   float *out, *lse;
   int64_t qs0, qs1, ks0, ks1, vs0, vs1;  // strides (elements) of dims 0 and 1
@@ -258,15 +285,15 @@ struct Args {
   float scale;
 };
 
-template <int ND>
-void run(const Args& a, int64_t heads) {
+template <int ND, class KV>
+void run(const Args<KV>& a, int64_t heads) {
   constexpr int D = ND * 16;
   const int64_t blocks = (a.n + kKeys - 1) / kKeys;
   // K^T of every key tile of every head, packed once: every query tile of the head reads it
   at::parallel_for(0, heads * blocks, 4, [&](int64_t b, int64_t e) {
     for (int64_t w = b; w < e; ++w) {
       const int64_t x = w / blocks, j0 = (w % blocks) * kKeys;
-      const float* k = a.k + x * a.ks0 + j0 * a.ks1;
+      const KV* k = a.k + x * a.ks0 + j0 * a.ks1;
       pack_tile<D, true>(a.kt + w * D * kKeys, static_cast<int>(std::min<int64_t>(kKeys, a.n - j0)),
                    [&](int j) { return k + j * a.ks1; });
     }
@@ -293,10 +320,10 @@ void run(const Args& a, int64_t heads) {
       const int rows = static_cast<int>(std::min<int64_t>(kRows, a.m - r0));
       int64_t limit[kRows];  // the last key each query sees (from k0)
       for (int i = 0; i < rows; ++i) limit[i] = a.causal_t > 0 ? (r0 + i) % a.causal_t : kn - 1;
-      const float* v = a.v + x * a.vs0 + k0 * a.vs1;
+      const KV* v = a.v + x * a.vs0 + k0 * a.vs1;
       const int64_t block0 = x * blocks + k0 / kKeys;
       attend_rows<ND>(a.q + x * a.qs0 + r0 * a.qs1, a.qs1, rows, limit, kn, a.scale,
-                      [&](int64_t j0, int) { return TileRef{a.kt + (block0 + j0 / kKeys) * D * kKeys, v + j0 * a.vs1, a.vs1}; },
+                      [&](int64_t j0, int) { return TileRef<KV>{a.kt + (block0 + j0 / kKeys) * D * kKeys, v + j0 * a.vs1, a.vs1}; },
                       po + ((sp * heads + x) * a.m + r0) * D, pl + (sp * heads + x) * a.m + r0);
     }
   });
@@ -323,8 +350,8 @@ void run(const Args& a, int64_t heads) {
 
 // Decode rows over their own keys, gathered from the pool by slot: query row group b (G queries)
 // of head x sees keys slots[b, 0 .. lengths[b]).
-template <int ND>
-void run_gather(const float* q, const float* kbuf, const float* vbuf, int64_t ks0, int64_t ks1, int64_t vs0,
+template <int ND, class KV>
+void run_gather(const float* q, const KV* kbuf, const KV* vbuf, int64_t ks0, int64_t ks1, int64_t vs0,
                 int64_t vs1, const int64_t* slots, int64_t width, const int64_t* lengths, int64_t heads, int64_t b,
                 int64_t g, float scale, float* out, float* lse) {
   constexpr int D = ND * 16;
@@ -335,12 +362,13 @@ void run_gather(const float* q, const float* kbuf, const float* vbuf, int64_t ks
     for (int64_t w = lo; w < hi; ++w) {
       const int64_t x = w / b, row = w % b, n = lengths[row];
       const int64_t* sl = slots + row * width;
-      const float* k = kbuf + x * ks0;
-      const float* v = vbuf + x * vs0;
+      const KV* k = kbuf + x * ks0;
+      const KV* v = vbuf + x * vs0;
       auto tiles = [&](int64_t j0, int kn) {
         pack_tile<D, false>(kt, kn, [&](int j) { return k + sl[j0 + j] * ks1; });
-        for (int j = 0; j < kn; ++j) std::memcpy(vt + j * D, v + sl[j0 + j] * vs1, sizeof(float) * D);
-        return TileRef{kt, vt, D};
+        for (int j = 0; j < kn; ++j)  // V rows copied (bfloat16: widened) into one float32 tile
+          for (int c = 0; c < ND; ++c) store(vt + j * D + c * 16, load(v + sl[j0 + j] * vs1 + c * 16));
+        return TileRef<float>{kt, vt, D};
       };
       for (int64_t r0 = 0; r0 < g; r0 += kRows) {
         const int rows = static_cast<int>(std::min<int64_t>(kRows, g - r0));
@@ -374,10 +402,20 @@ void by_head_dim(int64_t d, F&& f) {
   }
 }
 
+// f(k's elements, v's elements) as float32 or as bfloat16 bits (uint16_t), by their dtype
+template <class F>
+void by_kv_type(const at::Tensor& k, const at::Tensor& v, F&& f) {
+  if (k.scalar_type() == at::kBFloat16)
+    f(reinterpret_cast<const uint16_t*>(k.data_ptr<at::BFloat16>()), reinterpret_cast<const uint16_t*>(v.data_ptr<at::BFloat16>()));
+  else
+    f(static_cast<const float*>(k.data_ptr<float>()), static_cast<const float*>(v.data_ptr<float>()));
+}
+
 void check_common(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const char* name) {
   TORCH_CHECK(q.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu(), name, ": CPU tensors only");
-  TORCH_CHECK(q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat,
-              name, ": float32 tensors only");
+  TORCH_CHECK(q.scalar_type() == at::kFloat, name, ": q must be float32");
+  TORCH_CHECK(k.scalar_type() == v.scalar_type() && (k.scalar_type() == at::kFloat || k.scalar_type() == at::kBFloat16),
+              name, ": k and v must be both float32 or both bfloat16");
   const int64_t d = q.size(-1);
   TORCH_CHECK(d % 16 == 0 && d >= 16 && d <= 256, name, ": head dim ", d, " is not a multiple of 16 up to 256");
   TORCH_CHECK(q.stride(-1) == 1 && k.stride(-1) == 1 && v.stride(-1) == 1, name, ": the last dimension must be contiguous");
@@ -408,10 +446,12 @@ std::tuple<at::Tensor, at::Tensor> attend_gather(const at::Tensor& q, const at::
   at::Tensor out = at::empty({heads, b, g, d}, q.options());
   at::Tensor lse = at::empty({heads, b, g}, q.options());
   if (heads == 0 || b == 0 || g == 0) return {out, lse};
-  by_head_dim(d, [&](auto nd) {
-    run_gather<decltype(nd)::value>(q.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(), k.stride(0),
-                                    k.stride(1), v.stride(0), v.stride(1), sl, width, len, heads, b, g,
-                                    static_cast<float>(scale), out.data_ptr<float>(), lse.data_ptr<float>());
+  by_kv_type(k, v, [&](auto* kp, auto* vp) {
+    by_head_dim(d, [&](auto nd) {
+      run_gather<decltype(nd)::value>(q.data_ptr<float>(), kp, vp, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+                                      sl, width, len, heads, b, g, static_cast<float>(scale), out.data_ptr<float>(),
+                                      lse.data_ptr<float>());
+    });
   });
   return {out, lse};
 }
@@ -435,11 +475,13 @@ std::tuple<at::Tensor, at::Tensor> attend(const at::Tensor& q, const at::Tensor&
     return {out, lse};
   }
   at::Tensor kt = at::empty({heads * ((n + kKeys - 1) / kKeys) * d * kKeys}, q.options());
-  Args a{q.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(), kt.data_ptr<float>(),
-         out.data_ptr<float>(), lse.data_ptr<float>(),
-         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), m, n, causal_t,
-         static_cast<float>(scale)};
-  by_head_dim(d, [&](auto nd) { run<decltype(nd)::value>(a, heads); });
+  by_kv_type(k, v, [&](auto* kp, auto* vp) {
+    using KV = std::remove_const_t<std::remove_pointer_t<decltype(kp)>>;
+    Args<KV> a{q.data_ptr<float>(), kp, vp, kt.data_ptr<float>(), out.data_ptr<float>(), lse.data_ptr<float>(),
+               q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), m, n, causal_t,
+               static_cast<float>(scale)};
+    by_head_dim(d, [&](auto nd) { run<decltype(nd)::value>(a, heads); });
+  });
   return {out, lse};
 }
 
