@@ -161,7 +161,7 @@ def test_shapes_it_does_not_cover_go_to_torch():
 
 
 def test_switched_off_by_the_environment():
-    code = ("import torch; from promptcache.engine import cpu_attention as c; "
+    code = ("import torch; from promptcache.engine.serving_core import cpu_attention as c; "
             "print(c.kernel_for(torch.zeros(1, 1, 16)), c.unavailable_reason())")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                          env={**os.environ, cpu_attention.ENV_SWITCH: "0"})
