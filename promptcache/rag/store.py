@@ -64,7 +64,7 @@ import torch
 
 from ..engine import Generation, PrefillResult, PromptCache
 from ..engine.chains import chained, stored_run
-from ..engine.recompute import check_recompute, check_selection, recompute_request
+from ..engine.recompute import KEY_SCALES, check_recompute, check_selection, recompute_request
 from ..keys import alone_key, chain_root, token_digest
 from ..layout import PromptLayout, Span
 from ..models.relocate import check_relocatable, relocate
@@ -303,7 +303,7 @@ class DocumentStore:
         new = [s for s in layout.spans if s.kind == "new"]
         drifted = chained < len(docs)
         req = recompute_request(layout, n_exact, r, self.selection, False) \
-            if r > 0 and drifted else None
+            if (r > 0 or self.selection in KEY_SCALES) and drifted else None  # (APE scales at r = 0 too)
         return self.pc.run_spliced(cached, [t for s in new for t in s.token_ids],
                                    [p for s in new for p in s.position_ids], max(layout.position_ids), t0,
                                    reserve, keep_cache, layout=layout, hit_tiers=hits, exact=not drifted,

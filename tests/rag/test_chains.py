@@ -184,3 +184,34 @@ def test_chains_survive_a_restart_on_the_engines_spill_folder(tmp_path):
     assert again.cached_tokens == sum(len(s) for s in store.layout(Q, ["tokyo", "paris"], SYS).spans[:3])
     assert torch.max(torch.abs(again.logits - first.logits)).item() <= TOL
     restarted.pc.store.close()
+
+
+def test_ape_scales_only_the_reused_documents_keys_and_leaves_the_pool_clean():
+    """APE-style temperature (``selection="ape"``): recomputing every document leaves nothing to
+    scale (a plain forward's answer); at r = 0 the answer moves; the buffer it scaled is not
+    reused as the stored states by the next request."""
+    from promptcache.engine.recompute import KEY_SCALES, qmatch, register_selection
+
+    store = make_store(independent=True)
+    ape = DocumentStore(store.pc, namespace=store.namespace, independent=True, selection="ape")
+    ids = ["oslo", "tokyo", "paris"]
+    for d in ids:
+        ape.add(d, DOCS[d])
+    assert KEY_SCALES["ape"] != 1.0
+    ref = plain(store, ids)
+    full = ape.prefill(Q, ids, SYS, recompute=1.0)
+    assert full.exact and torch.max(torch.abs(full.logits - ref)).item() <= TOL
+    before = store.prefill(Q, ids, SYS, recompute=0)  # qmatch, nothing recomputed: the splice
+    scaled = ape.prefill(Q, ids, SYS, recompute=0)
+    assert scaled.recomputed_tokens == 0 and not scaled.exact
+    assert torch.max(torch.abs(scaled.logits - before.logits)).item() > TOL  # the temperature moved it
+    after = store.prefill(Q, ids, SYS, recompute=0)  # the pool's buffer held scaled keys: re-placed
+    assert torch.max(torch.abs(after.logits - before.logits)).item() <= TOL
+    register_selection("ape_unit_scale", qmatch, key_scale=1.0)
+    unit = DocumentStore(store.pc, namespace=store.namespace, independent=True, selection="ape_unit_scale")
+    for d in ids:
+        unit.add(d, DOCS[d])
+    got = unit.prefill(Q, ids, SYS, recompute=0.3)
+    assert torch.max(torch.abs(got.logits - store.prefill(Q, ids, SYS, recompute=0.3).logits)).item() <= TOL
+    with pytest.raises(ValueError, match="key_scale"):
+        register_selection("ape_bad", qmatch, key_scale=0.0)
