@@ -171,11 +171,12 @@ def reference_anchor(selection: str, r: float = 0.15) -> Callable:
 
 # anchors run beside docstore_default on the same prompts: label -> (pc, request, max_new_tokens) -> Answer.
 # ``ape``: the default's selection plus APE's temperature on the reused documents' keys (the engine's
-# ``APE_KEY_SCALE``); ``ape_sharp``: a sharper temperature (eval/engine_selections.py); ``@0``: no
-# recompute (APE as published: parallel encoding, no recompute)
+# ``APE_KEY_SCALE``); ``ape_sharp``: a sharper temperature, ``ape_named``: the named documents unscaled
+# (eval/engine_selections.py)
 ANCHORS = {"anchored@0.15": engine_anchor("anchored"), "epic@0.15": engine_anchor("epic"),
            "cacheblend@0.15": reference_anchor("cacheblend"), "ape@0.15": engine_anchor("ape"),
-           "ape@0": engine_anchor("ape", 0.0), "ape_sharp@0.15": engine_anchor("ape_sharp"),
+           "qmatch@0.15": engine_anchor("qmatch"), "ape_sharp@0.15": engine_anchor("ape_sharp"),
+           "ape_named@0.15": engine_anchor("ape_named"),
            "qattn@0.15": engine_anchor("qattn")}
 
 

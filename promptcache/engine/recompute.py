@@ -42,7 +42,7 @@ from ..layout import PromptLayout
 from .budget import AUTO, AUTO_FRACTION, DEFAULT_SELECTION, check_fraction, check_recompute, fraction_of
 
 __all__ = ["APE_KEY_SCALE", "AUTO", "AUTO_FRACTION", "BOUNDARY_TOKENS", "DEFAULT_SELECTION", "KEY_SCALES",
-           "RecomputeRequest", "SCORED", "SELECTIONS", "anchored", "ape", "boundaries", "check_fraction", "check_recompute", "check_selection", "epic",
+           "RecomputeRequest", "SCORED", "SELECTIONS", "SPARE_NAMED", "anchored", "ape", "boundaries", "check_fraction", "check_recompute", "check_selection", "epic",
            "fraction_of", "recompute_request", "fill", "match_order", "named_spans", "register_selection",
            "run_recompute", "scale_reused_keys", "tail", "top"]
 
@@ -294,16 +294,18 @@ SELECTIONS: dict[str, Callable] = {"tail": tail, "qattn": qattn, "qattn_module":
 SCORED: dict[str, float] = {"qattn": 0.0, "qattn_module": 0.0}
 # selections that scale the reused candidates' keys (APE's temperature): name -> the key scale (1 / T)
 KEY_SCALES: dict[str, float] = {"ape": APE_KEY_SCALE}
+SPARE_NAMED: set[str] = set()  # of those, the ones that leave the named spans' keys as they are
 
 
 def register_selection(name: str, fn: Callable, *, scores_from: float | None = None,
-                       key_scale: float | None = None) -> None:
+                       key_scale: float | None = None, spare_named: bool = False) -> None:
     """Make ``fn`` (``(scores | None, request, budget) -> slots``) the selection ``name``.
     ``scores_from``: the selection reads the question's attention, summed from this fraction of the
     layers on (None: it reads none and costs no extra forward). ``key_scale``: the reused (not
     recomputed) candidate tokens' keys are multiplied by it (``KEY_SCALES``: APE's attention
-    temperature, 1 / T). A name already taken by another function is refused (registering the same
-    function again is a no-op)."""
+    temperature, 1 / T); ``spare_named``: not those of the spans the question names (``named_spans``).
+    A name already taken by another function is refused (registering the same function again is a
+    no-op)."""
     if SELECTIONS.get(name, fn) is not fn:
         raise ValueError(f"recompute selection {name!r} is already registered (known: {', '.join(SELECTIONS)})")
     if scores_from is not None and not 0.0 <= scores_from < 1.0:
@@ -315,10 +317,13 @@ def register_selection(name: str, fn: Callable, *, scores_from: float | None = N
         SCORED[name] = float(scores_from)
     if key_scale is not None:
         KEY_SCALES[name] = float(key_scale)
+    if spare_named:
+        SPARE_NAMED.add(name)
 
 
 def scale_reused_keys(cache, req: RecomputeRequest, chosen: list[int], scale: float) -> int:
     """APE-style attention temperature: multiply the keys of the candidate slots not in ``chosen``
+    (the recomputed ones, and any the selection spares)
     (every layer, every head) by ``scale``, so every later query's logits over them are scaled by
     it (``q . (s k) = s (q . k)``; rotary keys are linear in k, so the rotation is unaffected).
     The cache's residents from the first scaled slot on are forgotten (the buffer no longer holds
@@ -356,9 +361,10 @@ def run_recompute(adapter, model, cache, req: RecomputeRequest, new_ids: list[in
     device = cache.buf.device
     k = min(req.budget, len(req.candidates))
     scale = KEY_SCALES.get(req.selection)
+    spared = [s for i in named_spans(req) for s in range(*req.spans[i])] if req.selection in SPARE_NAMED else []
     if k == 0:
         if scale is not None:
-            scale_reused_keys(cache, req, [], scale)
+            scale_reused_keys(cache, req, spared, scale)
         return adapter.forward(ids, pos, cache)[0], 0
     scores = None
     if req.selection in SCORED:  # question over the reused state; appends the new tokens' states
@@ -367,7 +373,7 @@ def run_recompute(adapter, model, cache, req: RecomputeRequest, new_ids: list[in
             scores = per_layer[int(per_layer.shape[0] * SCORED[req.selection]) :].sum(0)
     chosen = SELECTIONS[req.selection](scores, req, k)
     if scale is not None:  # before the forward: the recomputed tokens and the question see the scaled keys
-        scale_reused_keys(cache, req, chosen, scale)
+        scale_reused_keys(cache, req, sorted(set(chosen) | set(spared)), scale)
     # inputs in prompt order: chosen cached tokens and the new tokens (the last prompt token is new)
     rows = sorted([(req.slot_order[s], req.slot_ids[s], req.slot_pos[s], s) for s in chosen]
                   + [(o, tid, p, n_cached + j) for j, (o, tid, p) in enumerate(zip(req.new_order, new_ids, new_pos))])
