@@ -64,7 +64,7 @@ import torch
 
 from ..engine import Generation, PrefillResult, PromptCache
 from ..engine.chains import chained, stored_run
-from ..engine.recompute import DEFAULT_SELECTION, check_recompute, check_selection, recompute_request
+from ..engine.recompute import check_recompute, check_selection, recompute_request
 from ..keys import alone_key, chain_root, token_digest
 from ..layout import PromptLayout, Span
 from ..models.relocate import check_relocatable, relocate
@@ -72,14 +72,11 @@ from .documents import Document, DocumentStoreError, UnknownDocumentError
 from .prompt import DocumentPrompt
 from .folder import DocumentFolder
 
-__all__ = ["DOCUMENT_SELECTION", "EXACT", "INDEPENDENT", "REUSE", "DocumentStore"]
+__all__ = ["EXACT", "INDEPENDENT", "REUSE", "DocumentStore"]
 
 log = logging.getLogger(__name__)
 
 EXACT, INDEPENDENT, REUSE = "exact", "independent", "reuse"  # DocumentStore.mode
-# the documents' default selection where the engine's is its default (docs/rag.md: on the retrieval study
-# it kept more answers than qmatch and full prefill, in order and shuffled, at the same budget)
-DOCUMENT_SELECTION = "ape"
 
 
 class DocumentStore:
@@ -87,8 +84,8 @@ class DocumentStore:
     subset and order (``mode == "reuse"``); ``exact``: chains only; ``independent``: no chain
     lookup; ``canonical_order``: chains order a request's documents by id; ``separator``: text
     after each document; ``selection``: which reused tokens ``recompute`` chooses (an engine
-    selection; default ``DOCUMENT_SELECTION``, ``ape``, unless the engine's
-    ``config.recompute.selection`` names another than its default: then that one)."""
+    selection, default the engine's ``config.recompute.selection``: ``qmatch``; ``ape`` adds APE's
+    temperature, docs/rag.md has what each kept)."""
 
     def __init__(self, pc: PromptCache, path: str | Path | None = None, namespace: str | None = None,
                  reencode: bool = False, *, exact: bool = False, independent: bool = False, hybrid: bool = False,
@@ -104,8 +101,7 @@ class DocumentStore:
             check_relocatable(pc.adapter)
         self.pc, self.namespace = pc, pc.config.namespace_for(namespace)
         self.mode = EXACT if exact else INDEPENDENT if independent else REUSE
-        engine = pc.config.recompute.selection
-        self.selection = check_selection(selection or (DOCUMENT_SELECTION if engine == DEFAULT_SELECTION else engine))
+        self.selection = check_selection(selection or pc.config.recompute.selection)
         self.canonical_order = bool(canonical_order)
         self.separator = separator
         self._sep = tuple(pc.tok.encode(separator)) if separator else ()

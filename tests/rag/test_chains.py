@@ -220,12 +220,10 @@ def test_ape_scales_only_the_reused_documents_keys_and_leaves_the_pool_clean():
         register_selection("ape_bad", qmatch, key_scale=0.0)
 
 
-def test_documents_default_to_ape_unless_the_engine_names_another_selection():
+def test_documents_follow_the_engines_selection_unless_given_one():
     from promptcache import EngineConfig, RecomputeConfig
-    from promptcache.rag.store import DOCUMENT_SELECTION
 
-    assert DOCUMENT_SELECTION == "ape" and make_store().selection == "ape"
-    assert make_store(independent=True).selection == "ape" and make_store(selection="epic").selection == "epic"
+    assert make_store().selection == "qmatch" and make_store(selection="ape").selection == "ape"
     pc = PromptCache(make_model("llama"), make_tokenizer(), config=EngineConfig(recompute=RecomputeConfig(selection="tail")))
     assert DocumentStore(pc).selection == "tail"
 
