@@ -149,9 +149,10 @@ def summarize(rows: list[dict]) -> list[dict]:
 def parse_args(argv):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_model_args(ap, "embedded:demo")
-    ap.add_argument("--task", choices=("retrieval", "pairs", "longbench"), default=None,
+    ap.add_argument("--task", choices=("retrieval", "pairs", "memo", "longbench"), default=None,
                     help="default: retrieval for --model smollm2, else longbench; pairs: the retrieval notes, "
-                         "a question whose answer needs two of them")
+                         "a question whose answer needs two of them; memo: 3 staff records and a memo whose clue "
+                         "picks the record (make_synthetic.memo_samples)")
     ap.add_argument("--tag", default="", help="retrieval/pairs: suffix of the output files' names")
     ap.add_argument("--recompute", type=float, nargs="*", default=[0.0, 0.15, 0.3, 0.5, 0.7],
                     help="retrieval task: recompute fractions where they apply (besides the default, auto; "
@@ -162,6 +163,9 @@ def parse_args(argv):
     ap.add_argument("--engine-selection", default=None,
                     help="retrieval task, engine recompute: EngineConfig.recompute.selection (default: the engine's)")
     ap.add_argument("--modes", nargs="+", default=None, help="retrieval task: a subset of the modes")
+    ap.add_argument("--anchors", nargs="*", default=None,
+                    help="retrieval task: the anchors run beside docstore_default (retrieval_study.ANCHORS names or "
+                         "SELECTION@FRACTION; default: all of ANCHORS, none: only the default)")
     ap.add_argument("--data", type=Path, default=None, help="LongBench-style JSONL (default: synthetic)")
     ap.add_argument("--mode", choices=("independent", "chained"), default="independent")
     ap.add_argument("--module-tokens", type=int, default=128)
@@ -198,7 +202,7 @@ def main_retrieval(args) -> tuple[list[dict], list[dict]]:
     """The retrieval study (retrieval_study.py) on ``args.model``: ``--task retrieval`` (one note
     answers) or ``pairs`` (two notes answer)."""
     from . import retrieval_study as rs
-    from .data.make_synthetic import pair_samples, retrieval_samples
+    from .data.make_synthetic import memo_samples, pair_samples, retrieval_samples
 
     stem = f"accuracy_{args.task}{args.tag}"
     if args.combine:  # only summarize (and plot) the per-sample CSVs of runs split with --first
@@ -210,11 +214,12 @@ def main_retrieval(args) -> tuple[list[dict], list[dict]]:
     torch.set_num_threads(max(1, min(args.threads, torch.get_num_threads())))
     config = EngineConfig(recompute=RecomputeConfig(selection=args.engine_selection)) if args.engine_selection else None
     pc = PromptCache.from_pretrained(args.model, device=args.device, dtype=args.dtype, config=config)
-    make = pair_samples if args.task == "pairs" else retrieval_samples
+    make = {"pairs": pair_samples, "memo": memo_samples}.get(args.task, retrieval_samples)
     samples = make(args.first + (args.limit or 60), seed=11)[args.first:]
     recompute = rs.reference_recompute(args.selection) if args.recompute_impl == "reference" else rs.engine_recompute
+    anchors = None if args.anchors is None else {a: rs.anchor(a) for a in args.anchors}
     rows = rs.evaluate(pc, samples, args.modes or rs.MODES, args.recompute, args.max_new_tokens, recompute=recompute,
-                       save=lambda rows: write_csv(f"{stem}.csv", rows, args.out))
+                       save=lambda rows: write_csv(f"{stem}.csv", rows, args.out), anchors=anchors)
     summary = rs.summarize(rows)
     for s in summary:
         print(s)
@@ -230,7 +235,7 @@ def main(argv=None) -> tuple[list[dict], list[dict]]:
     torch.manual_seed(0)
     task = args.task = args.task or ("retrieval" if args.model == "smollm2" else "longbench")
     args.model = resolve_model(args.model)
-    if task in ("retrieval", "pairs"):
+    if task in ("retrieval", "pairs", "memo"):
         return main_retrieval(args)
     model, tok = load_model(args.model, device=args.device, dtype=args.dtype)
     rows = []

@@ -9,9 +9,11 @@ measurements (eval/results/quality.md); the studies re-run them.
 
 from __future__ import annotations
 
-from promptcache.engine.prefill.recompute import RecomputeRequest, fill, match_order, register_selection, tail, top
+from promptcache.engine.prefill.recompute import APE_KEY_SCALE, RecomputeRequest, fill, match_order, qmatch, register_selection, tail, top
 
-__all__ = ["qattn_mix", "qmatch_later"]
+__all__ = ["APE_SHARP_KEY_SCALE", "ape_named", "ape_sharp", "qattn_mix", "qmatch_later"]
+
+APE_SHARP_KEY_SCALE = 1.1  # 1 / T = 1.1 (T = 0.91, sharper), against the library's ``ape`` at 0.8 (softer)
 
 
 def qattn_mix(scores, req: RecomputeRequest, k: int) -> list[int]:
@@ -41,3 +43,21 @@ def qmatch_later(scores, req: RecomputeRequest, k: int) -> list[int]:
 
 register_selection("qattn_mix", qattn_mix, scores_from=0.5)  # the second half of the layers
 register_selection("qmatch_later", qmatch_later)
+
+
+def ape_sharp(scores, req: RecomputeRequest, k: int) -> list[int]:
+    """``ape`` with a sharper temperature (``APE_SHARP_KEY_SCALE``): ``qmatch``'s tokens recomputed,
+    the other reused documents' keys scaled."""
+    return qmatch(scores, req, k)
+
+
+register_selection("ape_sharp", ape_sharp, key_scale=APE_SHARP_KEY_SCALE)
+
+
+def ape_named(scores, req: RecomputeRequest, k: int) -> list[int]:
+    """``ape`` that leaves the documents the question names unscaled (``spare_named``): on the
+    memo task ``ape`` flattened the attention over the named memo's unrecomputed clue."""
+    return qmatch(scores, req, k)
+
+
+register_selection("ape_named", ape_named, key_scale=APE_KEY_SCALE, spare_named=True)

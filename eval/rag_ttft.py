@@ -8,7 +8,8 @@ them in a random order per round (any order is reused). Timed round-robin in one
 round: full prefill of the prompt's tokens (``prefill_plain``, no cache), the default mode
 (``"auto"``: 15% of the documents' tokens recomputed, the named document first), the default at
 ``recompute=0`` (the paper's splice: the limit of reuse) and an exact store on a chain it has
-not stored (its first request: a plain prefill plus storing the links). Reports the median TTFT
+not stored (its first request: a plain prefill plus storing the links); ``--budgets R ...`` adds
+the default's selection at other fractions (``default@R``). Reports the median TTFT
 of each and full prefill's median over it (one run's ratios); writes ``rag_ttft{--tag}.csv``
 and a PNG to ``--out`` (default eval/results/).
 """
@@ -38,7 +39,7 @@ def run(args) -> list[dict]:
     for d, t in texts.items():
         store.add(d, t)
     rng, times, info = random.Random(0), {}, {}
-    methods = ("full_prefill", "default", "default_r0", "exact_first_request")
+    methods = ("full_prefill", "default", *(f"default@{r}" for r in args.budgets), "default_r0", "exact_first_request")
     for rnd in range(args.repeats + 1):  # round 0 warms up (not kept)
         ids = list(texts)
         rng.shuffle(ids)
@@ -55,8 +56,9 @@ def run(args) -> list[dict]:
                     chains.add(d, tx)
                 res = chains.prefill(question, ids, SYSTEM)
                 t = res.ttft
-            else:
-                res = store.prefill(question, ids, SYSTEM, recompute=0 if m == "default_r0" else None)
+            else:  # "default@R": the default's selection at the fraction R
+                r = 0 if m == "default_r0" else float(m.split("@")[1]) if "@" in m else None
+                res = store.prefill(question, ids, SYSTEM, recompute=r)
                 t = res.ttft
             if rnd:
                 times.setdefault(m, []).append(t)
@@ -99,6 +101,8 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--doc-tokens", type=int, default=240)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--budgets", type=float, nargs="*", default=[],
+                    help="also time the default's selection at these recompute fractions (default@R rows)")
     ap.add_argument("--tag", default="")
     ap.add_argument("--out", default=RESULTS)
     args = ap.parse_args(argv)

@@ -44,6 +44,7 @@ from promptcache.engine import PrefilledPrompt
 from .metrics import kl_divergence
 from .recompute_reference import Prompt, blend, greedy, independent_kv
 from .selections import SELECTIONS
+from . import engine_selections  # noqa: F401  (registers the studies' engine selections: ape_sharp)
 
 SYSTEM = "You answer questions about the notes the user gives. Answer briefly, using the notes only."
 MODES = ("prefix_subset", "subset_gaps", "independent", "docstore_exact", "docstore_independent", "docstore_hybrid",
@@ -145,19 +146,21 @@ def engine_recompute(pc, req: Request, r: float, max_new_tokens: int) -> Answer:
     return engine_answer(pc, req, max_new_tokens, recompute=r)
 
 
-def engine_anchor(selection: str) -> Callable:
+def engine_anchor(selection: str, r: float | None = None) -> Callable:
     """An anchor through the engine: the request's documents reused independently, ``selection``
-    (an engine selection) choosing ``AUTO_FRACTION`` of their tokens (the same notes' states: a
-    store on the same namespace encodes nothing again)."""
+    (an engine selection) choosing ``r`` (default ``AUTO_FRACTION``) of their tokens (the same
+    notes' states: a store on the same namespace encodes nothing again)."""
     from promptcache.engine.prefill.recompute import AUTO_FRACTION
     from promptcache.rag import DocumentStore
+
+    r = AUTO_FRACTION if r is None else r
 
     def run(pc, req: Request, max_new_tokens: int) -> Answer:
         other = DocumentStore(pc, namespace=req.store.namespace, independent=True, selection=selection)
         for d in req.doc_ids:
             other.add(d, req.store.get(d).text)
         return engine_answer(pc, Request(store=other, question=req.question, doc_ids=req.doc_ids), max_new_tokens,
-                             recompute=AUTO_FRACTION)
+                             recompute=r)
     return run
 
 
@@ -166,9 +169,33 @@ def reference_anchor(selection: str, r: float = 0.15) -> Callable:
     return lambda pc, req, max_new_tokens: run(pc, req, r, max_new_tokens)
 
 
-# anchors run beside docstore_default on the same prompts: label -> (pc, request, max_new_tokens) -> Answer
+# anchors run beside docstore_default on the same prompts: label -> (pc, request, max_new_tokens) -> Answer.
+# ``ape``: the default's selection plus APE's temperature on the reused documents' keys (the engine's
+# ``APE_KEY_SCALE``); ``ape_sharp``: a sharper temperature, ``ape_named``: the named documents unscaled
+# (eval/engine_selections.py)
 ANCHORS = {"anchored@0.15": engine_anchor("anchored"), "epic@0.15": engine_anchor("epic"),
-           "cacheblend@0.15": reference_anchor("cacheblend")}
+           "cacheblend@0.15": reference_anchor("cacheblend"), "ape@0.15": engine_anchor("ape"),
+           "qmatch@0.15": engine_anchor("qmatch"), "ape_sharp@0.15": engine_anchor("ape_sharp"),
+           "ape_named@0.15": engine_anchor("ape_named"),
+           "qattn@0.15": engine_anchor("qattn")}
+
+
+def anchor(label: str) -> Callable:
+    """An anchor by label: one of ``ANCHORS``, or ``SELECTION@R`` for any engine selection at the
+    fraction ``R`` (``qmatch@0.12``: the default's selection at another budget)."""
+    if label in ANCHORS:
+        return ANCHORS[label]
+    from promptcache.engine.prefill.recompute import SELECTIONS as ENGINE_SELECTIONS
+
+    name, _, r = label.partition("@")
+    try:
+        fraction = float(r)
+    except ValueError:
+        fraction = -1.0
+    if name not in ENGINE_SELECTIONS or not 0.0 <= fraction <= 1.0:
+        raise ValueError(f"unknown anchor {label!r} (known: {', '.join(ANCHORS)}, or SELECTION@FRACTION with an "
+                         f"engine selection: {', '.join(ENGINE_SELECTIONS)})")
+    return engine_anchor(name, fraction)
 
 
 def correct(sample: dict, text: str) -> int:

@@ -93,6 +93,35 @@ def pair_samples(samples: int, notes: int = 8, seed: int = 0) -> list[dict]:
     return out
 
 
+def plain_sentence(rng: random.Random) -> str:
+    """A filler sentence that names no person (``filler``'s names would be decoys for ``memo_samples``)."""
+    return f"The {rng.choice(PLACES)} in {rng.choice(CITIES)} opened on {rng.choice(DAYS)}."
+
+
+def memo_samples(samples: int, records: int = 3, seed: int = 0) -> list[dict]:
+    """The second retrieval-study task, of another kind than one note's code: two documents per
+    answer. ``records`` staff records ("Nadia works at the museum. The locker code of Nadia is
+    4821.") and one delivery memo ("The parcel is for the person who works at the museum.") as
+    ``records + 1`` documents; the question ("The memo says who the parcel is for. What is the
+    locker code of that person?") names neither the person nor the place, so the answer's record
+    is chosen by a clue in another document (two hops: memo -> place -> record). ``answers``: the
+    code; ``target``: the record's index. SmolLM2-135M-Instruct answers about half at full
+    prefill (chance: 1 / ``records``), so what a cache keeps of it is measurable."""
+    rng, out = random.Random(seed), []
+    for i in range(samples):
+        names, places = rng.sample(NAMES, records), rng.sample(PLACES, records)
+        codes = [str(rng.randint(1000, 9999)) for _ in names]
+        j = rng.randrange(records)
+        texts = [f"Staff record. {n} works at the {p}. The locker code of {n} is {c}. {plain_sentence(rng)}"
+                 for n, p, c in zip(names, places, codes)]
+        texts.append(f"Delivery memo. {plain_sentence(rng)} The parcel is for the person who works at the "
+                     f"{places[j]}. {plain_sentence(rng)}")
+        out.append(dict(notes=texts, input="The memo says who the parcel is for. What is the locker code of that "
+                                           "person?", answer=codes[j], answers=[codes[j]], target=j,
+                        dataset="synthetic_memo", _id=f"memo-{i}"))
+    return out
+
+
 def summary_sample(rng: random.Random, paragraphs: int, i: int) -> dict:
     who, where, city, day = rng.choice(NAMES), rng.choice(PLACES), rng.choice(CITIES), rng.choice(DAYS)
     event = f"{who} opened a new {where} in {city} on {day}."

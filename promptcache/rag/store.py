@@ -86,7 +86,8 @@ class DocumentStore:
     subset and order (``mode == "reuse"``); ``exact``: chains only; ``independent``: no chain
     lookup; ``canonical_order``: chains order a request's documents by id; ``separator``: text
     after each document; ``selection``: which reused tokens ``recompute`` chooses (an engine
-    selection, default the engine's ``config.recompute.selection``)."""
+    selection, default the engine's ``config.recompute.selection``: ``qmatch``; ``ape`` adds APE's
+    temperature, docs/rag.md has what each kept)."""
 
     def __init__(self, pc: PromptCache, path: str | Path | None = None, namespace: str | None = None,
                  reencode: bool = False, *, exact: bool = False, independent: bool = False, hybrid: bool = False,
@@ -305,7 +306,7 @@ class DocumentStore:
         new = [s for s in layout.spans if s.kind == "new"]
         drifted = chained < len(docs)
         req = recompute_request(layout, n_exact, r, self.selection, False) \
-            if r > 0 and drifted else None
+            if r > 0 and drifted else None  # r = 0: the paper's splice, whatever the selection
         plan = PrefillPlan(segments=cached, new_ids=[t for s in new for t in s.token_ids],
                            new_pos=[p for s in new for p in s.position_ids], max_position=max(layout.position_ids),
                            exact=not drifted, layout=layout, hit_tiers=hits)

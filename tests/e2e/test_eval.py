@@ -8,6 +8,7 @@ from __future__ import annotations
 import csv
 import json
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -208,6 +209,21 @@ def test_split_modules_packs_paragraphs():
     assert len(chunks) == 3  # two paragraphs per module
     long = "Paris is big. Tokyo is huge. Rome is old. " * 8  # one paragraph: split at sentences
     assert len(accuracy.split_modules(tok, long, module_tokens=2 * per)) > 1
+
+
+def test_memo_samples_need_the_memo_to_find_the_record():
+    """Two hops: the question names neither person nor place; the memo names the place of the
+    answer's record, and no other record works there."""
+    a = make_synthetic.memo_samples(6, seed=3)
+    assert a == make_synthetic.memo_samples(6, seed=3) and a != make_synthetic.memo_samples(6, seed=4)
+    for s in a:
+        *records, memo = s["notes"]
+        assert len(records) == 3 and memo.startswith("Delivery memo.")
+        place = re.search(r"works at the (\w+)\.", memo).group(1)
+        holders = [r for r in records if f"works at the {place}." in r]
+        assert holders == [records[s["target"]]] and s["answer"] in holders[0]
+        assert place not in s["input"] and not any(n in s["input"] for n in make_synthetic.NAMES)
+        assert sum(s["answer"] in r for r in records) == 1
 
 
 def test_synthetic_data_is_deterministic_and_answerable(tmp_path):

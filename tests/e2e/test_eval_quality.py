@@ -47,3 +47,24 @@ def test_examples_check_covers_every_example_and_full_recompute_matches(tmp_path
         assert r["same_text"] == int(r["token_agreement"] == 1.0) and r["first_token_kl"] >= -1e-9, r
     assert {r["recompute"] for r in rows} == {"auto", 1.0}
     assert (tmp_path / "examples_check.csv").is_file()
+
+
+def test_memo_task_runs_the_default_beside_named_anchors(tmp_path):
+    """The second task (``--task memo``) through the retrieval study with ``--anchors``: an anchor
+    recomputing everything (``qmatch@1.0``) answers as full prefill does; ``qmatch@0`` (the splice)
+    recomputes nothing; an unknown anchor is refused naming the known ones."""
+    rows, summary = accuracy.main(["--model", "embedded:demo", "--task", "memo", "--modes", "docstore_default",
+                                   "--anchors", "qmatch@1.0", "qmatch@0", "--recompute", "--limit", "2",
+                                   "--max-new-tokens", "3", "--threads", "1", "--out", str(tmp_path)])
+    assert {r["recompute"] for r in rows} == {"auto", "qmatch@1.0", "qmatch@0"}
+    assert len(rows) == 2 * 2 * 3  # samples x (in order, shuffled) x (default + 2 anchors)
+    for r in rows:
+        if r["recompute"] == "qmatch@1.0":
+            # every document recomputed (the prefix was exact already: a share of the cached tokens below 1)
+            assert r["output_pc"] == r["output_full"] and r["first_token_kl"] < 1e-6 and r["recomputed"] > 0.5, r
+        if r["recompute"] == "qmatch@0":
+            assert r["recomputed"] == 0.0
+    assert (tmp_path / "accuracy_memo_summary.csv").is_file()
+    with pytest.raises(ValueError, match="unknown anchor 'nope@0.1'.*qmatch"):
+        accuracy.main(["--model", "embedded:demo", "--task", "memo", "--modes", "docstore_default",
+                       "--anchors", "nope@0.1", "--limit", "1", "--out", str(tmp_path)])

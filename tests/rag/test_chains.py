@@ -184,3 +184,81 @@ def test_chains_survive_a_restart_on_the_engines_spill_folder(tmp_path):
     assert again.cached_tokens == sum(len(s) for s in store.layout(Q, ["tokyo", "paris"], SYS).spans[:3])
     assert torch.max(torch.abs(again.logits - first.logits)).item() <= TOL
     restarted.pc.store.close()
+
+
+def test_ape_scales_only_the_reused_documents_keys_and_leaves_the_pool_clean():
+    """APE-style temperature (``selection="ape"``): recomputing every document leaves nothing to
+    scale (a plain forward's answer); at r = 0.3 the answer moves away from ``qmatch``'s at 0.3;
+    at r = 0 it is the splice; the buffer it scaled is not reused as the stored states by the next
+    request."""
+    from promptcache.engine.prefill.recompute import KEY_SCALES, qmatch, register_selection
+
+    store = make_store(independent=True, selection="qmatch")
+    ape = DocumentStore(store.pc, namespace=store.namespace, independent=True, selection="ape")
+    ids = ["oslo", "tokyo", "paris"]
+    for d in ids:
+        ape.add(d, DOCS[d])
+    assert KEY_SCALES["ape"] != 1.0
+    ref = plain(store, ids)
+    full = ape.prefill(Q, ids, SYS, recompute=1.0)
+    assert full.exact and torch.max(torch.abs(full.logits - ref)).item() <= TOL
+    splice = store.prefill(Q, ids, SYS, recompute=0)
+    assert torch.max(torch.abs(ape.prefill(Q, ids, SYS, recompute=0).logits - splice.logits)).item() <= TOL
+    before = store.prefill(Q, ids, SYS, recompute=0.3)
+    scaled = ape.prefill(Q, ids, SYS, recompute=0.3)
+    assert scaled.recomputed_tokens == before.recomputed_tokens > 0 and not scaled.exact
+    assert torch.max(torch.abs(scaled.logits - before.logits)).item() > TOL  # the temperature moved it
+    after = store.prefill(Q, ids, SYS, recompute=0.3)  # the pool's buffer held scaled keys: re-placed
+    assert torch.max(torch.abs(after.logits - before.logits)).item() <= TOL
+    register_selection("ape_unit_scale", qmatch, key_scale=1.0)
+    unit = DocumentStore(store.pc, namespace=store.namespace, independent=True, selection="ape_unit_scale")
+    for d in ids:
+        unit.add(d, DOCS[d])
+    got = unit.prefill(Q, ids, SYS, recompute=0.3)
+    assert torch.max(torch.abs(got.logits - before.logits)).item() <= TOL
+    with pytest.raises(ValueError, match="key_scale"):
+        register_selection("ape_bad", qmatch, key_scale=0.0)
+
+
+def test_documents_follow_the_engines_selection_unless_given_one():
+    from promptcache import EngineConfig, RecomputeConfig
+
+    assert make_store().selection == "qmatch" and make_store(selection="ape").selection == "ape"
+    pc = PromptCache(make_model("llama"), make_tokenizer(), config=EngineConfig(recompute=RecomputeConfig(selection="tail")))
+    assert DocumentStore(pc).selection == "tail"
+
+
+def test_key_scale_multiplies_exactly_the_unrecomputed_keys_and_spares_the_named_documents():
+    """In the request's buffer, every reused document token that was not recomputed holds the
+    stored (moved) key times the scale, except the documents the question names when the
+    selection spares them; recomputed tokens are computed afresh."""
+    from promptcache.engine.prefill.recompute import named_spans, qmatch, recompute_request, register_selection
+
+    register_selection("spare_named_test", qmatch, key_scale=0.5, spare_named=True)
+    register_selection("scale_all_test", qmatch, key_scale=0.5)
+    base = make_store(independent=True, selection="qmatch")
+    ids = ["oslo", "rome", "tokyo", "paris"]
+    q = "Which fjord?"  # "j" is in oslo's text only: the question names that document
+    layout = base.layout(q, ids, SYS)
+    n_prefix = len(layout.spans[0])
+    req = recompute_request(layout, n_prefix, 0.2, "qmatch", False)
+    chosen, named = set(qmatch(None, req, req.budget)), named_spans(req)
+    assert named and len(named) < len(req.spans)  # the question names some documents, not all
+    in_named = {s for i in named for s in range(*req.spans[i])}
+
+    def keys(selection):
+        store = DocumentStore(base.pc, namespace=base.namespace, independent=True, selection=selection)
+        for d in ids:
+            store.add(d, DOCS[d])
+        res = store.prefill(q, ids, SYS, recompute=0.2, keep_cache=True)
+        out = res.cache.buf[:, 0, 0, :, : len(req.slot_order)].clone()  # [L, H, n_cached, D]
+        return out
+
+    plain_keys, spared, scaled = keys("qmatch"), keys("spare_named_test"), keys("scale_all_test")
+    for s in req.candidates:
+        if s in chosen:
+            continue
+        want = plain_keys[:, :, s] * (1.0 if s in in_named else 0.5)
+        assert torch.allclose(spared[:, :, s], want, atol=1e-6), s
+        assert torch.allclose(scaled[:, :, s], plain_keys[:, :, s] * 0.5, atol=1e-6), s
+    assert any(s not in chosen for s in in_named)  # a named token was spared, not only recomputed

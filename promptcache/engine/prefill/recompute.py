@@ -41,10 +41,10 @@ import torch
 from ...layout import PromptLayout
 from .budget import AUTO, AUTO_FRACTION, DEFAULT_SELECTION, check_fraction, check_recompute, fraction_of
 
-__all__ = ["AUTO", "AUTO_FRACTION", "BOUNDARY_TOKENS", "DEFAULT_SELECTION", "RecomputeRequest", "SCORED",
-           "SELECTIONS", "anchored", "boundaries", "check_fraction", "check_recompute", "check_selection", "epic",
+__all__ = ["APE_KEY_SCALE", "AUTO", "AUTO_FRACTION", "BOUNDARY_TOKENS", "DEFAULT_SELECTION", "KEY_SCALES",
+           "RecomputeRequest", "SCORED", "SELECTIONS", "SPARE_NAMED", "anchored", "ape", "boundaries", "check_fraction", "check_recompute", "check_selection", "epic",
            "fraction_of", "recompute_request", "fill", "match_order", "named_spans", "register_selection",
-           "run_recompute", "tail", "top"]
+           "run_recompute", "scale_reused_keys", "tail", "top"]
 
 
 
@@ -274,25 +274,79 @@ def anchored(scores, req: RecomputeRequest, k: int) -> list[int]:
     return sorted(head + rest)
 
 
+def ape(scores, req: RecomputeRequest, k: int) -> list[int]:
+    """APE-style (Yang et al., ICLR 2025: adaptive parallel encoding, no training): what ``qmatch``
+    chooses is recomputed, and the other reused documents' keys are scaled by ``APE_KEY_SCALE``
+    (``KEY_SCALES``): an attention temperature T = 1 / scale on the spans encoded alone (measured on
+    SmolLM2: a softer attention over them, T = 1.25, lowered the first-token KL; a sharper one,
+    T = 0.91, raised it). APE's second factor (a scale on the reused
+    spans' share of the softmax) would need an additive mask through every attention backend
+    and is not applied."""
+    return qmatch(scores, req, k)
+
+
+APE_KEY_SCALE = 0.8  # 1 / T (T = 1.25, a softer attention): of 0.8, 0.9, 1.0 and 1.1 the lowest first-token KL (docs/rag.md)
+
 SELECTIONS: dict[str, Callable] = {"tail": tail, "qattn": qattn, "qattn_module": qattn_module, "qmatch": qmatch,
-                                   "epic": epic, "anchored": anchored}
+                                   "epic": epic, "anchored": anchored, "ape": ape}
 # selections that read the question's attention: name -> first layer summed, as a fraction of the
 # layers (0.0: every layer; 0.5: the second half)
 SCORED: dict[str, float] = {"qattn": 0.0, "qattn_module": 0.0}
+# selections that scale the reused candidates' keys (APE's temperature): name -> the key scale (1 / T)
+KEY_SCALES: dict[str, float] = {"ape": APE_KEY_SCALE}
+SPARE_NAMED: set[str] = set()  # of those, the ones that leave the named spans' keys as they are
 
 
-def register_selection(name: str, fn: Callable, *, scores_from: float | None = None) -> None:
+def register_selection(name: str, fn: Callable, *, scores_from: float | None = None,
+                       key_scale: float | None = None, spare_named: bool = False) -> None:
     """Make ``fn`` (``(scores | None, request, budget) -> slots``) the selection ``name``.
     ``scores_from``: the selection reads the question's attention, summed from this fraction of the
-    layers on (None: it reads none and costs no extra forward). A name already taken by another
-    function is refused (registering the same function again is a no-op)."""
+    layers on (None: it reads none and costs no extra forward). ``key_scale``: the reused (not
+    recomputed) candidate tokens' keys are multiplied by it (``KEY_SCALES``: APE's attention
+    temperature, 1 / T); ``spare_named``: not those of the spans the question names (``named_spans``).
+    A name already taken by another function is refused (registering the same function again is a
+    no-op)."""
     if SELECTIONS.get(name, fn) is not fn:
         raise ValueError(f"recompute selection {name!r} is already registered (known: {', '.join(SELECTIONS)})")
     if scores_from is not None and not 0.0 <= scores_from < 1.0:
         raise ValueError(f"scores_from must be a fraction in [0, 1), got {scores_from!r}")
+    if key_scale is not None and not (isinstance(key_scale, (int, float)) and 0.0 < key_scale < 10.0):
+        raise ValueError(f"key_scale must be a number in (0, 10), got {key_scale!r}")
     SELECTIONS[name] = fn
     if scores_from is not None:
         SCORED[name] = float(scores_from)
+    if key_scale is not None:
+        KEY_SCALES[name] = float(key_scale)
+    if spare_named:
+        SPARE_NAMED.add(name)
+
+
+def scale_reused_keys(cache, req: RecomputeRequest, chosen: list[int], scale: float) -> int:
+    """APE-style attention temperature: multiply the keys of the candidate slots not in ``chosen``
+    (the recomputed ones, and any the selection spares)
+    (every layer, every head) by ``scale``, so every later query's logits over them are scaled by
+    it (``q . (s k) = s (q . k)``; rotary keys are linear in k, so the rotation is unaffected).
+    The cache's residents from the first scaled slot on are forgotten (the buffer no longer holds
+    the stored states there). Returns the number of slots scaled."""
+    taken, runs, start, prev = set(chosen), [], None, None
+    for s in req.candidates:
+        if s in taken:
+            continue
+        if start is None or s != prev + 1:
+            if start is not None:
+                runs.append((start, prev + 1))
+            start = s
+        prev = s
+    if start is not None:
+        runs.append((start, prev + 1))
+    if not runs:
+        return 0
+    low = runs[0][0]
+    if cache.resident:
+        cache.resident = {off: kn for off, kn in cache.resident.items() if off + kn[1] <= low}
+    for a, b in runs:
+        cache.buf[:, 0, :, :, a:b].mul_(scale)  # [L, 2, B, H, S, D]: keys of slots a..b-1
+    return sum(b - a for a, b in runs)
 
 
 # -- the forward --------------------------------------------------------------------------------------
@@ -306,7 +360,11 @@ def run_recompute(adapter, model, cache, req: RecomputeRequest, new_ids: list[in
     n_cached = len(req.slot_order)
     device = cache.buf.device
     k = min(req.budget, len(req.candidates))
+    scale = KEY_SCALES.get(req.selection)
+    spared = [s for i in named_spans(req) for s in range(*req.spans[i])] if req.selection in SPARE_NAMED else []
     if k == 0:
+        if scale is not None:
+            scale_reused_keys(cache, req, spared, scale)
         return adapter.forward(ids, pos, cache)[0], 0
     scores = None
     if req.selection in SCORED:  # question over the reused state; appends the new tokens' states
@@ -314,6 +372,8 @@ def run_recompute(adapter, model, cache, req: RecomputeRequest, new_ids: list[in
         if per_layer is not None:
             scores = per_layer[int(per_layer.shape[0] * SCORED[req.selection]) :].sum(0)
     chosen = SELECTIONS[req.selection](scores, req, k)
+    if scale is not None:  # before the forward: the recomputed tokens and the question see the scaled keys
+        scale_reused_keys(cache, req, sorted(set(chosen) | set(spared)), scale)
     # inputs in prompt order: chosen cached tokens and the new tokens (the last prompt token is new)
     rows = sorted([(req.slot_order[s], req.slot_ids[s], req.slot_pos[s], s) for s in chosen]
                   + [(o, tid, p, n_cached + j) for j, (o, tid, p) in enumerate(zip(req.new_order, new_ids, new_pos))])
