@@ -169,15 +169,15 @@ def build_plan(pool: KVPool, rows: list[PagedRow], scale: float | None = None, k
     if decodes:
         width = max(len(s) for _, s in decodes)
         slots = torch.zeros((len(decodes), width), dtype=torch.long, device=dev)
-        valid = torch.zeros((len(decodes), width), dtype=torch.bool, device=dev)
         for i, (_, s) in enumerate(decodes):
             slots[i, : len(s)] = s
-            valid[i, : len(s)] = True
         plan.decode_q = torch.tensor([q for q, _ in decodes], dtype=torch.long, device=dev)
         plan.decode_slots = slots
         plan.decode_lengths = torch.tensor([len(s) for _, s in decodes], dtype=torch.long, device=dev)
-        hk, b = pool.buf.shape[2], len(decodes)
-        plan.decode_bias = _bias(valid[None, :, None, :].expand(hk, b, 1, width).reshape(hk * b, 1, width))
+        if gather_max is not None:  # the padded-copy fallback masks each row's padding; the native op reads lengths
+            valid = torch.arange(width, device=dev)[None, :] < plan.decode_lengths[:, None]  # [B, width]
+            hk, b = pool.buf.shape[2], len(decodes)
+            plan.decode_bias = _bias(valid[None, :, None, :].expand(hk, b, 1, width).reshape(hk * b, 1, width))
         plan.decodes_only = not plan.prefills and all(idx.numel() == off for _, idx in plan.segments)
     return plan
 
