@@ -7,7 +7,10 @@ own, not conftest.py: ``from conftest import`` would be ambiguous beside tests/c
 
 from __future__ import annotations
 
+import os
 import socket
+import subprocess
+import sys
 import threading
 import time
 from contextlib import contextmanager
@@ -66,6 +69,27 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def start_until(args: list[str], marker: str, timeout: float = 120.0, cwd=None) -> tuple[subprocess.Popen, list[str]]:
+    """Start ``python args...`` (this checkout importable) and read its stderr until a line holds
+    ``marker``. Returns (process, the lines read); fails with those lines if it exits first or
+    ``timeout`` seconds pass, and then kills it."""
+    proc = subprocess.Popen([sys.executable, *args], stderr=subprocess.PIPE, text=True, cwd=cwd,
+                            env={**os.environ, "PYTHONPATH": str(ROOT)})
+    log: list[str] = []
+    deadline = time.monotonic() + timeout
+    try:
+        while not any(marker in line for line in log):
+            line = proc.stderr.readline()
+            assert line or proc.poll() is None, "".join(log)
+            log.append(line)
+            assert time.monotonic() < deadline, "".join(log)
+    except BaseException:
+        proc.kill()
+        proc.wait()
+        raise
+    return proc, log
 
 
 @contextmanager

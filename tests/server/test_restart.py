@@ -4,15 +4,13 @@ verifies, and the folder within --disk-budget."""
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
-import sys
 import time
 
 import pytest
 
-from serverkit import ROOT, client, free_port
+from serverkit import client, free_port, start_until
 
 from promptcache.store import codec
 from promptcache.store.spillfolder import SUFFIX
@@ -23,16 +21,9 @@ MESSAGES = [{"role": "system", "content": "You are a terse travel agent who know
 
 
 def serve(folder, port: int) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "promptcache.server", "--model", "embedded", "--port", str(port),
-           "--block-size", "16", "--spill-dir", str(folder), "--disk-budget", str(BUDGET), "--host-budget", "214748"]
-    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
-    deadline, log = time.monotonic() + 120, []
-    while not any("Ready" in line for line in log):
-        line = proc.stderr.readline()
-        assert line or proc.poll() is None, "".join(log)
-        log.append(line)
-        assert time.monotonic() < deadline, "".join(log)
-    return proc
+    args = ["-m", "promptcache.server", "--model", "embedded", "--port", str(port),
+            "--block-size", "16", "--spill-dir", str(folder), "--disk-budget", str(BUDGET), "--host-budget", "214748"]
+    return start_until(args, "Ready")[0]
 
 
 def ask(port: int):

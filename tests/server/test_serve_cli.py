@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-import os
 import signal
-import subprocess
-import sys
 import time
 
 import pytest
 
-from serverkit import ROOT, client, free_port
+from serverkit import ROOT, client, free_port, start_until
 
 from promptcache.server.cli import read_key_file
 
@@ -32,18 +29,10 @@ def test_serve_command_starts_serves_and_stops_on_ctrl_c(tmp_path):
     keys = tmp_path / "keys.txt"
     keys.write_text("secret-1 tenant-a\n")
     port = free_port()
-    cmd = [sys.executable, "-m", "promptcache.server", "embedded", "--schema", str(ROOT / "schemas" / "travel.xml"),
-           "--api-key-file", str(keys), "--api-key", "secret-2", "--served-model-name", "tiny", "--port", str(port)]
-    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
-                            env={**os.environ, "PYTHONPATH": str(ROOT)})
-    log = []
+    args = ["-m", "promptcache.server", "embedded", "--schema", str(ROOT / "schemas" / "travel.xml"),
+            "--api-key-file", str(keys), "--api-key", "secret-2", "--served-model-name", "tiny", "--port", str(port)]
+    proc, log = start_until(args, "Ready", cwd=tmp_path)
     try:
-        deadline = time.monotonic() + 120
-        while not any("Ready" in line for line in log):
-            line = proc.stderr.readline()
-            assert line or proc.poll() is None, "".join(log)
-            log.append(line)
-            assert time.monotonic() < deadline, "".join(log)
         text = "".join(log)
         assert "Loading model embedded" in text and "travel.xml: " in text and "tokens (100%)" in text
         assert "2 API keys in 2 namespaces" in text

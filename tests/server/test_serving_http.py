@@ -5,11 +5,8 @@ SIGTERM with a reader that stopped reading exits within the drain timeout."""
 from __future__ import annotations
 
 import json
-import os
 import signal
 import socket
-import subprocess
-import sys
 import threading
 import time
 
@@ -18,7 +15,7 @@ import pytest
 
 from promptcache.server import create_app
 from promptcache.engine import ServingConfig
-from serverkit import MODEL, ROOT, client, free_port, metric, running
+from serverkit import MODEL, client, free_port, metric, running, start_until
 
 LONG_USER = " ".join(f"Item {i} is a bicycle part with a name and a price." for i in range(40))
 
@@ -97,16 +94,9 @@ def test_a_client_that_disconnects_while_prefilling_frees_its_blocks(pc):
 @pytest.mark.slow  # a subprocess loads torch and the model
 def test_sigterm_with_a_stalled_reader_exits_within_the_drain_timeout(tmp_path):
     port = free_port()
-    cmd = [sys.executable, "-m", "promptcache.server", "--model", MODEL, "--port", str(port), "--drain-timeout", "2"]
-    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
-                            env={**os.environ, "PYTHONPATH": str(ROOT)})
+    proc, _ = start_until(["-m", "promptcache.server", "--model", MODEL, "--port", str(port), "--drain-timeout", "2"],
+                          "Ready", cwd=tmp_path)
     try:
-        deadline = time.monotonic() + 120
-        log = []
-        while not any("Ready" in line for line in log):
-            line = proc.stderr.readline()
-            assert (line or proc.poll() is None) and time.monotonic() < deadline, "".join(log)
-            log.append(line)
         threading.Thread(target=proc.stderr.read, daemon=True).start()  # keep the pipe drained
         url = f"http://127.0.0.1:{port}"
         assert wait_for(lambda: _listening(port))

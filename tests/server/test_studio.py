@@ -160,25 +160,15 @@ def test_namespaces_never_see_each_other(tenants):
 
 @pytest.mark.slow  # a subprocess loads torch and the model
 def test_studio_command_serves_the_page_with_the_schema_text(tmp_path):
-    import os
     import signal
-    import subprocess
-    import sys
     import time
 
-    from serverkit import free_port
+    from serverkit import free_port, start_until
 
     port, schema = free_port(), ROOT / "schemas" / "travel.xml"
-    proc = subprocess.Popen([sys.executable, "-m", "promptcache", "studio", str(schema), "--port", str(port)],
-                            stderr=subprocess.PIPE, text=True, cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(ROOT)})
-    log = []
+    proc, _ = start_until(["-m", "promptcache", "studio", str(schema), "--port", str(port)], "Studio: http://127.0.0.1",
+                          timeout=300, cwd=tmp_path)
     try:
-        deadline = time.monotonic() + 300
-        while not any("Studio: http://127.0.0.1" in line for line in log):
-            line = proc.stderr.readline()
-            assert line or proc.poll() is None, "".join(log)
-            log.append(line)
-            assert time.monotonic() < deadline, "".join(log)
         url = f"http://127.0.0.1:{port}"
         for _ in range(100):  # uvicorn binds right after the message
             try:
