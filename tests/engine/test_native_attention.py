@@ -121,6 +121,37 @@ def test_bfloat16_gather_reads_each_rows_slots(b, g, d):
         close((out[:, i], lse[:, i]), reference(q[:, i], kbuf[:, idx].float(), vbuf[:, idx].float(), 0.2))
 
 
+# a bfloat16 model's queries over its bfloat16 pool: bfloat16 products (AVX-512 BF16) summed in
+# float32, so the scores, and with them the log-sum-exp, are float32 sums of exact products; the
+# probabilities are rounded to bfloat16 before P V (half a unit in the 8th bit of each weight)
+@pytest.mark.parametrize("x,m,n,d,causal", [(3, 192, 1024, 64, False), (3, 3, 2048, 64, False),
+                                            (2, 5, 70, 16, False), (2, 33, 65, 80, False), (1, 7, 129, 256, False),
+                                            (3, 3 * 130, 130, 64, True), (2, 64, 64, 16, True), (2, 2 * 33, 33, 128, True)])
+def test_bfloat16_queries_over_a_bfloat16_pool(op, x, m, n, d, causal):
+    g = torch.Generator().manual_seed(m * n + d)
+    q = (torch.randn(x, m, d, generator=g) * 2).bfloat16()
+    buf = (torch.randn(2, x, n + 9, d, generator=g) * 2).bfloat16()  # strided views, as from a pool
+    k, v = buf[0, :, 9:], buf[1, :, 9:]
+    assert cpu_attention.kernel_for(q, k) is op
+    t = n if causal else 0
+    out, lse = op(q, k, v, d ** -0.5, t)
+    ro, rl = reference(q.float(), k.float(), v.float(), d ** -0.5, t)
+    assert out.dtype == torch.float32 and lse.dtype == torch.float32
+    assert (lse.double() - rl).abs().max().item() < 1e-5
+    assert (out.double() - ro).abs().max().item() < 2 ** -8 * v.float().abs().max().item()
+    # the same queries widened to float32 take the float32 path: the same attention
+    wo, wl = op(q.float(), k, v, d ** -0.5, t)
+    assert (wl - lse).abs().max().item() < 1e-5
+    assert (wo - out).abs().max().item() < 2 ** -8 * v.float().abs().max().item()
+
+
+def test_bfloat16_queries_over_float32_keys_are_widened(op):
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(2, 40, 64, generator=g).bfloat16()
+    k, v = torch.randn(2, 90, 64, generator=g), torch.randn(2, 90, 64, generator=g)
+    close(op(q, k, v, 0.125, 0), reference(q.float(), k, v, 0.125))
+
+
 def test_gather_refuses_slots_outside_the_pool():
     gather = cpu_attention.gather_kernel_for(torch.zeros(1, 1, 1, 16), torch.zeros(1))
     q, k = torch.randn(1, 2, 1, 16), torch.randn(1, 10, 16)

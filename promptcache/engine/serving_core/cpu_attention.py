@@ -20,8 +20,12 @@ tests hold them to 1e-5). ``PROMPTCACHE_NATIVE_ATTENTION=0`` turns the kernel of
 It covers what the engine's CPU attention calls without a mask: float32 queries over float32 or
 bfloat16 keys and values (a bfloat16 pool is read in place, each element widened to float32 as it
 is read: float32 products and sums, half the bytes, no converted copy), head dims that are a
-multiple of 16 up to 256, keys read in place through strides, and causal chunks. Anything else
-(a mask tensor, a float16 pool, another head dim, CUDA) stays on torch's kernels.
+multiple of 16 up to 256, keys read in place through strides, and causal chunks. A bfloat16
+model's queries over its bfloat16 pool go in as they are: where the CPU has AVX-512 BF16 the
+products are bfloat16 pairs summed in float32 (``vdpbf16ps``, twice the float32 rate; the scores
+are the same float32 sums of exact products, the probabilities rounded to bfloat16 before P V as
+torch's bfloat16 attention rounds them); elsewhere they are widened (exact) and run as float32.
+Anything else (a mask tensor, a float16 pool, another head dim, CUDA) stays on torch's kernels.
 """
 
 from __future__ import annotations
@@ -109,19 +113,20 @@ def unavailable_reason() -> str | None:
     return _state.get("reason")  # type: ignore[return-value]
 
 
-def _covers(q: torch.Tensor) -> bool:
+def _covers(q: torch.Tensor, dtypes: tuple[torch.dtype, ...] = (torch.float32,)) -> bool:
     d = q.shape[-1]
-    return q.device.type == "cpu" and q.dtype == torch.float32 and d % 16 == 0 and 16 <= d <= 256 and available()
+    return q.device.type == "cpu" and q.dtype in dtypes and d % 16 == 0 and 16 <= d <= 256 and available()
 
 
 KV_DTYPES = (torch.float32, torch.bfloat16)  # what the kernel reads keys and values in
 
 
 def kernel_for(q: torch.Tensor, kv: torch.Tensor | None = None):
-    """The native op for queries ``q`` [X, M, D] when it covers them (CPU, float32, D a multiple
-    of 16 up to 256; keys/values ``kv`` float32 or bfloat16 where given), else None. Called as
-    ``op(q, k, v, scale, causal_t) -> (out, lse)``."""
-    return _state["ops"].attend if (kv is None or kv.dtype in KV_DTYPES) and _covers(q) else None
+    """The native op for queries ``q`` [X, M, D] when it covers them (CPU, float32 or bfloat16, D a
+    multiple of 16 up to 256; keys/values ``kv`` float32 or bfloat16 where given), else None.
+    Called as ``op(q, k, v, scale, causal_t) -> (out, lse)`` (float32). bfloat16 queries over
+    bfloat16 keys/values take bfloat16 products with float32 sums where the CPU has AVX-512 BF16."""
+    return _state["ops"].attend if (kv is None or kv.dtype in KV_DTYPES) and _covers(q, KV_DTYPES) else None
 
 
 def gathers(buf: torch.Tensor) -> bool:

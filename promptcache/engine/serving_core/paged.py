@@ -307,14 +307,15 @@ def _bias(mask: torch.Tensor) -> torch.Tensor:
 
 
 def _attend(q, k, v, bias=None, scale: float = 1.0, fused: bool = True):
-    """q [X, m, D] (float32) against k, v [X, n, D] (the pool's dtype; scores scaled by ``scale``);
+    """q [X, m, D] (float32, or bfloat16 for the native kernel) against k, v [X, n, D] (the pool's
+    dtype; scores scaled by ``scale``);
     bias [X or 1, m, n] additive (``_bias``) or None. ``fused``: a fused CPU kernel where there is
     one (the native kernel without a bias, reading a float32 or bfloat16 pool as it is, else
     torch's on float32), else matrix products. Returns (out [X, m, D], lse [X, m]), float32."""
     native = cpu_attention.kernel_for(q, k) if fused and bias is None else None
     if native is not None:
         return native(q, k, v, scale, 0)
-    k, v = k.float(), v.float()
+    q, k, v = q.float(), k.float(), v.float()
     if fused and q.device.type == "cpu" and _CPU_FLASH is not None:
         out, lse = _CPU_FLASH(q[:, None], k[:, None], v[:, None], 0.0, False,
                               attn_mask=None if bias is None else bias[:, None], scale=scale)[:2]
@@ -331,20 +332,20 @@ def _attend(q, k, v, bias=None, scale: float = 1.0, fused: bool = True):
     return (p @ v) / total, (top + total.log()).squeeze(-1)
 
 
-def _attend_causal(q, k, v):
-    """q [Hk, G, t, D] (scaled) causally against the same t tokens' k, v [Hk, t, D] (query i sees
-    keys 0..i). Returns (out [Hk, G, t, D], lse [Hk, G, t])."""
+def _attend_causal(q, k, v, scale: float = 1.0):
+    """q [Hk, G, t, D] causally against the same t tokens' k, v [Hk, t, D] (query i sees keys
+    0..i; scores scaled by ``scale``). Returns (out [Hk, G, t, D], lse [Hk, G, t])."""
     hk, g, t, d = q.shape
     native = cpu_attention.kernel_for(q, k)
     if native is not None:  # query j of each group sees keys 0..j
-        o, l = native(q.reshape(hk, g * t, d), k, v, 1.0, t)
+        o, l = native(q.reshape(hk, g * t, d), k, v, scale, t)
         return o.view(hk, g, t, d), l.view(hk, g, t)
-    k, v = k.float(), v.float()
+    q, k, v = q.float(), k.float(), v.float()
     if q.device.type == "cpu" and _CPU_FLASH is not None:
         kx, vx = k[:, None].expand(hk, g, t, d), v[:, None].expand(hk, g, t, d)  # views: no copy
-        return _CPU_FLASH(q, kx, vx, 0.0, True, scale=1.0)[:2]
+        return _CPU_FLASH(q, kx, vx, 0.0, True, scale=scale)[:2]
     causal = torch.ones((t, t), dtype=torch.bool, device=q.device).tril()
-    o, l = _attend(q.reshape(hk, g * t, d), k, v, _bias(causal.repeat(g, 1)[None]))
+    o, l = _attend(q.reshape(hk, g * t, d), k, v, _bias(causal.repeat(g, 1)[None]), scale)
     return o.view(hk, g, t, d), l.view(hk, g, t)
 
 
@@ -385,32 +386,44 @@ def attend(plan: StepPlan, layer: int, query: torch.Tensor, scaling: float | Non
     kbuf, vbuf = plan.pool.buf[layer, 0], plan.pool.buf[layer, 1]  # [Hk, S, D]
     hk = kbuf.shape[0]
     g = hq // hk
-    q = (query[0].float() * scale).view(hk, g, n, d)  # q head h reads kv head h // g
+    q, qs = _queries(query, kbuf, scale)  # q head h reads kv head h // g; qs: the scale still to apply
+    q = q.view(hk, g, n, d)
     # every query belongs to one row and sees that row's own tokens: their partial results are
     # assigned first, then the shared segments' are merged in
     out = torch.empty((hk, g, n, d), dtype=torch.float32, device=query.device)
     lse = torch.empty((hk, g, n), dtype=torch.float32, device=query.device)
-    if plan.decode_q is not None:  # decode rows: their own keys
-        o, l = _attend_own(plan, q[:, :, plan.decode_q].transpose(1, 2).contiguous(), kbuf, vbuf, 1.0)
+    if plan.decode_q is not None:  # decode rows: their own keys (float32 queries: the gather op's)
+        qd = q[:, :, plan.decode_q].transpose(1, 2).float().contiguous()
+        o, l = _attend_own(plan, qd, kbuf, vbuf, qs)
         out[:, :, plan.decode_q] = o.transpose(1, 2)
         lse[:, :, plan.decode_q] = l.transpose(1, 2)
     for q0, q1, new, earlier in plan.prefills:  # prefill chunks: own keys, causal among the new ones
         t, rows = q1 - q0, slice(q0, q1)
         # the chunk among itself (causal, no mask tensor), then its earlier own tokens (no mask):
         # a long prefill in chunks spent about half its time in one masked call per chunk
-        out[:, :, rows], lse[:, :, rows] = _attend_causal(q[:, :, rows], *_read(kbuf, vbuf, new))
+        out[:, :, rows], lse[:, :, rows] = _attend_causal(q[:, :, rows], *_read(kbuf, vbuf, new), qs)
         for part in earlier:
-            o, l = _attend(q[:, :, rows].reshape(hk, g * t, d), *_read(kbuf, vbuf, part))
+            o, l = _attend(q[:, :, rows].reshape(hk, g * t, d), *_read(kbuf, vbuf, part), None, qs)
             _merge(out, lse, rows, o.view(hk, g, t, d), l.view(hk, g, t))
     for views, idx in plan.segments:  # shared segments: read once for every query that needs them
         ks, vs = _layer_kv(views, layer)
         if idx.numel() == n:  # every query of the step reads it (one request, or one shared prompt)
-            o, l = _attend(q.reshape(hk, g * n, d), ks, vs)
+            o, l = _attend(q.reshape(hk, g * n, d), ks, vs, None, qs)
             _merge_all(out, lse, o.view(hk, g, n, d), l.view(hk, g, n))
         else:
-            o, l = _attend(q[:, :, idx].reshape(hk, -1, d), ks, vs)
+            o, l = _attend(q[:, :, idx].reshape(hk, -1, d), ks, vs, None, qs)
             _merge(out, lse, idx, o.view(hk, g, -1, d), l.view(hk, g, -1))
     return out.view(hq, n, d).transpose(0, 1)[None].to(query.dtype)
+
+
+def _queries(query: torch.Tensor, buf: torch.Tensor, scale: float) -> tuple[torch.Tensor, float]:
+    """One layer's queries [1, Hq, N, D] as the kernels read them, [Hq, N, D], and the scale still
+    to apply to their scores: a bfloat16 model's over a bfloat16 pool as they are, for the native
+    kernel's bfloat16 products (it scales the float32 scores); else float32, scaled here."""
+    if query.dtype == torch.bfloat16 and buf.dtype == torch.bfloat16 \
+            and cpu_attention.kernel_for(query[0], buf) is not None:
+        return query[0], scale
+    return query[0].float() * scale, 1.0
 
 
 def _attend_keyed(plan: StepPlan, layer: int, query: torch.Tensor, scale: float) -> torch.Tensor:

@@ -1,12 +1,13 @@
-// Attention of float32 queries over float32 or bfloat16 keys/values on the CPU (float32
+// Attention of float32 or bfloat16 queries over float32 or bfloat16 keys/values on the CPU (float32
 // accumulation), returning the log-sum-exp the paged engine merges partial results with
 // (engine/serving_core/paged.py). Registered as torch.ops.promptcache_native.attend(q, k, v, scale, causal_t) -> (out, lse):
-//   q [X, M, D] float32, k and v [X, N, D] both float32 or both bfloat16 (last dimension
+//   q [X, M, D] float32 or bfloat16, k and v [X, N, D] both float32 or both bfloat16 (last dimension
 //   contiguous; other strides free, so the KV pool's blocks are read in place), D a multiple of 16
 //   up to 256;
 //   causal_t = 0: every query sees every key; causal_t = t > 0: query r sees keys 0 .. r % t
 //   (q holds G groups of t consecutive queries over the same t keys);
-//   out [X, M, D] = softmax(scale * q k^T) v, lse [X, M] = logsumexp(scale * q k^T) (natural log);
+//   out [X, M, D] = softmax(scale * q k^T) v, lse [X, M] = logsumexp(scale * q k^T) (natural log),
+//   both float32;
 // and torch.ops.promptcache_native.attend_gather(q, k, v, slots, lengths, scale) -> (out, lse):
 //   decode rows over their own keys, read from the pool by slot (no gathered copy):
 //   q [X, B, G, D] contiguous, k and v [X, S, D] (a pool layer's buffers), slots int64 [B, W],
@@ -22,7 +23,9 @@
 //
 // bfloat16 keys/values (a bfloat16 KV pool) are widened to float32 as they are read (a shift of
 // the 16 bits into a float's upper half: exact), so the products and sums are float32 as for a
-// float32 pool, with half the bytes read and no converted copy of the pool.
+// float32 pool, with half the bytes read and no converted copy of the pool. bfloat16 queries over
+// bfloat16 keys/values (a bfloat16 model's own) take AVX-512 BF16's paired products where the CPU
+// has them (scores_dot / values_dot: twice the float32 lane rate), else are widened too.
 //
 // Portable C++: GCC/Clang vector extensions, lowered to AVX-512, AVX2 or SSE by -march; threads
 // from ATen's parallel_for (torch's own pool).
@@ -40,6 +43,10 @@
 #include <limits>
 #include <tuple>
 #include <type_traits>
+
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#endif
 
 namespace {
 
@@ -197,13 +204,12 @@ void values_rows(const float* p, const V* v, int64_t v_stride, int kn, float* o,
   remainder<ND, rr>(rows - i, [&](auto r) { values<ND, r, V>(p + i * kKeys, v, v_stride, kn, o + i * ND * 16); });
 }
 
-// Online-softmax attention of `rows` (<= kRows) queries q (row stride q_stride) over keys
-// 0 .. n-1, query i seeing keys 0 .. limit[i]; key tile j0 comes from
-// tiles(j0, kn) -> {K^T [D][kKeys] (finite past kn: masked), V rows, V row stride}. Writes out rows (stride D)
-// and lse.
-template <int ND, class Tiles>
-void attend_rows(const float* q, int64_t q_stride, int rows, const int64_t* limit, int64_t n, float scale,
-                 Tiles&& tiles, float* out, float* lse) {
+// Online-softmax attention of `rows` (<= kRows) queries over keys 0 .. n-1, query i seeing keys
+// 0 .. limit[i]; per key tile j0 of kn keys, scores(j0, kn, s) writes s[i][j] = scale * q_i . k_(j0+j)
+// (rows i, kKeys columns: finite past kn, they are masked) and values(j0, kn, p, o) adds
+// sum_j p[i][j] v_(j0+j) to o[i] (p zero past kn). Writes out rows (stride D) and lse.
+template <int ND, class Scores, class Values>
+void attend_rows(int rows, const int64_t* limit, int64_t n, Scores&& scores, Values&& values, float* out, float* lse) {
   constexpr int D = ND * 16;
   alignas(64) float s[kRows * kKeys];
   alignas(64) float o[kRows * D];
@@ -218,8 +224,7 @@ void attend_rows(const float* q, int64_t q_stride, int rows, const int64_t* limi
   n = std::min(n, last + 1);
   for (int64_t j0 = 0; j0 < n; j0 += kKeys) {
     const int kn = static_cast<int>(std::min<int64_t>(kKeys, n - j0));
-    const auto [kt, v, v_stride] = tiles(j0, kn);
-    scores_rows<ND>(q, q_stride, kt, scale, s, rows);
+    scores(j0, kn, s);
     for (int i = 0; i < rows; ++i) {
       float* si = s + i * kKeys;
       const int64_t see = std::min<int64_t>(kn, limit[i] - j0 + 1);  // keys of this tile row i sees
@@ -245,7 +250,7 @@ void attend_rows(const float* q, int64_t q_stride, int rows, const int64_t* limi
         for (int c = 0; c < ND; ++c) store(oi + c * 16, load(oi + c * 16) * splat(alpha));
       }
     }
-    values_rows<ND>(s, v, v_stride, kn, o, rows);
+    values(j0, kn, s, o);
   }
   for (int i = 0; i < rows; ++i) {
     const float inv = l[i] > 0.0f ? 1.0f / l[i] : 0.0f;
@@ -253,13 +258,6 @@ void attend_rows(const float* q, int64_t q_stride, int rows, const int64_t* limi
     lse[i] = l[i] > 0.0f ? mx[i] + std::log(l[i]) : kNegInf;
   }
 }
-
-template <class V>
-struct TileRef {
-  const float* kt;
-  const V* v;
-  int64_t v_stride;
-};
 
 // K^T of one key tile (kn keys, row pointers from key(j)) into kt [D][kKeys]; Pad: zeros after
 // kn (else whatever finite values kt held: those scores are masked before they are used).
@@ -274,28 +272,137 @@ inline void pack_tile(float* kt, int kn, Key&& key) {
       for (int j = kn; j < kKeys; ++j) kt[d * kKeys + j] = 0.0f;
 }
 
-template <class KV>
+#if defined(__AVX512BF16__)
+// bfloat16 products with float32 sums (AVX-512 BF16's vdpbf16ps: the products of two pairs of
+// bfloat16 numbers added to a float32 lane, twice the float32 lane rate) for bfloat16 queries over
+// a bfloat16 pool: the scores of exact bfloat16 queries and keys are float32 sums of exact
+// products (as the widened path's), the probabilities are rounded to bfloat16 before P V (as
+// torch's bfloat16 attention does). Tiles are packed in pairs: K^T as [D/2][kKeys][2] (the pair
+// 2p, 2p+1 of one key's dims), V as [kKeys/2][D][2] (the pair of keys 2jp, 2jp+1 for one dim).
+constexpr bool kDot = true;
+
+inline __m512bh pairs(const uint16_t* p) { return (__m512bh)_mm512_loadu_si512(p); }
+inline __m512bh broadcast_pair(const uint16_t* p) {
+  uint32_t pair;
+  std::memcpy(&pair, p, sizeof pair);
+  return (__m512bh)_mm512_set1_epi32(static_cast<int>(pair));
+}
+
+// S[RR][kKeys] = scale * Q[RR][D] . Kt (bfloat16 Q rows, K^T tile in pairs)
+template <int ND, int RR>
+inline void scores_dot(const uint16_t* q, int64_t q_stride, const uint16_t* kt, float scale, float* s) {
+  __m512 acc[RR][4];
+  for (int i = 0; i < RR; ++i)
+    for (int c = 0; c < 4; ++c) acc[i][c] = _mm512_setzero_ps();
+  for (int p = 0; p < ND * 8; ++p) {
+    const uint16_t* row = kt + p * kKeys * 2;
+    const __m512bh k0 = pairs(row), k1 = pairs(row + 32), k2 = pairs(row + 64), k3 = pairs(row + 96);
+    for (int i = 0; i < RR; ++i) {
+      const __m512bh qd = broadcast_pair(q + i * q_stride + 2 * p);
+      acc[i][0] = _mm512_dpbf16_ps(acc[i][0], qd, k0);
+      acc[i][1] = _mm512_dpbf16_ps(acc[i][1], qd, k1);
+      acc[i][2] = _mm512_dpbf16_ps(acc[i][2], qd, k2);
+      acc[i][3] = _mm512_dpbf16_ps(acc[i][3], qd, k3);
+    }
+  }
+  const __m512 sc = _mm512_set1_ps(scale);
+  for (int i = 0; i < RR; ++i)
+    for (int c = 0; c < 4; ++c) _mm512_storeu_ps(s + i * kKeys + c * 16, _mm512_mul_ps(acc[i][c], sc));
+}
+
+// O[RR][D] += P[RR][kn] . V (P rows in bfloat16, zero past kn; the V tile in pairs)
+template <int ND, int RR>
+inline void values_dot(const uint16_t* p, const uint16_t* vt, int kn, float* o) {
+  __m512 acc[RR][ND];
+  for (int i = 0; i < RR; ++i)
+    for (int c = 0; c < ND; ++c) acc[i][c] = _mm512_loadu_ps(o + i * ND * 16 + c * 16);
+  for (int jp = 0; jp < (kn + 1) / 2; ++jp) {
+    const uint16_t* vj = vt + jp * ND * 32;
+    __m512bh vv[ND];
+    for (int c = 0; c < ND; ++c) vv[c] = pairs(vj + c * 32);
+    for (int i = 0; i < RR; ++i) {
+      const __m512bh pij = broadcast_pair(p + i * kKeys + 2 * jp);
+      for (int c = 0; c < ND; ++c) acc[i][c] = _mm512_dpbf16_ps(acc[i][c], pij, vv[c]);
+    }
+  }
+  for (int i = 0; i < RR; ++i)
+    for (int c = 0; c < ND; ++c) _mm512_storeu_ps(o + i * ND * 16 + c * 16, acc[i][c]);
+}
+
+template <int ND>
+void scores_dot_rows(const uint16_t* q, int64_t q_stride, const uint16_t* kt, float scale, float* s, int rows) {
+  int i = 0;
+  for (; i + kRR <= rows; i += kRR) scores_dot<ND, kRR>(q + i * q_stride, q_stride, kt, scale, s + i * kKeys);
+  remainder<ND, kRR>(rows - i, [&](auto rr) { scores_dot<ND, rr>(q + i * q_stride, q_stride, kt, scale, s + i * kKeys); });
+}
+
+// the probabilities p (float32, [rows][kKeys]) rounded to bfloat16 in ph, then O += Ph . V
+template <int ND>
+void values_dot_rows(const float* p, uint16_t* ph, const uint16_t* vt, int kn, float* o, int rows) {
+  for (int i = 0; i < rows; ++i)
+    for (int c = 0; c < 4; ++c)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(ph + i * kKeys + c * 16),
+                          (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(p + i * kKeys + c * 16)));
+  constexpr int rr = ND <= 4 ? kRR : 2;  // accumulators and operands stay in 32 vector registers
+  int i = 0;
+  for (; i + rr <= rows; i += rr) values_dot<ND, rr>(ph + i * kKeys, vt, kn, o + i * ND * 16);
+  remainder<ND, rr>(rows - i, [&](auto r) { values_dot<ND, r>(ph + i * kKeys, vt, kn, o + i * ND * 16); });
+}
+
+// One key tile (kn keys; rows from key(j), val(j)) packed in pairs, zeros past kn.
+template <int D, class Key, class Val>
+inline void pack_tile_dot(uint16_t* kt, uint16_t* vt, int kn, Key&& key, Val&& val) {
+  for (int j = 0; j < kKeys; ++j) {  // K^T: 32-bit pairs transposed
+    uint32_t row[D / 2] = {};
+    if (j < kn) std::memcpy(row, key(j), sizeof row);
+    for (int p = 0; p < D / 2; ++p) std::memcpy(kt + (p * kKeys + j) * 2, row + p, sizeof(uint32_t));
+  }
+  for (int jp = 0; jp < kKeys / 2; ++jp)
+    for (int e = 0; e < 2; ++e) {
+      const int j = 2 * jp + e;
+      const uint16_t* vj = j < kn ? val(j) : nullptr;
+      for (int d = 0; d < D; ++d) vt[(jp * D + d) * 2 + e] = vj != nullptr ? vj[d] : 0;
+    }
+}
+#else
+constexpr bool kDot = false;
+#endif
+
+template <class KV, class Q>
 struct Args {
-  const float* q;
+  const Q* q;  // float32, or bfloat16 bits (uint16_t) for the paired bfloat16 path
   const KV *k, *v;
-  float* kt;  // K^T in key tiles: [X][N / kKeys rounded up][D][kKeys]
+  void* packed;  // the key tiles packed once per call: K^T [X][tiles][D][kKeys] float32, or K^T and V in pairs
   float *out, *lse;
   int64_t qs0, qs1, ks0, ks1, vs0, vs1;  // strides (elements) of dims 0 and 1
   int64_t m, n, causal_t;
   float scale;
 };
 
-template <int ND, class KV>
-void run(const Args<KV>& a, int64_t heads) {
+// The packed elements per key tile: K^T in float32, or K^T and V in bfloat16 pairs.
+template <class Q>
+constexpr int64_t packed_per_tile(int64_t d) { return std::is_same_v<Q, float> ? d * kKeys : 2 * d * kKeys; }
+
+template <int ND, class KV, class Q>
+void run(const Args<KV, Q>& a, int64_t heads) {
   constexpr int D = ND * 16;
-  const int64_t blocks = (a.n + kKeys - 1) / kKeys;
-  // K^T of every key tile of every head, packed once: every query tile of the head reads it
+  constexpr bool dot = !std::is_same_v<Q, float>;
+  const int64_t blocks = (a.n + kKeys - 1) / kKeys, per_tile = packed_per_tile<Q>(D);
+  // every key tile of every head packed once: every query tile of the head reads it
   at::parallel_for(0, heads * blocks, 4, [&](int64_t b, int64_t e) {
     for (int64_t w = b; w < e; ++w) {
       const int64_t x = w / blocks, j0 = (w % blocks) * kKeys;
+      const int kn = static_cast<int>(std::min<int64_t>(kKeys, a.n - j0));
       const KV* k = a.k + x * a.ks0 + j0 * a.ks1;
-      pack_tile<D, true>(a.kt + w * D * kKeys, static_cast<int>(std::min<int64_t>(kKeys, a.n - j0)),
-                   [&](int j) { return k + j * a.ks1; });
+      if constexpr (dot) {
+#if defined(__AVX512BF16__)
+        const KV* v = a.v + x * a.vs0 + j0 * a.vs1;
+        uint16_t* t = static_cast<uint16_t*>(a.packed) + w * per_tile;
+        pack_tile_dot<D>(t, t + D * kKeys, kn, [&](int j) { return k + j * a.ks1; }, [&](int j) { return v + j * a.vs1; });
+#endif
+      } else {
+        pack_tile<D, true>(static_cast<float*>(a.packed) + w * per_tile, kn, [&](int j) { return k + j * a.ks1; });
+      }
     }
   });
   // few query tiles (decode rows over a long prompt): the keys are split too, so both threads
@@ -320,11 +427,28 @@ void run(const Args<KV>& a, int64_t heads) {
       const int rows = static_cast<int>(std::min<int64_t>(kRows, a.m - r0));
       int64_t limit[kRows];  // the last key each query sees (from k0)
       for (int i = 0; i < rows; ++i) limit[i] = a.causal_t > 0 ? (r0 + i) % a.causal_t : kn - 1;
-      const KV* v = a.v + x * a.vs0 + k0 * a.vs1;
+      const Q* q = a.q + x * a.qs0 + r0 * a.qs1;
       const int64_t block0 = x * blocks + k0 / kKeys;
-      attend_rows<ND>(a.q + x * a.qs0 + r0 * a.qs1, a.qs1, rows, limit, kn, a.scale,
-                      [&](int64_t j0, int) { return TileRef<KV>{a.kt + (block0 + j0 / kKeys) * D * kKeys, v + j0 * a.vs1, a.vs1}; },
-                      po + ((sp * heads + x) * a.m + r0) * D, pl + (sp * heads + x) * a.m + r0);
+      auto tile = [&](int64_t j0) { return static_cast<const Q*>(a.packed) + (block0 + j0 / kKeys) * per_tile; };
+      float* o = po + ((sp * heads + x) * a.m + r0) * D;
+      float* l = pl + (sp * heads + x) * a.m + r0;
+      if constexpr (dot) {
+#if defined(__AVX512BF16__)
+        alignas(64) uint16_t ph[kRows * kKeys];
+        attend_rows<ND>(
+            rows, limit, kn,
+            [&](int64_t j0, int, float* s) { scores_dot_rows<ND>(q, a.qs1, tile(j0), a.scale, s, rows); },
+            [&](int64_t j0, int n, const float* p, float* out) { values_dot_rows<ND>(p, ph, tile(j0) + D * kKeys, n, out, rows); },
+            o, l);
+#endif
+      } else {
+        const KV* v = a.v + x * a.vs0 + k0 * a.vs1;
+        attend_rows<ND>(
+            rows, limit, kn,
+            [&](int64_t j0, int, float* s) { scores_rows<ND>(q, a.qs1, tile(j0), a.scale, s, rows); },
+            [&](int64_t j0, int n, const float* p, float* out) { values_rows<ND>(p, v + j0 * a.vs1, a.vs1, n, out, rows); },
+            o, l);
+      }
     }
   });
   if (splits == 1) return;
@@ -364,17 +488,21 @@ void run_gather(const float* q, const KV* kbuf, const KV* vbuf, int64_t ks0, int
       const int64_t* sl = slots + row * width;
       const KV* k = kbuf + x * ks0;
       const KV* v = vbuf + x * vs0;
-      auto tiles = [&](int64_t j0, int kn) {
-        pack_tile<D, false>(kt, kn, [&](int j) { return k + sl[j0 + j] * ks1; });
-        for (int j = 0; j < kn; ++j)  // V rows copied (bfloat16: widened) into one float32 tile
-          for (int c = 0; c < ND; ++c) store(vt + j * D + c * 16, load(v + sl[j0 + j] * vs1 + c * 16));
-        return TileRef<float>{kt, vt, D};
-      };
       for (int64_t r0 = 0; r0 < g; r0 += kRows) {
         const int rows = static_cast<int>(std::min<int64_t>(kRows, g - r0));
+        const float* qr = q + (w * g + r0) * D;
         int64_t limit[kRows];
         for (int i = 0; i < rows; ++i) limit[i] = n - 1;
-        attend_rows<ND>(q + (w * g + r0) * D, D, rows, limit, n, scale, tiles, out + (w * g + r0) * D, lse + w * g + r0);
+        attend_rows<ND>(
+            rows, limit, n,
+            [&](int64_t j0, int kn, float* s) {  // the tile packed here: K^T, V rows (bfloat16: widened)
+              pack_tile<D, false>(kt, kn, [&](int j) { return k + sl[j0 + j] * ks1; });
+              for (int j = 0; j < kn; ++j)
+                for (int c = 0; c < ND; ++c) store(vt + j * D + c * 16, load(v + sl[j0 + j] * vs1 + c * 16));
+              scores_rows<ND>(qr, D, kt, scale, s, rows);
+            },
+            [&](int64_t, int kn, const float* p, float* o) { values_rows<ND>(p, vt, D, kn, o, rows); },
+            out + (w * g + r0) * D, lse + w * g + r0);
       }
     }
   });
@@ -413,7 +541,7 @@ void by_kv_type(const at::Tensor& k, const at::Tensor& v, F&& f) {
 
 void check_common(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const char* name) {
   TORCH_CHECK(q.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu(), name, ": CPU tensors only");
-  TORCH_CHECK(q.scalar_type() == at::kFloat, name, ": q must be float32");
+  TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16, name, ": q must be float32 or bfloat16");
   TORCH_CHECK(k.scalar_type() == v.scalar_type() && (k.scalar_type() == at::kFloat || k.scalar_type() == at::kBFloat16),
               name, ": k and v must be both float32 or both bfloat16");
   const int64_t d = q.size(-1);
@@ -426,6 +554,7 @@ std::tuple<at::Tensor, at::Tensor> attend_gather(const at::Tensor& q, const at::
   const char* name = "promptcache_native.attend_gather";
   TORCH_CHECK(q.dim() == 4 && k.dim() == 3 && v.dim() == 3, name, ": q must be [X, B, G, D], k and v [X, S, D]");
   check_common(q, k, v, name);
+  TORCH_CHECK(q.scalar_type() == at::kFloat, name, ": q must be float32");
   const int64_t heads = q.size(0), b = q.size(1), g = q.size(2), d = q.size(3), slots_n = k.size(1);
   TORCH_CHECK(q.is_contiguous(), name, ": q must be contiguous");
   TORCH_CHECK(k.size(0) == heads && v.size(0) == heads && v.size(1) == slots_n && k.size(2) == d && v.size(2) == d,
@@ -456,31 +585,47 @@ std::tuple<at::Tensor, at::Tensor> attend_gather(const at::Tensor& q, const at::
   return {out, lse};
 }
 
-std::tuple<at::Tensor, at::Tensor> attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+std::tuple<at::Tensor, at::Tensor> attend(const at::Tensor& q_in, const at::Tensor& k, const at::Tensor& v,
                                           double scale, int64_t causal_t) {
   const char* name = "promptcache_native.attend";
-  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, name, ": q, k, v must be [X, rows, D]");
-  check_common(q, k, v, name);
-  const int64_t heads = q.size(0), m = q.size(1), d = q.size(2), n = k.size(1);
+  TORCH_CHECK(q_in.dim() == 3 && k.dim() == 3 && v.dim() == 3, name, ": q, k, v must be [X, rows, D]");
+  check_common(q_in, k, v, name);
+  const int64_t heads = q_in.size(0), m = q_in.size(1), d = q_in.size(2), n = k.size(1);
   TORCH_CHECK(k.size(0) == heads && v.size(0) == heads && v.size(1) == n && k.size(2) == d && v.size(2) == d,
-              name, ": q ", q.sizes(), ", k ", k.sizes(), ", v ", v.sizes(), " do not match");
+              name, ": q ", q_in.sizes(), ", k ", k.sizes(), ", v ", v.sizes(), " do not match");
   TORCH_CHECK(causal_t >= 0 && (causal_t == 0 || (m % causal_t == 0 && n == causal_t)),
               name, ": causal_t ", causal_t, " needs rows a multiple of it and as many keys");
-  at::Tensor out = at::empty({heads, m, d}, q.options());
-  at::Tensor lse = at::empty({heads, m}, q.options());
+  // bfloat16 queries over a bfloat16 pool: bfloat16 products where the CPU has them; anything else
+  // with float32 queries (a bfloat16 query widened is exact)
+  const bool dot = kDot && q_in.scalar_type() == at::kBFloat16 && k.scalar_type() == at::kBFloat16;
+  const at::Tensor q = dot || q_in.scalar_type() == at::kFloat ? q_in : q_in.to(at::kFloat);
+  const auto f32 = q.options().dtype(at::kFloat);
+  at::Tensor out = at::empty({heads, m, d}, f32);
+  at::Tensor lse = at::empty({heads, m}, f32);
   if (heads == 0 || m == 0) return {out, lse};
   if (n == 0) {  // no keys: nothing to attend (a log-sum-exp of -inf, weight 0 in a merge)
     out.zero_();
     lse.fill_(-std::numeric_limits<float>::infinity());
     return {out, lse};
   }
-  at::Tensor kt = at::empty({heads * ((n + kKeys - 1) / kKeys) * d * kKeys}, q.options());
+  const int64_t tiles = heads * ((n + kKeys - 1) / kKeys);
   by_kv_type(k, v, [&](auto* kp, auto* vp) {
     using KV = std::remove_const_t<std::remove_pointer_t<decltype(kp)>>;
-    Args<KV> a{q.data_ptr<float>(), kp, vp, kt.data_ptr<float>(), out.data_ptr<float>(), lse.data_ptr<float>(),
-               q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), m, n, causal_t,
-               static_cast<float>(scale)};
-    by_head_dim(d, [&](auto nd) { run<decltype(nd)::value>(a, heads); });
+    auto go = [&](auto* qp, const at::Tensor& packed) {
+      using Q = std::remove_const_t<std::remove_pointer_t<decltype(qp)>>;
+      Args<KV, Q> a{qp, kp, vp, packed.data_ptr(), out.data_ptr<float>(), lse.data_ptr<float>(),
+                    q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), m, n, causal_t,
+                    static_cast<float>(scale)};
+      by_head_dim(d, [&](auto nd) { run<decltype(nd)::value>(a, heads); });
+    };
+    if constexpr (std::is_same_v<KV, uint16_t>) {
+      if (dot) {
+        go(reinterpret_cast<const uint16_t*>(q.data_ptr<at::BFloat16>()),
+           at::empty({tiles * packed_per_tile<uint16_t>(d)}, q.options().dtype(at::kBFloat16)));
+        return;
+      }
+    }
+    go(static_cast<const float*>(q.data_ptr<float>()), at::empty({tiles * packed_per_tile<float>(d)}, f32));
   });
   return {out, lse};
 }
