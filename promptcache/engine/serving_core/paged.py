@@ -133,7 +133,9 @@ class StepPlan:
     qpos: torch.Tensor | None = None
     segment_pos: list[torch.Tensor] = field(default_factory=list)
     prefill_pos: list[tuple[torch.Tensor, list[torch.Tensor]]] = field(default_factory=list)
-    memo: dict = field(default_factory=dict)  # (partial, window) -> (bias, dead queries): built at the first layer
+    # built at the first layer, read by the others: (partial, window) -> (bias, dead queries);
+    # ("rows", segment) -> the segment's queries as a slice or an index tensor
+    memo: dict = field(default_factory=dict)
 
 
 def build_plan(pool: KVPool, rows: list[PagedRow], scale: float | None = None, keys: KeyRule | None = None) -> StepPlan:
@@ -286,8 +288,12 @@ def _group_segments(segs: list[tuple[torch.Tensor, list[int], torch.Tensor | Non
 
 
 def _merge(out, lse, idx, o, l) -> None:
-    """Fold a partial result (o [Hk, G, m, D], lse l [Hk, G, m]) for queries ``idx`` into the
-    running (out [Hk, G, N, D], lse [Hk, G, N]), all float32."""
+    """Fold a partial result (o [Hk, G, m, D], lse l [Hk, G, m]) for queries ``idx`` (an index
+    tensor, or a slice: consecutive queries, merged in place through views) into the running
+    (out [Hk, G, N, D], lse [Hk, G, N]), all float32."""
+    if isinstance(idx, slice):
+        _merge_all(out[:, :, idx], lse[:, :, idx], o, l)
+        return
     old = lse[:, :, idx]
     new = torch.logaddexp(old, l)
     out[:, :, idx] = out[:, :, idx] * torch.exp(old - new)[..., None] + o * torch.exp(l - new)[..., None]
@@ -405,15 +411,27 @@ def attend(plan: StepPlan, layer: int, query: torch.Tensor, scaling: float | Non
         for part in earlier:
             o, l = _attend(q[:, :, rows].reshape(hk, g * t, d), *_read(kbuf, vbuf, part), None, qs)
             _merge(out, lse, rows, o.view(hk, g, t, d), l.view(hk, g, t))
-    for views, idx in plan.segments:  # shared segments: read once for every query that needs them
+    for i, (views, idx) in enumerate(plan.segments):  # shared segments: read once for every query that needs them
         ks, vs = _layer_kv(views, layer)
         if idx.numel() == n:  # every query of the step reads it (one request, or one shared prompt)
             o, l = _attend(q.reshape(hk, g * n, d), ks, vs, None, qs)
             _merge_all(out, lse, o.view(hk, g, n, d), l.view(hk, g, n))
         else:
-            o, l = _attend(q[:, :, idx].reshape(hk, -1, d), ks, vs, None, qs)
-            _merge(out, lse, idx, o.view(hk, g, -1, d), l.view(hk, g, -1))
+            rows = _query_rows(plan, i, idx)
+            o, l = _attend(q[:, :, rows].reshape(hk, -1, d), ks, vs, None, qs)
+            _merge(out, lse, rows, o.view(hk, g, -1, d), l.view(hk, g, -1))
     return out.view(hq, n, d).transpose(0, 1)[None].to(query.dtype)
+
+
+def _query_rows(plan: StepPlan, i: int, idx: torch.Tensor):
+    """Segment ``i``'s queries ``idx`` as a slice where they are consecutive (one request's rows,
+    the usual case: read and merged through views, no gathers), else ``idx``; worked out once a
+    step (``plan.memo``), not once a layer."""
+    key = ("rows", i)
+    if key not in plan.memo:
+        q = idx.tolist()
+        plan.memo[key] = slice(q[0], q[-1] + 1) if q == list(range(q[0], q[-1] + 1)) else idx
+    return plan.memo[key]
 
 
 def _queries(query: torch.Tensor, buf: torch.Tensor, scale: float) -> tuple[torch.Tensor, float]:
