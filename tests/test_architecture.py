@@ -135,7 +135,7 @@ def _private(name: str) -> bool:
 
 
 LAYERS = [
-    {"errors", "fsutil", "jsonsafe", "progress", "tunables", "settings", "bench"},  # foundations: no model, no language
+    {"errors", "fsutil", "jsonsafe", "progress", "tunables", "settings", "bench", "kernels"},  # foundations: no model, no language
     {"pml", "tokens", "layout", "keys", "builder", "models", "store", "artifact"},  # language, models, storage
     {"engine"},
     {"rag", "frontend", "integrations"},  # built on the engine

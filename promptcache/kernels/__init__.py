@@ -1,0 +1,11 @@
+"""promptcache's native CPU kernels and the layers that use them.
+
+``build``: ``NativeKernels``, a C++ source compiled at first use on this machine and loaded as
+``torch.ops`` (used here and by the engine's attention kernel, ``engine/serving_core/cpu_attention.py``);
+``rms_norm``: one-pass RMSNorm for Llama-form layers (``fuse_rms_norms``).
+"""
+
+from .build import NativeKernels
+from .rms_norm import FusedRMSNorm, fuse_rms_norms
+
+__all__ = ["FusedRMSNorm", "NativeKernels", "fuse_rms_norms"]

@@ -1,0 +1,108 @@
+"""C++ CPU kernels compiled at first use on this machine: ``NativeKernels``.
+
+Each kernel file (``engine/serving_core/native/attention.cpp``, ``kernels/rms_norm.cpp``)
+is built with torch's C++ extension loader (the system's C++ compiler and ``ninja``;
+``-O3 -march=native -fopenmp``) into torch's extension folder (``TORCH_EXTENSIONS_DIR``, default
+``~/.cache/torch_extensions``), under a name keyed by the source, the flags, this CPU's flags and
+torch's version: ~10 s once per machine, then a load of a few milliseconds. ``-march=native``
+is why the build is per machine: the same source takes AVX-512 (and AVX-512 BF16) where the CPU
+has it, AVX2 or SSE elsewhere. ``-fopenmp``: ATen's ``parallel_for`` is inline OpenMP, and the
+extension binds to the libgomp torch has already loaded (one thread pool).
+
+Where a kernel cannot be built (no compiler, no ninja) a warning says why once, and its callers
+keep torch's own ops (the same computation, slower); an environment variable per kernel turns it
+off (``PROMPTCACHE_NATIVE_ATTENTION=0``, ``PROMPTCACHE_NATIVE_NORM=0``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import platform
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+__all__ = ["NativeKernels"]
+
+CFLAGS = ("-O3", "-march=native", "-fopenmp")
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+class NativeKernels:
+    """One C++ source registering ops under ``torch.ops.<namespace>``, built and loaded once per
+    process on the first ``available()`` (thread-safe). ``what``: the kernels' name in log lines;
+    ``switch``: the environment variable that turns them off; ``on_load(ops)``: called once after
+    loading (e.g. to register fake implementations for torch.compile)."""
+
+    def __init__(self, source: Path, namespace: str, what: str, switch: str,
+                 on_load: Callable[[object], None] | None = None):
+        self.source, self.namespace, self.what, self.switch, self.on_load = source, namespace, what, switch, on_load
+        self._lock = threading.Lock()
+        self._ops: object | None = None
+        self._reason: str | None = None
+
+    def available(self) -> bool:
+        """Whether the kernels can be used (builds or loads them on the first call)."""
+        if self._ops is not None or self._reason is not None:
+            return self._ops is not None
+        with self._lock:
+            if self._ops is None and self._reason is None:
+                self._load()
+        return self._ops is not None
+
+    @property
+    def ops(self):
+        """The loaded ``torch.ops`` namespace (call ``available()`` first)."""
+        if self._ops is None:
+            raise RuntimeError(f"{self.what}: not loaded ({self._reason or 'available() was not called'})")
+        return self._ops
+
+    def unavailable_reason(self) -> str | None:
+        """Why the kernels are not used (None: they are, or were not asked for yet)."""
+        return self._reason
+
+    def _load(self) -> None:
+        if os.environ.get(self.switch, "1").strip().lower() in ("0", "false", "no", "off"):
+            self._reason = f"turned off by {self.switch}"
+            log.info("%s %s; using torch's ops", self.what, self._reason)
+            return
+        try:
+            self._ops = self._build()
+        except Exception as exc:  # no compiler, no ninja, a failed build: torch's ops compute the same
+            last = str(exc).strip().splitlines()[-1] if str(exc).strip() else ""
+            self._reason = f"{type(exc).__name__}: {last}"
+            log.warning("%s unavailable (%s); using torch's ops, slower on CPU (set %s=0 to silence this)",
+                        self.what, self._reason, self.switch)
+
+    def _build(self):
+        from torch.utils import cpp_extension  # heavy: only when a kernel is wanted
+
+        code = self.source.read_bytes()
+        digest = hashlib.sha256(code + " ".join(CFLAGS).encode() + _cpu_flags().encode()
+                                + torch.__version__.encode()).hexdigest()[:12]
+        t0 = time.perf_counter()
+        log.info("loading the %s (compiled on first use on this machine: ~10 s)", self.what)
+        cpp_extension.load(name=f"promptcache_{self.source.stem}_{digest}", sources=[str(self.source)],
+                           extra_cflags=list(CFLAGS), extra_ldflags=["-fopenmp"], is_python_module=False,
+                           verbose=False)
+        ops = getattr(torch.ops, self.namespace)
+        if self.on_load is not None:
+            self.on_load(ops)
+        log.info("%s ready in %.1f s (%s)", self.what, time.perf_counter() - t0, self.source.name)
+        return ops
