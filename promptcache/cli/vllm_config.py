@@ -10,11 +10,14 @@ from ..frontend.errors import guard
 
 
 @click.command("vllm-config")
-@click.option("--compiled", "compiled", multiple=True, required=True, type=click.Path(file_okay=False, exists=True),
+@click.option("--compiled", "compiled", multiple=True, type=click.Path(file_okay=False, exists=True),
               help="A compiled schema folder (`promptcache compile`); repeat for several.")
+@click.option("--documents", "documents", multiple=True, type=click.Path(file_okay=False, exists=True),
+              help="A DocumentStore folder (made with attach_separator=True); repeat for several.")
 @guard
-def vllm_config(compiled):
-    """Print vLLM's --kv-transfer-config for serving COMPILED schemas' states (one JSON line, last).
+def vllm_config(compiled, documents):
+    """Print vLLM's --kv-transfer-config for serving COMPILED schemas' and DOCUMENTS stores' states
+    (one JSON line, last).
 
     \b
     vllm serve MODEL --kv-transfer-config "$(promptcache vllm-config --compiled build/s | tail -1)"
@@ -23,4 +26,4 @@ def vllm_config(compiled):
     """
     from ..integrations.vllm import kv_transfer_config  # reads manifests (torch): not at `promptcache --help`
 
-    click.echo(json.dumps(kv_transfer_config(compiled), separators=(",", ":")))
+    click.echo(json.dumps(kv_transfer_config(compiled, documents), separators=(",", ":")))

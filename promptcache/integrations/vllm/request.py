@@ -1,10 +1,12 @@
-"""A PML prompt as a vLLM completions request: token ids, the states to supply, and the salt.
+"""A PML prompt or a RAG question as a vLLM completions request: token ids, the states to supply, the salt.
 
 ``to_vllm_request(pc, prompt)`` lays the prompt out with ``pc`` (a ``PromptCache`` holding its
 schema, the same model and tokenizer vLLM serves) and returns the keyword arguments of the
-official client's ``completions.create(model=..., max_tokens=..., **request)``. A prompt whose
-layout cannot be supplied (``supply.supply`` says why) is still a valid request: vLLM computes
-its tokens in full, at positions 0..n-1, and the reason is logged.
+official client's ``completions.create(model=..., max_tokens=..., **request)``.
+``to_vllm_request(store, (question, doc_ids), system=...)`` does the same for a ``DocumentStore``
+(persisted, ``attach_separator=True``: ``documents``). A prompt whose layout cannot be supplied
+(``supply.supply`` or the store says why) is still a valid request: vLLM computes its tokens in
+full, at positions 0..n-1, and the reason is logged.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ import logging
 from dataclasses import dataclass
 
 from ...keys import model_digest
+from ...rag import DocumentStore, DocumentStoreError
+from .documents import document_supply
 from .supply import PARAMS_KEY, Supply, SupplyError, supply
 
 __all__ = ["VllmRequest", "plan_request", "to_vllm_request"]
@@ -37,18 +41,35 @@ class VllmRequest:
         return {"prompt": list(self.token_ids), "extra_body": extra}
 
 
-def plan_request(pc, prompt, namespace: str | None = None) -> VllmRequest:
-    """``prompt`` (PML text or a file, as ``pc.layout`` takes it) as a vLLM request."""
-    layout = pc.layout(prompt, namespace)
+def plan_request(source, prompt, namespace: str | None = None, *, system: str | None = None) -> VllmRequest:
+    """``prompt`` as a vLLM request: PML text or a file (as ``pc.layout`` takes it) for a
+    ``PromptCache`` ``source``; a ``(question, doc_ids)`` pair (``system``: the system text) for a
+    ``DocumentStore``."""
+    if isinstance(source, DocumentStore):
+        return _plan_documents(source, prompt, system)
+    layout = source.layout(prompt, namespace)
     try:
-        return VllmRequest(layout.token_ids, supply(layout, model_digest(pc.model_key)))
+        return VllmRequest(layout.token_ids, supply(layout, model_digest(source.model_key)))
     except SupplyError as e:
         log.warning("promptcache: vLLM computes this prompt in full: %s", e)
         return VllmRequest(layout.token_ids, None, str(e))
 
 
-def to_vllm_request(pc, prompt, namespace: str | None = None) -> dict:
+def _plan_documents(store: DocumentStore, prompt, system: str | None) -> VllmRequest:
+    if not (isinstance(prompt, (tuple, list)) and len(prompt) == 2 and isinstance(prompt[0], str)):
+        raise TypeError(f"a DocumentStore's request is a (question, doc_ids) pair, got {type(prompt).__name__}")
+    question, doc_ids = prompt
+    try:
+        layout = store.served_layout(question, list(doc_ids), system)
+    except DocumentStoreError as e:
+        log.warning("promptcache: vLLM computes this prompt in full: %s", e)
+        return VllmRequest(store.layout(question, list(doc_ids), system).token_ids, None, str(e))
+    return VllmRequest(layout.token_ids, document_supply(store, layout))
+
+
+def to_vllm_request(source, prompt, namespace: str | None = None, *, system: str | None = None) -> dict:
     """Keyword arguments for ``client.completions.create(model=..., max_tokens=..., **request)``:
     ``prompt`` (the layout's token ids) and ``extra_body`` (``kv_transfer_params`` and ``cache_salt``
-    when vLLM is given stored states; empty when it computes the prompt in full, reason logged)."""
-    return plan_request(pc, prompt, namespace).kwargs
+    when vLLM is given stored states; empty when it computes the prompt in full, reason logged).
+    ``source`` and ``prompt`` as ``plan_request`` takes them."""
+    return plan_request(source, prompt, namespace, system=system).kwargs
