@@ -213,13 +213,14 @@ class DocumentStore:
         return self._prefill_chain(question, docs, system, reserve, keep_cache, t0)
 
     def served_layout(self, question: str, doc_ids: list[str], system: str | None = None) -> PromptLayout:
-        """``layout(question, doc_ids, system)`` with every cached span's states persisted in the
-        folder: the prefix (written now if it is new) and each document's unit (its separator
-        attached), then one run of new text. For a server that reads the folder (``integrations.vllm``);
-        a store without a ``path`` or without ``attach_separator`` raises ``DocumentStoreError``."""
-        if self.folder is None or not self.attach_separator:
-            raise DocumentStoreError("only a persisted store whose documents carry their separator (DocumentStore(pc, "
-                                     "path, attach_separator=True)) can be served from its folder")
+        """``layout(question, doc_ids, system)`` with every cached span's states stored (in the
+        engine's store under ``state_key``, and persisted in the folder where the store has one):
+        the prefix (encoded now if it is new) and each document's unit (its separator attached),
+        then one run of new text. For a server that reads them (``integrations.vllm``); a store
+        without ``attach_separator`` raises ``DocumentStoreError``."""
+        if not self.attach_separator:
+            raise DocumentStoreError("only a store whose documents carry their separator (DocumentStore(pc, ..., "
+                                     "attach_separator=True)) can be served elsewhere")
         layout = self.layout(question, doc_ids, system)
         self._prefix_state(layout, [], {})
         return layout
@@ -279,6 +280,10 @@ class DocumentStore:
     def _order(self, doc_ids: list[str]) -> list[Document]:
         docs = [self._get(d) for d in doc_ids]
         return sorted(docs, key=lambda d: d.id) if self.canonical_order and not self.independent else docs
+
+    def state_key(self, token_ids) -> str:
+        """The engine store's key of a unit or prefix (``token_ids`` encoded alone from position 0)."""
+        return self._key(token_ids)
 
     def _key(self, token_ids, namespace: str | None = None) -> str:
         """Store key of tokens encoded alone from position 0 (``namespace``: this store's)."""

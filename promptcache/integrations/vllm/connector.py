@@ -14,7 +14,9 @@ the package that imports vllm. vLLM makes two instances:
   ``do_kv_cache_update`` (so every backend's block layout is its own business).
 
 A request naming documents (``documents``: a ``DocumentStore`` folder's units, each rotated from
-0 to its start) is checked and loaded the same way, from the folders of ``extra_config["documents"]``.
+0 to its start) is checked and loaded the same way, from the folders of ``extra_config["documents"]``;
+one naming states by content key (``keyed``) from the Redis ``extra_config["remote"]`` and the
+spill folder ``extra_config["spill_dir"]`` an engine writes.
 
 Errors never give a wrong answer: a request whose states cannot be supplied is computed in full
 by vLLM (reason logged, at warning). Its blocks then enter vLLM's prefix cache under its salt,
@@ -36,6 +38,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V
                                                                KVConnectorRole)
 
 from .documents import DocumentStates, Unit, is_documents
+from .keyed import KeyedStates, is_keyed
 from .states import CompiledStates, rope_inv_freq, rotated
 from .supply import PARAMS_KEY, SupplyError, check
 
@@ -59,6 +62,7 @@ class Load:
     offset: int
     block_ids: list[int]
     units: tuple[Unit, ...] = ()  # documents: the prefix and each document's unit, in prompt order
+    keyed: tuple[tuple[str, int, int], ...] = ()  # states by content key: (key, tokens, shift), in prompt order
 
 
 @dataclass
@@ -78,6 +82,8 @@ class PromptCacheConnector(KVConnectorBase_V1):
         folders = self._kv_transfer_config.get_from_extra_config("compiled", [])
         self.states = CompiledStates(folders, model)
         self.documents = DocumentStates(self._kv_transfer_config.get_from_extra_config("documents", []), model)
+        self.keyed = KeyedStates(self._kv_transfer_config.get_from_extra_config("remote", None),
+                                 self._kv_transfer_config.get_from_extra_config("spill_dir", None), model)
         try:
             self.inv_freq, self.rope_refusal = rope_inv_freq(hf), None
         except SupplyError as e:
@@ -115,7 +121,11 @@ class PromptCacheConnector(KVConnectorBase_V1):
             if is_documents(params):
                 units, tokens = self.documents.check(params, request.prompt_token_ids, salt)
                 self.documents.verify(units)
-                return Load(request.request_id, None, (), 0, tokens, 0, [], tuple(units))
+                return Load(request.request_id, None, (), 0, tokens, 0, [], units=tuple(units))
+            if is_keyed(params):
+                states, tokens = self.keyed.check(params, request.prompt_token_ids, salt)
+                self.keyed.verify(states)
+                return Load(request.request_id, None, (), 0, tokens, 0, [], keyed=tuple(states))
             schema = self.states.schema(params.get("schema"), params.get("digest"))
             ok = check(params, schema, request.prompt_token_ids, salt)
             self.states.verify(schema.name, schema.digest, ok.spans)
@@ -169,6 +179,8 @@ class PromptCacheConnector(KVConnectorBase_V1):
         for load in meta.loads:
             if load.units:  # documents: each unit rotated from 0 to its start
                 kv = self.documents.kv(list(load.units), self.inv_freq)[:, :, heads, load.first:load.tokens]
+            elif load.keyed:  # each state by its own shift
+                kv = self.keyed.kv(list(load.keyed), self.inv_freq)[:, :, heads, load.first:load.tokens]
             else:
                 kv = self.states.kv(*load.schema, load.spans)  # [L, 2, H, n, D]
                 kv = rotated(kv[:, :, heads, load.first:load.tokens], self.inv_freq, load.offset)
