@@ -127,6 +127,15 @@ def test_a_store_whose_separators_run_is_computed_in_full(pc, tmp_path, caplog):
     assert "attach_separator" in caplog.text and "computes this prompt in full" in caplog.text
 
 
+def test_a_store_without_a_folder_needs_by_key(pc, caplog):
+    memory = DocumentStore(pc, independent=True, attach_separator=True)
+    memory.add("rome", DOCS["rome"])
+    with caplog.at_level(logging.WARNING, logger="promptcache.integrations.vllm.request"):
+        assert plan_request(memory, (Q, ["rome"])).supply is None
+    assert "without a path" in caplog.text
+    assert "states" in plan_request(memory, (Q, ["rome"]), by_key=True).supply.params
+
+
 def test_a_folder_reopened_with_the_other_unit_is_refused(pc, store):
     with pytest.raises(DocumentStoreError, match="stored with their separator"):
         DocumentStore(pc, store.path, independent=True)

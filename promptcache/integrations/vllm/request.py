@@ -75,10 +75,10 @@ def _plan_documents(store: DocumentStore, prompt, system: str | None, by_key: bo
             raise DocumentStoreError("a store without a path has no folder for the connector to read (give it a "
                                      "path, or send by_key=True to a connector that reads its engine's Redis)")
         layout = store.served_layout(question, list(doc_ids), system)
-    except DocumentStoreError as e:
+        planned = document_supply(store, layout)
+    except (DocumentStoreError, SupplyError) as e:
         log.warning("promptcache: vLLM computes this prompt in full: %s", e)
         return VllmRequest(store.layout(question, list(doc_ids), system).token_ids, None, str(e))
-    planned = document_supply(store, layout)
     if by_key:
         cached = [s for s in layout.spans if s.kind == "cached"]
         states = [(store.state_key(s.token_ids), len(s), s.position_ids[0]) for s in cached]
