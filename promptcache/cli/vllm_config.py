@@ -10,11 +10,18 @@ from ..frontend.errors import guard
 
 
 @click.command("vllm-config")
-@click.option("--compiled", "compiled", multiple=True, required=True, type=click.Path(file_okay=False, exists=True),
+@click.option("--compiled", "compiled", multiple=True, type=click.Path(file_okay=False, exists=True),
               help="A compiled schema folder (`promptcache compile`); repeat for several.")
+@click.option("--documents", "documents", multiple=True, type=click.Path(file_okay=False, exists=True),
+              help="A DocumentStore folder (made with attach_separator=True); repeat for several.")
+@click.option("--remote", default=None, metavar="URL",
+              help="The Redis a promptcache engine publishes to (StoreConfig.remote): states requests name by key.")
+@click.option("--spill-dir", "spill_dir", default=None, type=click.Path(file_okay=False, exists=True),
+              help="A promptcache engine's spill folder (StoreConfig.spill_dir): states requests name by key.")
 @guard
-def vllm_config(compiled):
-    """Print vLLM's --kv-transfer-config for serving COMPILED schemas' states (one JSON line, last).
+def vllm_config(compiled, documents, remote, spill_dir):
+    """Print vLLM's --kv-transfer-config for serving COMPILED schemas' and DOCUMENTS stores' states,
+    or the states an engine wrote to its REMOTE Redis or SPILL-DIR (one JSON line, last).
 
     \b
     vllm serve MODEL --kv-transfer-config "$(promptcache vllm-config --compiled build/s | tail -1)"
@@ -23,4 +30,4 @@ def vllm_config(compiled):
     """
     from ..integrations.vllm import kv_transfer_config  # reads manifests (torch): not at `promptcache --help`
 
-    click.echo(json.dumps(kv_transfer_config(compiled), separators=(",", ":")))
+    click.echo(json.dumps(kv_transfer_config(compiled, documents, remote, spill_dir), separators=(",", ":")))

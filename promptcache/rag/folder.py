@@ -5,9 +5,17 @@ Layout (independent states, written atomically with ``fsutil``)::
     index.json                  {"format_version": 2, "model": {fingerprint}, "model_digest": str,
                                  "tokenizer": str, "documents": [{"id": str, "text": str,
                                  "metadata": {}, "n_tokens": int, "digest": sha256 of the token
-                                 ids, "file": str, "sha256": codec checksum}, ...]}
+                                 ids, "file": str, "sha256": codec checksum}, ...],
+                                 "unit_suffix": [token ids stored after each document: its
+                                 separator, or none], "prefixes": [{"digest", "n_tokens", "file",
+                                 "sha256"}, ...]}
     docs/<digest[:32]>.safetensors   one state "kv" [L, 2, H, n, D] in the codec format
-                                 (portable key, model digest, checksum in its header)
+                                 (portable key, model digest, checksum in its header): the
+                                 document's unit (its tokens, then unit_suffix) encoded alone
+    prefixes/<digest[:32]>.safetensors   a prompt prefix (BOS, template header, system text)
+                                 encoded alone, written by stores whose units carry their separator
+
+``unit_suffix`` and ``prefixes`` may be absent (folders written before them: no suffix, none).
 
 Reading checks every field of the index (a wrong type, a null or a missing field is a
 ``DocumentStoreError`` naming the file, the document and the field), then each document against
@@ -36,15 +44,17 @@ __all__ = ["FORMAT_VERSION", "INDEX", "DocumentFolder"]
 FORMAT_VERSION = 2
 INDEX = "index.json"
 _FIELDS = {"id": str, "text": str, "metadata": dict, "n_tokens": int, "digest": str, "file": str, "sha256": str}
+_PREFIX_FIELDS = {"digest": str, "n_tokens": int, "file": str, "sha256": str}
 
 
 class DocumentFolder:
     """``path``: the folder; ``pc``: the engine whose states it holds. ``sums``: document digest ->
     checksum of its states file, for every document written or opened."""
 
-    def __init__(self, path: str | Path, pc):
-        self.path, self.pc = Path(path), pc
+    def __init__(self, path: str | Path, pc, suffix: tuple[int, ...] = ()):
+        self.path, self.pc, self.suffix = Path(path), pc, tuple(suffix)
         self.sums: dict[str, str] = {}
+        self.prefixes: dict[str, dict] = {}  # prefix token digest -> its index record
 
     @property
     def index(self) -> Path:
@@ -60,10 +70,20 @@ class DocumentFolder:
         return doc.digest in self.sums
 
     def write_states(self, doc: Document, kv: torch.Tensor) -> None:
-        """Write (or rewrite) a document's states file: one state "kv" with its portable key."""
-        sums = write_file(self.file(doc), {"kv": (self.portable_key(doc.token_ids), kv)},
+        """Write (or rewrite) a document's states file: one state "kv" (its unit) with its portable key."""
+        sums = write_file(self.file(doc), {"kv": (self.portable_key(doc.token_ids + self.suffix), kv)},
                           model_digest(self.pc.model_key))
         self.sums[doc.digest] = sums["kv"]
+
+    def has_prefix(self, token_ids) -> bool:
+        return token_digest(token_ids) in self.prefixes
+
+    def write_prefix(self, token_ids, kv: torch.Tensor) -> None:
+        """Write a prompt prefix's states (encoded alone); listed in the index at the next ``save``."""
+        digest = token_digest(token_ids)
+        f = self.path / "prefixes" / f"{digest[:32]}.safetensors"
+        sums = write_file(f, {"kv": (self.portable_key(token_ids), kv)}, model_digest(self.pc.model_key))
+        self.prefixes[digest] = {"digest": digest, "n_tokens": len(token_ids), "file": f.name, "sha256": sums["kv"]}
 
     def portable_key(self, token_ids) -> str:
         return alone_key(token_ids, self.pc.model_key, PORTABLE)
@@ -74,7 +94,7 @@ class DocumentFolder:
                     "file": self.file(d).name, "sha256": self.sums[d.digest]} for d in docs]
         index = {"format_version": FORMAT_VERSION, "model": self.pc.model_fingerprint,
                  "model_digest": model_digest(self.pc.model_key), "tokenizer": self.pc.tokenizer_fingerprint,
-                 "documents": records}
+                 "documents": records, "unit_suffix": list(self.suffix), "prefixes": list(self.prefixes.values())}
         atomic_write(self.index, json.dumps(index, indent=1))
 
     def read(self) -> tuple[list[dict], list[str]]:
@@ -90,6 +110,11 @@ class DocumentFolder:
                     if index["model"].get(k) != self.pc.model_fingerprint.get(k)]
         if index["tokenizer"] != self.pc.tokenizer_fingerprint:
             problems.append("tokenizer differs")
+        if tuple(index.get("unit_suffix", ())) != self.suffix:
+            problems.append("documents were stored " + ("without" if self.suffix else "with") + " their separator "
+                            "(attach_separator)")
+        elif not problems:
+            self.prefixes = {p["digest"]: p for p in index.get("prefixes", ())}
         return docs, problems
 
     def opened(self, records: list[dict]) -> list[tuple[Document, Path, StateInfo]]:
@@ -106,8 +131,9 @@ class DocumentFolder:
             if d["file"] != f.name or not f.is_file():
                 raise DocumentStoreError(f"{self.index}: document '{doc.id}': states file {self.path / 'docs' / d['file']} "
                                          f"is missing or misnamed (field 'file', expected {f.name})")
-            shape = (spec.layers, 2, spec.kv_heads, len(ids), spec.head_dim)
-            out.append((doc, f, StateInfo(self.portable_key(ids), str(spec.dtype).removeprefix("torch."), shape,
+            shape = (spec.layers, 2, spec.kv_heads, len(ids) + len(self.suffix), spec.head_dim)
+            out.append((doc, f, StateInfo(self.portable_key(ids + self.suffix), str(spec.dtype).removeprefix("torch."),
+                                          shape,
                                           model_digest(self.pc.model_key), d["sha256"])))
         for doc, _, expect in out:
             self.sums[doc.digest] = expect.checksum
@@ -142,4 +168,16 @@ def check_index(index, where: Path) -> list[dict]:
         if d["id"] in seen:
             raise bad(f"documents[{n}].id", f"repeats id '{d['id']}'")
         seen.add(d["id"])
+    suffix = index.get("unit_suffix", [])
+    if not isinstance(suffix, list) or not all(type(t) is int for t in suffix):
+        raise bad("unit_suffix", "must be a list of token ids")
+    prefixes = index.get("prefixes", [])
+    if not isinstance(prefixes, list):
+        raise bad("prefixes", "must be a list")
+    for n, p in enumerate(prefixes):
+        for name, typ in _PREFIX_FIELDS.items():
+            v = p.get(name) if isinstance(p, dict) else None
+            if not isinstance(v, typ) or isinstance(v, bool) or (typ is str and not v):
+                raise bad(f"prefixes[{n}].{name}", f"must be a{' non-empty' if typ is str else 'n'} {typ.__name__}, "
+                          f"got {v!r:.40}")
     return docs

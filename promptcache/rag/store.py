@@ -33,6 +33,11 @@ then the question and the template's tail. Three modes (``DocumentStore.mode``; 
   quality knob; small fractions kept the most answers (figures: eval/results/quality.md). The default, ``recompute="auto"``,
   recomputes 0.15 of the drifted documents' tokens (``engine.prefill.recompute.AUTO_FRACTION``).
   Rotary and ALiBi models only (learned absolute positions cannot be moved).
+  ``attach_separator=True`` stores each document *with* its separator as one unit, encoded alone
+  (the separator then sees only its own document, not the documents before it): a prompt is then
+  its cached prefix, cached units and one run of new text (the question), the shape a server that
+  can be handed only a prefix of stored states can place (``integrations.vllm``: vLLM's KV
+  connector). Off by default: it changes what the separators attend to.
 * **Hybrid** (``hybrid=True``): the longest stored chain of the request's leading documents (exact;
   chains are written by chain stores on the same engine), then the other documents as in
   ``independent``, their drift recomputed (``recompute``, default ``"auto"``). Exact when the whole
@@ -91,7 +96,8 @@ class DocumentStore:
 
     def __init__(self, pc: PromptCache, path: str | Path | None = None, namespace: str | None = None,
                  reencode: bool = False, *, exact: bool = False, independent: bool = False, hybrid: bool = False,
-                 canonical_order: bool = False, separator: str = "\n\n", selection: str | None = None):
+                 canonical_order: bool = False, separator: str = "\n\n", selection: str | None = None,
+                 attach_separator: bool = False):
         if sum(map(bool, (exact, independent, hybrid))) > 1:
             raise ValueError("DocumentStore: exact=True, independent=True and hybrid=True exclude each other "
                              "(pick one mode)")
@@ -107,12 +113,23 @@ class DocumentStore:
         self.canonical_order = bool(canonical_order)
         self.separator = separator
         self._sep = tuple(pc.tok.encode(separator)) if separator else ()
+        self.attach_separator = bool(attach_separator) and bool(self._sep)
         self.path = Path(path) if path is not None else None
-        self.folder = DocumentFolder(self.path, pc) if self.path is not None else None
+        self.folder = DocumentFolder(self.path, pc, self._suffix) if self.path is not None else None
         self._docs: dict[str, Document] = {}
         self._lock = threading.RLock()
         if self.folder is not None and self.folder.exists():
             self._open(reencode)
+
+    @property
+    def _suffix(self) -> tuple[int, ...]:
+        """Token ids stored after each document in its unit: its separator with ``attach_separator``."""
+        return self._sep if self.attach_separator else ()
+
+    def unit_ids(self, doc: Document) -> tuple[int, ...]:
+        """Token ids of ``doc``'s stored unit (encoded alone from position 0): the document, and its
+        separator when the store has ``attach_separator``."""
+        return doc.token_ids + self._suffix
 
     @property
     def exact(self) -> bool:
@@ -142,9 +159,10 @@ class DocumentStore:
             raise ValueError(f"document '{doc_id}' is empty")
         digest = token_digest(ids)
         doc = Document(doc_id, text, dict(metadata or {}), len(ids), digest, tuple(ids))
-        key = self._key(ids)
+        unit = self.unit_ids(doc)
+        key = self._key(unit)
         if (not self.exact or self.path is not None) and key not in self.pc.store:
-            kv = self._put(key, self.pc.encode_span(ids))
+            kv = self._put(key, self.pc.encode_span(list(unit)))
             if self.folder is not None:
                 self.folder.write_states(doc, kv)
         with self._lock:
@@ -193,6 +211,19 @@ class DocumentStore:
             return self._prefill_independent(question, docs, system, reserve, keep_cache, t0, r,
                                              (cached, hits, chained))
         return self._prefill_chain(question, docs, system, reserve, keep_cache, t0)
+
+    def served_layout(self, question: str, doc_ids: list[str], system: str | None = None) -> PromptLayout:
+        """``layout(question, doc_ids, system)`` with every cached span's states stored (in the
+        engine's store under ``state_key``, and persisted in the folder where the store has one):
+        the prefix (encoded now if it is new) and each document's unit (its separator attached),
+        then one run of new text. For a server that reads them (``integrations.vllm``); a store
+        without ``attach_separator`` raises ``DocumentStoreError``."""
+        if not self.attach_separator:
+            raise DocumentStoreError("only a store whose documents carry their separator (DocumentStore(pc, ..., "
+                                     "attach_separator=True)) can be served elsewhere")
+        layout = self.layout(question, doc_ids, system)
+        self._prefix_state(layout, [], {})
+        return layout
 
     @property
     def private_prefill(self) -> bool:
@@ -250,6 +281,10 @@ class DocumentStore:
         docs = [self._get(d) for d in doc_ids]
         return sorted(docs, key=lambda d: d.id) if self.canonical_order and not self.independent else docs
 
+    def state_key(self, token_ids) -> str:
+        """The engine store's key of a unit or prefix (``token_ids`` encoded alone from position 0)."""
+        return self._key(token_ids)
+
     def _key(self, token_ids, namespace: str | None = None) -> str:
         """Store key of tokens encoded alone from position 0 (``namespace``: this store's)."""
         return alone_key(token_ids, self.pc.model_key, self.namespace if namespace is None else namespace)
@@ -268,7 +303,7 @@ class DocumentStore:
         spans = [Span("cached", "(prefix)", tuple(prefix), tuple(range(len(prefix))), "glue")] if prefix else []
         pos = len(prefix)
         for n, d in enumerate(docs):
-            alone = n >= chained
+            alone = n >= chained and not self.attach_separator  # an attached separator is in the unit
             ids = d.token_ids if alone else d.token_ids + self._sep
             spans.append(Span("cached", f"doc:{d.id}", ids, tuple(range(pos, pos + len(ids))), "module"))
             pos += len(ids)
@@ -287,6 +322,10 @@ class DocumentStore:
         if key not in self.pc.store:
             self._put(key, self.pc.encode_span(list(first.token_ids)))
         kv, tier = self.pc.store.get(key)
+        if self.folder is not None and self.attach_separator and not self.folder.has_prefix(first.token_ids):
+            with self._lock:  # persisted for servers that read the folder (integrations.vllm)
+                self.folder.write_prefix(first.token_ids, kv)
+                self._save_index()
         hits[tier] = hits.get(tier, 0) + 1
         cached.append(Segment(key, kv, torch.arange(len(first.token_ids), device=self.pc.device)))
 
@@ -386,14 +425,14 @@ class DocumentStore:
             return
         for d in self._docs.values():
             if not self.folder.has_states(d):  # stored in memory before (same text): persist it now
-                self.folder.write_states(d, self.pc.store.get(self._key(d.token_ids))[0])
+                self.folder.write_states(d, self.pc.store.get(self._key(self.unit_ids(d)))[0])
         self.folder.save(self._docs.values())
 
     def _open(self, reencode: bool) -> None:
         records, problems = self.folder.read()
         if problems:
             if not reencode:
-                raise DocumentStoreError(f"document store {self.path} was built with another model or tokenizer: "
+                raise DocumentStoreError(f"document store {self.path} was built with another model, tokenizer or unit: "
                                          f"{'; '.join(problems)}. Open it with that model, or build a store for this "
                                          "model in another folder; reencode=True re-encodes it in place, replacing the "
                                          "other model's states.")
@@ -403,5 +442,5 @@ class DocumentStore:
             return
         for doc, f, expect in self.folder.opened(records):
             # read lazily on first use; the disk tier verifies it and never uses a bad file
-            self.pc.store.register_file(f, {self._key(doc.token_ids): ("kv", expect, 0)})
+            self.pc.store.register_file(f, {self._key(self.unit_ids(doc)): ("kv", expect, 0)})
             self._docs[doc.id] = doc

@@ -1,8 +1,10 @@
 """PML on vLLM, end to end: vLLM's CPU build serves SmolLM2 with promptcache's connector loaded,
 and the official ``openai`` client sends PML prompts made by ``to_vllm_request``.
 
-For prefix subsets, gapped imports, union members and late modules alone: vLLM's greedy text
-equals promptcache's own engine at recompute=0, the first token's logprob is within 1e-3 of the
+For prefix subsets, gapped imports, union members, late modules alone and RAG documents in new
+orders (a ``DocumentStore`` with ``attach_separator``), from compiled and document folders and
+by key from an engine's Redis (a real redis-server): vLLM's greedy text equals promptcache's
+own engine at recompute=0 (documents: the independent mode), the first token's logprob is within 1e-3 of the
 engine's (float32, different kernels), and vLLM's ``cached_tokens`` counts exactly the supplied
 tokens. A request whose states cannot be supplied (here: a forged salt) is computed in full:
 its text is a plain prefill's of the same tokens and nothing counts as cached.
@@ -22,8 +24,11 @@ import torch
 from eval.peer_servers import MODEL_NAME, Running
 from eval.vllm_connector import server, vllm_venv
 from promptcache import EngineConfig, PromptCache, RecomputeConfig
+from promptcache.store import StoreConfig
+from redis_server import RedisServer
 from promptcache.integrations.vllm import kv_transfer_config, plan_request
 from promptcache.models.smollm2 import ensure_smollm2
+from promptcache.rag import DocumentStore
 
 openai = pytest.importorskip("openai")
 
@@ -46,6 +51,17 @@ PROMPTS = {
     "union member": '<prompt schema="facts"><tokyo/><rich/> Question: what is the budget? Answer:</prompt>',
     "late modules": '<prompt schema="facts"><rome/><oslo/> Question: when does the ferry depart? Answer:</prompt>',
 }
+DOCS = {
+    "museum": "The city museum opens at nine in the morning and closes at six in the evening.",
+    "train": "The train to the coast leaves every twenty minutes from platform four.",
+    "bakery": "The bakery on the square sells bread with olives and closes at noon on Sundays.",
+}
+DOC_QUESTIONS = {  # documents in orders no earlier request used
+    "three documents": ("When does the museum close?", ["train", "bakery", "museum"]),
+    "a new order": ("Where does the train leave from?", ["museum", "train", "bakery"]),
+    "two of three": ("What does the bakery sell?", ["bakery", "museum"]),
+}
+SYSTEM = "Answer from the notes."
 TOKENS = 8
 
 
@@ -55,12 +71,39 @@ def pc():
 
 
 @pytest.fixture(scope="module")
-def client(pc, tmp_path_factory):
+def store(pc, tmp_path_factory):
+    s = DocumentStore(pc, tmp_path_factory.mktemp("vllm-docs") / "docs", independent=True, attach_separator=True)
+    for k, v in DOCS.items():
+        s.add(k, v)
+    return s
+
+
+@pytest.fixture(scope="module")
+def redis_url():
+    server = RedisServer().start()
+    yield server.url
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def shared(redis_url):
+    """An engine that publishes its states to Redis (no compile step), and a document store on it."""
+    config = EngineConfig(recompute=RecomputeConfig(fraction=0), store=StoreConfig(remote=redis_url))
+    pc = PromptCache.from_pretrained(ensure_smollm2(), config=config)
+    pc.add_schema(SCHEMA)
+    s = DocumentStore(pc, independent=True, attach_separator=True)
+    for k, v in DOCS.items():
+        s.add(k, v)
+    return pc, s
+
+
+@pytest.fixture(scope="module")
+def client(pc, store, redis_url, tmp_path_factory):
     folder = pc.compile(SCHEMA, tmp_path_factory.mktemp("vllm") / "facts")
     venv = vllm_venv()
     args = types.SimpleNamespace(threads=2, model_dir=str(ensure_smollm2()))
     log = tmp_path_factory.mktemp("vllm-log") / "vllm.log"
-    with Running(server(kv_transfer_config([folder]), venv), args, log) as running:
+    with Running(server(kv_transfer_config([folder], [store.path], remote=redis_url), venv), args, log) as running:
         yield openai.OpenAI(base_url=running.url, api_key="none", max_retries=0, timeout=600), log
         running.stop()
 
@@ -82,6 +125,41 @@ def test_vllm_with_the_connector_answers_as_the_engine(pc, client, name):
     assert text == want.text, f"{name}: vLLM {text!r}, promptcache {want.text!r} (log: {log})"
     assert math.isclose(logprob, first, abs_tol=1e-3), f"{name}: first-token logprob {logprob} vs {first}"
     assert cached == request.supply.tokens
+
+
+@pytest.mark.parametrize("name", list(DOC_QUESTIONS))
+def test_documents_in_new_orders_answer_as_the_engine(store, client, name):
+    client, log = client
+    question, order = DOC_QUESTIONS[name]
+    request = plan_request(store, (question, order), system=SYSTEM)
+    assert request.supply is not None, request.reason
+    text, logprob, cached = ask(client, request.kwargs)
+    want = store.generate(question, order, SYSTEM, max_new_tokens=TOKENS, recompute=0)
+    logits = store.prefill(question, order, SYSTEM, recompute=0).logits.float()
+    first = torch.log_softmax(logits, -1)[want.token_ids[0]].item()
+    assert text == want.text, f"{name}: vLLM {text!r}, promptcache {want.text!r} (log: {log})"
+    assert math.isclose(logprob, first, abs_tol=1e-3), f"{name}: first-token logprob {logprob} vs {first}"
+    assert cached == request.supply.tokens
+
+
+def test_states_by_key_from_the_engines_redis(shared, client):
+    pc, store = shared
+    client, log = client
+    question, order = DOC_QUESTIONS["a new order"]
+    cases = [(plan_request(pc, PROMPTS["gapped imports"], by_key=True),
+              lambda: pc.generate(PROMPTS["gapped imports"], max_new_tokens=TOKENS, recompute=0),
+              lambda: pc.prefill(PROMPTS["gapped imports"], recompute=0).logits),
+             (plan_request(store, (question, order), system=SYSTEM, by_key=True),
+              lambda: store.generate(question, order, SYSTEM, max_new_tokens=TOKENS, recompute=0),
+              lambda: store.prefill(question, order, SYSTEM, recompute=0).logits)]
+    for request, generate, logits in cases:
+        assert request.supply is not None and "states" in request.supply.params, request.reason
+        text, logprob, cached = ask(client, request.kwargs)
+        want = generate()
+        first = torch.log_softmax(logits().float(), -1)[want.token_ids[0]].item()
+        assert text == want.text, f"vLLM {text!r}, promptcache {want.text!r} (log: {log})"
+        assert math.isclose(logprob, first, abs_tol=1e-3), f"first-token logprob {logprob} vs {first}"
+        assert cached == request.supply.tokens
 
 
 def test_a_request_the_connector_refuses_is_computed_in_full(pc, client):

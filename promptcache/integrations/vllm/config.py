@@ -5,6 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from ...artifact import ArtifactError, read_manifest
+from ...rag import INDEX
+from ...store.config import REMOTE_SCHEMES
 
 __all__ = ["CONNECTOR_MODULE", "CONNECTOR_NAME", "kv_transfer_config"]
 
@@ -12,9 +14,13 @@ CONNECTOR_NAME = "PromptCacheConnector"
 CONNECTOR_MODULE = "promptcache.integrations.vllm.connector"
 
 
-def kv_transfer_config(compiled) -> dict:
-    """vLLM's kv-transfer config for the compiled schema folders ``compiled`` (absolute paths:
-    vLLM may run elsewhere). Each folder must be a readable artifact (``ArtifactError`` otherwise).
+def kv_transfer_config(compiled=(), documents=(), remote: str | None = None, spill_dir=None) -> dict:
+    """vLLM's kv-transfer config for the compiled schema folders ``compiled`` and the document store
+    folders ``documents`` (``DocumentStore(pc, path, attach_separator=True)``), as absolute paths
+    (vLLM may run elsewhere). Each compiled folder must be a readable artifact (``ArtifactError``
+    otherwise), each document folder must hold a store's index. ``remote`` (a Redis URL) and
+    ``spill_dir`` (a folder): the tiers of a promptcache engine whose states requests name by
+    content key (``to_vllm_request(..., by_key=True)``).
     A load that fails in vLLM fails the request (``kv_load_failure_policy`` "fail"): recomputing
     only the failed blocks would mix plain states into a rotated layout."""
     folders = []
@@ -22,7 +28,21 @@ def kv_transfer_config(compiled) -> dict:
         path = Path(folder).resolve()
         read_manifest(path)  # raises ArtifactError naming what is wrong
         folders.append(str(path))
-    if not folders:
-        raise ArtifactError("give at least one compiled schema folder (--compiled DIR)")
+    stores = []
+    for folder in documents:
+        path = Path(folder).resolve()
+        if not (path / INDEX).is_file():
+            raise ArtifactError(f"{path} is not a document store folder (no {INDEX})")
+        stores.append(str(path))
+    extra = {"compiled": folders, "documents": stores}
+    if remote:
+        if not str(remote).startswith(REMOTE_SCHEMES):
+            raise ArtifactError(f"--remote must be a redis:// (or redis+cluster://) URL, got {remote!r}")
+        extra["remote"] = str(remote)
+    if spill_dir:
+        extra["spill_dir"] = str(Path(spill_dir).resolve())
+    if not folders and not stores and not remote and not spill_dir:
+        raise ArtifactError("give at least one compiled schema folder (--compiled DIR), document store folder "
+                            "(--documents DIR), Redis (--remote URL) or spill folder (--spill-dir DIR)")
     return {"kv_connector": CONNECTOR_NAME, "kv_connector_module_path": CONNECTOR_MODULE, "kv_role": "kv_consumer",
-            "kv_load_failure_policy": "fail", "kv_connector_extra_config": {"compiled": folders}}
+            "kv_load_failure_policy": "fail", "kv_connector_extra_config": extra}

@@ -1,4 +1,4 @@
-"""``PromptCacheConnector``: vLLM's KV connector over promptcache's compiled schemas.
+"""``PromptCacheConnector``: vLLM's KV connector over promptcache's compiled schemas and document stores.
 
 Loaded by vLLM (``--kv-transfer-config``, see ``config.kv_transfer_config``); the only module of
 the package that imports vllm. vLLM makes two instances:
@@ -12,6 +12,11 @@ the package that imports vllm. vLLM makes two instances:
   (``supply`` explains why one offset is exact), keeps this tensor-parallel rank's heads and
   writes keys and values into vLLM's paged cache through the attention backend's own
   ``do_kv_cache_update`` (so every backend's block layout is its own business).
+
+A request naming documents (``documents``: a ``DocumentStore`` folder's units, each rotated from
+0 to its start) is checked and loaded the same way, from the folders of ``extra_config["documents"]``;
+one naming states by content key (``keyed``) from the Redis ``extra_config["remote"]`` and the
+spill folder ``extra_config["spill_dir"]`` an engine writes.
 
 Errors never give a wrong answer: a request whose states cannot be supplied is computed in full
 by vLLM (reason logged, at warning). Its blocks then enter vLLM's prefix cache under its salt,
@@ -32,6 +37,8 @@ import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1, KVConnectorMetadata,
                                                                KVConnectorRole)
 
+from .documents import DocumentStates, Unit, is_documents
+from .keyed import KeyedStates, is_keyed
 from .states import CompiledStates, rope_inv_freq, rotated
 from .supply import PARAMS_KEY, SupplyError, check
 
@@ -44,15 +51,18 @@ REFUSED_SALTS = 65536  # salts remembered as computed in full (least recently re
 
 @dataclass
 class Load:
-    """One request's states to write: tokens [first, tokens) of its spans, at ``slots``."""
+    """One request's states to write: tokens [first, tokens) of its spans (a schema's, rotated by
+    ``offset``) or of its document units (each rotated to its start), at ``slots``."""
 
     req_id: str
-    schema: tuple[str, str]  # (name, digest)
+    schema: tuple[str, str] | None  # (name, digest); None for documents
     spans: tuple[int, ...]
     first: int  # the first token vLLM's own prefix cache does not hold
     tokens: int
     offset: int
     block_ids: list[int]
+    units: tuple[Unit, ...] = ()  # documents: the prefix and each document's unit, in prompt order
+    keyed: tuple[tuple[str, int, int], ...] = ()  # states by content key: (key, tokens, shift), in prompt order
 
 
 @dataclass
@@ -71,6 +81,9 @@ class PromptCacheConnector(KVConnectorBase_V1):
                  "head_dim": vllm_config.model_config.get_head_size()}
         folders = self._kv_transfer_config.get_from_extra_config("compiled", [])
         self.states = CompiledStates(folders, model)
+        self.documents = DocumentStates(self._kv_transfer_config.get_from_extra_config("documents", []), model)
+        self.keyed = KeyedStates(self._kv_transfer_config.get_from_extra_config("remote", None),
+                                 self._kv_transfer_config.get_from_extra_config("spill_dir", None), model)
         try:
             self.inv_freq, self.rope_refusal = rope_inv_freq(hf), None
         except SupplyError as e:
@@ -105,6 +118,14 @@ class PromptCacheConnector(KVConnectorBase_V1):
                 raise SupplyError(self.rope_refusal)
             if not isinstance(params, dict):
                 raise SupplyError(f"kv_transfer_params['{PARAMS_KEY}'] is not an object")
+            if is_documents(params):
+                units, tokens = self.documents.check(params, request.prompt_token_ids, salt)
+                self.documents.verify(units)
+                return Load(request.request_id, None, (), 0, tokens, 0, [], units=tuple(units))
+            if is_keyed(params):
+                states, tokens = self.keyed.check(params, request.prompt_token_ids, salt)
+                self.keyed.verify(states)
+                return Load(request.request_id, None, (), 0, tokens, 0, [], keyed=tuple(states))
             schema = self.states.schema(params.get("schema"), params.get("digest"))
             ok = check(params, schema, request.prompt_token_ids, salt)
             self.states.verify(schema.name, schema.digest, ok.spans)
@@ -156,8 +177,13 @@ class PromptCacheConnector(KVConnectorBase_V1):
                                f"the model has {self.layers}")
         heads = self._rank_heads()
         for load in meta.loads:
-            kv = self.states.kv(*load.schema, load.spans)  # [L, 2, H, n, D]
-            kv = rotated(kv[:, :, heads, load.first:load.tokens], self.inv_freq, load.offset)
+            if load.units:  # documents: each unit rotated from 0 to its start
+                kv = self.documents.kv(list(load.units), self.inv_freq)[:, :, heads, load.first:load.tokens]
+            elif load.keyed:  # each state by its own shift
+                kv = self.keyed.kv(list(load.keyed), self.inv_freq)[:, :, heads, load.first:load.tokens]
+            else:
+                kv = self.states.kv(*load.schema, load.spans)  # [L, 2, H, n, D]
+                kv = rotated(kv[:, :, heads, load.first:load.tokens], self.inv_freq, load.offset)
             slots = _slots(load.block_ids, self.block_size, load.first, load.tokens)
             for i, layer in enumerate(layers):
                 cache = layer.kv_cache
