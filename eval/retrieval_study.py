@@ -146,7 +146,7 @@ def engine_recompute(pc, req: Request, r: float, max_new_tokens: int) -> Answer:
     return engine_answer(pc, req, max_new_tokens, recompute=r)
 
 
-def engine_anchor(selection: str, r: float | None = None, anchored: bool = True) -> Callable:
+def engine_anchor(selection: str, r: float | None = None, prefixed: bool = False) -> Callable:
     """An anchor through the engine: the request's documents reused independently, ``selection``
     (an engine selection) choosing ``r`` (default ``AUTO_FRACTION``) of their tokens (the same
     notes' states: a store on the same namespace encodes nothing again)."""
@@ -157,7 +157,7 @@ def engine_anchor(selection: str, r: float | None = None, anchored: bool = True)
 
     def run(pc, req: Request, max_new_tokens: int) -> Answer:
         other = DocumentStore(pc, namespace=req.store.namespace, independent=True, selection=selection,
-                              anchored=anchored)
+                              prefixed=prefixed)
         for d in req.doc_ids:
             other.add(d, req.store.get(d).text)
         return engine_answer(pc, Request(store=other, question=req.question, doc_ids=req.doc_ids), max_new_tokens,
@@ -183,22 +183,22 @@ ANCHORS = {"anchored@0.15": engine_anchor("anchored"), "epic@0.15": engine_ancho
            # from position 0) with the default's selection, with none, and with the question's attention
            "ref_qmatch@0.15": reference_anchor("qmatch"), "ref_none@0": reference_anchor("none", 0.0),
            "ref_qattn@0.15": reference_anchor("qattn"),
-           # the documents encoded alone from position 0 (the store's encoding before issue 36's anchor)
-           "alone_qmatch@0.15": engine_anchor("qmatch", anchored=False),
-           "alone_ape@0.15": engine_anchor("ape", anchored=False)}
+           # the documents encoded after a system-less request's prefix (DocumentStore(prefixed=True)), not alone
+           "prefixed:qmatch@0.15": engine_anchor("qmatch", prefixed=True),
+           "prefixed:ape@0.15": engine_anchor("ape", prefixed=True)}
 
 
 def anchor(label: str) -> Callable:
     """An anchor by label: one of ``ANCHORS``, or ``SELECTION@R`` for any engine selection at the
-    fraction ``R`` (``qmatch@0.12``: the default's selection at another budget; ``alone:qmatch@0.15``: with
-    the documents encoded alone from position 0, the store's ``anchored=False``)."""
+    fraction ``R`` (``qmatch@0.12``: the default's selection at another budget; ``prefixed:qmatch@0.15``:
+    the documents encoded after a system-less request's prefix, ``DocumentStore(prefixed=True)``)."""
     if label in ANCHORS:
         return ANCHORS[label]
     from promptcache.engine.prefill.recompute import SELECTIONS as ENGINE_SELECTIONS
 
     name, _, r = label.partition("@")
-    alone = name.startswith("alone:")  # "alone:SELECTION@R": the documents encoded alone from position 0
-    name = name.removeprefix("alone:")
+    prefixed = name.startswith("prefixed:")  # "prefixed:SELECTION@R": DocumentStore(prefixed=True)
+    name = name.removeprefix("prefixed:")
     try:
         fraction = float(r)
     except ValueError:
@@ -206,7 +206,7 @@ def anchor(label: str) -> Callable:
     if name not in ENGINE_SELECTIONS or not 0.0 <= fraction <= 1.0:
         raise ValueError(f"unknown anchor {label!r} (known: {', '.join(ANCHORS)}, or SELECTION@FRACTION with an "
                          f"engine selection: {', '.join(ENGINE_SELECTIONS)})")
-    return engine_anchor(name, fraction, anchored=not alone)
+    return engine_anchor(name, fraction, prefixed=prefixed)
 
 
 def correct(sample: dict, text: str) -> int:

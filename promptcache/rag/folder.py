@@ -3,8 +3,8 @@
 Layout (independent states, written atomically with ``fsutil``)::
 
     index.json                  {"format_version": 2, "model": {fingerprint}, "model_digest": str,
-                                 "tokenizer": str, "anchor": [token ids each document was encoded
-                                 after; absent or []: alone], "documents": [{"id": str, "text": str,
+                                 "tokenizer": str, "encode_prefix": [token ids each document was
+                                 encoded after; absent or []: alone], "documents": [{"id": str, "text": str,
                                  "metadata": {}, "n_tokens": int, "digest": sha256 of the token
                                  ids, "file": str, "sha256": codec checksum}, ...]}
     docs/<digest[:32]>.safetensors   one state "kv" [L, 2, H, n, D] in the codec format
@@ -40,12 +40,12 @@ _FIELDS = {"id": str, "text": str, "metadata": dict, "n_tokens": int, "digest": 
 
 
 class DocumentFolder:
-    """``path``: the folder; ``pc``: the engine whose states it holds; ``anchor``: the tokens each
-    document is encoded after (``DocumentStore.anchor``). ``sums``: document digest -> checksum of
-    its states file, for every document written or opened."""
+    """``path``: the folder; ``pc``: the engine whose states it holds; ``encode_prefix``: the tokens
+    each document is encoded after (``DocumentStore.encode_prefix``). ``sums``: document digest ->
+    checksum of its states file, for every document written or opened."""
 
-    def __init__(self, path: str | Path, pc, anchor: tuple[int, ...] = ()):
-        self.path, self.pc, self.anchor = Path(path), pc, tuple(anchor)
+    def __init__(self, path: str | Path, pc, encode_prefix: tuple[int, ...] = ()):
+        self.path, self.pc, self.encode_prefix = Path(path), pc, tuple(encode_prefix)
         self.sums: dict[str, str] = {}
 
     @property
@@ -76,7 +76,7 @@ class DocumentFolder:
                     "file": self.file(d).name, "sha256": self.sums[d.digest]} for d in docs]
         index = {"format_version": FORMAT_VERSION, "model": self.pc.model_fingerprint,
                  "model_digest": model_digest(self.pc.model_key), "tokenizer": self.pc.tokenizer_fingerprint,
-                 "anchor": list(self.anchor), "documents": records}
+                 "encode_prefix": list(self.encode_prefix), "documents": records}
         atomic_write(self.index, json.dumps(index, indent=1))
 
     def read(self) -> tuple[list[dict], list[str]]:
@@ -92,9 +92,9 @@ class DocumentFolder:
                     if index["model"].get(k) != self.pc.model_fingerprint.get(k)]
         if index["tokenizer"] != self.pc.tokenizer_fingerprint:
             problems.append("tokenizer differs")
-        if tuple(index.get("anchor", ())) != self.anchor:  # a folder without the field: encoded alone
-            problems.append(f"documents were encoded after {len(index.get('anchor', ()))} anchor tokens, this store "
-                            f"encodes them after {len(self.anchor)} (DocumentStore(anchored=...))")
+        if tuple(index.get("encode_prefix", ())) != self.encode_prefix:  # a folder without the field: encoded alone
+            problems.append(f"documents were encoded after {len(index.get('encode_prefix', ()))} prefix tokens, "
+                            f"this store encodes them after {len(self.encode_prefix)} (DocumentStore(prefixed=...))")
         return docs, problems
 
     def opened(self, records: list[dict]) -> list[tuple[Document, Path, StateInfo]]:
@@ -132,9 +132,9 @@ def check_index(index, where: Path) -> list[dict]:
         raise bad("model", "must be an object (the model fingerprint)")
     if not isinstance(index.get("tokenizer"), str):
         raise bad("tokenizer", "must be a string (the tokenizer fingerprint)")
-    anchor = index.get("anchor", [])
-    if not isinstance(anchor, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in anchor):
-        raise bad("anchor", "must be a list of token ids (what each document was encoded after)")
+    prefix = index.get("encode_prefix", [])
+    if not isinstance(prefix, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in prefix):
+        raise bad("encode_prefix", "must be a list of token ids (what each document was encoded after)")
     docs = index.get("documents")
     if not isinstance(docs, list):
         raise bad("documents", "must be a list")

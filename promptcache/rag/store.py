@@ -24,14 +24,15 @@ then the question and the template's tail. Three modes (``DocumentStore.mode``; 
   request's documents by id first, so requests retrieving the same set in any order share a chain.
   Works with every supported family (nothing is relocated).
 * **Independent** (``independent=True``, the paper's position-independent modules). Each document
-  is encoded once, after the store's ``anchor`` (the prefix of a request without a system text:
-  BOS and the chat template's header; ``anchored=False``: alone, from position 0), only its own
-  states kept, stored and persisted; at prompt time it is moved to its position exactly
-  (``models.relocate``); the separators and the question run through the model. The anchor keeps
-  the attention sink where the prompt has it (on the prefix): a document encoded alone makes its
-  own first token a sink, mid-prompt (measured: docs/rag.md). Cheapest to reuse (any subset, any
-  order), but a document never sees the documents before it, which costs answers (at ``recompute=0`` far fewer than full prefill's on the
-  retrieval study). ``recompute=r`` (the engine's selective recompute; the default selection
+  is encoded once, alone (no context, positions from 0; ``prefixed=True``: after the store's
+  ``encode_prefix``, the prefix of a request without a system text, only the document's states kept),
+  stored and persisted; at prompt time it is moved to its position exactly (``models.relocate``);
+  the separators and the question run through the model. The prefix keeps the attention sink
+  where the prompt has it, not on the document's first token mid-prompt: it lowered the memo
+  task's first-token KL (0.12 -> 0.05) and lost answers on both tasks, so it is an option
+  (docs/rag.md). Cheapest to reuse (any subset, any order), but a document never sees the
+  documents before it, which costs answers (at ``recompute=0`` far fewer than full prefill's on
+  the retrieval study). ``recompute=r`` (the engine's selective recompute; the default selection
   ``qmatch`` recomputes the documents the question names, then the others from the first) is the
   quality knob; small fractions kept the most answers (figures: eval/results/quality.md). The default, ``recompute="auto"``,
   recomputes 0.15 of the drifted documents' tokens (``engine.prefill.recompute.AUTO_FRACTION``).
@@ -90,13 +91,13 @@ class DocumentStore:
     lookup; ``canonical_order``: chains order a request's documents by id; ``separator``: text
     after each document; ``selection``: which reused tokens ``recompute`` chooses (an engine
     selection, default the engine's ``config.recompute.selection``: ``qmatch``; ``ape`` adds APE's
-    temperature, docs/rag.md has what each kept); ``anchored``: documents are encoded after
-    ``anchor`` (default) or alone from position 0 (``False``; a folder records which)."""
+    temperature, docs/rag.md has what each kept); ``prefixed``: documents are encoded after
+    ``encode_prefix`` or alone from position 0 (the default, ``False``; a folder records which)."""
 
     def __init__(self, pc: PromptCache, path: str | Path | None = None, namespace: str | None = None,
                  reencode: bool = False, *, exact: bool = False, independent: bool = False, hybrid: bool = False,
                  canonical_order: bool = False, separator: str = "\n\n", selection: str | None = None,
-                 anchored: bool = True):
+                 prefixed: bool = False):
         if sum(map(bool, (exact, independent, hybrid))) > 1:
             raise ValueError("DocumentStore: exact=True, independent=True and hybrid=True exclude each other "
                              "(pick one mode)")
@@ -112,9 +113,9 @@ class DocumentStore:
         self.canonical_order = bool(canonical_order)
         self.separator = separator
         self._sep = tuple(pc.tok.encode(separator)) if separator else ()
-        self.anchor = self._prefix(None) if anchored else ()  # what each document is encoded after
+        self.encode_prefix = self._prefix(None) if prefixed else ()  # what each document is encoded after
         self.path = Path(path) if path is not None else None
-        self.folder = DocumentFolder(self.path, pc, self.anchor) if self.path is not None else None
+        self.folder = DocumentFolder(self.path, pc, self.encode_prefix) if self.path is not None else None
         self._docs: dict[str, Document] = {}
         self._lock = threading.RLock()
         if self.folder is not None and self.folder.exists():
@@ -138,7 +139,7 @@ class DocumentStore:
 
     # -- documents -------------------------------------------------------------------------------
     def add(self, doc_id: str, text: str, metadata: dict | None = None) -> Document:
-        """Register a document: encoded once, after ``anchor`` (``_encode``), stored (and persisted where
+        """Register a document: encoded once (``_encode``), stored (and persisted where
         the store has a ``path``), except in an in-memory exact store, whose chains are built by
         requests. Re-adding an id replaces it; identical text is encoded once."""
         if not isinstance(doc_id, str) or not doc_id:
@@ -261,17 +262,18 @@ class DocumentStore:
         return alone_key(token_ids, self.pc.model_key, self.namespace if namespace is None else namespace)
 
     def state_key(self, token_ids) -> str:
-        """Store key of a document's independent states: encoded alone, or after ``anchor`` (its
-        tokens salt the key, so the two encodings never share one)."""
-        ns = self.namespace if not self.anchor else f"{self.namespace}|after:{token_digest(self.anchor)}"
+        """Store key of a document's independent states: encoded alone, or after ``encode_prefix``
+        (its tokens salt the key, so the two encodings never share one)."""
+        ns = self.namespace if not self.encode_prefix else f"{self.namespace}|after:{token_digest(self.encode_prefix)}"
         return self._key(token_ids, ns)
 
     def _encode(self, token_ids) -> torch.Tensor:
-        """A document's independent states [L, 2, H, n, D]: encoded after ``anchor`` (the prefix of
-        a request without a system text: BOS and the chat template's header, where the model puts
-        its attention sink), at positions ``len(anchor)``..; only the document's own states kept."""
-        n = len(self.anchor)
-        kv = self.pc.encode_span(list(self.anchor) + list(token_ids))
+        """A document's independent states [L, 2, H, n, D]: alone from position 0, or after
+        ``encode_prefix`` (the prefix of a request without a system text: BOS and the chat
+        template's header, where the model puts its attention sink) at positions
+        ``len(encode_prefix)``.., only the document's own states kept."""
+        n = len(self.encode_prefix)
+        kv = self.pc.encode_span(list(self.encode_prefix) + list(token_ids))
         return kv[:, :, :, n:].contiguous() if n else kv
 
     def _prefix(self, system: str | None) -> tuple[int, ...]:
@@ -351,9 +353,10 @@ class DocumentStore:
             hits[tier] = hits.get(tier, 0) + 1
             start = span.position_ids[0]
             positions = torch.arange(start, start + len(span), device=device)
-            if start != len(self.anchor):  # moved to its place only when a buffer does not hold it there already
+            at = len(self.encode_prefix)  # where the stored states sit
+            if start != at:  # moved to its place only when a buffer does not hold it there already
                 cached.append(Segment(f"{key}@{start}", None, positions,
-                                      load=functools.partial(relocate, self.pc.adapter, kv, start - len(self.anchor))))
+                                      load=functools.partial(relocate, self.pc.adapter, kv, start - at)))
             else:
                 cached.append(Segment(f"{key}@0", kv, positions))
         return cached, hits
