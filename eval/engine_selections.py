@@ -12,7 +12,7 @@ from __future__ import annotations
 from promptcache.engine.prefill.recompute import (APE_KEY_SCALE, RecomputeRequest, fill, match_order, named_spans, qmatch,
                                                   register_selection, tail, top)
 
-__all__ = ["APE_SHARP_KEY_SCALE", "SINK_SKIP", "ape_named", "ape_sharp", "qattn_mix", "qdoc", "qmatch_later", "qnamed",
+__all__ = ["APE_MILD_KEY_SCALE", "APE_SHARP_KEY_SCALE", "SINK_SKIP", "ape_mild", "ape_named", "ape_sharp", "qattn_mix", "qdoc", "qmatch_later", "qnamed",
            "qtok", "span_mass"]
 
 APE_SHARP_KEY_SCALE = 1.1  # 1 / T = 1.1 (T = 0.91, sharper), against the library's ``ape`` at 0.8 (softer)
@@ -118,3 +118,14 @@ def qtok(scores, req: RecomputeRequest, k: int, width: int = 1) -> list[int]:
 for _name, _fn in (("qdoc", qdoc), ("qnamed", qnamed), ("qtok", qtok)):
     register_selection(_name, _fn, scores_from=0.0)
     register_selection(f"{_name}_ape", _fn, scores_from=0.0, key_scale=APE_KEY_SCALE)
+
+
+def ape_mild(scores, req: RecomputeRequest, k: int) -> list[int]:
+    """``ape`` at a milder temperature (``APE_MILD_KEY_SCALE``, T = 1.11): between ``qmatch`` (1.0)
+    and ``ape`` (0.8), for issue 36's question whether a gentler scale keeps retrieval's gain
+    without the memo task's loss."""
+    return qmatch(scores, req, k)
+
+
+APE_MILD_KEY_SCALE = 0.9
+register_selection("ape_mild", ape_mild, key_scale=APE_MILD_KEY_SCALE)
