@@ -9,9 +9,11 @@ measurements (eval/results/quality.md); the studies re-run them.
 
 from __future__ import annotations
 
-from promptcache.engine.prefill.recompute import APE_KEY_SCALE, RecomputeRequest, fill, match_order, qmatch, register_selection, tail, top
+from promptcache.engine.prefill.recompute import (APE_KEY_SCALE, RecomputeRequest, fill, match_order, named_spans, qmatch,
+                                                  register_selection, tail, top)
 
-__all__ = ["APE_SHARP_KEY_SCALE", "ape_named", "ape_sharp", "qattn_mix", "qmatch_later"]
+__all__ = ["APE_MILD_KEY_SCALE", "APE_SHARP_KEY_SCALE", "SINK_SKIP", "ape_mild", "ape_named", "ape_sharp", "qattn_mix", "qdoc", "qmatch_later", "qnamed",
+           "qtok", "span_mass"]
 
 APE_SHARP_KEY_SCALE = 1.1  # 1 / T = 1.1 (T = 0.91, sharper), against the library's ``ape`` at 0.8 (softer)
 
@@ -61,3 +63,69 @@ def ape_named(scores, req: RecomputeRequest, k: int) -> list[int]:
 
 
 register_selection("ape_named", ape_named, key_scale=APE_KEY_SCALE, spare_named=True)
+
+
+# -- issue 36: question-driven document selections (the question's attention over the reused states) --
+# Measured on 20 samples of the retrieval and memo tasks (eval/results/rag_default_issue36.md):
+# neither ``qdoc`` nor ``qtok`` kept as many answers as ``qmatch`` on retrieval (the question's
+# attention does not find the note it names), about as many on memo; so they stay study selections.
+SINK_SKIP = 1  # a span's first token: an isolated encoding made it an attention sink; its mass is not relevance
+
+
+def span_mass(scores, req: RecomputeRequest, skip: int = SINK_SKIP) -> list[float]:
+    """Per candidate span, the question's attention mass summed over its tokens after the first
+    ``skip`` (the sink an isolated encoding put there draws mass whatever the question asks)."""
+    return [float(scores[min(a + skip, b - 1):b].sum()) for a, b in req.spans]
+
+
+def qdoc(scores, req: RecomputeRequest, k: int) -> list[int]:
+    """Whole documents in the order of the question's attention mass (``span_mass``), the budget
+    filled in that order, the last one partly (its first tokens)."""
+    if scores is None or not req.spans:
+        return qmatch(scores, req, k)
+    mass = span_mass(scores, req)
+    return fill(req, sorted(range(len(mass)), key=lambda i: (-mass[i], i)), k)
+
+
+def qnamed(scores, req: RecomputeRequest, k: int) -> list[int]:
+    """The documents the question names (``named_spans``), then the others by the question's
+    attention mass (where ``qmatch`` takes them in prompt order)."""
+    if scores is None or not req.spans:
+        return qmatch(scores, req, k)
+    named, mass = named_spans(req), span_mass(scores, req)
+    return fill(req, named + sorted((i for i in range(len(mass)) if i not in named), key=lambda i: (-mass[i], i)), k)
+
+
+def qtok(scores, req: RecomputeRequest, k: int, width: int = 1) -> list[int]:
+    """The tokens the question attends to most (each span's sink excluded) with ``width``
+    neighbours on each side, taken best first until the budget is spent."""
+    if scores is None or not req.spans:
+        return qmatch(scores, req, k)
+    sinks = {a for a, b in req.spans}
+    cand = [s for s in req.candidates if s not in sinks]
+    ranked = top(scores, cand, len(cand))  # sorted by slot; re-rank by score
+    ranked = sorted(ranked, key=lambda s: (-float(scores[s]), s))
+    cset, out = set(req.candidates), set()
+    for s in ranked:
+        if len(out) >= k:
+            break
+        for t in range(s - width, s + width + 1):
+            if t in cset and len(out) < k:
+                out.add(t)
+    return sorted(out)
+
+
+for _name, _fn in (("qdoc", qdoc), ("qnamed", qnamed), ("qtok", qtok)):
+    register_selection(_name, _fn, scores_from=0.0)
+    register_selection(f"{_name}_ape", _fn, scores_from=0.0, key_scale=APE_KEY_SCALE)
+
+
+def ape_mild(scores, req: RecomputeRequest, k: int) -> list[int]:
+    """``ape`` at a milder temperature (``APE_MILD_KEY_SCALE``, T = 1.11): between ``qmatch`` (1.0)
+    and ``ape`` (0.8), for issue 36's question whether a gentler scale keeps retrieval's gain
+    without the memo task's loss."""
+    return qmatch(scores, req, k)
+
+
+APE_MILD_KEY_SCALE = 0.9
+register_selection("ape_mild", ape_mild, key_scale=APE_MILD_KEY_SCALE)

@@ -9,7 +9,8 @@ round: full prefill of the prompt's tokens (``prefill_plain``, no cache), the de
 (``"auto"``: 15% of the documents' tokens recomputed, the named document first), the default at
 ``recompute=0`` (the paper's splice: the limit of reuse) and an exact store on a chain it has
 not stored (its first request: a plain prefill plus storing the links); ``--budgets R ...`` adds
-the default's selection at other fractions (``default@R``). Reports the median TTFT
+the default's selection at other fractions (``default@R``), ``--selections NAME@R ...`` another
+engine selection (a store with ``selection=NAME``; ``NAME@auto`` at the default budget). Reports the median TTFT
 of each and full prefill's median over it (one run's ratios); writes ``rag_ttft{--tag}.csv``
 and a PNG to ``--out`` (default eval/results/).
 """
@@ -23,6 +24,7 @@ import time
 
 import torch
 
+from . import engine_selections  # noqa: F401  (registers the studies' engine selections for --selections)
 from .common import RESULTS, add_model_args, pyplot, save_table, text_of_tokens
 
 from promptcache import PromptCache
@@ -39,7 +41,13 @@ def run(args) -> list[dict]:
     for d, t in texts.items():
         store.add(d, t)
     rng, times, info = random.Random(0), {}, {}
-    methods = ("full_prefill", "default", *(f"default@{r}" for r in args.budgets), "default_r0", "exact_first_request")
+    others = {label: DocumentStore(pc, namespace="default", selection=label.partition("@")[0])
+              for label in args.selections}  # the same stored states, another selection
+    for other in others.values():
+        for d, t in texts.items():
+            other.add(d, t)  # stored already under the same namespace: nothing is encoded again
+    methods = ("full_prefill", "default", *(f"default@{r}" for r in args.budgets), *others, "default_r0",
+               "exact_first_request")
     for rnd in range(args.repeats + 1):  # round 0 warms up (not kept)
         ids = list(texts)
         rng.shuffle(ids)
@@ -55,6 +63,10 @@ def run(args) -> list[dict]:
                 for d, tx in texts.items():
                     chains.add(d, tx)
                 res = chains.prefill(question, ids, SYSTEM)
+                t = res.ttft
+            elif m in others:  # "NAME@R": another selection at the fraction R (or "auto")
+                r = m.partition("@")[2]
+                res = others[m].prefill(question, ids, SYSTEM, recompute="auto" if r in ("", "auto") else float(r))
                 t = res.ttft
             else:  # "default@R": the default's selection at the fraction R
                 r = 0 if m == "default_r0" else float(m.split("@")[1]) if "@" in m else None
@@ -103,6 +115,9 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--budgets", type=float, nargs="*", default=[],
                     help="also time the default's selection at these recompute fractions (default@R rows)")
+    ap.add_argument("--selections", nargs="*", default=[],
+                    help="also time these engine selections, NAME@R or NAME@auto (eval/engine_selections.py's "
+                         "study selections included)")
     ap.add_argument("--tag", default="")
     ap.add_argument("--out", default=RESULTS)
     args = ap.parse_args(argv)

@@ -148,7 +148,7 @@ def engine_recompute(pc, req: Request, r: float, max_new_tokens: int) -> Answer:
     return engine_answer(pc, req, max_new_tokens, recompute=r)
 
 
-def engine_anchor(selection: str, r: float | None = None) -> Callable:
+def engine_anchor(selection: str, r: float | None = None, prefixed: bool = False) -> Callable:
     """An anchor through the engine: the request's documents reused independently, ``selection``
     (an engine selection) choosing ``r`` (default ``AUTO_FRACTION``) of their tokens (the same
     notes' states: a store on the same namespace encodes nothing again)."""
@@ -158,7 +158,8 @@ def engine_anchor(selection: str, r: float | None = None) -> Callable:
     r = AUTO_FRACTION if r is None else r
 
     def run(pc, req: Request, max_new_tokens: int) -> Answer:
-        other = DocumentStore(pc, namespace=req.store.namespace, independent=True, selection=selection)
+        other = DocumentStore(pc, namespace=req.store.namespace, independent=True, selection=selection,
+                              prefixed=prefixed)
         for d in req.doc_ids:
             other.add(d, req.store.get(d).text)
         return engine_answer(pc, Request(store=other, question=req.question, doc_ids=req.doc_ids), max_new_tokens,
@@ -179,17 +180,27 @@ ANCHORS = {"anchored@0.15": engine_anchor("anchored"), "epic@0.15": engine_ancho
            "cacheblend@0.15": reference_anchor("cacheblend"), "ape@0.15": engine_anchor("ape"),
            "qmatch@0.15": engine_anchor("qmatch"), "ape_sharp@0.15": engine_anchor("ape_sharp"),
            "ape_named@0.15": engine_anchor("ape_named"),
-           "qattn@0.15": engine_anchor("qattn")}
+           "qattn@0.15": engine_anchor("qattn"),
+           # issue 36: the reference's reuse state (each note encoded after the prompt's prefix, not alone
+           # from position 0) with the default's selection, with none, and with the question's attention
+           "ref_qmatch@0.15": reference_anchor("qmatch"), "ref_none@0": reference_anchor("none", 0.0),
+           "ref_qattn@0.15": reference_anchor("qattn"),
+           # the documents encoded after a system-less request's prefix (DocumentStore(prefixed=True)), not alone
+           "prefixed:qmatch@0.15": engine_anchor("qmatch", prefixed=True),
+           "prefixed:ape@0.15": engine_anchor("ape", prefixed=True)}
 
 
 def anchor(label: str) -> Callable:
     """An anchor by label: one of ``ANCHORS``, or ``SELECTION@R`` for any engine selection at the
-    fraction ``R`` (``qmatch@0.12``: the default's selection at another budget)."""
+    fraction ``R`` (``qmatch@0.12``: the default's selection at another budget; ``prefixed:qmatch@0.15``:
+    the documents encoded after a system-less request's prefix, ``DocumentStore(prefixed=True)``)."""
     if label in ANCHORS:
         return ANCHORS[label]
     from promptcache.engine.prefill.recompute import SELECTIONS as ENGINE_SELECTIONS
 
     name, _, r = label.partition("@")
+    prefixed = name.startswith("prefixed:")  # "prefixed:SELECTION@R": DocumentStore(prefixed=True)
+    name = name.removeprefix("prefixed:")
     try:
         fraction = float(r)
     except ValueError:
@@ -197,7 +208,7 @@ def anchor(label: str) -> Callable:
     if name not in ENGINE_SELECTIONS or not 0.0 <= fraction <= 1.0:
         raise ValueError(f"unknown anchor {label!r} (known: {', '.join(ANCHORS)}, or SELECTION@FRACTION with an "
                          f"engine selection: {', '.join(ENGINE_SELECTIONS)})")
-    return engine_anchor(name, fraction)
+    return engine_anchor(name, fraction, prefixed=prefixed)
 
 
 def correct(sample: dict, text: str) -> int:

@@ -3,7 +3,8 @@
 Layout (independent states, written atomically with ``fsutil``)::
 
     index.json                  {"format_version": 2, "model": {fingerprint}, "model_digest": str,
-                                 "tokenizer": str, "documents": [{"id": str, "text": str,
+                                 "tokenizer": str, "encode_prefix": [token ids each document was
+                                 encoded after; absent or []: alone], "documents": [{"id": str, "text": str,
                                  "metadata": {}, "n_tokens": int, "digest": sha256 of the token
                                  ids, "file": str, "sha256": codec checksum}, ...],
                                  "unit_suffix": [token ids stored after each document: its
@@ -48,11 +49,12 @@ _PREFIX_FIELDS = {"digest": str, "n_tokens": int, "file": str, "sha256": str}
 
 
 class DocumentFolder:
-    """``path``: the folder; ``pc``: the engine whose states it holds. ``sums``: document digest ->
+    """``path``: the folder; ``pc``: the engine whose states it holds; ``encode_prefix``: the tokens
+    each document is encoded after (``DocumentStore.encode_prefix``). ``sums``: document digest ->
     checksum of its states file, for every document written or opened."""
 
-    def __init__(self, path: str | Path, pc, suffix: tuple[int, ...] = ()):
-        self.path, self.pc, self.suffix = Path(path), pc, tuple(suffix)
+    def __init__(self, path: str | Path, pc, suffix: tuple[int, ...] = (), encode_prefix: tuple[int, ...] = ()):
+        self.path, self.pc, self.suffix, self.encode_prefix = Path(path), pc, tuple(suffix), tuple(encode_prefix)
         self.sums: dict[str, str] = {}
         self.prefixes: dict[str, dict] = {}  # prefix token digest -> its index record
 
@@ -94,7 +96,8 @@ class DocumentFolder:
                     "file": self.file(d).name, "sha256": self.sums[d.digest]} for d in docs]
         index = {"format_version": FORMAT_VERSION, "model": self.pc.model_fingerprint,
                  "model_digest": model_digest(self.pc.model_key), "tokenizer": self.pc.tokenizer_fingerprint,
-                 "documents": records, "unit_suffix": list(self.suffix), "prefixes": list(self.prefixes.values())}
+                 "encode_prefix": list(self.encode_prefix), "documents": records, "unit_suffix": list(self.suffix),
+                 "prefixes": list(self.prefixes.values())}
         atomic_write(self.index, json.dumps(index, indent=1))
 
     def read(self) -> tuple[list[dict], list[str]]:
@@ -110,6 +113,9 @@ class DocumentFolder:
                     if index["model"].get(k) != self.pc.model_fingerprint.get(k)]
         if index["tokenizer"] != self.pc.tokenizer_fingerprint:
             problems.append("tokenizer differs")
+        if tuple(index.get("encode_prefix", ())) != self.encode_prefix:  # a folder without the field: encoded alone
+            problems.append(f"documents were encoded after {len(index.get('encode_prefix', ()))} prefix tokens, "
+                            f"this store encodes them after {len(self.encode_prefix)} (DocumentStore(prefixed=...))")
         if tuple(index.get("unit_suffix", ())) != self.suffix:
             problems.append("documents were stored " + ("without" if self.suffix else "with") + " their separator "
                             "(attach_separator)")
@@ -153,6 +159,9 @@ def check_index(index, where: Path) -> list[dict]:
         raise bad("model", "must be an object (the model fingerprint)")
     if not isinstance(index.get("tokenizer"), str):
         raise bad("tokenizer", "must be a string (the tokenizer fingerprint)")
+    prefix = index.get("encode_prefix", [])
+    if not isinstance(prefix, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in prefix):
+        raise bad("encode_prefix", "must be a list of token ids (what each document was encoded after)")
     docs = index.get("documents")
     if not isinstance(docs, list):
         raise bad("documents", "must be a list")

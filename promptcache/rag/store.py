@@ -24,11 +24,15 @@ then the question and the template's tail. Three modes (``DocumentStore.mode``; 
   request's documents by id first, so requests retrieving the same set in any order share a chain.
   Works with every supported family (nothing is relocated).
 * **Independent** (``independent=True``, the paper's position-independent modules). Each document
-  is encoded once, alone (no context, positions from 0), stored and persisted; at prompt time it is
-  moved to its position exactly (``models.relocate``); the separators and the question run through
-  the model. Cheapest to reuse (any subset, any order), but a document never sees the documents
-  before it, which costs answers (at ``recompute=0`` far fewer than full prefill's on the
-  retrieval study). ``recompute=r`` (the engine's selective recompute; the default selection
+  is encoded once, alone (no context, positions from 0; ``prefixed=True``: after the store's
+  ``encode_prefix``, the prefix of a request without a system text, only the document's states kept),
+  stored and persisted; at prompt time it is moved to its position exactly (``models.relocate``);
+  the separators and the question run through the model. The prefix keeps the attention sink
+  where the prompt has it, not on the document's first token mid-prompt: it lowered the memo
+  task's first-token KL (0.12 -> 0.05) and lost answers on both tasks, so it is an option
+  (docs/rag.md). Cheapest to reuse (any subset, any order), but a document never sees the
+  documents before it, which costs answers (at ``recompute=0`` far fewer than full prefill's on
+  the retrieval study). ``recompute=r`` (the engine's selective recompute; the default selection
   ``qmatch`` recomputes the documents the question names, then the others from the first) is the
   quality knob; small fractions kept the most answers (figures: eval/results/quality.md). The default, ``recompute="auto"``,
   recomputes 0.15 of the drifted documents' tokens (``engine.prefill.recompute.AUTO_FRACTION``).
@@ -92,12 +96,13 @@ class DocumentStore:
     lookup; ``canonical_order``: chains order a request's documents by id; ``separator``: text
     after each document; ``selection``: which reused tokens ``recompute`` chooses (an engine
     selection, default the engine's ``config.recompute.selection``: ``qmatch``; ``ape`` adds APE's
-    temperature, docs/rag.md has what each kept)."""
+    temperature, docs/rag.md has what each kept); ``prefixed``: documents are encoded after
+    ``encode_prefix`` or alone from position 0 (the default, ``False``; a folder records which)."""
 
     def __init__(self, pc: PromptCache, path: str | Path | None = None, namespace: str | None = None,
                  reencode: bool = False, *, exact: bool = False, independent: bool = False, hybrid: bool = False,
                  canonical_order: bool = False, separator: str = "\n\n", selection: str | None = None,
-                 attach_separator: bool = False):
+                 attach_separator: bool = False, prefixed: bool = False):
         if sum(map(bool, (exact, independent, hybrid))) > 1:
             raise ValueError("DocumentStore: exact=True, independent=True and hybrid=True exclude each other "
                              "(pick one mode)")
@@ -114,8 +119,12 @@ class DocumentStore:
         self.separator = separator
         self._sep = tuple(pc.tok.encode(separator)) if separator else ()
         self.attach_separator = bool(attach_separator) and bool(self._sep)
+        if self.attach_separator and prefixed:
+            raise ValueError("DocumentStore: attach_separator=True stores units encoded alone from position 0 (what "
+                             "vLLM's connector serves); prefixed=True encodes documents after a prefix: pick one")
+        self.encode_prefix = self._prefix(None) if prefixed else ()  # what each document is encoded after
         self.path = Path(path) if path is not None else None
-        self.folder = DocumentFolder(self.path, pc, self._suffix) if self.path is not None else None
+        self.folder = DocumentFolder(self.path, pc, self._suffix, self.encode_prefix) if self.path is not None else None
         self._docs: dict[str, Document] = {}
         self._lock = threading.RLock()
         if self.folder is not None and self.folder.exists():
@@ -149,7 +158,7 @@ class DocumentStore:
 
     # -- documents -------------------------------------------------------------------------------
     def add(self, doc_id: str, text: str, metadata: dict | None = None) -> Document:
-        """Register a document: encoded once, alone, from position 0, stored (and persisted where
+        """Register a document: encoded once (``_encode``), stored (and persisted where
         the store has a ``path``), except in an in-memory exact store, whose chains are built by
         requests. Re-adding an id replaces it; identical text is encoded once."""
         if not isinstance(doc_id, str) or not doc_id:
@@ -160,9 +169,9 @@ class DocumentStore:
         digest = token_digest(ids)
         doc = Document(doc_id, text, dict(metadata or {}), len(ids), digest, tuple(ids))
         unit = self.unit_ids(doc)
-        key = self._key(unit)
+        key = self.state_key(unit)
         if (not self.exact or self.path is not None) and key not in self.pc.store:
-            kv = self._put(key, self.pc.encode_span(list(unit)))
+            kv = self._put(key, self._encode(unit))
             if self.folder is not None:
                 self.folder.write_states(doc, kv)
         with self._lock:
@@ -281,13 +290,35 @@ class DocumentStore:
         docs = [self._get(d) for d in doc_ids]
         return sorted(docs, key=lambda d: d.id) if self.canonical_order and not self.independent else docs
 
-    def state_key(self, token_ids) -> str:
-        """The engine store's key of a unit or prefix (``token_ids`` encoded alone from position 0)."""
-        return self._key(token_ids)
-
     def _key(self, token_ids, namespace: str | None = None) -> str:
         """Store key of tokens encoded alone from position 0 (``namespace``: this store's)."""
         return alone_key(token_ids, self.pc.model_key, self.namespace if namespace is None else namespace)
+
+    def state_key(self, token_ids) -> str:
+        """The engine store's key of a document's unit (``unit_ids``) or of a prompt prefix: encoded
+        alone from position 0, or, for a ``prefixed`` store's documents, after ``encode_prefix``
+        (its tokens salt the key, so the two encodings never share one)."""
+        ns = self.namespace if not self.encode_prefix else f"{self.namespace}|after:{token_digest(self.encode_prefix)}"
+        return self._key(token_ids, ns)
+
+    def _encode(self, token_ids) -> torch.Tensor:
+        """A document's independent states [L, 2, H, n, D]: alone from position 0, or after
+        ``encode_prefix`` (the prefix of a request without a system text: BOS and the chat
+        template's header, where the model puts its attention sink) at positions
+        ``len(encode_prefix)``.., only the document's own states kept."""
+        n = len(self.encode_prefix)
+        kv = self.pc.encode_span(list(self.encode_prefix) + list(token_ids))
+        return kv[:, :, :, n:].contiguous() if n else kv
+
+    def _prefix(self, system: str | None) -> tuple[int, ...]:
+        """A request's cached prefix: BOS, the chat template's header, the system text (if any), the
+        user header."""
+        tok = self.pc.tok
+        glue = tok.render_roles(["system", "user"] if system else ["user"], add_generation_prompt=True)
+        prefix = list(tok.bos_ids) + tok.encode(glue[0])
+        if system:
+            prefix += tok.encode(system) + tok.encode(glue[1])
+        return tuple(prefix)
 
     def _layout(self, question: str, docs: list[Document], system: str | None,
                 chained: int) -> tuple[PromptLayout, int]:
@@ -295,11 +326,8 @@ class DocumentStore:
         and its separator); the others independent (the separator a new span after each). Token
         IDs and positions are the same either way."""
         tok = self.pc.tok
-        roles = ["system", "user"] if system else ["user"]
-        glue = tok.render_roles(roles, add_generation_prompt=True)
-        prefix = list(tok.bos_ids) + tok.encode(glue[0])
-        if system:
-            prefix += tok.encode(system) + tok.encode(glue[1])
+        glue = tok.render_roles(["system", "user"] if system else ["user"], add_generation_prompt=True)
+        prefix = self._prefix(system)
         spans = [Span("cached", "(prefix)", tuple(prefix), tuple(range(len(prefix))), "glue")] if prefix else []
         pos = len(prefix)
         for n, d in enumerate(docs):
@@ -356,16 +384,17 @@ class DocumentStore:
         moved to its start."""
         cached, hits, device = [], {}, self.pc.device
         for span in [s for s in layout.spans if s.name.startswith("doc:")][skip:]:
-            key = self._key(span.token_ids)
-            if key not in self.pc.store:  # added to a chain store, or evicted: encode it alone again
-                self._put(key, self.pc.encode_span(list(span.token_ids)))
+            key = self.state_key(span.token_ids)
+            if key not in self.pc.store:  # added to a chain store, or evicted: encode it again
+                self._put(key, self._encode(span.token_ids))
             kv, tier = self.pc.store.get(key)
             hits[tier] = hits.get(tier, 0) + 1
             start = span.position_ids[0]
             positions = torch.arange(start, start + len(span), device=device)
-            if start:  # moved to its place only when a buffer does not hold it there already
+            at = len(self.encode_prefix)  # where the stored states sit
+            if start != at:  # moved to its place only when a buffer does not hold it there already
                 cached.append(Segment(f"{key}@{start}", None, positions,
-                                      load=functools.partial(relocate, self.pc.adapter, kv, start)))
+                                      load=functools.partial(relocate, self.pc.adapter, kv, start - at)))
             else:
                 cached.append(Segment(f"{key}@0", kv, positions))
         return cached, hits
@@ -425,22 +454,22 @@ class DocumentStore:
             return
         for d in self._docs.values():
             if not self.folder.has_states(d):  # stored in memory before (same text): persist it now
-                self.folder.write_states(d, self.pc.store.get(self._key(self.unit_ids(d)))[0])
+                self.folder.write_states(d, self.pc.store.get(self.state_key(self.unit_ids(d)))[0])
         self.folder.save(self._docs.values())
 
     def _open(self, reencode: bool) -> None:
         records, problems = self.folder.read()
         if problems:
             if not reencode:
-                raise DocumentStoreError(f"document store {self.path} was built with another model, tokenizer or unit: "
-                                         f"{'; '.join(problems)}. Open it with that model, or build a store for this "
-                                         "model in another folder; reencode=True re-encodes it in place, replacing the "
-                                         "other model's states.")
+                raise DocumentStoreError(f"document store {self.path} was built with another model, tokenizer or "
+                                         f"document encoding: {'; '.join(problems)}. Open it as it was built, or "
+                                         "build a store in another folder; reencode=True re-encodes it in place, "
+                                         "replacing the stored states.")
             log.warning("re-encoding %d documents in %s: %s", len(records), self.path, "; ".join(problems))
             for d in records:
                 self.add(d["id"], d["text"], d["metadata"])
             return
         for doc, f, expect in self.folder.opened(records):
             # read lazily on first use; the disk tier verifies it and never uses a bad file
-            self.pc.store.register_file(f, {self._key(self.unit_ids(doc)): ("kv", expect, 0)})
+            self.pc.store.register_file(f, {self.state_key(self.unit_ids(doc)): ("kv", expect, 0)})
             self._docs[doc.id] = doc

@@ -197,6 +197,20 @@ def test_qmatch_names_every_span_close_to_the_best_match_and_falls_back_to_promp
     assert named_spans(none) == [] and qmatch(None, none, 4) == [0, 1, 2, 3]
 
 
+def test_question_attention_selections_rank_by_the_mass_past_each_spans_sink():
+    from eval.engine_selections import qdoc, qnamed, qtok, span_mass
+
+    spans = [[1, 2, 3, 4], [1, 7, 5, 6], [1, 2, 8, 9]]
+    req = _request(spans, question=[7, 99], fraction=0.5)
+    scores = torch.tensor([9.0, 0, 0, 0,  5.0, 0, 1, 0,  9.0, 0, 0, 3])  # the sinks (slots 0, 4, 8) draw most
+    assert span_mass(scores, req) == [0.0, 1.0, 3.0]  # each span's first token left out
+    assert qdoc(scores, req, 6) == [4, 5, 8, 9, 10, 11]  # span 2, then span 1's first tokens
+    assert qnamed(scores, req, 6) == [4, 5, 6, 7, 8, 9]  # the named span 1 (it holds 7), then span 2
+    assert qtok(scores, req, 2) == [10, 11]  # slot 11 (3.0) and its neighbour 10 (12 is no candidate)
+    assert qtok(scores, req, 5) == [5, 6, 7, 10, 11]  # then slot 6 (1.0) with 5 and 7
+    assert qtok(None, req, 4) == qnamed(None, req, 4)  # no attention (a backend without it): qmatch
+
+
 def test_qmatch_through_the_engine_picks_the_union_the_question_names():
     from promptcache.engine.prefill.recompute import qmatch, recompute_request
 

@@ -27,7 +27,9 @@ def make_store(family="llama", path=None, seed=0, **kw):
 
 
 def definition_logits(store, question, doc_ids, system):
-    """Prefix encoded as usual, each document encoded alone at its final positions, question on top."""
+    """Prefix encoded as usual, each document encoded after the store's ``encode_prefix`` (alone
+    where it has none), that prefix placed just before the document's final positions and only the document's
+    states kept, question on top."""
     pc, layout = store.pc, store.layout(question, doc_ids, system)
     ids, pos = [], []
     for span in layout:
@@ -39,7 +41,8 @@ def definition_logits(store, question, doc_ids, system):
         positions += pos
     for d in doc_ids:
         span = next(s for s in layout if s.name == f"doc:{d}")
-        kv_parts.append(pc.encode_span(pc.tok.encode(DOCS[d]), span.position_ids[0]))
+        anchor, start = list(store.encode_prefix), span.position_ids[0]
+        kv_parts.append(pc.encode_span(anchor + pc.tok.encode(DOCS[d]), start - len(anchor))[:, :, :, len(anchor):])
         positions += list(span.position_ids)
     kv = torch.cat(kv_parts, dim=3)
     new = [s for s in layout if s.kind == "new"]  # separators and the question, run together on top
@@ -53,9 +56,11 @@ def definition_logits(store, question, doc_ids, system):
     return pc.adapter.forward(torch.tensor([ids]), torch.tensor([pos]), cache)[0]
 
 
+@pytest.mark.parametrize("prefixed", [True, False], ids=["prefixed", "alone"])
 @pytest.mark.parametrize("family", ["llama", "gpt_neox", "bloom"])
-def test_independent_generate_equals_definition(family):
-    store = make_store(family, independent=True)
+def test_independent_generate_equals_definition(family, prefixed):
+    store = make_store(family, independent=True, prefixed=prefixed)
+    assert (len(store.encode_prefix) > 0) == prefixed
     for k, v in DOCS.items():
         store.add(k, v, {"lang": "en"})
     for doc_ids, system in ((["tokyo", "paris"], "Answer briefly."), (["rome"], None), ([], "Be kind.")):
@@ -145,6 +150,8 @@ INDEX_DAMAGE = [
     (lambda ix: {**ix, "model": None}, "'model'"),
     (lambda ix: {**ix, "tokenizer": 5}, "'tokenizer'"),
     (lambda ix: {**ix, "format_version": "2"}, "'format_version'"),
+    (lambda ix: {**ix, "encode_prefix": "1 2"}, "'encode_prefix'"),
+    (lambda ix: {**ix, "encode_prefix": [1, None]}, "'encode_prefix'"),
     (lambda ix: {**ix, "documents": [None]}, r"documents\[0\]"),
 ]
 for _field in ("id", "text", "digest", "sha256", "file", "n_tokens", "metadata"):
@@ -187,6 +194,38 @@ def test_documents_and_schema_modules_share_one_key_scheme():
     other.add("paris", DOCS["paris"])
     assert alone_key(ids, store.pc.model_key, "tenant-b") in store.pc.store and key != alone_key(
         ids, store.pc.model_key, "tenant-b")
+
+
+def test_prefixed_documents_are_stored_apart_from_alone_ones_and_hold_the_prefixed_encoding():
+    from promptcache.keys import alone_key
+
+    store = make_store(prefixed=True)
+    store.add("paris", DOCS["paris"])
+    ids = store.pc.tok.encode(DOCS["paris"])
+    anchor = list(store.encode_prefix)
+    assert tuple(anchor) == tuple(store.layout("Q?", [], None).spans[0].token_ids)  # a system-less prefix
+    assert alone_key(ids, store.pc.model_key, store.namespace) not in store.pc.store
+    alone = DocumentStore(store.pc)  # the default: alone, from position 0
+    alone.add("paris", DOCS["paris"])
+    (kv, _), (kv_alone, _) = store.pc.store.get(store.state_key(ids)), alone.pc.store.get(alone.state_key(ids))
+    assert torch.equal(kv, store.pc.encode_span(anchor + ids)[:, :, :, len(anchor):])
+    assert torch.equal(kv_alone, store.pc.encode_span(ids)) and not torch.equal(kv, kv_alone)
+
+
+def test_a_folder_encoded_otherwise_is_refused_naming_the_encoding_or_reencoded(tmp_path):
+    alone = make_store(path=tmp_path / "d")  # the default: alone
+    alone.add("paris", DOCS["paris"])
+    index = json.loads((tmp_path / "d" / "index.json").read_text())
+    assert index["encode_prefix"] == []
+    with pytest.raises(DocumentStoreError, match="encoded after 0 prefix tokens"):
+        make_store(path=tmp_path / "d", prefixed=True)
+    del index["encode_prefix"]  # a folder written before the field: its documents were encoded alone
+    (tmp_path / "d" / "index.json").write_text(json.dumps(index))
+    assert make_store(path=tmp_path / "d").ids() == ["paris"]
+    again = make_store(path=tmp_path / "d", reencode=True, prefixed=True)
+    assert again.ids() == ["paris"]
+    assert json.loads((tmp_path / "d" / "index.json").read_text())["encode_prefix"] == list(again.encode_prefix)
+    assert "disk" in make_store(path=tmp_path / "d", prefixed=True).prefill("Q?", ["paris"], recompute=0).hit_tiers
 
 
 def _doc_tokens(store, ids):
