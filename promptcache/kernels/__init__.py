@@ -1,7 +1,8 @@
 """promptcache's native CPU kernels and the layers that use them.
 
 ``build``: ``NativeKernels``, a C++ source compiled at first use on this machine and loaded as
-``torch.ops`` (used here and by the engine's attention kernel, ``engine/serving_core/cpu_attention.py``);
+``torch.ops``; ``attention.cpp``: the paged engine's CPU attention (loaded by
+``engine/serving_core/cpu_attention.py``); ``vectors.h``: the vector helpers both kernels share;
 ``rms_norm``: one-pass RMSNorm for Llama-form layers (``fuse_rms_norms``).
 """
 

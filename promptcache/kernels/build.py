@@ -1,6 +1,6 @@
 """C++ CPU kernels compiled at first use on this machine: ``NativeKernels``.
 
-Each kernel file (``engine/serving_core/native/attention.cpp``, ``kernels/rms_norm.cpp``)
+Each kernel file (``kernels/attention.cpp``, ``kernels/rms_norm.cpp``)
 is built with torch's C++ extension loader (the system's C++ compiler and ``ninja``;
 ``-O3 -march=native -fopenmp``) into torch's extension folder (``TORCH_EXTENSIONS_DIR``, default
 ``~/.cache/torch_extensions``), under a name keyed by the source, the flags, this CPU's flags and
@@ -93,7 +93,8 @@ class NativeKernels:
     def _build(self):
         from torch.utils import cpp_extension  # heavy: only when a kernel is wanted
 
-        code = self.source.read_bytes()
+        # the source and the headers beside it (vectors.h): a header change rebuilds too
+        code = self.source.read_bytes() + b"".join(h.read_bytes() for h in sorted(self.source.parent.glob("*.h")))
         digest = hashlib.sha256(code + " ".join(CFLAGS).encode() + _cpu_flags().encode()
                                 + torch.__version__.encode()).hexdigest()[:12]
         t0 = time.perf_counter()

@@ -29,33 +29,18 @@
 #include <cstring>
 #include <type_traits>
 
+#include "vectors.h"
+
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
 #endif
 
 namespace {
 
-typedef float v16 __attribute__((vector_size(64)));
-typedef uint32_t u16v __attribute__((vector_size(64)));
+using namespace promptcache_vectors;
+using promptcache_vectors::store;  // overloaded below for bfloat16: one overload set
 typedef int32_t i16v __attribute__((vector_size(64)));
-typedef uint16_t h16 __attribute__((vector_size(32)));
 
-inline v16 splat(float x) { return v16{x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
-
-inline v16 load(const float* p) {
-  v16 v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-inline v16 load(const uint16_t* p) {  // bfloat16 bits widened: exact
-  h16 h;
-  std::memcpy(&h, p, sizeof h);
-  const u16v w = __builtin_convertvector(h, u16v) << 16;
-  v16 v;
-  std::memcpy(&v, &w, sizeof v);
-  return v;
-}
-inline void store(float* p, v16 v) { std::memcpy(p, &v, sizeof v); }
 #if defined(__AVX512BF16__)
 inline void store(uint16_t* p, v16 v) {  // rounded to nearest even (vcvtneps2bf16)
   __m512 f;
@@ -74,13 +59,6 @@ inline void store(uint16_t* p, v16 v) {  // rounded to nearest even; a NaN stays
   std::memcpy(p, &h, sizeof h);
 }
 #endif
-inline float to_float(float x) { return x; }
-inline float to_float(uint16_t x) {
-  const uint32_t w = static_cast<uint32_t>(x) << 16;
-  float f;
-  std::memcpy(&f, &w, sizeof f);
-  return f;
-}
 inline uint16_t round_bf16(float x) {
   uint32_t u;
   std::memcpy(&u, &x, sizeof u);
@@ -91,11 +69,11 @@ inline void put(float* p, float x) { *p = x; }
 inline void put(uint16_t* p, float x) { *p = round_bf16(x); }
 
 template <class T>
-void rows(const T* x, const T* w, T* out, int64_t n, int64_t h, int64_t x_stride, float eps) {
+void rows(const T* x, const T* w, T* out, int64_t n, int64_t h, float eps) {
   constexpr bool narrow = !std::is_same_v<T, float>;
   at::parallel_for(0, n, 16, [&](int64_t b, int64_t e) {
     for (int64_t r = b; r < e; ++r) {
-      const T* xr = x + r * x_stride;
+      const T* xr = x + r * h;
       T* o = out + r * h;
       v16 acc = v16{};
       int64_t i = 0;
@@ -140,11 +118,11 @@ at::Tensor rms_norm(const at::Tensor& x_in, const at::Tensor& w_in, double eps) 
   const int64_t h = x.size(-1), n = h == 0 ? 0 : x.numel() / h;
   if (n == 0) return out;
   if (x.scalar_type() == at::kFloat)
-    rows<float>(x.data_ptr<float>(), w.data_ptr<float>(), out.data_ptr<float>(), n, h, h, static_cast<float>(eps));
+    rows<float>(x.data_ptr<float>(), w.data_ptr<float>(), out.data_ptr<float>(), n, h, static_cast<float>(eps));
   else
     rows<uint16_t>(reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()),
                    reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>()),
-                   reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()), n, h, h, static_cast<float>(eps));
+                   reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()), n, h, static_cast<float>(eps));
   return out;
 }
 

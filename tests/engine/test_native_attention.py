@@ -1,4 +1,4 @@
-"""The native CPU attention kernel (engine/serving_core/cpu_attention.py, engine/serving_core/native/attention.cpp) against
+"""The native CPU attention kernel (engine/serving_core/cpu_attention.py, kernels/attention.cpp) against
 attention computed in float64, and the engine's use of it."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The native CPU attention kernel (``native/attention.cpp``), built once per machine and loaded as
+"""The native CPU attention kernel (``kernels/attention.cpp``), built once per machine and loaded as
 ``torch.ops.promptcache_native`` (``attend``: queries over keys, causal chunks too;
 ``attend_gather``: decode rows over their own keys read from the pool by slot); ``kernel_for`` and
 ``gather_kernel_for`` hand them to ``engine/serving_core/paged.py``.
@@ -32,6 +32,7 @@ from pathlib import Path
 
 import torch
 
+from ... import kernels
 from ...kernels import NativeKernels
 
 __all__ = ["ENV_SWITCH", "available", "gather_kernel_for", "kernel_for", "unavailable_reason"]
@@ -49,7 +50,7 @@ def _register_fakes(ops) -> None:
         return q.new_empty(q.shape), q.new_empty(q.shape[:3])
 
 
-_KERNELS = NativeKernels(Path(__file__).with_name("native") / "attention.cpp", "promptcache_native",
+_KERNELS = NativeKernels(Path(kernels.__file__).with_name("attention.cpp"), "promptcache_native",
                          "native CPU attention kernel", ENV_SWITCH, _register_fakes)
 
 

@@ -44,46 +44,20 @@
 #include <tuple>
 #include <type_traits>
 
+#include "vectors.h"
+
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
 #endif
 
 namespace {
 
-typedef float v16 __attribute__((vector_size(64)));
-typedef int32_t i16 __attribute__((vector_size(64)));
+using namespace promptcache_vectors;
 
 constexpr int kRows = 48;  // queries per tile
 constexpr int kKeys = 64;  // keys per tile (4 vectors)
 constexpr int kRR = 6;     // query rows per register block: 24 accumulators + 4 operands
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-
-inline v16 splat(float x) { return v16{x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
-inline v16 load(const float* p) {
-  v16 v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-inline void store(float* p, v16 v) { std::memcpy(p, &v, sizeof v); }
-
-// bfloat16 (its bits, uint16_t) widened to float32: the bits moved to a float's upper half (exact)
-typedef uint16_t h16 __attribute__((vector_size(32)));
-typedef uint32_t u16v __attribute__((vector_size(64)));
-inline v16 load(const uint16_t* p) {
-  h16 h;
-  std::memcpy(&h, p, sizeof h);
-  const u16v w = __builtin_convertvector(h, u16v) << 16;
-  v16 v;
-  std::memcpy(&v, &w, sizeof v);
-  return v;
-}
-inline float to_float(float x) { return x; }
-inline float to_float(uint16_t x) {
-  const uint32_t w = static_cast<uint32_t>(x) << 16;
-  float f;
-  std::memcpy(&f, &w, sizeof f);
-  return f;
-}
 
 // exp(x) for x <= 0 (scores minus their running max), 0 below -87 (and at -inf): Cody-Waite
 // reduction x = n ln2 + r, |r| <= ln2/2, Cephes' degree-6 polynomial, 2^n from the exponent bits.
