@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 from ..layout import PromptLayout, SchemaLayout, layout_prompt, layout_schema
-from ..kernels import fuse_rms_norms
+from ..kernels import fuse_mlps_and_rotary, fuse_rms_norms
 from ..models.packed import pack_linears
 from ..pml import parse_prompt
 from ..pml.nodes import Prompt
@@ -67,9 +67,10 @@ class PromptCache:
         self.tokenizer = tokenizer
         self.tok = as_span_tokenizer(tokenizer)
         device = torch.device(self.config.runner.device) if self.config.runner.device else None
-        if self.config.runner.packed_linear:  # the CPU fast path: packed linears, one-pass norms
+        if self.config.runner.packed_linear:  # the CPU fast path: packed linears, one-pass norms, MLPs, rotary
             pack_linears(model)
             fuse_rms_norms(model)
+            fuse_mlps_and_rotary(model)
         self.runner = ModelRunner(model, tokenizer, device, self.config.runner.kv_dtype, self.config.runner.overlap_copies)
         self.model, self.adapter, self.spec, self.device = model, self.runner.adapter, self.runner.spec, self.runner.device
         self.store = build_store(self.device, self.config.store)

@@ -3,10 +3,13 @@
 ``build``: ``NativeKernels``, a C++ source compiled at first use on this machine and loaded as
 ``torch.ops``; ``attention.cpp``: the paged engine's CPU attention (loaded by
 ``engine/serving_core/cpu_attention.py``); ``vectors.h``: the vector helpers both kernels share;
-``rms_norm``: one-pass RMSNorm for Llama-form layers (``fuse_rms_norms``).
+``rms_norm``: one-pass RMSNorm for Llama-form layers (``fuse_rms_norms``); ``fused``: a SiLU MLP's
+activation and product, and the rotary embedding of queries and keys, one pass each for Llama-form
+layers (``fuse_mlps_and_rotary``).
 """
 
 from .build import NativeKernels
+from .fused import FusedAttention, FusedMLP, fuse_mlps_and_rotary
 from .rms_norm import FusedRMSNorm, fuse_rms_norms
 
-__all__ = ["FusedRMSNorm", "NativeKernels", "fuse_rms_norms"]
+__all__ = ["FusedAttention", "FusedMLP", "FusedRMSNorm", "NativeKernels", "fuse_mlps_and_rotary", "fuse_rms_norms"]

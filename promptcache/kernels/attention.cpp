@@ -59,31 +59,6 @@ constexpr int kKeys = 64;  // keys per tile (4 vectors)
 constexpr int kRR = 6;     // query rows per register block: 24 accumulators + 4 operands
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
-// exp(x) for x <= 0 (scores minus their running max), 0 below -87 (and at -inf): Cody-Waite
-// reduction x = n ln2 + r, |r| <= ln2/2, Cephes' degree-6 polynomial, 2^n from the exponent bits.
-// Relative error ~1e-7.
-inline v16 vexp(v16 x) {
-  const i16 live = x > splat(-87.0f);
-  x = x > splat(-87.0f) ? x : splat(-87.0f);
-  const v16 magic = splat(12582912.0f);  // 1.5 * 2^23: adding it rounds to an integer
-  v16 n = (x * splat(1.44269504088896341f) + magic) - magic;
-  v16 r = x - n * splat(0.693359375f) - n * splat(-2.12194440e-4f);
-  v16 p = splat(1.9875691500e-4f);
-  p = p * r + splat(1.3981999507e-3f);
-  p = p * r + splat(8.3334519073e-3f);
-  p = p * r + splat(4.1665795894e-2f);
-  p = p * r + splat(1.6666665459e-1f);
-  p = p * r + splat(5.0000001201e-1f);
-  p = p * r * r + r + splat(1.0f);
-  const i16 bits = (__builtin_convertvector(n, i16) + 127) << 23;
-  v16 scale;
-  std::memcpy(&scale, &bits, sizeof scale);
-  const i16 out = (i16)(p * scale) & live;
-  v16 res;
-  std::memcpy(&res, &out, sizeof res);
-  return res;
-}
-
 inline v16 vmax(v16 a, v16 b) { return a > b ? a : b; }
 #if defined(__clang__) || (defined(__GNUC__) && __GNUC__ >= 12)  // __builtin_shufflevector: a shuffle tree
 inline float hmax(v16 v) {

@@ -1,6 +1,6 @@
 """C++ CPU kernels compiled at first use on this machine: ``NativeKernels``.
 
-Each kernel file (``kernels/attention.cpp``, ``kernels/rms_norm.cpp``)
+Each kernel file (``kernels/attention.cpp``, ``kernels/rms_norm.cpp``, ``kernels/fused.cpp``)
 is built with torch's C++ extension loader (the system's C++ compiler and ``ninja``;
 ``-O3 -march=native -fopenmp``) into torch's extension folder (``TORCH_EXTENSIONS_DIR``, default
 ``~/.cache/torch_extensions``), under a name keyed by the source, the flags, this CPU's flags and
@@ -11,7 +11,8 @@ extension binds to the libgomp torch has already loaded (one thread pool).
 
 Where a kernel cannot be built (no compiler, no ninja) a warning says why once, and its callers
 keep torch's own ops (the same computation, slower); an environment variable per kernel turns it
-off (``PROMPTCACHE_NATIVE_ATTENTION=0``, ``PROMPTCACHE_NATIVE_NORM=0``).
+off (``PROMPTCACHE_NATIVE_ATTENTION=0``, ``PROMPTCACHE_NATIVE_NORM=0``,
+``PROMPTCACHE_NATIVE_FUSED=0``).
 """
 
 from __future__ import annotations

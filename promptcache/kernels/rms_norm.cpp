@@ -31,43 +31,9 @@
 
 #include "vectors.h"
 
-#if defined(__AVX512BF16__)
-#include <immintrin.h>
-#endif
-
 namespace {
 
 using namespace promptcache_vectors;
-using promptcache_vectors::store;  // overloaded below for bfloat16: one overload set
-typedef int32_t i16v __attribute__((vector_size(64)));
-
-#if defined(__AVX512BF16__)
-inline void store(uint16_t* p, v16 v) {  // rounded to nearest even (vcvtneps2bf16)
-  __m512 f;
-  std::memcpy(&f, &v, sizeof f);
-  const __m256bh h = _mm512_cvtneps_pbh(f);
-  std::memcpy(p, &h, sizeof h);
-}
-#else
-inline void store(uint16_t* p, v16 v) {  // rounded to nearest even; a NaN stays a NaN
-  u16v u;
-  std::memcpy(&u, &v, sizeof u);
-  const u16v rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
-  const i16v nan = v != v;
-  const u16v bits = (u16v)((i16v)rounded & ~nan) | (u16v)((i16v)((u >> 16) | 0x40u) & nan);
-  const h16 h = __builtin_convertvector(bits, h16);
-  std::memcpy(p, &h, sizeof h);
-}
-#endif
-inline uint16_t round_bf16(float x) {
-  uint32_t u;
-  std::memcpy(&u, &x, sizeof u);
-  if (std::isnan(x)) return static_cast<uint16_t>((u >> 16) | 0x40u);
-  return static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
-}
-inline void put(float* p, float x) { *p = x; }
-inline void put(uint16_t* p, float x) { *p = round_bf16(x); }
-
 template <class T>
 void rows(const T* x, const T* w, T* out, int64_t n, int64_t h, float eps) {
   constexpr bool narrow = !std::is_same_v<T, float>;
@@ -88,11 +54,7 @@ void rows(const T* x, const T* w, T* out, int64_t n, int64_t h, float eps) {
       i = 0;
       for (; i + 16 <= h; i += 16) {
         v16 hv = load(xr + i) * splat(inv);
-        if constexpr (narrow) {  // the stock forward narrows h before the weight's product
-          alignas(64) uint16_t tmp[16];
-          store(tmp, hv);
-          hv = load(tmp);
-        }
+        if constexpr (narrow) hv = as_stored(hv, xr);  // the stock forward narrows h before the weight's product
         store(o + i, load(w + i) * hv);
       }
       for (; i < h; ++i) {

@@ -58,12 +58,12 @@ class RunnerConfig:
                "GPU-bound forwards).")
     # CPU, float32: every nn.Linear of the model computes through oneDNN with its weight packed once
     # (models/packed.py: faster decode steps, within float32 rounding of the stock forward; one more
-    # copy of the linear weights in memory; eval/results/design_figures.md), and RMSNorm layers of
-    # the Llama form run one native pass each (kernels/rms_norm.py)
+    # copy of the linear weights in memory; eval/results/design_figures.md), and Llama-form layers run
+    # their RMSNorm, SiLU MLP activation and rotary embedding in one native pass each (kernels/)
     packed_linear: bool = setting(
         False, "CPU, float32 (or bfloat16 where the CPU has bfloat16 instructions): run every linear layer "
-               "through oneDNN with its weight packed once, and Llama-form RMSNorm layers in one native pass "
-               "(faster steps; within rounding of the stock forward; one more copy of the linear weights in "
+               "through oneDNN with its weight packed once, and Llama-form RMSNorm, SiLU MLP activation and "
+               "rotary embedding in one native pass each (faster steps; within rounding of the stock forward; one more copy of the linear weights in "
                "memory).")
     # serving steps of few tokens run through torch.compile (engine/serving_core/graphs.py): on a CPU one graph
     # with symbolic sizes, on a GPU padded buckets captured as CUDA graphs. Off by default: it adds
