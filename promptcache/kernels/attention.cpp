@@ -423,15 +423,66 @@ void run(const Args<KV, Q>& a, int64_t heads) {
 
 // Decode rows over their own keys, gathered from the pool by slot: query row group b (G queries)
 // of head x sees keys slots[b, 0 .. lengths[b]).
+//
+// A group of few queries (G <= kDirectRows: a decode row's query heads of one KV head) reads each
+// key and value row in place: a score is one key row's dot product with each query (a horizontal
+// sum), P V adds value rows read where they lie (bfloat16 widened as loaded). Packing K^T and V
+// per tile, as prefill does, costs more than it saves when only G queries use the tile: decode
+// steps over long rows were about half packing (a 16-row step over a 1K shared prompt).
+constexpr int kDirectRows = 8;
+
+template <int ND, class KV>
+inline void scores_direct(const float* q, int rows, const KV* const* krow, int kn, float scale, float* s) {
+  constexpr int D = ND * 16;
+  for (int j = 0; j < kn; ++j) {
+    v16 kv[ND];
+    for (int c = 0; c < ND; ++c) kv[c] = load(krow[j] + c * 16);
+    for (int i = 0; i < rows; ++i) {
+      const float* qi = q + i * D;
+      v16 acc = load(qi) * kv[0];
+      for (int c = 1; c < ND; ++c) acc += load(qi + c * 16) * kv[c];
+      s[i * kKeys + j] = hsum(acc) * scale;
+    }
+  }
+}
+
+template <int ND, int RR, class KV>
+inline void values_direct(const float* p, const KV* const* vrow, int kn, float* o) {
+  v16 acc[RR][ND];
+  for (int i = 0; i < RR; ++i)
+    for (int c = 0; c < ND; ++c) acc[i][c] = load(o + i * ND * 16 + c * 16);
+  for (int j = 0; j < kn; ++j) {
+    v16 vv[ND];
+    for (int c = 0; c < ND; ++c) vv[c] = load(vrow[j] + c * 16);
+    for (int i = 0; i < RR; ++i) {
+      const v16 pij = splat(p[i * kKeys + j]);
+      for (int c = 0; c < ND; ++c) acc[i][c] += pij * vv[c];
+    }
+  }
+  for (int i = 0; i < RR; ++i)
+    for (int c = 0; c < ND; ++c) store(o + i * ND * 16 + c * 16, acc[i][c]);
+}
+
+template <int ND, class KV>
+void values_direct_rows(const float* p, const KV* const* vrow, int kn, float* o, int rows) {
+  constexpr int rr = ND <= 4 ? kRR : 2;  // accumulators and operands stay in 32 vector registers
+  int i = 0;
+  for (; i + rr <= rows; i += rr) values_direct<ND, rr>(p + i * kKeys, vrow, kn, o + i * ND * 16);
+  remainder<ND, rr>(rows - i, [&](auto r) { values_direct<ND, r>(p + i * kKeys, vrow, kn, o + i * ND * 16); });
+}
+
 template <int ND, class KV>
 void run_gather(const float* q, const KV* kbuf, const KV* vbuf, int64_t ks0, int64_t ks1, int64_t vs0,
                 int64_t vs1, const int64_t* slots, int64_t width, const int64_t* lengths, int64_t heads, int64_t b,
                 int64_t g, float scale, float* out, float* lse) {
   constexpr int D = ND * 16;
+  const bool direct = g <= kDirectRows;
   at::parallel_for(0, heads * b, 1, [&](int64_t lo, int64_t hi) {
     alignas(64) float kt[D * kKeys];
     alignas(64) float vt[kKeys * D];
-    std::memset(kt, 0, sizeof kt);  // finite from the start: tiles are packed without padding
+    const KV* krow[kKeys];
+    const KV* vrow[kKeys];
+    if (!direct) std::memset(kt, 0, sizeof kt);  // finite from the start: tiles are packed without padding
     for (int64_t w = lo; w < hi; ++w) {
       const int64_t x = w / b, row = w % b, n = lengths[row];
       const int64_t* sl = slots + row * width;
@@ -442,6 +493,20 @@ void run_gather(const float* q, const KV* kbuf, const KV* vbuf, int64_t ks0, int
         const float* qr = q + (w * g + r0) * D;
         int64_t limit[kRows];
         for (int i = 0; i < rows; ++i) limit[i] = n - 1;
+        if (direct) {
+          attend_rows<ND>(
+              rows, limit, n,
+              [&](int64_t j0, int kn, float* s) {  // the tile's key and value rows, read in place
+                for (int j = 0; j < kn; ++j) {
+                  krow[j] = k + sl[j0 + j] * ks1;
+                  vrow[j] = v + sl[j0 + j] * vs1;
+                }
+                scores_direct<ND>(qr, rows, krow, kn, scale, s);
+              },
+              [&](int64_t, int kn, const float* p, float* o) { values_direct_rows<ND>(p, vrow, kn, o, rows); },
+              out + (w * g + r0) * D, lse + w * g + r0);
+          continue;
+        }
         attend_rows<ND>(
             rows, limit, n,
             [&](int64_t j0, int kn, float* s) {  // the tile packed here: K^T, V rows (bfloat16: widened)
