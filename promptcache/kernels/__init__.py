@@ -5,7 +5,8 @@
 ``engine/serving_core/cpu_attention.py``); ``vectors.h``: the vector helpers both kernels share;
 ``rms_norm``: one-pass RMSNorm for Llama-form layers (``fuse_rms_norms``); ``fused``: a SiLU MLP's
 activation and product, and the rotary embedding of queries and keys, one pass each for Llama-form
-layers (``fuse_mlps_and_rotary``).
+layers (``fuse_mlps_and_rotary``); ``forms``: the check that a layer class computes the form a kernel
+replaces (its ``forward``'s text).
 """
 
 from .build import NativeKernels

@@ -21,16 +21,15 @@ CPU fast path) fuses them with the norms; ``PROMPTCACHE_NATIVE_FUSED=0`` turns t
 
 from __future__ import annotations
 
-import inspect
 import logging
 import sys
-import textwrap
 from pathlib import Path
 
 import torch
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from .build import NativeKernels
+from .forms import has_form
 
 log = logging.getLogger(__name__)
 
@@ -107,19 +106,6 @@ def _register_fake(ops) -> None:  # shapes for torch.compile's tracing
 KERNELS = NativeKernels(Path(__file__).with_name("fused.cpp"), "promptcache_fused", "native fused MLP/rotary kernels",
                         ENV_SWITCH, _register_fake)
 
-_FORMS: dict[tuple[type, str], bool] = {}  # (class, form) -> whether its forward is that text
-
-
-def _has_form(cls: type, form: str) -> bool:
-    if (cls, form) not in _FORMS:
-        try:
-            src = textwrap.dedent(inspect.getsource(cls.forward)).strip()
-        except (OSError, TypeError):  # no source (a compiled or generated class): not known
-            src = ""
-        _FORMS[cls, form] = " ".join(src.split()) == " ".join(form.split())
-    return _FORMS[cls, form]
-
-
 def _covered(x: torch.Tensor) -> bool:
     return x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16) \
         and not (torch.is_grad_enabled() and x.requires_grad)
@@ -186,9 +172,9 @@ def fuse_mlps_and_rotary(model: torch.nn.Module) -> int:
         weight = next(m.parameters(recurse=True), None)
         if weight is None or weight.device.type != "cpu":
             continue
-        if _has_form(type(m), LLAMA_MLP_FORWARD) and _silu(getattr(m, "act_fn", None)):
+        if has_form(type(m), LLAMA_MLP_FORWARD) and _silu(getattr(m, "act_fn", None)):
             mlps.append(m)
-        elif _has_form(type(m), LLAMA_ATTENTION_FORWARD) and hasattr(m, "head_dim") \
+        elif has_form(type(m), LLAMA_ATTENTION_FORWARD) and hasattr(m, "head_dim") \
                 and hasattr(sys.modules[type(m).__module__], "eager_attention_forward"):
             attentions.append(m)
     if not (mlps or attentions) or not KERNELS.available():

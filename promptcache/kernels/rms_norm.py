@@ -20,14 +20,13 @@ forward. ``RunnerConfig.packed_linear`` (the CPU fast path) fuses the norms with
 
 from __future__ import annotations
 
-import inspect
 import logging
-import textwrap
 from pathlib import Path
 
 import torch
 
 from .build import NativeKernels
+from .forms import has_form
 
 log = logging.getLogger(__name__)
 
@@ -56,19 +55,6 @@ def _register_fake(ops) -> None:
 KERNELS = NativeKernels(Path(__file__).with_name("rms_norm.cpp"), "promptcache_norm", "native RMSNorm kernel",
                         ENV_SWITCH, _register_fake)
 
-_KNOWN: dict[type, bool] = {}  # class -> whether its forward is the Llama form
-
-
-def _llama_form(cls: type) -> bool:
-    if cls not in _KNOWN:
-        try:
-            src = textwrap.dedent(inspect.getsource(cls.forward)).strip()
-        except (OSError, TypeError):  # no source (a compiled or generated class): not known
-            src = ""
-        _KNOWN[cls] = " ".join(src.split()) == " ".join(LLAMA_FORWARD.split())
-    return _KNOWN[cls]
-
-
 class FusedRMSNorm:
     """The ``forward`` of one Llama-form RMSNorm: the native kernel where it covers the call (CPU,
     float32 or bfloat16 like the weight), else the module's own forward."""
@@ -89,7 +75,7 @@ def fuse_rms_norms(model: torch.nn.Module) -> int:
     """Give every Llama-form RMSNorm of ``model`` (CPU weights) the native kernel's forward, in
     place; returns how many (0 where the kernel is off or cannot be built: logged)."""
     norms = [m for m in model.modules()
-             if _llama_form(type(m)) and isinstance(getattr(m, "weight", None), torch.Tensor)
+             if has_form(type(m), LLAMA_FORWARD) and isinstance(getattr(m, "weight", None), torch.Tensor)
              and m.weight.dim() == 1 and m.weight.device.type == "cpu" and hasattr(m, "variance_epsilon")
              and not isinstance(m.__dict__.get("forward"), FusedRMSNorm)]
     if not norms or not KERNELS.available():

@@ -140,14 +140,17 @@ def test_calls_the_kernels_do_not_cover_run_the_stock_forward():
     assert torch.allclose(model(input_ids=ids).logits.detach(), want, atol=1e-5)
 
 
-def test_switched_off_by_the_environment():
+@pytest.mark.parametrize("module,fuse", [("fused", "fuse_mlps_and_rotary"), ("rms_norm", "fuse_rms_norms")])
+def test_switched_off_by_the_environment(module, fuse):
+    """Each kernel's environment switch: its layers keep the stock forward, and it says why."""
+    switch = getattr(__import__(f"promptcache.kernels.{module}", fromlist=["ENV_SWITCH"]), "ENV_SWITCH")
     code = ("import sys; sys.path.insert(0, 'tests'); from tiny import fresh_model; "
-            "from promptcache.kernels import fused as f; m = fresh_model('llama'); "
-            "print(f.fuse_mlps_and_rotary(m), f.KERNELS.unavailable_reason())")
+            f"from promptcache.kernels import {module} as f; m = fresh_model('llama'); "
+            f"print(f.{fuse}(m), f.KERNELS.unavailable_reason())")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                         env={**os.environ, fused.ENV_SWITCH: "0"})
+                         env={**os.environ, switch: "0"})
     assert out.returncode == 0, out.stderr
-    assert out.stdout.strip().splitlines()[-1] == f"0 turned off by {fused.ENV_SWITCH}"
+    assert out.stdout.strip().splitlines()[-1] == f"0 turned off by {switch}"
 
 
 def test_the_cpu_fast_path_fuses_mlps_and_rotary():
