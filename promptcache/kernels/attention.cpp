@@ -110,14 +110,14 @@ inline void scores(const float* q, int64_t q_stride, const float* kt, float scal
     for (int c = 0; c < 4; ++c) store(s + i * kKeys + c * 16, acc[i][c] * sc);
 }
 
-// O[RR][D] += P[RR][kn] . V[kn][D] (V float32 or bfloat16)
-template <int ND, int RR, class V>
-inline void values(const float* p, const V* v, int64_t v_stride, int kn, float* o) {
+// O[RR][D] += P[RR][kn] . V[kn][D] (V float32 or bfloat16; row(j): the address of value row j)
+template <int ND, int RR, class Row>
+inline void values(const float* p, Row&& row, int kn, float* o) {
   v16 acc[RR][ND];
   for (int i = 0; i < RR; ++i)
     for (int c = 0; c < ND; ++c) acc[i][c] = load(o + i * ND * 16 + c * 16);
   for (int j = 0; j < kn; ++j) {
-    const V* vj = v + j * v_stride;
+    const auto* vj = row(j);
     v16 vv[ND];
     for (int c = 0; c < ND; ++c) vv[c] = load(vj + c * 16);
     for (int i = 0; i < RR; ++i) {
@@ -145,12 +145,13 @@ void scores_rows(const float* q, int64_t q_stride, const float* kt, float scale,
   remainder<ND, kRR>(rows - i, [&](auto rr) { scores<ND, rr>(q + i * q_stride, q_stride, kt, scale, s + i * kKeys); });
 }
 
-template <int ND, class V>
-void values_rows(const float* p, const V* v, int64_t v_stride, int kn, float* o, int rows) {
+// values for `rows` queries in register blocks; row(j): the address of value row j
+template <int ND, class Row>
+void values_rows(const float* p, Row&& row, int kn, float* o, int rows) {
   constexpr int rr = ND <= 4 ? kRR : 2;  // accumulators and operands stay in 32 vector registers
   int i = 0;
-  for (; i + rr <= rows; i += rr) values<ND, rr, V>(p + i * kKeys, v, v_stride, kn, o + i * ND * 16);
-  remainder<ND, rr>(rows - i, [&](auto r) { values<ND, r, V>(p + i * kKeys, v, v_stride, kn, o + i * ND * 16); });
+  for (; i + rr <= rows; i += rr) values<ND, rr>(p + i * kKeys, row, kn, o + i * ND * 16);
+  remainder<ND, rr>(rows - i, [&](auto r) { values<ND, r>(p + i * kKeys, row, kn, o + i * ND * 16); });
 }
 
 // Online-softmax attention of `rows` (<= kRows) queries over keys 0 .. n-1, query i seeing keys
@@ -395,7 +396,9 @@ void run(const Args<KV, Q>& a, int64_t heads) {
         attend_rows<ND>(
             rows, limit, kn,
             [&](int64_t j0, int, float* s) { scores_rows<ND>(q, a.qs1, tile(j0), a.scale, s, rows); },
-            [&](int64_t j0, int n, const float* p, float* out) { values_rows<ND>(p, v + j0 * a.vs1, a.vs1, n, out, rows); },
+            [&](int64_t j0, int n, const float* p, float* out) {
+              values_rows<ND>(p, [&](int j) { return v + (j0 + j) * a.vs1; }, n, out, rows);
+            },
             o, l);
       }
     }
@@ -446,31 +449,6 @@ inline void scores_direct(const float* q, int rows, const KV* const* krow, int k
   }
 }
 
-template <int ND, int RR, class KV>
-inline void values_direct(const float* p, const KV* const* vrow, int kn, float* o) {
-  v16 acc[RR][ND];
-  for (int i = 0; i < RR; ++i)
-    for (int c = 0; c < ND; ++c) acc[i][c] = load(o + i * ND * 16 + c * 16);
-  for (int j = 0; j < kn; ++j) {
-    v16 vv[ND];
-    for (int c = 0; c < ND; ++c) vv[c] = load(vrow[j] + c * 16);
-    for (int i = 0; i < RR; ++i) {
-      const v16 pij = splat(p[i * kKeys + j]);
-      for (int c = 0; c < ND; ++c) acc[i][c] += pij * vv[c];
-    }
-  }
-  for (int i = 0; i < RR; ++i)
-    for (int c = 0; c < ND; ++c) store(o + i * ND * 16 + c * 16, acc[i][c]);
-}
-
-template <int ND, class KV>
-void values_direct_rows(const float* p, const KV* const* vrow, int kn, float* o, int rows) {
-  constexpr int rr = ND <= 4 ? kRR : 2;  // accumulators and operands stay in 32 vector registers
-  int i = 0;
-  for (; i + rr <= rows; i += rr) values_direct<ND, rr>(p + i * kKeys, vrow, kn, o + i * ND * 16);
-  remainder<ND, rr>(rows - i, [&](auto r) { values_direct<ND, r>(p + i * kKeys, vrow, kn, o + i * ND * 16); });
-}
-
 template <int ND, class KV>
 void run_gather(const float* q, const KV* kbuf, const KV* vbuf, int64_t ks0, int64_t ks1, int64_t vs0,
                 int64_t vs1, const int64_t* slots, int64_t width, const int64_t* lengths, int64_t heads, int64_t b,
@@ -493,9 +471,11 @@ void run_gather(const float* q, const KV* kbuf, const KV* vbuf, int64_t ks0, int
         const float* qr = q + (w * g + r0) * D;
         int64_t limit[kRows];
         for (int i = 0; i < rows; ++i) limit[i] = n - 1;
-        if (direct) {
-          attend_rows<ND>(
-              rows, limit, n,
+        const auto run = [&](auto&& scores, auto&& values) {
+          attend_rows<ND>(rows, limit, n, scores, values, out + (w * g + r0) * D, lse + w * g + r0);
+        };
+        if (direct)
+          run(
               [&](int64_t j0, int kn, float* s) {  // the tile's key and value rows, read in place
                 for (int j = 0; j < kn; ++j) {
                   krow[j] = k + sl[j0 + j] * ks1;
@@ -503,20 +483,20 @@ void run_gather(const float* q, const KV* kbuf, const KV* vbuf, int64_t ks0, int
                 }
                 scores_direct<ND>(qr, rows, krow, kn, scale, s);
               },
-              [&](int64_t, int kn, const float* p, float* o) { values_direct_rows<ND>(p, vrow, kn, o, rows); },
-              out + (w * g + r0) * D, lse + w * g + r0);
-          continue;
-        }
-        attend_rows<ND>(
-            rows, limit, n,
-            [&](int64_t j0, int kn, float* s) {  // the tile packed here: K^T, V rows (bfloat16: widened)
-              pack_tile<D, false>(kt, kn, [&](int j) { return k + sl[j0 + j] * ks1; });
-              for (int j = 0; j < kn; ++j)
-                for (int c = 0; c < ND; ++c) store(vt + j * D + c * 16, load(v + sl[j0 + j] * vs1 + c * 16));
-              scores_rows<ND>(qr, D, kt, scale, s, rows);
-            },
-            [&](int64_t, int kn, const float* p, float* o) { values_rows<ND>(p, vt, D, kn, o, rows); },
-            out + (w * g + r0) * D, lse + w * g + r0);
+              [&](int64_t, int kn, const float* p, float* o) {
+                values_rows<ND>(p, [&](int j) { return vrow[j]; }, kn, o, rows);
+              });
+        else
+          run(
+              [&](int64_t j0, int kn, float* s) {  // the tile packed here: K^T, V rows (bfloat16: widened)
+                pack_tile<D, false>(kt, kn, [&](int j) { return k + sl[j0 + j] * ks1; });
+                for (int j = 0; j < kn; ++j)
+                  for (int c = 0; c < ND; ++c) store(vt + j * D + c * 16, load(v + sl[j0 + j] * vs1 + c * 16));
+                scores_rows<ND>(qr, D, kt, scale, s, rows);
+              },
+              [&](int64_t, int kn, const float* p, float* o) {
+                values_rows<ND>(p, [&](int j) { return vt + j * D; }, kn, o, rows);
+              });
       }
     }
   });

@@ -34,7 +34,6 @@
 #include <cstdint>
 #include <cstring>
 #include <tuple>
-#include <type_traits>
 
 #include "vectors.h"
 
@@ -56,17 +55,6 @@ inline float silu(float x) {
 }
 
 template <class T>
-inline v16 rounded(v16 v, const T* like) {  // the value a stock op's T output holds
-  if constexpr (std::is_same_v<T, float>) return v;
-  else return as_stored(v, like);
-}
-template <class T>
-inline float rounded(float v) {
-  if constexpr (std::is_same_v<T, float>) return v;
-  else return to_float(round_bf16(v));
-}
-
-template <class T>
 void silu_mul_rows(const T* g, const T* u, T* out, int64_t n, int64_t width, int64_t gs, int64_t us) {
   at::parallel_for(0, n, 8, [&](int64_t b, int64_t e) {
     for (int64_t r = b; r < e; ++r) {
@@ -74,8 +62,8 @@ void silu_mul_rows(const T* g, const T* u, T* out, int64_t n, int64_t width, int
       const T* ur = u + r * us;
       T* o = out + r * width;
       int64_t i = 0;
-      for (; i + 16 <= width; i += 16) store(o + i, rounded(vsilu(load(gr + i)), gr) * load(ur + i));
-      for (; i < width; ++i) put(o + i, rounded<T>(silu(to_float(gr[i]))) * to_float(ur[i]));
+      for (; i + 16 <= width; i += 16) store(o + i, as_stored(vsilu(load(gr + i)), gr) * load(ur + i));
+      for (; i < width; ++i) put(o + i, as_stored(silu(to_float(gr[i])), gr) * to_float(ur[i]));
     }
   });
 }
@@ -116,15 +104,15 @@ inline void rotate_row(const T* x, const T* c, const T* s, T* o, int64_t half) {
   int64_t i = 0;
   for (; i + 16 <= half; i += 16) {
     const v16 x1 = load(x + i), x2 = load(x + half + i);
-    const v16 lo = rounded(x1 * load(c + i), x) - rounded(x2 * load(s + i), x);
-    const v16 hi = rounded(x2 * load(c + half + i), x) + rounded(x1 * load(s + half + i), x);
+    const v16 lo = as_stored(x1 * load(c + i), x) - as_stored(x2 * load(s + i), x);
+    const v16 hi = as_stored(x2 * load(c + half + i), x) + as_stored(x1 * load(s + half + i), x);
     store(o + i, lo);
     store(o + half + i, hi);
   }
   for (; i < half; ++i) {
     const float x1 = to_float(x[i]), x2 = to_float(x[half + i]);
-    put(o + i, rounded<T>(x1 * to_float(c[i])) - rounded<T>(x2 * to_float(s[i])));
-    put(o + half + i, rounded<T>(x2 * to_float(c[half + i])) + rounded<T>(x1 * to_float(s[half + i])));
+    put(o + i, as_stored(x1 * to_float(c[i]), x) - as_stored(x2 * to_float(s[i]), x));
+    put(o + half + i, as_stored(x2 * to_float(c[half + i]), x) + as_stored(x1 * to_float(s[half + i]), x));
   }
 }
 

@@ -27,16 +27,15 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <type_traits>
 
 #include "vectors.h"
 
 namespace {
 
 using namespace promptcache_vectors;
+
 template <class T>
 void rows(const T* x, const T* w, T* out, int64_t n, int64_t h, float eps) {
-  constexpr bool narrow = !std::is_same_v<T, float>;
   at::parallel_for(0, n, 16, [&](int64_t b, int64_t e) {
     for (int64_t r = b; r < e; ++r) {
       const T* xr = x + r * h;
@@ -53,14 +52,11 @@ void rows(const T* x, const T* w, T* out, int64_t n, int64_t h, float eps) {
       const float inv = 1.0f / std::sqrt(sum / static_cast<float>(h) + eps);
       i = 0;
       for (; i + 16 <= h; i += 16) {
-        v16 hv = load(xr + i) * splat(inv);
-        if constexpr (narrow) hv = as_stored(hv, xr);  // the stock forward narrows h before the weight's product
+        const v16 hv = as_stored(load(xr + i) * splat(inv), xr);  // the stock forward narrows h (bfloat16)
         store(o + i, load(w + i) * hv);
       }
       for (; i < h; ++i) {
-        float hv = to_float(xr[i]) * inv;
-        if constexpr (narrow) hv = to_float(round_bf16(hv));
-        put(o + i, to_float(w[i]) * hv);
+        put(o + i, to_float(w[i]) * as_stored(to_float(xr[i]) * inv, xr));
       }
     }
   });

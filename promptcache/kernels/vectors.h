@@ -70,7 +70,9 @@ inline uint16_t round_bf16(float x) {
 }
 inline void put(float* p, float x) { *p = x; }
 inline void put(uint16_t* p, float x) { *p = round_bf16(x); }
-// v as the element type T holds it (float32 as is; bfloat16 rounded to it and widened back)
+// v as the element type of `like` holds it (float32 as is; bfloat16 rounded to it and widened back)
+inline float as_stored(float x, const float*) { return x; }
+inline float as_stored(float x, const uint16_t*) { return to_float(round_bf16(x)); }
 inline v16 as_stored(v16 v, const float*) { return v; }
 inline v16 as_stored(v16 v, const uint16_t*) {
   alignas(64) uint16_t tmp[16];

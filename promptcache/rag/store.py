@@ -122,7 +122,10 @@ class DocumentStore:
         if self.attach_separator and prefixed:
             raise ValueError("DocumentStore: attach_separator=True stores units encoded alone from position 0 (what "
                              "vLLM's connector serves); prefixed=True encodes documents after a prefix: pick one")
-        self.encode_prefix = self._prefix(None) if prefixed else ()  # what each document is encoded after
+        self.encode_prefix = self._prefix(None)[0] if prefixed else ()  # what each document is encoded after
+        # the namespace of documents' state keys: a prefixed encoding's tokens salt it (worked out once)
+        self._state_namespace = (f"{self.namespace}|after:{token_digest(self.encode_prefix)}" if self.encode_prefix
+                                 else self.namespace)
         self.path = Path(path) if path is not None else None
         self.folder = DocumentFolder(self.path, pc, self._suffix, self.encode_prefix) if self.path is not None else None
         self._docs: dict[str, Document] = {}
@@ -298,8 +301,7 @@ class DocumentStore:
         """The engine store's key of a document's unit (``unit_ids``) or of a prompt prefix: encoded
         alone from position 0, or, for a ``prefixed`` store's documents, after ``encode_prefix``
         (its tokens salt the key, so the two encodings never share one)."""
-        ns = self.namespace if not self.encode_prefix else f"{self.namespace}|after:{token_digest(self.encode_prefix)}"
-        return self._key(token_ids, ns)
+        return self._key(token_ids, self._state_namespace)
 
     def _encode(self, token_ids) -> torch.Tensor:
         """A document's independent states [L, 2, H, n, D]: alone from position 0, or after
@@ -310,15 +312,15 @@ class DocumentStore:
         kv = self.pc.encode_span(list(self.encode_prefix) + list(token_ids))
         return kv[:, :, :, n:].contiguous() if n else kv
 
-    def _prefix(self, system: str | None) -> tuple[int, ...]:
-        """A request's cached prefix: BOS, the chat template's header, the system text (if any), the
-        user header."""
+    def _prefix(self, system: str | None) -> tuple[tuple[int, ...], list[str]]:
+        """A request's cached prefix (BOS, the chat template's header, the system text (if any), the
+        user header) and the template's glue strings it was built from (its last one ends the prompt)."""
         tok = self.pc.tok
         glue = tok.render_roles(["system", "user"] if system else ["user"], add_generation_prompt=True)
         prefix = list(tok.bos_ids) + tok.encode(glue[0])
         if system:
             prefix += tok.encode(system) + tok.encode(glue[1])
-        return tuple(prefix)
+        return tuple(prefix), glue
 
     def _layout(self, question: str, docs: list[Document], system: str | None,
                 chained: int) -> tuple[PromptLayout, int]:
@@ -326,8 +328,7 @@ class DocumentStore:
         and its separator); the others independent (the separator a new span after each). Token
         IDs and positions are the same either way."""
         tok = self.pc.tok
-        glue = tok.render_roles(["system", "user"] if system else ["user"], add_generation_prompt=True)
-        prefix = self._prefix(system)
+        prefix, glue = self._prefix(system)
         spans = [Span("cached", "(prefix)", tuple(prefix), tuple(range(len(prefix))), "glue")] if prefix else []
         pos = len(prefix)
         for n, d in enumerate(docs):

@@ -33,7 +33,6 @@ from pathlib import Path
 import torch
 
 from ... import kernels
-from ...kernels import NativeKernels
 
 __all__ = ["ENV_SWITCH", "available", "gather_kernel_for", "kernel_for", "unavailable_reason"]
 
@@ -50,8 +49,8 @@ def _register_fakes(ops) -> None:
         return q.new_empty(q.shape), q.new_empty(q.shape[:3])
 
 
-_KERNELS = NativeKernels(Path(kernels.__file__).with_name("attention.cpp"), "promptcache_native",
-                         "native CPU attention kernel", ENV_SWITCH, _register_fakes)
+_KERNELS = kernels.NativeKernels(Path(kernels.__file__).with_name("attention.cpp"), "promptcache_native",
+                                 "native CPU attention kernel", ENV_SWITCH, _register_fakes)
 
 
 def available() -> bool:
