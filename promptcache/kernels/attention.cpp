@@ -43,6 +43,8 @@
 #include <limits>
 #include <tuple>
 #include <type_traits>
+#include <utility>
+#include <vector>
 
 #include "vectors.h"
 
@@ -209,8 +211,46 @@ void attend_rows(int rows, const int64_t* limit, int64_t n, Scores&& scores, Val
   }
 }
 
-// K^T of one key tile (kn keys, row pointers from key(j)) into kt [D][kKeys]; Pad: zeros after
-// kn (else whatever finite values kt held: those scores are masked before they are used).
+#if defined(__clang__) || (defined(__GNUC__) && __GNUC__ >= 12)
+// a, b -> the off-diagonal H-lane blocks of the pair swapped (one round of a block transpose)
+template <int H, int... I>
+inline void swap_blocks(v16& a, v16& b, std::integer_sequence<int, I...>) {
+  const v16 lo = __builtin_shufflevector(a, b, ((I & H) == 0 ? I : 16 + I - H)...);
+  const v16 hi = __builtin_shufflevector(a, b, ((I & H) == 0 ? I + H : 16 + I)...);
+  a = lo;
+  b = hi;
+}
+
+template <int H>
+inline void swap_round(v16* r) {
+  for (int i = 0; i < 16; ++i)
+    if ((i & H) == 0) swap_blocks<H>(r[i], r[i + H], std::make_integer_sequence<int, 16>{});
+}
+
+// r[i][l] -> r[l][i]: a 16 x 16 block transposed in registers (four rounds of block swaps)
+inline void transpose16(v16* r) {
+  swap_round<8>(r);
+  swap_round<4>(r);
+  swap_round<2>(r);
+  swap_round<1>(r);
+}
+
+// K^T of one key tile (kn keys, row pointers from key(j)) into kt [D][kKeys], zeros after kn
+// (Pad) or finite values there (whatever kt held, or zeros): 16 keys x 16 dims at a time,
+// transposed in registers (bfloat16 widened as loaded).
+template <int D, bool Pad, class Key>
+inline void pack_tile(float* kt, int kn, Key&& key) {
+  v16 r[16];
+  for (int j0 = 0; j0 < kKeys; j0 += 16) {
+    if (!Pad && j0 >= kn) break;
+    for (int c = 0; c < D / 16; ++c) {
+      for (int i = 0; i < 16; ++i) r[i] = j0 + i < kn ? load(key(j0 + i) + c * 16) : v16{};
+      transpose16(r);
+      for (int i = 0; i < 16; ++i) store(kt + (c * 16 + i) * kKeys + j0, r[i]);
+    }
+  }
+}
+#else  // an older GCC: element by element
 template <int D, bool Pad, class Key>
 inline void pack_tile(float* kt, int kn, Key&& key) {
   for (int j = 0; j < kn; ++j) {
@@ -221,6 +261,7 @@ inline void pack_tile(float* kt, int kn, Key&& key) {
     for (int d = 0; d < D; ++d)
       for (int j = kn; j < kKeys; ++j) kt[d * kKeys + j] = 0.0f;
 }
+#endif
 
 #if defined(__AVX512BF16__)
 // bfloat16 products with float32 sums (AVX-512 BF16's vdpbf16ps: the products of two pairs of
@@ -449,12 +490,139 @@ inline void scores_direct(const float* q, int rows, const KV* const* krow, int k
   }
 }
 
+// Decode rows whose slots begin alike (requests over one prompt whose blocks the pool holds once:
+// the engine folds those shared slots into each row's own) read the shared keys together: the
+// queries of every such row (up to kRows) go through one packed K^T tile, as a prefill's do, so a
+// tile is read and packed once for all of them instead of once per row; each row then reads its
+// own remaining keys directly and the two partial results merge by log-sum-exp. 16 decode rows
+// over a 1K shared prompt spent a third of a step re-reading the prompt's keys row by row.
+constexpr int64_t kMinShared = 2 * kKeys;  // fewer shared keys are not worth a pass of their own
+
+struct SharedRun {
+  int64_t n;                  // leading slots every row of the run has alike
+  std::vector<int64_t> rows;  // rows[0] leads: the shared keys are read through its slots
+};
+
+// Runs of >= 2 rows sharing >= kMinShared leading slots. Greedy from each row not yet taken: of
+// the later rows, the set that maximizes (rows x shared keys) joins it.
+std::vector<SharedRun> shared_runs(const int64_t* slots, int64_t width, const int64_t* lengths, int64_t b) {
+  std::vector<SharedRun> runs;
+  std::vector<char> taken(b, 0);
+  std::vector<std::pair<int64_t, int64_t>> alike;  // (leading slots alike with the leader, row)
+  for (int64_t r = 0; r < b; ++r) {
+    if (taken[r] || lengths[r] < kMinShared) continue;
+    const int64_t* lead = slots + r * width;
+    alike.clear();
+    for (int64_t o = r + 1; o < b; ++o) {
+      if (taken[o]) continue;
+      const int64_t* other = slots + o * width;
+      const int64_t most = std::min(lengths[r], lengths[o]);
+      int64_t j = 0;
+      while (j < most && lead[j] == other[j]) ++j;
+      if (j >= kMinShared) alike.emplace_back(j, o);
+    }
+    if (alike.empty()) continue;
+    std::sort(alike.begin(), alike.end(), [](const auto& a, const auto& c) { return a.first > c.first; });
+    size_t best = 0;
+    for (size_t i = 1; i < alike.size(); ++i)
+      if ((i + 2) * alike[i].first > (best + 2) * alike[best].first) best = i;
+    SharedRun run{alike[best].first, {r}};
+    for (size_t i = 0; i <= best; ++i) {
+      run.rows.push_back(alike[i].second);
+      taken[alike[i].second] = 1;
+    }
+    taken[r] = 1;
+    runs.push_back(std::move(run));
+  }
+  return runs;
+}
+
+// One pass of shared_runs: queries of one run and head (chunk of up to kRows, split sp of the keys).
+struct SharedItem {
+  int64_t run, x, c0, sp;
+};
+
 template <int ND, class KV>
 void run_gather(const float* q, const KV* kbuf, const KV* vbuf, int64_t ks0, int64_t ks1, int64_t vs0,
                 int64_t vs1, const int64_t* slots, int64_t width, const int64_t* lengths, int64_t heads, int64_t b,
                 int64_t g, float scale, float* out, float* lse) {
   constexpr int D = ND * 16;
   const bool direct = g <= kDirectRows;
+  const std::vector<SharedRun> runs = shared_runs(slots, width, lengths, b);
+  std::vector<int64_t> skip(b, 0);  // leading slots of each row read by the shared pass
+  for (const SharedRun& run : runs)
+    for (int64_t row : run.rows) skip[row] = run.n;
+
+  // the shared pass: partial results [splits][heads][b][g] (D floats + lse) of the runs' rows
+  std::vector<SharedItem> items;
+  int64_t splits = 1, per = 0;
+  at::Tensor part;
+  float *po = nullptr, *pl = nullptr;
+  if (!runs.empty()) {
+    int64_t most = 0, chunks = 0;  // query chunks of kRows over all heads
+    for (const SharedRun& run : runs) {
+      most = std::max(most, run.n);
+      chunks += heads * ((static_cast<int64_t>(run.rows.size()) * g + kRows - 1) / kRows);
+    }
+    const int64_t tiles = (most + kKeys - 1) / kKeys;
+    const int64_t threads = at::get_num_threads();
+    if (chunks < 4 * threads) {  // few chunks: split the keys too (flash decoding), so every thread works
+      const int64_t most_splits = std::max<int64_t>(1, tiles / 2);
+      splits = std::min((4 * threads + chunks - 1) / chunks, most_splits);
+      while (splits < most_splits && (chunks * splits) % threads != 0) ++splits;  // as many items for each thread
+    }
+    per = (tiles + splits - 1) / splits * kKeys;
+    for (int64_t ri = 0; ri < static_cast<int64_t>(runs.size()); ++ri)
+      for (int64_t sp = 0; sp * per < runs[ri].n; ++sp)
+        for (int64_t x = 0; x < heads; ++x)
+          for (int64_t c0 = 0; c0 < static_cast<int64_t>(runs[ri].rows.size()) * g; c0 += kRows)
+            items.push_back({ri, x, c0, sp});
+    part = at::empty({splits * heads * b * g * (D + 1)}, at::TensorOptions().dtype(at::kFloat));
+    po = part.data_ptr<float>();
+    pl = po + splits * heads * b * g * D;
+    std::fill(pl, pl + splits * heads * b * g, kNegInf);  // a split past a run's keys weighs 0
+    at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t lo, int64_t hi) {
+      std::vector<float> scratch(D * kKeys + 2 * kRows * (D + 1));
+      float* kt = scratch.data();
+      float* qs = kt + D * kKeys;            // the chunk's queries, gathered [kRows][D]
+      float* os = qs + kRows * D;            // their results, before they are scattered
+      float* ls = os + kRows * D;
+      for (int64_t w = lo; w < hi; ++w) {
+        const SharedItem& it = items[w];
+        const SharedRun& run = runs[it.run];
+        const int64_t* sl = slots + run.rows[0] * width + it.sp * per;
+        const int64_t n = std::min(per, run.n - it.sp * per);
+        const int rows = static_cast<int>(std::min<int64_t>(kRows, static_cast<int64_t>(run.rows.size()) * g - it.c0));
+        int64_t limit[kRows];
+        int64_t at[kRows];  // each query's (head, row, g) index
+        for (int i = 0; i < rows; ++i) {
+          const int64_t qi = it.c0 + i;
+          at[i] = (it.x * b + run.rows[qi / g]) * g + qi % g;
+          std::memcpy(qs + i * D, q + at[i] * D, sizeof(float) * D);
+          limit[i] = n - 1;
+        }
+        const KV* k = kbuf + it.x * ks0;
+        const KV* v = vbuf + it.x * vs0;
+        attend_rows<ND>(
+            rows, limit, n,
+            [&](int64_t j0, int kn, float* s) {
+              pack_tile<D, true>(kt, kn, [&](int j) { return k + sl[j0 + j] * ks1; });
+              scores_rows<ND>(qs, D, kt, scale, s, rows);
+            },
+            [&](int64_t j0, int kn, const float* p, float* o) {
+              values_rows<ND>(p, [&](int j) { return v + sl[j0 + j] * vs1; }, kn, o, rows);
+            },
+            os, ls);
+        const int64_t base = it.sp * heads * b * g;
+        for (int i = 0; i < rows; ++i) {
+          std::memcpy(po + (base + at[i]) * D, os + i * D, sizeof(float) * D);
+          pl[base + at[i]] = ls[i];
+        }
+      }
+    });
+  }
+
+  // each row's own keys (past those the shared pass read), one work item per head and row
   at::parallel_for(0, heads * b, 1, [&](int64_t lo, int64_t hi) {
     alignas(64) float kt[D * kKeys];
     alignas(64) float vt[kKeys * D];
@@ -462,10 +630,15 @@ void run_gather(const float* q, const KV* kbuf, const KV* vbuf, int64_t ks0, int
     const KV* vrow[kKeys];
     if (!direct) std::memset(kt, 0, sizeof kt);  // finite from the start: tiles are packed without padding
     for (int64_t w = lo; w < hi; ++w) {
-      const int64_t x = w / b, row = w % b, n = lengths[row];
-      const int64_t* sl = slots + row * width;
+      const int64_t x = w / b, row = w % b, n = lengths[row] - skip[row];
+      const int64_t* sl = slots + row * width + skip[row];
       const KV* k = kbuf + x * ks0;
       const KV* v = vbuf + x * vs0;
+      if (n == 0) {  // the shared pass read all of this row's keys
+        std::memset(out + w * g * D, 0, sizeof(float) * g * D);
+        std::fill(lse + w * g, lse + (w + 1) * g, kNegInf);
+        continue;
+      }
       for (int64_t r0 = 0; r0 < g; r0 += kRows) {
         const int rows = static_cast<int>(std::min<int64_t>(kRows, g - r0));
         const float* qr = q + (w * g + r0) * D;
@@ -497,6 +670,32 @@ void run_gather(const float* q, const KV* kbuf, const KV* vbuf, int64_t ks0, int
               [&](int64_t, int kn, const float* p, float* o) {
                 values_rows<ND>(p, [&](int j) { return vt + j * D; }, kn, o, rows);
               });
+      }
+    }
+  });
+  if (runs.empty()) return;
+
+  // the runs' rows: their own keys' result merged with the shared pass's splits by log-sum-exp
+  at::parallel_for(0, heads * b, 4, [&](int64_t lo, int64_t hi) {
+    for (int64_t w = lo; w < hi; ++w) {
+      if (skip[w % b] == 0) continue;
+      for (int64_t r = w * g; r < (w + 1) * g; ++r) {
+        float top = lse[r];
+        for (int64_t sp = 0; sp < splits; ++sp) top = std::max(top, pl[sp * heads * b * g + r]);
+        const float own = lse[r] == kNegInf ? 0.0f : std::exp(lse[r] - top);
+        float sum = own;
+        v16 acc[ND];
+        for (int c = 0; c < ND; ++c) acc[c] = load(out + r * D + c * 16) * splat(own);
+        for (int64_t sp = 0; sp < splits; ++sp) {
+          const float l = pl[sp * heads * b * g + r];
+          if (l == kNegInf) continue;
+          const float wgt = std::exp(l - top);
+          sum += wgt;
+          const float* o = po + (sp * heads * b * g + r) * D;
+          for (int c = 0; c < ND; ++c) acc[c] += load(o + c * 16) * splat(wgt);
+        }
+        for (int c = 0; c < ND; ++c) store(out + r * D + c * 16, acc[c] * splat(1.0f / sum));
+        lse[r] = top + std::log(sum);
       }
     }
   });

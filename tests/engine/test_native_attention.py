@@ -83,6 +83,55 @@ def test_gather_reads_each_rows_slots(b, g, d):
         close((out[:, i], lse[:, i]), reference(q[:, i], kbuf[:, idx], vbuf[:, idx], 0.2))
 
 
+def shared_slots(gen, b, plan):
+    """Slots [b, W] and lengths [b]: rows grouped as ``plan`` says ((rows, shared keys) each), the
+    rows of a group beginning with the same slots, then slots of their own (none for the first row
+    of a group when ``own`` says so); the rest of the rows private."""
+    perm = torch.randperm(2000, generator=gen).tolist()
+    rows, taken = [], 0
+
+    def fresh(n):
+        nonlocal taken
+        taken += n
+        return perm[taken - n: taken]
+
+    for count, shared, no_own in plan:
+        common = fresh(shared)
+        for i in range(count):
+            rows.append(common + ([] if no_own and i == 0 else fresh(int(torch.randint(1, 90, (1,), generator=gen)))))
+    while len(rows) < b:
+        rows.append(fresh(int(torch.randint(1, 200, (1,), generator=gen))))
+    lengths = torch.tensor([len(r) for r in rows])
+    slots = torch.zeros(b, int(lengths.max()), dtype=torch.long)
+    for i, r in enumerate(rows):
+        slots[i, : len(r)] = torch.tensor(r)
+    order = torch.randperm(b, generator=gen)  # groups interleaved, as a step's rows come
+    return slots[order], lengths[order]
+
+
+# decode rows over one shared prompt (its pool slots folded into each row's own): the shared keys
+# are read once for all the rows that begin with them, each row's own keys after; the result is
+# the attention over each row's whole slot list, as for rows that share nothing
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("b,g,d,plan", [(16, 3, 64, [(16, 1024, False)]),
+                                        (12, 3, 64, [(5, 130, False), (4, 700, True), (2, 64, False)]),
+                                        (7, 7, 16, [(3, 300, False), (2, 129, True)]),
+                                        (20, 1, 80, [(20, 260, False)]),
+                                        (4, 49, 32, [(4, 200, False)])])
+def test_gather_rows_beginning_alike(dtype, b, g, d, plan):
+    gen = torch.Generator().manual_seed(b * g + d)
+    buf = torch.randn(2, 2, 3, 2000, d, generator=gen).to(dtype)
+    kbuf, vbuf = buf[1, 0], buf[1, 1]
+    gather = cpu_attention.gather_kernel_for(torch.zeros(1, 1, 1, d), kbuf)
+    assert gather is not None
+    slots, lengths = shared_slots(gen, b, plan)
+    q = torch.randn(3, b, g, d, generator=gen) * 2
+    out, lse = gather(q, kbuf, vbuf, slots, lengths, d ** -0.5)
+    for i, n in enumerate(lengths.tolist()):
+        idx = slots[i, :n]
+        close((out[:, i], lse[:, i]), reference(q[:, i], kbuf[:, idx].float(), vbuf[:, idx].float(), d ** -0.5))
+
+
 # a bfloat16 pool is read as it is, each element widened to float32 (exact): the result equals the
 # float64 attention over the same bfloat16 values, to float32 rounding as for a float32 pool
 @pytest.mark.parametrize("x,m,n,d", [(3, 192, 1024, 64), (3, 3, 2048, 64), (2, 5, 70, 16), (2, 33, 65, 80)])

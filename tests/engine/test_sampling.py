@@ -131,3 +131,31 @@ def test_min_tokens_masks_eos_and_ignore_eos_keeps_going():
     for _ in range(3):
         keep.accept(keep.sampler.sample(keep.mask_eos(logits, eos), keep.context), eos)
     assert keep.token_ids == [3, 3, 3] and keep.finish_reason == "length"
+
+
+def test_a_steps_argmax_is_taken_only_where_sampling_would_pick_it():
+    """The scheduler takes every row's argmax in one call and hands it to ``sample_next``: a plain
+    greedy request takes it, unless it is an EOS still masked by min_tokens (then the next best);
+    a request that samples, or whose processors read the context, samples as without it."""
+    import torch
+
+    from promptcache.engine.serving_core.request import Request
+    from promptcache.engine.decoding.sampling import SamplingParams
+    from tiny import make_tokenizer
+
+    tok = make_tokenizer()
+    eos = frozenset([3])
+    logits = torch.zeros(10)
+    logits[3], logits[7] = 5.0, 4.0  # EOS first, token 7 next
+    held = Request(None, SamplingParams(max_new_tokens=5, min_tokens=2), tok)
+    assert [held.sample_next(logits, eos, argmax=3)[0] for _ in range(3)] == [7, 7, 3]
+    assert held.finish_reason == "stop"
+    plain = Request(None, SamplingParams(max_new_tokens=2), tok)
+    assert plain.sample_next(logits, eos, argmax=3)[0] == 3 and plain.finish_reason == "stop"
+    # a wrong hint would show: a request with a repetition penalty reads its context, never the hint
+    penalized = Request(None, SamplingParams(max_new_tokens=2, repetition_penalty=1.3), tok)
+    assert penalized.sample_next(logits, frozenset(), argmax=1)[0] == 3
+    sampled = Request(None, SamplingParams(max_new_tokens=2, temperature=0.7, seed=0), tok)
+    sharp = torch.zeros(10)
+    sharp[3] = 50.0  # sampling picks 3 (all but surely): the hint 1 is not taken
+    assert sampled.sample_next(sharp, frozenset(), argmax=1)[0] == 3

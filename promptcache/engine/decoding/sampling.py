@@ -133,8 +133,13 @@ class Sampler:
             ids = torch.zeros((1, 0), dtype=torch.long, device=x.device)
         return self.processors(ids, x)
 
+    @property
+    def plain_greedy(self) -> bool:
+        """Whether ``sample`` is the logits' argmax (greedy, nothing reads the context)."""
+        return self.params.greedy and not self.needs_context
+
     def sample(self, logits: torch.Tensor, context: Sequence[int] = ()) -> int:
-        if self.params.greedy and not self.needs_context:
+        if self.plain_greedy:
             return int(torch.argmax(logits))
         x = self.scores(logits, context)
         if self.params.greedy:

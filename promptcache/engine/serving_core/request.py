@@ -156,11 +156,18 @@ class Request:
         self.pending = token if self.finish_reason is None else None
         return piece
 
-    def sample_next(self, logits: torch.Tensor, eos: frozenset[int]) -> tuple[int, str, TokenLogprob | None]:
+    def sample_next(self, logits: torch.Tensor, eos: frozenset[int],
+                    argmax: int | None = None) -> tuple[int, str, TokenLogprob | None]:
         """One decoding step's token from ``logits`` [V], taken (``accept``): (token, new text, its
-        log-probability entry or None)."""
+        log-probability entry or None). ``argmax``: the logits' argmax when the caller took it (a
+        step takes all its rows' in one call), the token of a plain greedy request unless it is an
+        end-of-sequence token still masked (``mask_eos``)."""
         dist = self.distribution(logits)  # None unless the request records log-probabilities
-        token = self.sampler.sample(self.mask_eos(logits, eos), self.context)
+        masked = eos and len(self.token_ids) < self.params.min_tokens
+        if argmax is not None and self.sampler.plain_greedy and not (masked and argmax in eos):
+            token = argmax  # masking other tokens than the argmax leaves it the (first) argmax
+        else:
+            token = self.sampler.sample(self.mask_eos(logits, eos), self.context)
         entry = self.record(token, dist)
         return token, self.accept(token, eos), entry
 
