@@ -10,9 +10,10 @@
 //   both float32;
 // and torch.ops.promptcache_native.attend_gather(q, k, v, slots, lengths, scale) -> (out, lse):
 //   decode rows over their own keys, read from the pool by slot (no gathered copy):
-//   q [X, B, G, D] contiguous, k and v [X, S, D] (a pool layer's buffers), slots int64 [B, W],
-//   lengths int64 [B]: queries (x, b, :) see keys slots[b, 0 .. lengths[b]); out [X, B, G, D],
-//   lse [X, B, G].
+//   q [X, B, G, D] contiguous float32 or bfloat16, k and v [X, S, D] (a pool layer's buffers),
+//   slots int64 [B, W], lengths int64 [B]: queries (x, b, :) see keys slots[b, 0 .. lengths[b]);
+//   out [X, B, G, D], lse [X, B, G] (float32). Rows whose slots begin alike read those keys
+//   together (bfloat16 queries over a bfloat16 pool: in bfloat16 products, as attend's).
 //
 // Why: torch's fused CPU kernel (_scaled_dot_product_flash_attention_for_cpu) does its products
 // through MKL's sgemm, which takes its AVX2 path on AMD CPUs: a third of what oneDNN's linears reach
@@ -542,8 +543,56 @@ struct SharedItem {
   int64_t run, x, c0, sp;
 };
 
-template <int ND, class KV>
-void run_gather(const float* q, const KV* kbuf, const KV* vbuf, int64_t ks0, int64_t ks1, int64_t vs0,
+// The shared pass's key tile for `rows` gathered queries qs (stride D): float32 queries over K^T
+// widened to float32 (kt), or bfloat16 queries over a bfloat16 pool in AVX-512 BF16's pairs (as
+// `run`'s prefill tiles: K^T and V packed, probabilities rounded to bfloat16 before P V).
+template <int ND, class KV, class Q>
+struct SharedTile {
+  static constexpr int D = ND * 16;
+  static constexpr bool dot = !std::is_same_v<Q, float>;
+  std::vector<float> kt;          // float32 K^T [D][kKeys]
+  std::vector<uint16_t> pairs;    // bfloat16: K^T and V in pairs, then P rounded [kRows][kKeys]
+
+  SharedTile() {
+    if constexpr (dot) pairs.resize(2 * D * kKeys + kRows * kKeys);
+    else kt.resize(D * kKeys);
+  }
+
+  template <class Row>
+  void attend(const Q* qs, int rows, const int64_t* limit, int64_t n, Row&& row, const KV* k, const KV* v,
+              int64_t ks1, int64_t vs1, float scale, float* out, float* lse) {
+    if constexpr (dot) {
+#if defined(__AVX512BF16__)
+      uint16_t *kp = pairs.data(), *vp = kp + D * kKeys, *ph = vp + D * kKeys;
+      attend_rows<ND>(
+          rows, limit, n,
+          [&](int64_t j0, int kn, float* s) {
+            pack_tile_dot<D>(kp, vp, kn, [&](int j) { return k + row(j0 + j) * ks1; },
+                             [&](int j) { return v + row(j0 + j) * vs1; });
+            scores_dot_rows<ND>(qs, D, kp, scale, s, rows);
+          },
+          [&](int64_t, int kn, const float* p, float* o) { values_dot_rows<ND>(p, ph, vp, kn, o, rows); }, out, lse);
+#endif
+    } else {
+      float* t = kt.data();
+      attend_rows<ND>(
+          rows, limit, n,
+          [&](int64_t j0, int kn, float* s) {
+            pack_tile<D, true>(t, kn, [&](int j) { return k + row(j0 + j) * ks1; });
+            scores_rows<ND>(qs, D, t, scale, s, rows);
+          },
+          [&](int64_t j0, int kn, const float* p, float* o) {
+            values_rows<ND>(p, [&](int j) { return v + row(j0 + j) * vs1; }, kn, o, rows);
+          },
+          out, lse);
+    }
+  }
+};
+
+// q: float32, or bfloat16 bits (uint16_t) over a bfloat16 pool where the CPU has AVX-512 BF16 (the
+// shared pass then takes paired products; a row's own keys are read with its queries widened).
+template <int ND, class KV, class Q>
+void run_gather(const Q* q, const KV* kbuf, const KV* vbuf, int64_t ks0, int64_t ks1, int64_t vs0,
                 int64_t vs1, const int64_t* slots, int64_t width, const int64_t* lengths, int64_t heads, int64_t b,
                 int64_t g, float scale, float* out, float* lse) {
   constexpr int D = ND * 16;
@@ -582,11 +631,10 @@ void run_gather(const float* q, const KV* kbuf, const KV* vbuf, int64_t ks0, int
     pl = po + splits * heads * b * g * D;
     std::fill(pl, pl + splits * heads * b * g, kNegInf);  // a split past a run's keys weighs 0
     at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t lo, int64_t hi) {
-      std::vector<float> scratch(D * kKeys + 2 * kRows * (D + 1));
-      float* kt = scratch.data();
-      float* qs = kt + D * kKeys;            // the chunk's queries, gathered [kRows][D]
-      float* os = qs + kRows * D;            // their results, before they are scattered
-      float* ls = os + kRows * D;
+      SharedTile<ND, KV, Q> tile;
+      std::vector<Q> qs(kRows * D);  // the chunk's queries, gathered
+      std::vector<float> res(kRows * (D + 1));  // their results, before they are scattered
+      float *os = res.data(), *ls = os + kRows * D;
       for (int64_t w = lo; w < hi; ++w) {
         const SharedItem& it = items[w];
         const SharedRun& run = runs[it.run];
@@ -598,21 +646,11 @@ void run_gather(const float* q, const KV* kbuf, const KV* vbuf, int64_t ks0, int
         for (int i = 0; i < rows; ++i) {
           const int64_t qi = it.c0 + i;
           at[i] = (it.x * b + run.rows[qi / g]) * g + qi % g;
-          std::memcpy(qs + i * D, q + at[i] * D, sizeof(float) * D);
+          std::memcpy(qs.data() + i * D, q + at[i] * D, sizeof(Q) * D);
           limit[i] = n - 1;
         }
-        const KV* k = kbuf + it.x * ks0;
-        const KV* v = vbuf + it.x * vs0;
-        attend_rows<ND>(
-            rows, limit, n,
-            [&](int64_t j0, int kn, float* s) {
-              pack_tile<D, true>(kt, kn, [&](int j) { return k + sl[j0 + j] * ks1; });
-              scores_rows<ND>(qs, D, kt, scale, s, rows);
-            },
-            [&](int64_t j0, int kn, const float* p, float* o) {
-              values_rows<ND>(p, [&](int j) { return v + sl[j0 + j] * vs1; }, kn, o, rows);
-            },
-            os, ls);
+        tile.attend(qs.data(), rows, limit, n, [&](int64_t j) { return sl[j]; }, kbuf + it.x * ks0,
+                    vbuf + it.x * vs0, ks1, vs1, scale, os, ls);
         const int64_t base = it.sp * heads * b * g;
         for (int i = 0; i < rows; ++i) {
           std::memcpy(po + (base + at[i]) * D, os + i * D, sizeof(float) * D);
@@ -628,6 +666,7 @@ void run_gather(const float* q, const KV* kbuf, const KV* vbuf, int64_t ks0, int
     alignas(64) float vt[kKeys * D];
     const KV* krow[kKeys];
     const KV* vrow[kKeys];
+    std::vector<float> widened(std::is_same_v<Q, float> ? 0 : kRows * D);  // bfloat16 queries as float32
     if (!direct) std::memset(kt, 0, sizeof kt);  // finite from the start: tiles are packed without padding
     for (int64_t w = lo; w < hi; ++w) {
       const int64_t x = w / b, row = w % b, n = lengths[row] - skip[row];
@@ -641,7 +680,13 @@ void run_gather(const float* q, const KV* kbuf, const KV* vbuf, int64_t ks0, int
       }
       for (int64_t r0 = 0; r0 < g; r0 += kRows) {
         const int rows = static_cast<int>(std::min<int64_t>(kRows, g - r0));
-        const float* qr = q + (w * g + r0) * D;
+        const float* qr;
+        if constexpr (std::is_same_v<Q, float>) {
+          qr = q + (w * g + r0) * D;
+        } else {
+          for (int e = 0; e < rows * D; e += 16) store(widened.data() + e, load(q + (w * g + r0) * D + e));
+          qr = widened.data();
+        }
         int64_t limit[kRows];
         for (int i = 0; i < rows; ++i) limit[i] = n - 1;
         const auto run = [&](auto&& scores, auto&& values) {
@@ -742,12 +787,15 @@ void check_common(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   TORCH_CHECK(q.stride(-1) == 1 && k.stride(-1) == 1 && v.stride(-1) == 1, name, ": the last dimension must be contiguous");
 }
 
-std::tuple<at::Tensor, at::Tensor> attend_gather(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+std::tuple<at::Tensor, at::Tensor> attend_gather(const at::Tensor& q_in, const at::Tensor& k, const at::Tensor& v,
                                                  const at::Tensor& slots, const at::Tensor& lengths, double scale) {
   const char* name = "promptcache_native.attend_gather";
-  TORCH_CHECK(q.dim() == 4 && k.dim() == 3 && v.dim() == 3, name, ": q must be [X, B, G, D], k and v [X, S, D]");
-  check_common(q, k, v, name);
-  TORCH_CHECK(q.scalar_type() == at::kFloat, name, ": q must be float32");
+  TORCH_CHECK(q_in.dim() == 4 && k.dim() == 3 && v.dim() == 3, name, ": q must be [X, B, G, D], k and v [X, S, D]");
+  check_common(q_in, k, v, name);
+  // bfloat16 queries over a bfloat16 pool: the shared pass in bfloat16 products where the CPU has
+  // them; anything else with float32 queries (a bfloat16 query widened is exact)
+  const bool dot = kDot && q_in.scalar_type() == at::kBFloat16 && k.scalar_type() == at::kBFloat16;
+  const at::Tensor q = dot || q_in.scalar_type() == at::kFloat ? q_in : q_in.to(at::kFloat);
   const int64_t heads = q.size(0), b = q.size(1), g = q.size(2), d = q.size(3), slots_n = k.size(1);
   TORCH_CHECK(q.is_contiguous(), name, ": q must be contiguous");
   TORCH_CHECK(k.size(0) == heads && v.size(0) == heads && v.size(1) == slots_n && k.size(2) == d && v.size(2) == d,
@@ -765,15 +813,23 @@ std::tuple<at::Tensor, at::Tensor> attend_gather(const at::Tensor& q, const at::
       TORCH_CHECK(sl[i * width + j] >= 0 && sl[i * width + j] < slots_n, name, ": row ", i, " slot ", sl[i * width + j],
                   " is outside the ", slots_n, " slots of k and v");
   }
-  at::Tensor out = at::empty({heads, b, g, d}, q.options());
-  at::Tensor lse = at::empty({heads, b, g}, q.options());
+  const auto f32 = q.options().dtype(at::kFloat);
+  at::Tensor out = at::empty({heads, b, g, d}, f32);
+  at::Tensor lse = at::empty({heads, b, g}, f32);
   if (heads == 0 || b == 0 || g == 0) return {out, lse};
   by_kv_type(k, v, [&](auto* kp, auto* vp) {
-    by_head_dim(d, [&](auto nd) {
-      run_gather<decltype(nd)::value>(q.data_ptr<float>(), kp, vp, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-                                      sl, width, len, heads, b, g, static_cast<float>(scale), out.data_ptr<float>(),
-                                      lse.data_ptr<float>());
-    });
+    using KV = std::remove_const_t<std::remove_pointer_t<decltype(kp)>>;
+    auto go = [&](auto* qp) {
+      by_head_dim(d, [&](auto nd) {
+        run_gather<decltype(nd)::value>(qp, kp, vp, k.stride(0), k.stride(1), v.stride(0), v.stride(1), sl, width,
+                                        len, heads, b, g, static_cast<float>(scale), out.data_ptr<float>(),
+                                        lse.data_ptr<float>());
+      });
+    };
+    if constexpr (kDot && std::is_same_v<KV, uint16_t>) {
+      if (dot) return go(reinterpret_cast<const uint16_t*>(q.data_ptr<at::BFloat16>()));
+    }
+    go(static_cast<const float*>(q.data_ptr<float>()));
   });
   return {out, lse};
 }

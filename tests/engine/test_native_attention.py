@@ -132,6 +132,31 @@ def test_gather_rows_beginning_alike(dtype, b, g, d, plan):
         close((out[:, i], lse[:, i]), reference(q[:, i], kbuf[:, idx].float(), vbuf[:, idx].float(), d ** -0.5))
 
 
+# a bfloat16 model's decode queries over its bfloat16 pool: the keys the rows share in bfloat16
+# products (probabilities rounded to bfloat16 before P V, as attend's), each row's own keys widened;
+# the log-sum-exp stays a float32 sum of exact products, the output within the probabilities' rounding
+@pytest.mark.parametrize("b,g,d,plan", [(16, 3, 64, [(16, 1024, False)]),
+                                        (9, 7, 32, [(4, 300, True), (3, 129, False)]),
+                                        (4, 49, 16, [(4, 200, False)])])
+def test_gather_bfloat16_queries_over_rows_beginning_alike(b, g, d, plan):
+    gen = torch.Generator().manual_seed(b * g + d + 1)
+    buf = (torch.randn(2, 2, 3, 2000, d, generator=gen) * 2).bfloat16()
+    kbuf, vbuf = buf[1, 0], buf[1, 1]
+    q = (torch.randn(3, b, g, d, generator=gen) * 2).bfloat16()
+    gather = cpu_attention.gather_kernel_for(q, kbuf)
+    assert gather is not None
+    slots, lengths = shared_slots(gen, b, plan)
+    out, lse = gather(q, kbuf, vbuf, slots, lengths, d ** -0.5)
+    assert out.dtype == torch.float32 and lse.dtype == torch.float32
+    wo, wl = gather(q.float(), kbuf, vbuf, slots, lengths, d ** -0.5)  # float32 queries: widened throughout
+    for i, n in enumerate(lengths.tolist()):
+        idx = slots[i, :n]
+        ro, rl = reference(q[:, i].float(), kbuf[:, idx].float(), vbuf[:, idx].float(), d ** -0.5)
+        assert (lse[:, i].double() - rl).abs().max().item() < 1e-5
+        assert (out[:, i].double() - ro).abs().max().item() < 2 ** -8 * vbuf.float().abs().max().item()
+        close((wo[:, i], wl[:, i]), (ro, rl))
+
+
 # a bfloat16 pool is read as it is, each element widened to float32 (exact): the result equals the
 # float64 attention over the same bfloat16 values, to float32 rounding as for a float32 pool
 @pytest.mark.parametrize("x,m,n,d", [(3, 192, 1024, 64), (3, 3, 2048, 64), (2, 5, 70, 16), (2, 33, 65, 80)])

@@ -46,7 +46,7 @@ def _register_fakes(ops) -> None:
 
     @torch.library.register_fake("promptcache_native::attend_gather")
     def _(q, k, v, slots, lengths, scale):
-        return q.new_empty(q.shape), q.new_empty(q.shape[:3])
+        return q.new_empty(q.shape, dtype=torch.float32), q.new_empty(q.shape[:3], dtype=torch.float32)
 
 
 _KERNELS = kernels.NativeKernels(Path(kernels.__file__).with_name("attention.cpp"), "promptcache_native",
@@ -90,5 +90,7 @@ def gathers(buf: torch.Tensor) -> bool:
 def gather_kernel_for(q: torch.Tensor, kv: torch.Tensor):
     """The native gather op for decode queries ``q`` [X, B, G, D] over a pool buffer ``kv`` when
     it covers them (as ``kernel_for``, and a float32 or bfloat16 pool), else None. Called as
-    ``op(q, k, v, slots, lengths, scale) -> (out [X, B, G, D], lse [X, B, G])``."""
-    return _KERNELS.ops.attend_gather if kv.dtype in KV_DTYPES and _covers(q) else None
+    ``op(q, k, v, slots, lengths, scale) -> (out [X, B, G, D], lse [X, B, G])`` (float32); bfloat16
+    queries over a bfloat16 pool read the keys rows share in bfloat16 products where the CPU has
+    AVX-512 BF16."""
+    return _KERNELS.ops.attend_gather if kv.dtype in KV_DTYPES and _covers(q, KV_DTYPES) else None

@@ -399,7 +399,7 @@ def attend(plan: StepPlan, layer: int, query: torch.Tensor, scaling: float | Non
     out = torch.empty((hk, g, n, d), dtype=torch.float32, device=query.device)
     lse = torch.empty((hk, g, n), dtype=torch.float32, device=query.device)
     if plan.decode_q is not None:  # decode rows: their own keys (float32 queries: the gather op's)
-        qd = q[:, :, plan.decode_q].transpose(1, 2).float().contiguous()
+        qd = q[:, :, plan.decode_q].transpose(1, 2).contiguous()  # as _queries gives them
         o, l = _attend_own(plan, qd, kbuf, vbuf, qs)
         out[:, :, plan.decode_q] = o.transpose(1, 2)
         lse[:, :, plan.decode_q] = l.transpose(1, 2)
@@ -432,6 +432,14 @@ def _query_rows(plan: StepPlan, i: int, idx: torch.Tensor):
         q = idx.tolist()
         plan.memo[key] = slice(q[0], q[-1] + 1) if q == list(range(q[0], q[-1] + 1)) else idx
     return plan.memo[key]
+
+
+def _decode_queries(query: torch.Tensor, buf: torch.Tensor) -> torch.Tensor:
+    """Decode rows' queries [Hq, B, D] as the gather op reads them: a bfloat16 model's over a
+    bfloat16 pool as they are (bfloat16 products for the keys rows share), else float32."""
+    if query.dtype == torch.bfloat16 and buf.dtype == torch.bfloat16 and cpu_attention.gathers(buf):
+        return query
+    return query.float()
 
 
 def _queries(query: torch.Tensor, buf: torch.Tensor, scale: float) -> tuple[torch.Tensor, float]:
@@ -542,7 +550,7 @@ def _attend_decodes(plan: StepPlan, layer: int, query: torch.Tensor, scale: floa
     kbuf, vbuf = plan.pool.buf[layer]  # [Hk, S, D] each
     hk = kbuf.shape[0]
     g = hq // hk
-    q = query[0].float().view(hk, g, b, d).transpose(1, 2).contiguous()  # [Hk, B, G, D]
+    q = _decode_queries(query[0], kbuf).view(hk, g, b, d).transpose(1, 2).contiguous()  # [Hk, B, G, D]
     out, lse = _attend_own(plan, q, kbuf, vbuf, scale)
     out, lse = out.view(hk, b * g, d), lse.view(hk, b * g)  # the same memory as [Hk, B * G, ...]
     for i, (views, _) in enumerate(plan.segments):
