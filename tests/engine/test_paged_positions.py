@@ -254,3 +254,24 @@ def test_a_segment_wholly_behind_the_window_is_not_read(tokenizer):
     q = query[0].view(spec.kv_heads, hq // spec.kv_heads, d)
     want = torch.softmax(q @ keys.transpose(1, 2) / d ** 0.5, dim=-1) @ values  # [Hk, G, D]
     assert torch.max(torch.abs(got[0, 0] - want.reshape(hq, d))).item() <= 1e-5
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+def test_a_paged_forward_swaps_one_configs_attention_and_restores_it(attn, tokenizer, monkeypatch):
+    """A model whose submodels all read one config has that config's attention field swapped for
+    the paged forward (no walk over every module a step), and restored after it: the same answer
+    as a plain forward, and every other forward keeps the model's own attention."""
+    model = tiny(MistralConfig(**COMMON, num_key_value_heads=2), attn)
+    pc = PromptCache(model, tokenizer)
+    walks = []
+    monkeypatch.setattr(type(model), "set_attn_implementation", lambda self, name: walks.append(name))
+    seen = []
+    real = paged.ALL_ATTENTION_FUNCTIONS[paged.ATTENTION_NAME]
+    monkeypatch.setitem(paged.ALL_ATTENTION_FUNCTIONS, paged.ATTENTION_NAME,
+                        lambda *a, **k: (seen.append(model.config._attn_implementation), real(*a, **k))[1])
+    ids = pc.tokenizer("Oslo sits at the head of a fjord, with ferries, museums and forests around it.").input_ids
+    chains = PrefixCache(pc, 8)
+    (req,), _ = run(pc, [TokenPrompt(pc, tuple(ids), "ns", chains)], budget=6, max_new=3)
+    assert torch.max(torch.abs(req.prefill.logits - plain_logits(pc.model, ids))).item() <= TOL
+    assert seen and set(seen) == {paged.ATTENTION_NAME} and walks == []
+    assert pc.adapter.attn_implementation() == attn

@@ -45,6 +45,7 @@ self-check against the stock forward; the engine then refuses the model (``core.
 from __future__ import annotations
 
 import math
+import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Callable
@@ -52,7 +53,7 @@ from typing import Callable
 import torch
 from transformers import AttentionInterface
 from transformers.cache_utils import Cache, CacheLayerMixin
-from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel
 
 from ...models.splice import SpliceCache
 from ...tunables import DECODE_MATMUL_ROWS, FOLD_SHARED, GATHER_MAX, SEGMENTS_MAX  # read at call time (tests set them here)
@@ -683,11 +684,32 @@ def attention_swapped(runner, name: str = ATTENTION_NAME, **extra):
             yield
         return
     old = adapter.attn_implementation()
+    if _one_config(model):  # the setter's effect without its walk over every module (~3 ms a step)
+        model.config._attn_implementation = name
+        try:
+            yield
+        finally:
+            model.config._attn_implementation = old
+        return
     model.set_attn_implementation(name)
     try:
         yield
     finally:
         model.set_attn_implementation(old)
+
+
+_ONE_CONFIG: "weakref.WeakKeyDictionary[torch.nn.Module, bool]" = weakref.WeakKeyDictionary()
+
+
+def _one_config(model) -> bool:
+    """Whether every transformers model inside ``model`` reads ``model.config`` and that config has
+    no sub-configs: ``set_attn_implementation`` then writes that one config's attention field
+    (after walking every module, each call), so a swap may write it directly. Worked out once a model."""
+    one = _ONE_CONFIG.get(model)
+    if one is None:
+        one = _ONE_CONFIG[model] = not model.config.sub_configs and all(
+            m.config is model.config for m in model.modules() if isinstance(m, PreTrainedModel))
+    return one
 
 
 @torch.inference_mode()
