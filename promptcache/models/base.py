@@ -51,6 +51,10 @@ def attention_kernels(device: torch.device):
     return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
 
 
+# transformers' per-config attention implementation (a property of its configs; ``attention_as``)
+ATTN_FIELD = "_attn_implementation"
+
+
 class UnsupportedModelError(PromptCacheError, ValueError):
     """The architecture (or one of its settings) has not been verified for exact splicing."""
 
@@ -78,6 +82,7 @@ class Adapter:
         self.model = model
         self.config = model.config
         self._ctx = threading.local()
+        self._one_config: bool | None = None  # attention_as: every submodel reads self.config
         self.check_config()
 
     @classmethod
@@ -281,7 +286,31 @@ class Adapter:
         return {"attention_mask": additive_mask(mask, self.kv_spec().dtype)}
 
     def attn_implementation(self) -> str:
-        return getattr(self.config, "_attn_implementation", None) or "eager"
+        return getattr(self.config, ATTN_FIELD, None) or "eager"
+
+    @contextmanager
+    def attention_as(self, name: str):
+        """The model's attention is ``name`` (a name in transformers' ``AttentionInterface``) inside
+        the block, then what it was. transformers' setter, ``set_attn_implementation``, walks every
+        module on each call (~1.5 ms for SmolLM2: twice a paged step); where every submodel reads
+        the model's one config and it has no sub-configs, the setter changes nothing but that
+        config's attention field, so the field is written instead (worked out once a model)."""
+        old = self.attn_implementation()
+        if self._one_config is None:
+            self._one_config = not self.config.sub_configs and all(
+                m.config is self.config for m in self.model.modules() if isinstance(m, transformers.PreTrainedModel))
+        if self._one_config:
+            setattr(self.config, ATTN_FIELD, name)
+            try:
+                yield
+            finally:
+                setattr(self.config, ATTN_FIELD, old)
+            return
+        self.model.set_attn_implementation(name)
+        try:
+            yield
+        finally:
+            self.model.set_attn_implementation(old)
 
     def verify_forward(self, state: dict) -> None:
         """Called after every forward with the per-forward state (ALiBi: did every hook run?)."""

@@ -3,7 +3,7 @@
 A step packs every scheduled request's new tokens into one sequence ``[1, N]`` (decode rows one
 token each, prefill chunks several) and runs the stock model once. Attention goes through a
 function registered with transformers' ``AttentionInterface`` (``"promptcache_paged"``, set with
-the model's ``set_attn_implementation`` for this forward only, under the runner's lock): the model computes queries,
+``Adapter.attention_as`` for this forward only, under the runner's lock): the model computes queries,
 rotates them at our position IDs, hands new keys/values to ``PagedCache.update`` (which writes
 them into the requests' own pool slots) and calls the function, which attends each request's
 queries to:
@@ -45,7 +45,6 @@ self-check against the stock forward; the engine then refuses the model (``core.
 from __future__ import annotations
 
 import math
-import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Callable
@@ -53,7 +52,7 @@ from typing import Callable
 import torch
 from transformers import AttentionInterface
 from transformers.cache_utils import Cache, CacheLayerMixin
-from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from ...models.splice import SpliceCache
 from ...tunables import DECODE_MATMUL_ROWS, FOLD_SHARED, GATHER_MAX, SEGMENTS_MAX  # read at call time (tests set them here)
@@ -667,11 +666,11 @@ class PagedCache(Cache):
 
 @contextmanager
 def attention_swapped(runner, name: str = ATTENTION_NAME, **extra):
-    """The model's attention is ``name`` for one forward (transformers' public setter: cheap next
-    to a forward), then what it was: nothing changes for any other forward. A family that computes
-    attention inline (ALiBi: no attention interface) has its attention modules run ``name``
-    instead for that forward (``Adapter.paged_attention``), with ``extra`` keyword arguments."""
-    model, adapter = runner.model, runner.adapter
+    """The model's attention is ``name`` for one forward (``Adapter.attention_as``), then what it
+    was: nothing changes for any other forward. A family that computes attention inline (ALiBi:
+    no attention interface) has its attention modules run ``name`` instead for that forward
+    (``Adapter.paged_attention``), with ``extra`` keyword arguments."""
+    adapter = runner.adapter
     if adapter.inline_attention:
         function = ALL_ATTENTION_FUNCTIONS[name]
 
@@ -683,33 +682,8 @@ def attention_swapped(runner, name: str = ATTENTION_NAME, **extra):
         with adapter.paged_attention(attend):
             yield
         return
-    old = adapter.attn_implementation()
-    if _one_config(model):  # the setter's effect without its walk over every module (~3 ms a step)
-        model.config._attn_implementation = name
-        try:
-            yield
-        finally:
-            model.config._attn_implementation = old
-        return
-    model.set_attn_implementation(name)
-    try:
+    with adapter.attention_as(name):
         yield
-    finally:
-        model.set_attn_implementation(old)
-
-
-_ONE_CONFIG: "weakref.WeakKeyDictionary[torch.nn.Module, bool]" = weakref.WeakKeyDictionary()
-
-
-def _one_config(model) -> bool:
-    """Whether every transformers model inside ``model`` reads ``model.config`` and that config has
-    no sub-configs: ``set_attn_implementation`` then writes that one config's attention field
-    (after walking every module, each call), so a swap may write it directly. Worked out once a model."""
-    one = _ONE_CONFIG.get(model)
-    if one is None:
-        one = _ONE_CONFIG[model] = not model.config.sub_configs and all(
-            m.config is model.config for m in model.modules() if isinstance(m, PreTrainedModel))
-    return one
 
 
 @torch.inference_mode()
