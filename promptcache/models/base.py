@@ -299,18 +299,12 @@ class Adapter:
         if self._one_config is None:
             self._one_config = not self.config.sub_configs and all(
                 m.config is self.config for m in self.model.modules() if isinstance(m, transformers.PreTrainedModel))
-        if self._one_config:
-            setattr(self.config, ATTN_FIELD, name)
-            try:
-                yield
-            finally:
-                setattr(self.config, ATTN_FIELD, old)
-            return
-        self.model.set_attn_implementation(name)
+        set_to = (lambda n: setattr(self.config, ATTN_FIELD, n)) if self._one_config else self.model.set_attn_implementation
+        set_to(name)
         try:
             yield
         finally:
-            self.model.set_attn_implementation(old)
+            set_to(old)
 
     def verify_forward(self, state: dict) -> None:
         """Called after every forward with the per-forward state (ALiBi: did every hook run?)."""

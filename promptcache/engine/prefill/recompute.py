@@ -31,7 +31,6 @@ TTFT. The library keeps the selections it uses or that stand as baselines (``tai
 
 from __future__ import annotations
 
-import contextlib
 import math
 from dataclasses import dataclass
 from typing import Callable
@@ -102,35 +101,21 @@ def recompute_request(layout: PromptLayout, n_exact: int, fraction: float, selec
 
 
 # -- question attention ---------------------------------------------------------------------------
-@contextlib.contextmanager
-def _eager(model):
-    """Eager attention for one forward (sdpa returns no probabilities); restored afterwards.
-    ``set_attn_implementation`` is transformers' public switch (it updates every sub-config)."""
-    old = getattr(model.config, "_attn_implementation", None) or "eager"
-    if old == "eager":
-        yield
-        return
-    model.set_attn_implementation("eager")
-    try:
-        yield
-    finally:
-        model.set_attn_implementation(old)
-
-
-def question_attention(model, run: Callable[[], object], n_cached: int) -> torch.Tensor | None:
+def question_attention(adapter, run: Callable[[], object], n_cached: int) -> torch.Tensor | None:
     """Attention probabilities the new tokens pay each cached slot, summed over heads and queries,
-    per layer: [L, n_cached]. ``run`` does the forward of the new tokens over the assembled cache.
-    None when the model's attention modules return no probabilities (then selections fall back)."""
+    per layer: [L, n_cached]. ``run`` does the forward of the new tokens over the assembled cache,
+    with eager attention (sdpa returns no probabilities). None when the model's attention modules
+    return no probabilities (then selections fall back)."""
     got: list[torch.Tensor] = []
 
     def hook(_mod, _args, out):
         if isinstance(out, tuple) and len(out) > 1 and isinstance(out[1], torch.Tensor) and out[1].dim() == 4:
             got.append(out[1][..., :n_cached].float().sum(dim=(0, 1, 2)))  # [B, H, T, kv] -> [n_cached]
 
-    mods = [m for m in model.modules() if type(m).__name__.endswith("Attention")]
+    mods = [m for m in adapter.model.modules() if type(m).__name__.endswith("Attention")]
     handles = [m.register_forward_hook(hook) for m in mods]
     try:
-        with _eager(model):
+        with adapter.attention_as("eager"):
             run()
     finally:
         for h in handles:
@@ -350,7 +335,7 @@ def scale_reused_keys(cache, req: RecomputeRequest, chosen: list[int], scale: fl
 
 
 # -- the forward --------------------------------------------------------------------------------------
-def run_recompute(adapter, model, cache, req: RecomputeRequest, new_ids: list[int], new_pos: list[int],
+def run_recompute(adapter, cache, req: RecomputeRequest, new_ids: list[int], new_pos: list[int],
                   ids: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, int]:
     """On an assembled ``cache`` (cached spans at slots 0..n_cached-1, length n_cached), recompute
     the selected cached slots and run the new tokens (``ids``/``pos``: ``new_ids``/``new_pos`` as
@@ -368,7 +353,7 @@ def run_recompute(adapter, model, cache, req: RecomputeRequest, new_ids: list[in
         return adapter.forward(ids, pos, cache)[0], 0
     scores = None
     if req.selection in SCORED:  # question over the reused state; appends the new tokens' states
-        per_layer = question_attention(model, lambda: adapter.forward(ids, pos, cache), n_cached)  # [L, n_cached]
+        per_layer = question_attention(adapter, lambda: adapter.forward(ids, pos, cache), n_cached)  # [L, n_cached]
         if per_layer is not None:
             scores = per_layer[int(per_layer.shape[0] * SCORED[req.selection]) :].sum(0)
     chosen = SELECTIONS[req.selection](scores, req, k)

@@ -80,7 +80,7 @@ class ModelRunner:
                 logits, redone = self.forward(ids, pos, cache)[0], 0  # [V]
             else:
                 with self.lock:
-                    logits, redone = run_recompute(self.adapter, self.model, cache, recompute, new_ids, new_pos,
+                    logits, redone = run_recompute(self.adapter, cache, recompute, new_ids, new_pos,
                                                    ids, pos)
             self.sync()
         except BaseException:
