@@ -23,3 +23,19 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if (_HERE / "e2e") in Path(str(item.fspath)).resolve().parents:
             item.add_marker(pytest.mark.slow)
+
+
+def pytest_runtest_logreport(report):
+    """``PROMPTCACHE_FAILURE_LOG=FILE``: append each failure's report as it happens, so a run cut
+    short (a lent GPU's time limit, eval/cuda_checks.sh) still says what failed and why. Written by
+    the controlling process only when tests run in workers (pytest-xdist forwards their reports)."""
+    import os
+
+    path = os.environ.get("PROMPTCACHE_FAILURE_LOG")
+    if not path or not report.failed or os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    text = report.longreprtext
+    lines = text.splitlines()
+    with open(path, "a", encoding="utf-8") as f:
+        f.write(f"=== {report.nodeid} ({report.when})\n" + "\n".join(lines[:12] + ["..."] + lines[-40:]
+                                                                     if len(lines) > 60 else lines) + "\n\n")

@@ -20,8 +20,9 @@ from promptcache.models import get_adapter
 def _run(model, ids, pos, past):
     """Run tokens at positions on top of `past`; returns (last logits [V], past)."""
     adapter = get_adapter(model)
-    ids_t = torch.tensor([ids], dtype=torch.long)
-    pos_t = torch.tensor([pos], dtype=torch.long)
+    device = model.device
+    ids_t = torch.tensor([ids], dtype=torch.long, device=device)
+    pos_t = torch.tensor([pos], dtype=torch.long, device=device)
     if adapter.positional == "alibi":
         return adapter.forward(ids_t, pos_t, past)[0], past
     with torch.inference_mode():
@@ -32,7 +33,7 @@ def _run(model, ids, pos, past):
 def _empty(model, capacity=4096):
     adapter = get_adapter(model)
     if adapter.positional == "alibi":
-        return SpliceCache(adapter.kv_spec(), capacity)
+        return SpliceCache(adapter.kv_spec(), capacity, device=model.device)
     return DynamicCache()
 
 
@@ -110,7 +111,7 @@ def definition_greedy(model, schema_layout, prompt_layout, n_tokens, eos=None):
 def plain_logits(model, token_ids):
     """One stock forward pass over token ids at positions 0..n-1: last-token logits."""
     with torch.inference_mode():
-        out = model(input_ids=torch.tensor([token_ids], dtype=torch.long))
+        out = model(input_ids=torch.tensor([token_ids], dtype=torch.long, device=model.device))
     return out.logits[0, -1]
 
 
@@ -138,6 +139,6 @@ def assembled_cache(model, schema_layout, prompt_layout, room=64):
                           for l in range(n_layers)])  # [L, 2, H, n, D]
         placed.append(Segment(str(i), kv, torch.tensor(span.position_ids)))
     n_cached = sum(len(s) for s in prompt_layout.cached)
-    cache = SpliceCache(adapter.kv_spec(), n_cached + room)
+    cache = SpliceCache(adapter.kv_spec(), n_cached + room, device=model.device)
     cache.place(placed)
     return cache, n_cached

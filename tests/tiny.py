@@ -7,8 +7,13 @@ BPE trained here on a few sentences.
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
+
+# The device tiny models are built on. ``PROMPTCACHE_TEST_DEVICE=cuda`` runs the same tests on a GPU
+# (eval/results/cuda.md); CI has none and leaves it at the CPU.
+DEVICE = os.environ.get("PROMPTCACHE_TEST_DEVICE", "cpu")
 
 CORPUS = [
     "You are a travel planner. Plan a trip of three days to Paris, Tokyo or Rome.",
@@ -102,4 +107,4 @@ def fresh_model(family: str, seed: int = 0, attn: str | None = None):
         for p in model.parameters():
             if p.dim() > 1:
                 p.normal_(0, 0.2)
-    return model.eval()
+    return model.to(DEVICE).eval()

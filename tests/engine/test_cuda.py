@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from promptcache import PromptCache, SamplingParams
+from promptcache import PromptCache
 from promptcache.models.splice import KVSpec, SpliceCache
 from promptcache.engine import EngineConfig, RunnerConfig, StoreConfig
 from promptcache.engine.prefill.plan import Segment
@@ -46,17 +46,21 @@ def cpu():
     return engine("cpu")
 
 
-@pytest.mark.parametrize("config", [dict(), dict(device_budget=0, overlap_copies=True), dict(device_budget=0),
-                                    dict(device_budget=0, pin_memory=False)],
+HOST = StoreConfig(device_budget=0)  # states kept in (pinned) host memory, copied to the GPU per prompt
+
+
+@pytest.mark.parametrize("config", [EngineConfig(), EngineConfig(runner=RunnerConfig(overlap_copies=True), store=HOST),
+                                    EngineConfig(store=HOST),
+                                    EngineConfig(store=StoreConfig(device_budget=0, pin_memory=False))],
                          ids=["device-tier", "host-tier-overlap", "host-tier-serial", "host-tier-unpinned"])
 def test_gpu_tiers_match_cpu(cpu, config):
-    gpu = engine("cuda", **config)
+    gpu = engine("cuda", config)
     for text in PROMPTS:
         for _ in range(2):  # the second time modules may already be in place
             got, want = gpu.prefill(text), cpu.prefill(text)
             assert got.logits.device.type == "cuda"
             assert torch.max(torch.abs(got.logits.cpu() - want.logits)).item() <= 1e-4, (config, text)
-        if config.get("device_budget") == 0:
+        if config.store.device_budget == 0:
             assert set(got.hit_tiers) <= {"host"}, got.hit_tiers  # served from host memory, not the device
 
 
@@ -118,7 +122,7 @@ def test_compiled_steps_with_cuda_graphs_equal_eager_steps_on_the_gpu():
     want = serve_together(pc, PROMPTS)
     steps = CompiledSteps(pc.runner, buckets=(1, 2, 4, 8))
     got = serve_together(pc, PROMPTS, forward=steps.forward)
-    got_again = serve(steps.forward)  # replayed graphs
+    got_again = serve_together(pc, PROMPTS, forward=steps.forward)  # replayed graphs
     for a, b, c in zip(want, got, got_again):
         assert torch.max(torch.abs(a.prefill.logits - b.prefill.logits)).item() <= 1e-4
         assert a.token_ids == b.token_ids == c.token_ids
