@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from promptcache.bench import load_avg, round_robin
-from promptcache.engine.serving_core import cpu_attention
+from promptcache.kernels import attention as cpu_attention
 
 from .common import RESULTS, pyplot, save_table
 

@@ -46,7 +46,7 @@ def decode_step(rows: int, shared: int):
     """A function running one decode step of ``rows`` rows behind a ``shared``-token prompt."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from promptcache.engine.serving_core import cpu_attention
+    from promptcache.kernels import attention as cpu_attention
     from promptcache.engine.serving_core.kvpool import KVPool
     from promptcache.engine.serving_core.paged import PagedRow, paged_forward
     from promptcache.engine.prefill.runner import ModelRunner

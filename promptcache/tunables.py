@@ -41,7 +41,7 @@ GATHER_MAX = 256
 # Prefill chunks keep cascade attention (a segment read once for all their queries), and segments
 # read in place from a store tensor stay cascade segments (they have no pool slots).
 FOLD_SHARED = True
-# Without the native CPU kernel (engine/serving_core/cpu_attention.py; it reads decode rows' own keys by slot
+# Without the native CPU kernel (kernels/attention.py; it reads decode rows' own keys by slot
 # itself), decode rows' own tokens are attended with plain matrix products (one batched product,
 # softmax, one product) from this many rows on, with torch's fused CPU attention below it. The fused kernel
 # pays per (row, head) item, so matrix products win from 8 rows on and the fused kernel is as fast

@@ -13,7 +13,9 @@
 //   q [X, B, G, D] contiguous float32 or bfloat16, k and v [X, S, D] (a pool layer's buffers),
 //   slots int64 [B, W], lengths int64 [B]: queries (x, b, :) see keys slots[b, 0 .. lengths[b]);
 //   out [X, B, G, D], lse [X, B, G] (float32). Rows whose slots begin alike read those keys
-//   together (bfloat16 queries over a bfloat16 pool: in bfloat16 products, as attend's).
+//   together (bfloat16 queries over a bfloat16 pool: in bfloat16 products, as attend's);
+// and torch.ops.promptcache_native.attend_limits(q, k, v, scale, limits) -> (out, lse): attend's
+//   shapes, query row r (of every head) seeing keys 0 .. limits[r] - 1 (int64 [M], 1 .. N).
 //
 // Why: torch's fused CPU kernel (_scaled_dot_product_flash_attention_for_cpu) does its products
 // through MKL's sgemm, which takes its AVX2 path on AMD CPUs: a third of what oneDNN's linears reach
@@ -369,6 +371,7 @@ struct Args {
   int64_t qs0, qs1, ks0, ks1, vs0, vs1;  // strides (elements) of dims 0 and 1
   int64_t m, n, causal_t;
   float scale;
+  const int64_t* limits = nullptr;  // attend_limits: query r sees keys 0 .. limits[r] - 1 (any head)
 };
 
 // The packed elements per key tile: K^T in float32, or K^T and V in bfloat16 pairs.
@@ -418,7 +421,9 @@ void run(const Args<KV, Q>& a, int64_t heads) {
       const int64_t k0 = sp * per, kn = std::min(per, a.n - k0);
       const int rows = static_cast<int>(std::min<int64_t>(kRows, a.m - r0));
       int64_t limit[kRows];  // the last key each query sees (from k0)
-      for (int i = 0; i < rows; ++i) limit[i] = a.causal_t > 0 ? (r0 + i) % a.causal_t : kn - 1;
+      for (int i = 0; i < rows; ++i)  // negative: the row sees none of this split's keys
+        limit[i] = a.limits != nullptr ? std::min<int64_t>(kn, a.limits[r0 + i] - k0) - 1
+                                       : a.causal_t > 0 ? (r0 + i) % a.causal_t : kn - 1;
       const Q* q = a.q + x * a.qs0 + r0 * a.qs1;
       const int64_t block0 = x * blocks + k0 / kKeys;
       auto tile = [&](int64_t j0) { return static_cast<const Q*>(a.packed) + (block0 + j0 / kKeys) * per_tile; };
@@ -834,16 +839,9 @@ std::tuple<at::Tensor, at::Tensor> attend_gather(const at::Tensor& q_in, const a
   return {out, lse};
 }
 
-std::tuple<at::Tensor, at::Tensor> attend(const at::Tensor& q_in, const at::Tensor& k, const at::Tensor& v,
-                                          double scale, int64_t causal_t) {
-  const char* name = "promptcache_native.attend";
-  TORCH_CHECK(q_in.dim() == 3 && k.dim() == 3 && v.dim() == 3, name, ": q, k, v must be [X, rows, D]");
-  check_common(q_in, k, v, name);
+std::tuple<at::Tensor, at::Tensor> attend_checked(const at::Tensor& q_in, const at::Tensor& k, const at::Tensor& v,
+                                                  double scale, int64_t causal_t, const int64_t* limits) {
   const int64_t heads = q_in.size(0), m = q_in.size(1), d = q_in.size(2), n = k.size(1);
-  TORCH_CHECK(k.size(0) == heads && v.size(0) == heads && v.size(1) == n && k.size(2) == d && v.size(2) == d,
-              name, ": q ", q_in.sizes(), ", k ", k.sizes(), ", v ", v.sizes(), " do not match");
-  TORCH_CHECK(causal_t >= 0 && (causal_t == 0 || (m % causal_t == 0 && n == causal_t)),
-              name, ": causal_t ", causal_t, " needs rows a multiple of it and as many keys");
   // bfloat16 queries over a bfloat16 pool: bfloat16 products where the CPU has them; anything else
   // with float32 queries (a bfloat16 query widened is exact)
   const bool dot = kDot && q_in.scalar_type() == at::kBFloat16 && k.scalar_type() == at::kBFloat16;
@@ -864,7 +862,7 @@ std::tuple<at::Tensor, at::Tensor> attend(const at::Tensor& q_in, const at::Tens
       using Q = std::remove_const_t<std::remove_pointer_t<decltype(qp)>>;
       Args<KV, Q> a{qp, kp, vp, packed.data_ptr(), out.data_ptr<float>(), lse.data_ptr<float>(),
                     q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), m, n, causal_t,
-                    static_cast<float>(scale)};
+                    static_cast<float>(scale), limits};
       by_head_dim(d, [&](auto nd) { run<decltype(nd)::value>(a, heads); });
     };
     if constexpr (std::is_same_v<KV, uint16_t>) {
@@ -879,14 +877,55 @@ std::tuple<at::Tensor, at::Tensor> attend(const at::Tensor& q_in, const at::Tens
   return {out, lse};
 }
 
+void check_attend_shapes(const at::Tensor& q_in, const at::Tensor& k, const at::Tensor& v, const char* name) {
+  TORCH_CHECK(q_in.dim() == 3 && k.dim() == 3 && v.dim() == 3, name, ": q, k, v must be [X, rows, D]");
+  check_common(q_in, k, v, name);
+  const int64_t heads = q_in.size(0), n = k.size(1), d = q_in.size(2);
+  TORCH_CHECK(k.size(0) == heads && v.size(0) == heads && v.size(1) == n && k.size(2) == d && v.size(2) == d,
+              name, ": q ", q_in.sizes(), ", k ", k.sizes(), ", v ", v.sizes(), " do not match");
+}
+
+std::tuple<at::Tensor, at::Tensor> attend(const at::Tensor& q_in, const at::Tensor& k, const at::Tensor& v,
+                                          double scale, int64_t causal_t) {
+  const char* name = "promptcache_native.attend";
+  check_attend_shapes(q_in, k, v, name);
+  const int64_t m = q_in.size(1), n = k.size(1);
+  TORCH_CHECK(causal_t >= 0 && (causal_t == 0 || (m % causal_t == 0 && n == causal_t)),
+              name, ": causal_t ", causal_t, " needs rows a multiple of it and as many keys");
+  return attend_checked(q_in, k, v, scale, causal_t, nullptr);
+}
+
+// Queries that each see a prefix of the keys: row r (of every head) sees keys 0 .. limits[r] - 1.
+// A masked forward whose mask is a prefix per query (selective recompute's causal-by-prompt-order
+// mask over a buffer in prompt order) costs the keys each query sees, not all of them: key tiles
+// past a query tile's longest prefix are never read (rows in prompt order: a tile's prefixes are alike).
+std::tuple<at::Tensor, at::Tensor> attend_limits(const at::Tensor& q_in, const at::Tensor& k, const at::Tensor& v,
+                                                 double scale, const at::Tensor& limits) {
+  const char* name = "promptcache_native.attend_limits";
+  check_attend_shapes(q_in, k, v, name);
+  const int64_t m = q_in.size(1), n = k.size(1);
+  TORCH_CHECK(limits.device().is_cpu() && limits.scalar_type() == at::kLong && limits.dim() == 1 && limits.size(0) == m,
+              name, ": limits must be int64 [", m, "] (one per query row), got ", limits.scalar_type(), " ", limits.sizes());
+  const at::Tensor lim = limits.contiguous();
+  const int64_t* lp = lim.data_ptr<int64_t>();
+  int64_t top = 0;  // keys past every row's prefix are not even packed
+  for (int64_t i = 0; i < m; ++i) {
+    TORCH_CHECK(lp[i] >= 1 && lp[i] <= n, name, ": row ", i, " sees ", lp[i], " keys (of ", n, "; at least 1)");
+    top = std::max(top, lp[i]);
+  }
+  return attend_checked(q_in, k.narrow(1, 0, top), v.narrow(1, 0, top), scale, 0, lp);
+}
+
 }  // namespace
 
 TORCH_LIBRARY(promptcache_native, m) {
   m.def("attend(Tensor q, Tensor k, Tensor v, float scale, int causal_t) -> (Tensor, Tensor)");
   m.def("attend_gather(Tensor q, Tensor k, Tensor v, Tensor slots, Tensor lengths, float scale) -> (Tensor, Tensor)");
+  m.def("attend_limits(Tensor q, Tensor k, Tensor v, float scale, Tensor limits) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(promptcache_native, CPU, m) {
   m.impl("attend", &attend);
   m.impl("attend_gather", &attend_gather);
+  m.impl("attend_limits", &attend_limits);
 }

@@ -32,6 +32,7 @@ import transformers
 
 from .splice import KVSpec, SpliceCache
 from ..errors import PromptCacheError
+from ..kernels import ordered_attention
 from .masks import additive as additive_mask, check as check_mask, slot_causal
 
 log = logging.getLogger(__name__)
@@ -249,9 +250,10 @@ class Adapter:
         if write_slots is None:
             mask = check_mask(attention_mask, b, t, old + t).to(cache.buf.device)
             cache.stage_positions(position_ids)
-            with self._positions(cache.positions[:, : old + t], mask) as state:
+            kwargs.update(self.mask_kwargs(mask))
+            with self._positions(cache.positions[:, : old + t], mask) as state, self.masked_attention(cache):
                 out = self.model(input_ids=input_ids, past_key_values=cache, use_cache=True, logits_to_keep=1,
-                                 **kwargs, **self.mask_kwargs(mask))
+                                 **kwargs)
         else:
             if attention_mask is not None and isinstance(write_slots, torch.Tensor) and write_slots.numel():
                 top = max(old, int(write_slots.max()) + 1)  # the length after the write, checked again below
@@ -261,9 +263,10 @@ class Adapter:
                     mask = slot_causal(old, cache.pending[0], kv_len)
                 else:
                     mask = attention_mask
-                with self._positions(cache.positions[:, :kv_len], mask) as state:
+                kwargs.update(self.mask_kwargs(mask))
+                with self._positions(cache.positions[:, :kv_len], mask) as state, self.masked_attention(cache):
                     out = self.model(input_ids=input_ids, past_key_values=cache, use_cache=True, logits_to_keep=1,
-                                     **kwargs, **self.mask_kwargs(mask))
+                                     **kwargs)
         self.verify_forward(state)
         return out.logits[:, -1, :]
 
@@ -275,6 +278,16 @@ class Adapter:
                 f"custom attention masks (write_slots / attention_mask) need attn_implementation 'sdpa' or "
                 f"'eager'; this {self.config.model_type} model uses '{impl}' (load it with attn_implementation='sdpa')"
             )
+
+    def masked_attention(self, cache: SpliceCache):
+        """The attention a masked forward over ``cache`` runs in (a context): where the model's is
+        "sdpa" and the cache is on the CPU, ``kernels/ordered_attention.py`` (a mask that gives each
+        query a prefix of the keys takes the native kernel, which reads only that prefix; any other
+        mask runs transformers' sdpa function as before); else the model's own."""
+        if not self.inline_attention and self.attn_implementation() == "sdpa" \
+                and ordered_attention.covers(cache.buf.device):
+            return self.attention_as(ordered_attention.NAME)
+        return nullcontext()
 
     def mask_kwargs(self, mask: torch.Tensor) -> dict:
         """Model keyword arguments that carry ``mask`` (bool [B|1, 1, T, kv], True = attend) to

@@ -1,4 +1,4 @@
-"""The native CPU attention kernel (engine/serving_core/cpu_attention.py, kernels/attention.cpp) against
+"""The native CPU attention kernel (kernels/attention.py, kernels/attention.cpp) against
 attention computed in float64, and the engine's use of it."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from promptcache.engine.serving_core import cpu_attention
+from promptcache.kernels import attention as cpu_attention
 
 
 @pytest.fixture(scope="module")
@@ -226,6 +226,50 @@ def test_bfloat16_queries_over_float32_keys_are_widened(op):
     close(op(q, k, v, 0.125, 0), reference(q.float(), k, v, 0.125))
 
 
+def limits_reference(q, k, v, scale, limits):
+    s = (q.double() @ k.double().transpose(-1, -2)) * scale  # [X, M, N]
+    s = s.masked_fill(torch.arange(k.shape[1])[None, :] >= limits[:, None], float("-inf"))
+    return torch.softmax(s, -1) @ v.double(), torch.logsumexp(s, -1)
+
+
+# each query row sees a prefix of the keys (selective recompute's mask with the keys in prompt
+# order): rows in order and shuffled, prefixes from 1 key to all, few rows (keys split and merged)
+@pytest.mark.parametrize("x,m,n,d,order", [(3, 169, 1000, 64, "sorted"), (2, 100, 300, 16, "shuffled"),
+                                           (1, 3, 2048, 64, "sorted"), (2, 49, 129, 80, "shuffled"),
+                                           (3, 7, 64, 256, "sorted"), (1, 1, 1, 32, "sorted")])
+def test_limits_give_each_row_its_prefix(x, m, n, d, order):
+    gen = torch.Generator().manual_seed(m + n + d)
+    q = torch.randn(x, m, d, generator=gen) * 2
+    buf = torch.randn(2, x, n + 5, d, generator=gen)  # strided views, as from a cache buffer
+    k, v = buf[0, :, 5:], buf[1, :, 5:]
+    limits = torch.randint(1, n + 1, (m,), generator=gen)
+    limits[0] = 1
+    limits[-1] = n
+    limits = limits.sort().values if order == "sorted" else limits
+    op = cpu_attention.limits_kernel_for(q, k)
+    assert op is not None
+    close(op(q, k, v, d ** -0.5, limits), limits_reference(q, k, v, d ** -0.5, limits))
+    # bfloat16 queries over bfloat16 keys: bfloat16 products, float32 sums (as attend's)
+    qb, kb, vb = q.bfloat16(), k.bfloat16(), v.bfloat16()
+    out, lse = op(qb, kb, vb, d ** -0.5, limits)
+    ro, rl = limits_reference(qb.float(), kb.float(), vb.float(), d ** -0.5, limits)
+    assert (lse.double() - rl).abs().max().item() < 1e-5
+    assert (out.double() - ro).abs().max().item() < 2 ** -8 * vb.float().abs().max().item()
+
+
+def test_limits_are_checked():
+    op = cpu_attention.limits_kernel_for(torch.zeros(1, 1, 16), torch.zeros(1, 1, 16))
+    q, k = torch.randn(1, 3, 16), torch.randn(1, 10, 16)
+    with pytest.raises(RuntimeError, match="row 1 sees 0 keys"):
+        op(q, k, k, 1.0, torch.tensor([1, 0, 2]))
+    with pytest.raises(RuntimeError, match="row 2 sees 11 keys"):
+        op(q, k, k, 1.0, torch.tensor([1, 2, 11]))
+    with pytest.raises(RuntimeError, match=r"limits must be int64 \[3\]"):
+        op(q, k, k, 1.0, torch.tensor([1, 2]))
+    with pytest.raises(RuntimeError, match=r"limits must be int64 \[3\]"):
+        op(q, k, k, 1.0, torch.tensor([1, 2, 3], dtype=torch.int32))
+
+
 def test_gather_refuses_slots_outside_the_pool():
     gather = cpu_attention.gather_kernel_for(torch.zeros(1, 1, 1, 16), torch.zeros(1))
     q, k = torch.randn(1, 2, 1, 16), torch.randn(1, 10, 16)
@@ -266,7 +310,7 @@ def test_shapes_it_does_not_cover_go_to_torch():
 
 
 def test_switched_off_by_the_environment():
-    code = ("import torch; from promptcache.engine.serving_core import cpu_attention as c; "
+    code = ("import torch; from promptcache.kernels import attention as c; "
             "print(c.kernel_for(torch.zeros(1, 1, 16)), c.unavailable_reason())")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                          env={**os.environ, cpu_attention.ENV_SWITCH: "0"})

@@ -56,7 +56,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from ...models.splice import SpliceCache
 from ...tunables import DECODE_MATMUL_ROWS, FOLD_SHARED, GATHER_MAX, SEGMENTS_MAX  # read at call time (tests set them here)
-from . import cpu_attention
+from ...kernels import attention as cpu_attention
 from .kvpool import KVPool
 
 __all__ = ["KeyRule", "PagedRow", "StepPlan", "attend", "attention_swapped", "build_plan", "key_rule", "paged_forward",

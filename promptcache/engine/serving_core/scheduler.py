@@ -46,7 +46,7 @@ from collections import deque
 import torch
 
 from ...tunables import MIN_CHUNK
-from . import cpu_attention
+from ...kernels import attention as cpu_attention
 from .kvpool import KVPool, PoolFull, SharedEntry
 from .paged import PagedRow, paged_forward
 from ..prefill.plan import PrefillPlan

@@ -32,9 +32,9 @@ from pathlib import Path
 
 import torch
 
-from ... import kernels
+from .build import NativeKernels
 
-__all__ = ["ENV_SWITCH", "available", "gather_kernel_for", "kernel_for", "unavailable_reason"]
+__all__ = ["ENV_SWITCH", "available", "gather_kernel_for", "kernel_for", "limits_kernel_for", "unavailable_reason"]
 
 ENV_SWITCH = "PROMPTCACHE_NATIVE_ATTENTION"
 
@@ -48,8 +48,12 @@ def _register_fakes(ops) -> None:
     def _(q, k, v, slots, lengths, scale):
         return q.new_empty(q.shape, dtype=torch.float32), q.new_empty(q.shape[:3], dtype=torch.float32)
 
+    @torch.library.register_fake("promptcache_native::attend_limits")
+    def _(q, k, v, scale, limits):
+        return q.new_empty(q.shape, dtype=torch.float32), q.new_empty(q.shape[:2], dtype=torch.float32)
 
-_KERNELS = kernels.NativeKernels(Path(kernels.__file__).with_name("attention.cpp"), "promptcache_native",
+
+_KERNELS = NativeKernels(Path(__file__).with_name("attention.cpp"), "promptcache_native",
                                  "native CPU attention kernel", ENV_SWITCH, _register_fakes)
 
 
@@ -77,6 +81,13 @@ def kernel_for(q: torch.Tensor, kv: torch.Tensor | None = None):
     Called as ``op(q, k, v, scale, causal_t) -> (out, lse)`` (float32). bfloat16 queries over
     bfloat16 keys/values take bfloat16 products with float32 sums where the CPU has AVX-512 BF16."""
     return _KERNELS.ops.attend if (kv is None or kv.dtype in KV_DTYPES) and _covers(q, KV_DTYPES) else None
+
+
+def limits_kernel_for(q: torch.Tensor, kv: torch.Tensor):
+    """The native op for queries ``q`` [X, M, D] that each see a prefix of the keys ``kv`` [X, N, D],
+    when it covers them (as ``kernel_for``), else None. Called as ``op(q, k, v, scale, limits) ->
+    (out, lse)`` (float32): row r of every head sees keys 0 .. limits[r] - 1 (int64 [M], 1 .. N)."""
+    return _KERNELS.ops.attend_limits if kv.dtype in KV_DTYPES and _covers(q, KV_DTYPES) else None
 
 
 def gathers(buf: torch.Tensor) -> bool:
