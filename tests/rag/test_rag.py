@@ -48,12 +48,12 @@ def definition_logits(store, question, doc_ids, system):
     new = [s for s in layout if s.kind == "new"]  # separators and the question, run together on top
     from promptcache.models.splice import SpliceCache
 
-    cache = SpliceCache(pc.spec, kv.shape[3] + 64)
-    cache.write(0, kv, torch.tensor(positions))
+    cache = SpliceCache(pc.spec, kv.shape[3] + 64, device=pc.device)
+    cache.write(0, kv, torch.tensor(positions, device=pc.device))
     cache.set_length(kv.shape[3])
     ids = [t for s in new for t in s.token_ids]
     pos = [p for s in new for p in s.position_ids]
-    return pc.adapter.forward(torch.tensor([ids]), torch.tensor([pos]), cache)[0]
+    return pc.adapter.forward(torch.tensor([ids], device=pc.device), torch.tensor([pos], device=pc.device), cache)[0]
 
 
 @pytest.mark.parametrize("prefixed", [True, False], ids=["prefixed", "alone"])
