@@ -14,6 +14,10 @@ import torch
 # The device tiny models are built on. ``PROMPTCACHE_TEST_DEVICE=cuda`` runs the same tests on a GPU
 # (eval/results/cuda.md); CI has none and leaves it at the CPU.
 DEVICE = os.environ.get("PROMPTCACHE_TEST_DEVICE", "cpu")
+ON_CPU = torch.device(DEVICE).type == "cpu"
+# The tier an engine on DEVICE keeps states in first (store/tiered.py, build_store): device memory,
+# which on the CPU is host memory.
+FIRST_TIER = "host" if ON_CPU else "device"
 
 CORPUS = [
     "You are a travel planner. Plan a trip of three days to Paris, Tokyo or Rome.",

@@ -22,9 +22,9 @@ TOL = 1e-4
 FAMILIES = ("bloom", "mpt")
 
 
-def _slopes(n_heads: int) -> torch.Tensor:
+def _slopes(n_heads: int, device) -> torch.Tensor:
     assert n_heads & (n_heads - 1) == 0, "the tiny models have a power-of-two head count"
-    return torch.tensor([2.0 ** (-8.0 * h / n_heads) for h in range(1, n_heads + 1)])  # [H]
+    return torch.tensor([2.0 ** (-8.0 * h / n_heads) for h in range(1, n_heads + 1)], device=device)  # [H]
 
 
 def _attend(q, k, v, pos, visible, scale):
@@ -32,7 +32,7 @@ def _attend(q, k, v, pos, visible, scale):
     t, h, d = q.shape
     scores = torch.einsum("ihd,jhd->hij", q, k) * scale  # [H, T, T]
     dist = (pos[:, None] - pos[None, :]).float()  # p_i - p_j
-    scores = scores - _slopes(h)[:, None, None] * dist[None]
+    scores = scores - _slopes(h, q.device)[:, None, None] * dist[None]
     scores = scores.masked_fill(~visible[None], float("-inf"))
     return torch.einsum("hij,jhd->ihd", scores.softmax(-1), v).reshape(t, h * d)
 
@@ -40,8 +40,9 @@ def _attend(q, k, v, pos, visible, scale):
 @torch.inference_mode()
 def reference_logits(model, family: str, ids: list[int], pos: list[int], visible: torch.Tensor) -> torch.Tensor:
     """Logits [T, V] of every token of one sequence at ``pos`` under ``visible`` [T, T]."""
-    t, pos_t = len(ids), torch.tensor(pos)
-    ids_t = torch.tensor(ids)
+    device = model.device
+    t, pos_t = len(ids), torch.tensor(pos, device=device)
+    ids_t, visible = torch.tensor(ids, device=device), visible.to(device)
     tr = model.transformer
     if family == "bloom":
         heads = model.config.n_head
@@ -80,7 +81,7 @@ CAUSAL = torch.ones(len(IDS), len(IDS), dtype=torch.bool).tril()
 def test_reference_equals_stock_forward_at_contiguous_positions(family):
     model = make_model(family)
     with torch.inference_mode():
-        stock = model(input_ids=torch.tensor([IDS])).logits[0]
+        stock = model(input_ids=torch.tensor([IDS], device=model.device)).logits[0]
     ref = reference_logits(model, family, IDS, list(range(len(IDS))), CAUSAL)
     assert torch.max(torch.abs(ref - stock)).item() <= TOL
     gapped = reference_logits(model, family, IDS, GAPPED, CAUSAL)
@@ -90,15 +91,15 @@ def test_reference_equals_stock_forward_at_contiguous_positions(family):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_adapter_equals_reference_at_gapped_positions(family):
     model = make_model(family)
-    adapter = get_adapter(model)
+    adapter, device = get_adapter(model), model.device
     ref = reference_logits(model, family, IDS, GAPPED, CAUSAL)
-    cache = SpliceCache(adapter.kv_spec(), len(IDS))
-    got = adapter.forward(torch.tensor([IDS]), torch.tensor([GAPPED]), cache)[0]
+    cache = SpliceCache(adapter.kv_spec(), len(IDS), device=device)
+    got = adapter.forward(torch.tensor([IDS], device=device), torch.tensor([GAPPED], device=device), cache)[0]
     assert torch.max(torch.abs(got - ref[-1])).item() <= TOL
     # the same tokens in two forwards: the second reads the first's key positions from the cache
-    cache = SpliceCache(adapter.kv_spec(), len(IDS))
-    adapter.forward(torch.tensor([IDS[:6]]), torch.tensor([GAPPED[:6]]), cache)
-    got = adapter.forward(torch.tensor([IDS[6:]]), torch.tensor([GAPPED[6:]]), cache)[0]
+    cache = SpliceCache(adapter.kv_spec(), len(IDS), device=device)
+    adapter.forward(torch.tensor([IDS[:6]], device=device), torch.tensor([GAPPED[:6]], device=device), cache)
+    got = adapter.forward(torch.tensor([IDS[6:]], device=device), torch.tensor([GAPPED[6:]], device=device), cache)[0]
     assert torch.max(torch.abs(got - ref[-1])).item() <= TOL
 
 
@@ -107,14 +108,14 @@ def test_slot_write_with_custom_mask_equals_reference(family):
     """Write tokens 4..13 at their slots over a cache holding 0..8, with a mask that hides tokens
     2 and 3 from everyone after them: the reference applies the same visibility."""
     model = make_model(family)
-    adapter = get_adapter(model)
-    visible = CAUSAL.clone()
+    adapter, device = get_adapter(model), model.device
+    visible = CAUSAL.to(device, copy=True)
     visible[4:, 2:4] = False
     ref = reference_logits(model, family, IDS, GAPPED, visible)
-    cache = SpliceCache(adapter.kv_spec(), len(IDS))
-    adapter.forward(torch.tensor([IDS[:9]]), torch.tensor([GAPPED[:9]]), cache)
-    slots = torch.arange(4, len(IDS))
-    got = adapter.forward(torch.tensor([IDS[4:]]), torch.tensor([GAPPED[4:]]), cache, write_slots=slots,
-                          attention_mask=visible[4:][None, None])[0]
+    cache = SpliceCache(adapter.kv_spec(), len(IDS), device=device)
+    adapter.forward(torch.tensor([IDS[:9]], device=device), torch.tensor([GAPPED[:9]], device=device), cache)
+    slots = torch.arange(4, len(IDS), device=device)
+    got = adapter.forward(torch.tensor([IDS[4:]], device=device), torch.tensor([GAPPED[4:]], device=device), cache,
+                          write_slots=slots, attention_mask=visible[4:][None, None])[0]
     assert torch.max(torch.abs(got - ref[-1])).item() <= TOL
     assert torch.max(torch.abs(got - reference_logits(model, family, IDS, GAPPED, CAUSAL)[-1])).item() > 1e-3

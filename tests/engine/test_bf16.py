@@ -19,11 +19,13 @@ from oracle import definition_state, plain_logits
 from promptcache import EngineConfig, PromptCache, RunnerConfig
 from promptcache.models.loading import load_model
 from promptcache.models.native_dtype import ENV_SWITCH, auto_dtype, bf16_native, bf16_refusal, checkpoint_dtype
-from tiny import fresh_model, make_model, make_tokenizer
+from tiny import DEVICE, ON_CPU, fresh_model, make_model, make_tokenizer
 from trip import POOLED, PROMPTS, SCHEMA, serve_together
 
 NATIVE = bf16_native("cpu")
 needs_bf16 = pytest.mark.skipif(not NATIVE, reason=f"this CPU computes no bfloat16 natively: {bf16_refusal('cpu')}")
+needs_cpu = pytest.mark.skipif(not ON_CPU, reason=f"packed linears are a CPU path: pack_linears refuses a model "
+                                                  f"on {DEVICE} (PROMPTCACHE_TEST_DEVICE)")
 
 PREFIX_SCHEMA = """<schema name="prefix"><system>You are a travel planner.</system>
   <user><module name="intro">Plan a trip of three days.</module>
@@ -72,6 +74,7 @@ def test_the_paged_bf16_engine_keeps_the_oracle_for_every_family(family, tokeniz
         assert ok, (family, prompt, err_got, err_plain)
 
 
+@needs_cpu
 @needs_bf16
 @pytest.mark.parametrize("family", ["llama", "qwen2", "gpt_neox"])
 def test_packed_bf16_linears_keep_the_oracle_and_run_in_bfloat16(family, tokenizer):

@@ -12,7 +12,7 @@ from oracle import definition_state
 from promptcache import EngineConfig, PMLError, PromptCache, RecomputeConfig, RunnerConfig, layout_schema
 from promptcache.models.splice import SpliceCache
 from promptcache.models import UnsupportedModelError, get_adapter, supported_model_types
-from tiny import FAMILIES, fresh_model, make_model, make_tokenizer
+from tiny import DEVICE, FAMILIES, fresh_model, make_model, make_tokenizer
 
 SCHEMA = """<schema name="s">
   <system>You are a travel planner.</system>
@@ -82,7 +82,7 @@ def test_kv_spec_matches_the_model_cache_for_every_family():
         adapter = get_adapter(model)
         spec = adapter.kv_spec()
         with torch.inference_mode():
-            out = model(input_ids=torch.tensor([[5, 6, 7]]), use_cache=True)
+            out = model(input_ids=torch.tensor([[5, 6, 7]], device=model.device), use_cache=True)
         layer = out.past_key_values.layers[0]
         assert tuple(layer.keys.shape) == (1, spec.kv_heads, 3, spec.head_dim), family
         assert len(out.past_key_values.layers) == spec.layers
@@ -100,7 +100,7 @@ def test_alibi_bias_equals_stock_bias_at_gapped_positions(family):
     """The hook's bias for keys at positions P equals the model's own bias for a contiguous run,
     read at the columns P (up to the per-row constant MPT subtracts)."""
     model = make_model(family)
-    adapter = get_adapter(model)
+    adapter, device = get_adapter(model), model.device
     captured = {}
 
     def grab(module, args, kwargs):
@@ -110,11 +110,12 @@ def test_alibi_bias_equals_stock_bias_at_gapped_positions(family):
     handle = block.register_forward_pre_hook(grab, with_kwargs=True)
     try:
         with torch.inference_mode():
-            model(input_ids=torch.tensor([list(range(5, 15))]), attention_mask=torch.ones(1, 10, dtype=torch.long))
+            model(input_ids=torch.tensor([list(range(5, 15))], device=device),
+                  attention_mask=torch.ones(1, 10, dtype=torch.long, device=device))
     finally:
         handle.remove()
     stock = captured["kw"]
-    cols = torch.tensor([0, 1, 2, 5, 6, 9])
+    cols = torch.tensor([0, 1, 2, 5, 6, 9], device=device)
     if family == "falcon_alibi":  # the merged mask is [B, H, q, kv]: keep the chosen key columns
         stock_cols = {**stock, "attention_mask": stock["attention_mask"][:, :, :, cols]}
     else:
@@ -133,11 +134,12 @@ def test_alibi_bias_equals_stock_bias_at_gapped_positions(family):
 
 def test_alibi_hook_changes_results_only_with_gaps():
     model = make_model("bloom")
-    adapter = get_adapter(model)
+    adapter, device = get_adapter(model), model.device
 
     def run(pos):
-        cache = SpliceCache(adapter.kv_spec(), 16)
-        return adapter.forward(torch.tensor([[5, 6, 7, 8]]), torch.tensor([pos]), cache)[0]
+        cache = SpliceCache(adapter.kv_spec(), 16, device=device)
+        ids = torch.tensor([[5, 6, 7, 8]], device=device)
+        return adapter.forward(ids, torch.tensor([pos], device=device), cache)[0]
 
     assert torch.allclose(run([0, 1, 2, 3]), run([40, 41, 42, 43]), atol=1e-5)  # ALiBi is translation-free
     assert not torch.allclose(run([0, 1, 2, 3]), run([0, 1, 9, 10]), atol=1e-3)  # gaps reach attention
@@ -215,7 +217,7 @@ def test_from_pretrained_loads_a_local_directory(tmp_path):
     model, tok = make_model("qwen2"), make_tokenizer()
     model.save_pretrained(tmp_path)
     tok.save_pretrained(tmp_path)
-    pc = PromptCache.from_pretrained(tmp_path, device="cpu", dtype="float32")
+    pc = PromptCache.from_pretrained(tmp_path, device=DEVICE, dtype="float32")  # on ``ref``'s device
     pc.add_schema(SCHEMA)
     from transformers import AutoTokenizer
 
@@ -238,13 +240,13 @@ def test_plain_prompt_without_schema(pc):
     assert res.cached_tokens == 0 and layout.token_ids[0] == 2  # BOS once, at position 0
     assert layout.position_ids == list(range(len(layout.token_ids)))
     with torch.inference_mode():
-        ref = pc.model(input_ids=torch.tensor([layout.token_ids])).logits[0, -1]
+        ref = pc.model(input_ids=torch.tensor([layout.token_ids], device=pc.device)).logits[0, -1]
     assert torch.max(torch.abs(res.logits - ref)).item() <= 1e-4
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_cuda_matches_cpu():
-    cpu = PromptCache(make_model("llama"), make_tokenizer())
+    cpu = PromptCache(fresh_model("llama", seed=0).cpu(), make_tokenizer())  # on the CPU whatever tiny.DEVICE is
     cpu.add_schema(SCHEMA)
     gpu = PromptCache(fresh_model("llama", seed=0).to("cuda"), make_tokenizer())  # not the shared cached model
     gpu.add_schema(SCHEMA)

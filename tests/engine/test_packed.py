@@ -10,7 +10,11 @@ from oracle import plain_logits
 from promptcache import EngineConfig, PromptCache, RecomputeConfig, RunnerConfig
 from promptcache.errors import ConfigError
 from promptcache.models.packed import PackedLinear, pack_linears
-from tiny import FAMILIES, fresh_model, make_tokenizer
+from tiny import DEVICE, FAMILIES, ON_CPU, fresh_model, make_tokenizer
+
+# every test here packs a model's linears, which is refused off the CPU by design (packed_refusal)
+pytestmark = pytest.mark.skipif(not ON_CPU, reason=f"packed linears are a CPU path: pack_linears refuses a "
+                                                   f"model on {DEVICE} (PROMPTCACHE_TEST_DEVICE)")
 
 TOL = 1e-4
 SCHEMA = """<schema name="trip"><system>You are a travel planner.</system>

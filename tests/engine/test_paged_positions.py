@@ -74,15 +74,15 @@ def windowed_greedy(model, cache, n_cached, ids, pos, window, n_tokens, eos=3):
     """The definition under a sliding window measured in position IDs: ``ids`` at ``pos`` on top
     of the assembled cache, each query seeing the cached and earlier new keys whose position is
     above its own minus ``window``, then greedy tokens the same way. (first logits [V], tokens)."""
-    adapter = get_adapter(model)
+    adapter, device = get_adapter(model), model.device
 
     def step(new_ids, new_pos):
         length = cache.length
-        keys = torch.cat([cache.positions[0, :length], torch.tensor(new_pos)])  # after this forward
-        q = torch.tensor(new_pos)
+        q = torch.tensor(new_pos, device=device)
+        keys = torch.cat([cache.positions[0, :length], q])  # after this forward
         seen = keys[None, :] > q[:, None] - window
-        seen[:, length:] &= torch.ones((len(new_ids), len(new_ids)), dtype=torch.bool).tril()
-        return adapter.forward(torch.tensor([new_ids]), torch.tensor([new_pos]), cache,
+        seen[:, length:] &= torch.ones((len(new_ids), len(new_ids)), dtype=torch.bool, device=device).tril()
+        return adapter.forward(torch.tensor([new_ids], device=device), torch.tensor([new_pos], device=device), cache,
                                attention_mask=seen[None, None])[0]
 
     first = logits = step(ids, pos)
@@ -191,7 +191,7 @@ def test_the_paged_forward_leaves_the_stock_forward_alone(tokenizer):
     """The instance forwards of inline attention exist only during a paged forward: the stock
     forward gives the same logits, bit for bit, before and after paged forwards ran."""
     pc = PromptCache(fresh_model("bloom"), tokenizer)
-    ids = torch.tensor([pc.tokenizer("Keep it cheap. Highlight the food.").input_ids])
+    ids = torch.tensor([pc.tokenizer("Keep it cheap. Highlight the food.").input_ids], device=pc.device)
     with torch.inference_mode():
         before = pc.model(input_ids=ids).logits
         assert paged.paged_refusal(pc.runner) is None  # paged forwards

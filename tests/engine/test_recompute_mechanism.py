@@ -57,10 +57,10 @@ def _prompt_slots(layout, n_cached):
     return out
 
 
-def _causal_by_order(query_idx, col_idx):
-    """bool [1, 1, Q, K]: query i sees column j iff j's prompt index <= i's (True = attend)."""
-    q = torch.tensor(query_idx)[:, None]
-    k = torch.tensor(col_idx)[None, :]
+def _causal_by_order(query_idx, col_idx, device):
+    """bool [1, 1, Q, K] on ``device``: query i sees column j iff j's prompt index <= i's (True = attend)."""
+    q = torch.tensor(query_idx, device=device)[:, None]
+    k = torch.tensor(col_idx, device=device)[None, :]
     return (k <= q)[None, None]
 
 
@@ -74,38 +74,42 @@ def _check_gapped(layout):
 def test_recompute_all_equals_plain_forward(family, layouts):
     name, _, attn = family.partition(":")
     model = make_model(name, attn=attn or None)
+    device = model.device
     schema, layout = layouts
     _check_gapped(layout)
     cache, n_cached = assembled_cache(model, schema, layout)
     ids, pos = layout.token_ids, layout.position_ids
     slots = [s for _, s in _prompt_slots(layout, n_cached)]
     kv_len = len(ids)
-    mask = torch.zeros(1, 1, len(ids), kv_len, dtype=torch.bool)  # causal by prompt order, at the slots
+    mask = torch.zeros(1, 1, len(ids), kv_len, dtype=torch.bool, device=device)  # causal by prompt order, at the slots
     for i in range(len(ids)):
         mask[0, 0, i, slots[: i + 1]] = True
 
-    got = get_adapter(model).forward(torch.tensor([ids]), torch.tensor([pos]), cache,
-                                     write_slots=torch.tensor(slots), attention_mask=mask)[0]
+    got = get_adapter(model).forward(torch.tensor([ids], device=device), torch.tensor([pos], device=device), cache,
+                                     write_slots=torch.tensor(slots, device=device), attention_mask=mask)[0]
     ref = plain_logits_at(model, ids, pos)
     assert cache.length == kv_len
-    assert torch.equal(cache.positions[0, slots], torch.tensor(pos))
+    assert torch.equal(cache.positions[0, slots], torch.tensor(pos, device=device))
     assert torch.max(torch.abs(got - ref)).item() <= TOL
     assert not cache.resident, "rewritten residents must be forgotten"
 
     # the cache now holds a plain prefill's states: one more token decodes like the plain forward
     nxt = int(torch.argmax(ref))
-    step = get_adapter(model).forward(torch.tensor([[nxt]]), torch.tensor([[pos[-1] + 1]]), cache)[0]
+    nxt_ids, nxt_pos = torch.tensor([[nxt]], device=device), torch.tensor([[pos[-1] + 1]], device=device)
+    step = get_adapter(model).forward(nxt_ids, nxt_pos, cache)[0]
     assert torch.max(torch.abs(step - plain_logits_at(model, ids + [nxt], pos + [pos[-1] + 1]))).item() <= TOL
 
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_default_mask_of_a_full_rewrite_is_causal_by_order(family, layouts):
     model = make_model(family)
+    device = model.device
     schema, layout = layouts
     cache, n_cached = assembled_cache(model, schema, layout)
     ids, pos = layout.token_ids, layout.position_ids
     slots = [s for _, s in _prompt_slots(layout, n_cached)]
-    got = get_adapter(model).forward(torch.tensor([ids]), torch.tensor([pos]), cache, write_slots=torch.tensor(slots))
+    got = get_adapter(model).forward(torch.tensor([ids], device=device), torch.tensor([pos], device=device), cache,
+                                     write_slots=torch.tensor(slots, device=device))
     assert torch.max(torch.abs(got[0] - plain_logits_at(model, ids, pos))).item() <= TOL
 
 
@@ -114,7 +118,7 @@ def test_partial_recompute_equals_reference(family, layouts):
     """Recompute module ``c`` (in the middle) and every new token; the kept entries stay."""
     name, _, attn = family.partition(":")
     model = make_model(name, attn=attn or None)
-    adapter = get_adapter(model)
+    adapter, device = get_adapter(model), model.device
     schema, layout = layouts
     cache, n_cached = assembled_cache(model, schema, layout)
     toks = [(i, span, slot, t, p) for i, ((span, slot), t, p)
@@ -127,26 +131,27 @@ def test_partial_recompute_equals_reference(family, layouts):
     slot_idx = [None] * kv_len  # prompt index of the token at each slot
     for i, _, slot, _, _ in toks:
         slot_idx[slot] = i
-    mask = _causal_by_order([x[0] for x in redo], slot_idx)
+    mask = _causal_by_order([x[0] for x in redo], slot_idx, device)
     spec = adapter.kv_spec()
     kept_kv = cache.buf[:, :, 0, :, kept_slots].clone()  # [L, 2, H, n_kept, D] before the rewrite
 
-    ids_q = torch.tensor([[x[3] for x in redo]])
-    pos_q = torch.tensor([[x[4] for x in redo]])
-    got = adapter.forward(ids_q, pos_q, cache, write_slots=torch.tensor([x[2] for x in redo]), attention_mask=mask)[0]
+    ids_q = torch.tensor([[x[3] for x in redo]], device=device)
+    pos_q = torch.tensor([[x[4] for x in redo]], device=device)
+    got = adapter.forward(ids_q, pos_q, cache, write_slots=torch.tensor([x[2] for x in redo], device=device),
+                          attention_mask=mask)[0]
     assert torch.equal(cache.buf[:, :, 0, :, kept_slots], kept_kv), "kept entries must not change"
 
     # reference: the kept entries first, then the recomputed tokens appended, same visibility
-    ref_mask = _causal_by_order([x[0] for x in redo], [x[0] for x in kept] + [x[0] for x in redo])
+    ref_mask = _causal_by_order([x[0] for x in redo], [x[0] for x in kept] + [x[0] for x in redo], device)
     if adapter.positional == "alibi":  # no stock way to take gapped positions: the append path
-        ref_cache = SpliceCache(spec, kv_len)
-        ref_cache.write(0, kept_kv, torch.tensor([x[4] for x in kept]))
+        ref_cache = SpliceCache(spec, kv_len, device=device)
+        ref_cache.write(0, kept_kv, torch.tensor([x[4] for x in kept], device=device))
         ref_cache.set_length(len(kept))
         ref = adapter.forward(ids_q, pos_q, ref_cache, attention_mask=ref_mask)[0]
         ref_states = ref_cache.buf[:, :, 0, :, len(kept) : kv_len]
     else:  # the stock model on a DynamicCache, with an additive 4D mask
         past = DynamicCache(ddp_cache_data=[(kept_kv[l, 0][None], kept_kv[l, 1][None]) for l in range(spec.layers)])
-        additive = torch.zeros(ref_mask.shape).masked_fill_(~ref_mask, torch.finfo(torch.float32).min)
+        additive = torch.zeros(ref_mask.shape, device=device).masked_fill_(~ref_mask, torch.finfo(torch.float32).min)
         with torch.inference_mode():
             out = model(input_ids=ids_q, position_ids=pos_q, past_key_values=past, attention_mask=additive,
                         use_cache=True)

@@ -85,20 +85,22 @@ def _model(name: str):
 # -- helpers ----------------------------------------------------------------------------------------
 def _encode(model, ids: list[int], start: int) -> torch.Tensor:
     """States of ``ids`` encoded alone at positions start..: [L, 2, H, n, D]."""
-    adapter = get_adapter(model)
-    cache = SpliceCache(adapter.kv_spec(), len(ids))
-    adapter.forward(torch.tensor([ids]), torch.arange(start, start + len(ids))[None], cache)
+    adapter, device = get_adapter(model), model.device
+    cache = SpliceCache(adapter.kv_spec(), len(ids), device=device)
+    pos = torch.arange(start, start + len(ids), device=device)[None]
+    adapter.forward(torch.tensor([ids], device=device), pos, cache)
     return cache.read(0, len(ids))
 
 
 def _query(model, kv: torch.Tensor, positions: torch.Tensor, start: int) -> torch.Tensor:
     """Logits [QUERY_LEN, V] of each query token, run one at a time at start.. on top of kv."""
-    adapter = get_adapter(model)
+    adapter, device = get_adapter(model), model.device
     n = kv.shape[3]
-    cache = SpliceCache(adapter.kv_spec(), n + QUERY_LEN)
-    cache.write(0, kv, positions)
+    cache = SpliceCache(adapter.kv_spec(), n + QUERY_LEN, device=device)
+    cache.write(0, kv, positions.to(device))
     cache.set_length(n)
-    out = [adapter.forward(torch.tensor([[t]]), torch.tensor([[start + i]]), cache)[0] for i, t in enumerate(QUERY)]
+    out = [adapter.forward(torch.tensor([[t]], device=device), torch.tensor([[start + i]], device=device), cache)[0]
+           for i, t in enumerate(QUERY)]
     return torch.stack(out)
 
 
@@ -162,7 +164,7 @@ def test_documents_spliced_contiguously(name):
 # -- rope internals -----------------------------------------------------------------------------------
 def test_rope_spec_reads_the_models_own_frequencies():
     spec = rope_spec(get_adapter(_model("llama_linear")))
-    assert torch.equal(spec.inv_freq, _model("llama_linear").model.rotary_emb.inv_freq.double())
+    assert torch.equal(spec.inv_freq, _model("llama_linear").model.rotary_emb.inv_freq.double().cpu())
     assert rope_spec(get_adapter(_model("gpt_neox"))).rotary_dim == 4  # head_dim 16, rotary_pct 0.25
     assert rope_spec(get_adapter(_model("phi3_partial"))).rotary_dim == 8
     assert rope_spec(get_adapter(_model("llama"))).rotary_dim == 16
@@ -190,13 +192,13 @@ def test_large_delta_matches_float64_rotation():
     model = _model("gpt_neox")  # partial rotary: channels 0..3 rotate, pairs (0, 2), (1, 3)
     adapter = get_adapter(model)
     kv, delta = _encode(model, DOC, 0), 1_000_003
-    spec = rope_spec(adapter)
+    spec = rope_spec(adapter)  # inv_freq: float64 on the CPU, where the reference is computed
     half = spec.rotary_dim // 2
-    k = kv[:, 0].double()
+    k = kv[:, 0].double().cpu()
     z = torch.complex(k[..., :half], k[..., half : 2 * half]) * torch.polar(torch.ones(half, dtype=torch.float64),
                                                                           delta * spec.inv_freq)
     want = torch.cat([z.real, z.imag, k[..., 2 * half :]], dim=-1)
-    assert _max_diff(relocate(adapter, kv, delta)[:, 0].double(), want) <= 1e-5
+    assert _max_diff(relocate(adapter, kv, delta)[:, 0].double().cpu(), want) <= 1e-5
 
 
 def test_half_precision_keeps_dtype_and_device():
@@ -212,7 +214,7 @@ def test_half_precision_keeps_dtype_and_device():
 def test_learned_positions_refused(name):
     adapter = get_adapter(_model(name))
     assert not adapter.can_relocate() and not can_relocate(adapter)
-    kv = torch.zeros(adapter.kv_spec().layers, 2, adapter.kv_heads(), 3, adapter.head_dim())
+    kv = torch.zeros(adapter.kv_spec().layers, 2, adapter.kv_heads(), 3, adapter.head_dim(), device=_model(name).device)
     with pytest.raises(UnsupportedModelError, match="learned absolute position"):
         relocate(adapter, kv, 5)
 

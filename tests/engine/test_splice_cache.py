@@ -133,25 +133,25 @@ def test_slot_causal_mask():
 
 def test_mask_is_validated():
     model = make_model("llama")
-    adapter = get_adapter(model)
-    cache = SpliceCache(adapter.kv_spec(), 8)
-    ids, pos = torch.tensor([[5, 6]]), torch.tensor([[0, 1]])
+    adapter, device = get_adapter(model), model.device
+    cache = SpliceCache(adapter.kv_spec(), 8, device=device)
+    ids, pos = torch.tensor([[5, 6]], device=device), torch.tensor([[0, 1]], device=device)
     with pytest.raises(ValueError, match=r"\[1, 1, 2, 2\]"):
-        adapter.forward(ids, pos, cache, attention_mask=torch.ones(1, 1, 2, 3, dtype=torch.bool))
+        adapter.forward(ids, pos, cache, attention_mask=torch.ones(1, 1, 2, 3, dtype=torch.bool, device=device))
     with pytest.raises(ValueError, match="BoolTensor"):
-        adapter.forward(ids, pos, cache, attention_mask=torch.ones(1, 1, 2, 2))
+        adapter.forward(ids, pos, cache, attention_mask=torch.ones(1, 1, 2, 2, device=device))
     with pytest.raises(ValueError, match="attends to nothing"):
-        adapter.forward(ids, pos, cache, attention_mask=torch.zeros(1, 1, 2, 2, dtype=torch.bool))
+        adapter.forward(ids, pos, cache, attention_mask=torch.zeros(1, 1, 2, 2, dtype=torch.bool, device=device))
 
 
 def test_masked_append_without_slots_equals_the_hot_path():
     model = make_model("qwen2")
-    adapter = get_adapter(model)
-    ids, pos = torch.tensor([[5, 6, 7, 9]]), torch.tensor([[0, 3, 4, 9]])
-    hot = adapter.forward(ids, pos, SpliceCache(adapter.kv_spec(), 8))
-    mask = torch.ones(4, 4, dtype=torch.bool).tril()[None, None]
-    assert torch.max(torch.abs(adapter.forward(ids, pos, SpliceCache(adapter.kv_spec(), 8), attention_mask=mask)
-                               - hot)).item() <= 1e-5
+    adapter, device = get_adapter(model), model.device
+    ids, pos = torch.tensor([[5, 6, 7, 9]], device=device), torch.tensor([[0, 3, 4, 9]], device=device)
+    hot = adapter.forward(ids, pos, SpliceCache(adapter.kv_spec(), 8, device=device))
+    mask = torch.ones(4, 4, dtype=torch.bool, device=device).tril()[None, None]
+    masked = adapter.forward(ids, pos, SpliceCache(adapter.kv_spec(), 8, device=device), attention_mask=mask)
+    assert torch.max(torch.abs(masked - hot)).item() <= 1e-5
 
 
 def test_pool_still_hands_out_caches():
@@ -198,19 +198,22 @@ def test_alibi_hook_refuses_a_renamed_argument(family, arg):
         return args, kwargs
 
     handle = adapter.blocks()[0].register_forward_pre_hook(rename, with_kwargs=True, prepend=True)
-    cache = SpliceCache(adapter.kv_spec(), 4)
+    device = model.device
+    ids, pos = torch.tensor([[5, 6]], device=device), torch.tensor([[0, 1]], device=device)
     with pytest.raises(UnsupportedModelError, match=rf"'{arg}'.*transformers \d"):
-        adapter.forward(torch.tensor([[5, 6]]), torch.tensor([[0, 1]]), cache)
+        adapter.forward(ids, pos, SpliceCache(adapter.kv_spec(), 4, device=device))
     handle.remove()
-    adapter.forward(torch.tensor([[5, 6]]), torch.tensor([[0, 1]]), SpliceCache(adapter.kv_spec(), 4))
+    adapter.forward(ids, pos, SpliceCache(adapter.kv_spec(), 4, device=device))
 
 
 def test_alibi_forward_refuses_hooks_that_did_not_run():
     model = fresh_model("mpt")
     adapter = get_adapter(model)
     adapter.close()  # as if the model's blocks had been renamed: the hooks sit on nothing that runs
+    device = model.device
+    ids, pos = torch.tensor([[5, 6]], device=device), torch.tensor([[0, 1]], device=device)
     with pytest.raises(UnsupportedModelError, match="ran 0 times for 2 blocks"):
-        adapter.forward(torch.tensor([[5, 6]]), torch.tensor([[0, 1]]), SpliceCache(adapter.kv_spec(), 4))
+        adapter.forward(ids, pos, SpliceCache(adapter.kv_spec(), 4, device=device))
 
 
 @pytest.mark.parametrize("family, want", [
@@ -232,12 +235,14 @@ def test_max_positions_of_bounded_ropes_is_the_original_context():
 
 
 def test_a_refused_mask_leaves_the_cache_untouched():
-    adapter = get_adapter(make_model("llama"))
-    cache = SpliceCache(adapter.kv_spec(), 8)
-    adapter.forward(torch.tensor([[5, 6, 7]]), torch.tensor([[0, 1, 2]]), cache)
+    model = make_model("llama")
+    adapter, device = get_adapter(model), model.device
+    cache = SpliceCache(adapter.kv_spec(), 8, device=device)
+    adapter.forward(torch.tensor([[5, 6, 7]], device=device), torch.tensor([[0, 1, 2]], device=device), cache)
     before, positions = cache.buf[:, :, :, :, :3].clone(), cache.positions.clone()
     with pytest.raises(ValueError, match=r"\[1, 1, 2, 4\]"):
-        adapter.forward(torch.tensor([[8, 9]]), torch.tensor([[9, 9]]), cache, write_slots=torch.tensor([1, 3]),
-                        attention_mask=torch.ones(1, 1, 2, 3, dtype=torch.bool))
+        adapter.forward(torch.tensor([[8, 9]], device=device), torch.tensor([[9, 9]], device=device), cache,
+                        write_slots=torch.tensor([1, 3], device=device),
+                        attention_mask=torch.ones(1, 1, 2, 3, dtype=torch.bool, device=device))
     assert cache.length == 3 and torch.equal(cache.positions, positions)
     assert torch.equal(cache.buf[:, :, :, :, :3], before)

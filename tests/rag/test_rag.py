@@ -12,7 +12,7 @@ from promptcache import PromptCache
 from promptcache.models import UnsupportedModelError
 from promptcache.rag import DocumentStore, DocumentStoreError, UnknownDocumentError
 from promptcache.store import StoreError
-from tiny import make_model, make_tokenizer
+from tiny import FIRST_TIER, make_model, make_tokenizer
 
 DOCS = {
     "paris": "Paris is the capital of France, famous for museums and cafes.",
@@ -48,12 +48,12 @@ def definition_logits(store, question, doc_ids, system):
     new = [s for s in layout if s.kind == "new"]  # separators and the question, run together on top
     from promptcache.models.splice import SpliceCache
 
-    cache = SpliceCache(pc.spec, kv.shape[3] + 64)
-    cache.write(0, kv, torch.tensor(positions))
+    cache = SpliceCache(pc.spec, kv.shape[3] + 64, device=pc.device)
+    cache.write(0, kv, torch.tensor(positions, device=pc.device))
     cache.set_length(kv.shape[3])
     ids = [t for s in new for t in s.token_ids]
     pos = [p for s in new for p in s.position_ids]
-    return pc.adapter.forward(torch.tensor([ids]), torch.tensor([pos]), cache)[0]
+    return pc.adapter.forward(torch.tensor([ids], device=pc.device), torch.tensor([pos], device=pc.device), cache)[0]
 
 
 @pytest.mark.parametrize("prefixed", [True, False], ids=["prefixed", "alone"])
@@ -242,7 +242,7 @@ def test_first_question_after_add_reuses_every_document_in_any_order(tmp_path, p
         res = store.prefill("What is famous there?", ids, "S.")
         prefix = len(store.layout("What is famous there?", [], "S.").spans[0])
         assert res.cached_tokens == prefix + _doc_tokens(store, ids)  # every document from the cache
-        assert res.hit_tiers == {"host": 1 + len(ids)} and not res.exact  # the prefix and each document
+        assert res.hit_tiers == {FIRST_TIER: 1 + len(ids)} and not res.exact  # the prefix and each document
         assert 0 < res.recomputed_tokens < _doc_tokens(store, ids)  # "auto": a budget of their tokens
         assert res.reused_tokens == res.cached_tokens - res.recomputed_tokens
         assert res.new_tokens == sum(len(s) for s in res.layout.spans if s.kind == "new")  # separators, question
