@@ -46,9 +46,10 @@ def covers(device: torch.device) -> bool:
 
 def key_order(mask: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor] | None:
     """For a bool mask [1, 1, T, K] (True = attend): (order, limits) such that query i sees exactly
-    the keys order[0 .. limits[i] - 1] (``order`` int64 [K], None where it is slot order; limits
-    int64 [T], each >= 1), or None when no order of the keys makes every query's keys a prefix.
-    Keys seen by more queries come first (a stable sort: ties keep slot order)."""
+    the keys order[0 .. limits[i] - 1] (``order`` int64: the keys some query sees, max(limits) of
+    them; None where slot order already is it; limits int64 [T], each >= 1), or None when no order
+    of the keys makes every query's keys a prefix. Keys seen by more queries come first (a stable
+    sort: ties keep slot order). Worked out once a forward: every layer reads the same order."""
     rows = mask[0, 0]
     limits = rows.sum(-1)
     if not bool((limits > 0).all()):
@@ -59,7 +60,9 @@ def key_order(mask: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor] | 
         order, ordered = None, rows
     else:
         ordered = rows.index_select(1, order)
-    return (order, limits) if torch.equal(ordered, slot_order[None, :] < limits[:, None]) else None
+    if not torch.equal(ordered, slot_order[None, :] < limits[:, None]):
+        return None
+    return (None if order is None else order[: int(limits.max())]), limits
 
 
 def _key_order(mask: torch.Tensor):
@@ -87,8 +90,7 @@ def _native(query, key, value, mask, dropout, scaling, kwargs) -> torch.Tensor |
     order, limits = found
     k, v = key[0], value[0]  # [Hk, K, D]
     if order is not None:  # the keys any query sees, in prompt order (one copy)
-        seen = order[: int(limits.max())]
-        k, v = k.index_select(1, seen), v.index_select(1, seen)
+        k, v = k.index_select(1, order), v.index_select(1, order)
     _, hq, t, d = query.shape
     hk = key.shape[1]
     g = hq // hk
