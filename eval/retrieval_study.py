@@ -43,6 +43,7 @@ import torch
 
 from promptcache.engine import PrefilledPrompt
 
+from . import kept_share
 from .metrics import kl_divergence
 from .recompute_reference import Prompt, blend, greedy, independent_kv
 from .selections import SELECTIONS
@@ -326,10 +327,22 @@ def summarize(rows: list[dict]) -> list[dict]:
         mean = lambda k: round(sum(r[k] for r in rs) / len(rs), 4)  # noqa: E731
         full, pcs = mean("full_correct"), mean("pc_correct")
         out.append(dict(mode=key[0], shuffled=key[1], recompute=key[2], samples=len(rs), full_score=full,
-                        pc_score=pcs, kept=round(pcs / full, 3) if full else None,
+                        pc_score=pcs, kept=round(pcs / full, 3) if full else None, **_paired(rs),
                         first_token_kl=mean("first_token_kl"), recomputed=mean("recomputed"),
                         ttft_ratio=mean("ttft_ratio")))
     return out
+
+
+def _paired(rs: list[dict]) -> dict:
+    """How sure the kept share is (``kept_share.py``): its 95% paired bootstrap interval, the
+    answers full prefill got and the method lost (and the reverse), McNemar's exact p. Empty
+    where a score is not 0 or 1."""
+    pairs = [(r["full_correct"], r["pc_correct"]) for r in rs]
+    if any(v not in (0, 1) for pair in pairs for v in pair) or not any(f for f, _ in pairs):
+        return dict(kept_ci_low=None, kept_ci_high=None, lost=None, won=None, mcnemar_p=None)
+    s = kept_share.summarize([(int(f), int(p)) for f, p in pairs], bar=0.98)
+    return dict(kept_ci_low=s["ci_low"], kept_ci_high=s["ci_high"], lost=s["lost_b"], won=s["won_c"],
+                mcnemar_p=s["mcnemar_p"])
 
 
 def plot(summary: list[dict], path):
