@@ -28,7 +28,7 @@ import json
 import sys
 import time
 
-from .common import RESULTS, pyplot, save_table
+from .common import RESULTS, pyplot, save_figure, save_table
 
 
 def interleaved(fns: dict, repeats: int) -> dict:
@@ -131,9 +131,7 @@ def plot(rows, path) -> None:
     ax.set_ylabel("fraction of the dtype's matmul peak")
     ax.set_title("paged forward vs oneDNN matmul peak, per dtype")
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def main(argv=None) -> None:

@@ -125,3 +125,12 @@ def pyplot():
         print("note: matplotlib is not installed (pip install matplotlib): no PNG written")
         return None
     return plt
+
+
+def save_figure(fig, path) -> None:
+    """Lay out, write (110 dpi) and close a figure: the end of a benchmark's plot."""
+    plt = pyplot()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    if plt is not None:
+        plt.close(fig)

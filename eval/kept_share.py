@@ -27,7 +27,7 @@ import math
 import random
 from pathlib import Path
 
-from .common import pyplot, save_table
+from .common import pyplot, save_figure, save_table
 
 
 def load(paths: list[Path], method: str) -> dict[tuple[str, int], tuple[int, int]]:
@@ -103,9 +103,7 @@ def plot(rows: list[dict], path: Path) -> None:
     ax.axhline(rows[0]["bar"], color="C3", linestyle="--", label=f"bar {rows[0]['bar']:.0%}")
     ax.set_ylabel("kept share of full prefill's answers (95% CI)")
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def main(argv=None) -> None:
