@@ -1,7 +1,7 @@
 """How sure is a "kept share"? Paired statistics of an accuracy study's per-sample CSVs.
 
     python -m eval.kept_share eval/figures/accuracy_retrieval_issue36.csv more.csv ... \\
-        [--method auto] [--bar 0.98] [--out eval/figures --tag _retrieval]
+        [--method auto] [--full-vs OTHER.csv] [--bar 0.98] [--out eval/figures --tag _retrieval]
 
 ``eval/accuracy.py`` writes one row per (sample, mode, shuffled, recompute) with ``full_correct``
 (full prefill's answer scored) and ``pc_correct`` (the cached method's). The issue-level figure
@@ -14,6 +14,9 @@ that ratio moves by several points per answer, so this prints, per method and or
   readings of a near-chance task?);
 * how often a method that loses nothing (its answers exchangeable with full prefill's: the same
   discordance, split evenly) would itself read below ``--bar`` on this many samples.
+
+``--full-vs OTHER.csv`` reads full prefill's answers of the same prompts run another way (for
+example in bfloat16) as one more method: how far a change that is not reuse moves the answers.
 
 Rows of several CSVs are pooled (samples deduplicated by name: a later file's row wins), so
 runs split with ``--first`` combine.
@@ -30,19 +33,32 @@ from pathlib import Path
 from .common import pyplot, save_figure, save_table
 
 
-def load(paths: list[Path], method: str) -> dict[tuple[str, int], tuple[int, int]]:
-    """(sample, shuffled) -> (full_correct, pc_correct) of rows whose ``recompute`` is ``method``."""
+def load(paths: list[Path], method: str | None) -> dict[tuple[str, int], tuple[int, int]]:
+    """(sample, shuffled) -> (full_correct, pc_correct) of rows whose ``recompute`` is ``method``;
+    ``method`` None: (full_correct, full_correct) of every sample (full prefill's answers, once)."""
     rows: dict[tuple[str, int], tuple[int, int]] = {}
     for path in paths:
         with open(path, newline="") as f:
             for i, r in enumerate(csv.DictReader(f), start=2):
                 try:
-                    if r["recompute"] != method:
+                    if method is not None and r["recompute"] != method:
                         continue
-                    rows[(r["sample"], int(r["shuffled"]))] = (int(r["full_correct"]), int(r["pc_correct"]))
+                    full = int(r["full_correct"])
+                    rows[(r["sample"], int(r["shuffled"]))] = (full, full if method is None else int(r["pc_correct"]))
                 except (KeyError, ValueError) as e:
                     raise SystemExit(f"{path}:{i}: not an eval/accuracy.py per-sample row ({e})") from None
     return rows
+
+
+def full_against(paths: list[Path], other: Path) -> dict[tuple[str, int], tuple[int, int]]:
+    """(sample, shuffled) -> (full prefill's answer in ``paths``, full prefill's answer in ``other``)
+    for the samples both hold: a change that is not reuse (another dtype, device or library
+    version) read as if it were a method."""
+    mine, theirs = load(paths, None), load([other], None)
+    both = {k: (mine[k][0], theirs[k][0]) for k in mine if k in theirs}
+    if not both:
+        raise SystemExit(f"{other} shares no (sample, shuffled) with {', '.join(map(str, paths))}")
+    return both
 
 
 def mcnemar_p(b: int, c: int) -> float:
@@ -110,13 +126,19 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("csv", nargs="+", type=Path, help="eval/accuracy.py per-sample CSVs (not *_summary.csv)")
     ap.add_argument("--method", nargs="+", default=["auto"], help="values of the rows' recompute column")
+    ap.add_argument("--full-vs", type=Path, metavar="CSV",
+                    help="also read full prefill's answers in CSV (the same prompts run another way: another dtype "
+                         "or device) as a method against the first files' full prefill")
     ap.add_argument("--bar", type=float, default=0.98, help="the kept share a method must reach")
     ap.add_argument("--out", type=Path, help="write kept_share{tag}.csv and .png here")
     ap.add_argument("--tag", default="")
     args = ap.parse_args(argv)
     rows = []
-    for method in args.method:
-        found = load(args.csv, method)
+    sources = [(method, lambda m=method: load(args.csv, m)) for method in args.method]
+    if args.full_vs:
+        sources.append((f"full:{args.full_vs.stem}", lambda: full_against(args.csv, args.full_vs)))
+    for method, read in sources:
+        found = read()
         if not found:
             raise SystemExit(f"no rows with recompute={method!r} in {', '.join(map(str, args.csv))}")
         for order, shuffled in (("in order", 0), ("shuffled", 1), ("both", None)):

@@ -62,3 +62,18 @@ def test_cli_writes_csv_and_names_a_bad_file(tmp_path, capsys):
         kept_share.main([str(bad)])
     with pytest.raises(SystemExit, match="no rows with recompute='nope'"):
         kept_share.main([str(good), "--method", "nope"])
+
+
+def test_full_vs_pairs_two_runs_full_prefill(tmp_path, capsys):
+    a = write(tmp_path / "fp32.csv", [("s0", "m", 0, "auto", 1, 0), ("s1", "m", 0, "auto", 0, 0),
+                                      ("s2", "m", 1, "auto", 1, 1)])
+    b = write(tmp_path / "bf16.csv", [("s0", "m", 0, "auto", 0, 1), ("s1", "m", 0, "auto", 1, 1),
+                                      ("s3", "m", 0, "auto", 1, 1)])
+    assert kept_share.full_against([a], b) == {("s0", 0): (1, 0), ("s1", 0): (0, 1)}
+    kept_share.main([str(a), "--full-vs", str(b), "--out", str(tmp_path)])
+    with open(tmp_path / "kept_share.csv") as f:
+        rows = [r for r in csv.DictReader(f) if r["method"] == "full:bf16" and r["order"] == "in order"]
+    assert (rows[0]["lost_b"], rows[0]["won_c"]) == ("1", "1")
+    c = write(tmp_path / "other.csv", [("x9", "m", 0, "auto", 1, 1)])
+    with pytest.raises(SystemExit, match="shares no"):
+        kept_share.main([str(a), "--full-vs", str(c)])
