@@ -36,7 +36,7 @@ __all__ = ["NAME", "covers", "key_order", "ordered_attention"]
 
 NAME = "promptcache_ordered"
 
-_LOCAL = threading.local()  # (mask, its key_order): worked out once a forward, not once a layer
+_LOCAL = threading.local()  # (mask, its key_order, limits per query head group): once a forward, not once a layer
 
 
 def covers(device: torch.device) -> bool:
@@ -65,13 +65,14 @@ def key_order(mask: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor] | 
     return (None if order is None else order[: int(limits.max())]), limits
 
 
-def _key_order(mask: torch.Tensor):
+def _key_order(mask: torch.Tensor, g: int):
+    """``key_order(mask)`` with its limits repeated for ``g`` query heads a KV head (the kernel's
+    rows), or None; every layer of a forward is handed the same mask, so this runs once a forward."""
     memo = getattr(_LOCAL, "memo", None)
-    if memo is not None and memo[0] is mask:  # every layer of a forward is handed the same mask
-        return memo[1]
-    found = key_order(mask)
-    _LOCAL.memo = (mask, found)
-    return found
+    if memo is None or memo[0] is not mask or memo[1] != g:
+        found = key_order(mask)
+        _LOCAL.memo = memo = (mask, g, None if found is None else (found[0], found[1].repeat(g)))
+    return memo[2]
 
 
 def _native(query, key, value, mask, dropout, scaling, kwargs) -> torch.Tensor | None:
@@ -84,19 +85,19 @@ def _native(query, key, value, mask, dropout, scaling, kwargs) -> torch.Tensor |
     op = native.limits_kernel_for(query[0], key[0])
     if op is None or value.dtype != key.dtype:
         return None
-    found = _key_order(mask)
+    _, hq, t, d = query.shape
+    hk = key.shape[1]
+    g = hq // hk
+    found = _key_order(mask, g)
     if found is None:
         return None
     order, limits = found
     k, v = key[0], value[0]  # [Hk, K, D]
     if order is not None:  # the keys any query sees, in prompt order (one copy)
         k, v = k.index_select(1, order), v.index_select(1, order)
-    _, hq, t, d = query.shape
-    hk = key.shape[1]
-    g = hq // hk
     q = query[0].contiguous().view(hk, g * t, d)  # kv head x serves query heads x*g .. x*g+g-1, T rows each
     scale = float(scaling) if scaling is not None else d ** -0.5
-    out, _ = op(q, k, v, scale, limits.repeat(g))
+    out, _ = op(q, k, v, scale, limits)
     return out.view(hq, t, d).transpose(0, 1).unsqueeze(0).to(query.dtype)  # [1, T, Hq, D]
 
 
