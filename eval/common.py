@@ -128,9 +128,9 @@ def pyplot():
 
 
 def save_figure(fig, path) -> None:
-    """Lay out, write (110 dpi) and close a figure: the end of a benchmark's plot."""
-    plt = pyplot()
+    """Lay out, write (110 dpi) and close a figure (made after ``pyplot()``): the end of a benchmark's plot."""
+    import matplotlib.pyplot as plt
+
     fig.tight_layout()
     fig.savefig(path, dpi=110)
-    if plt is not None:
-        plt.close(fig)
+    plt.close(fig)

@@ -134,11 +134,10 @@ def main(argv=None) -> None:
     ap.add_argument("--tag", default="")
     args = ap.parse_args(argv)
     rows = []
-    sources = [(method, lambda m=method: load(args.csv, m)) for method in args.method]
+    sources = [(method, load(args.csv, method)) for method in args.method]
     if args.full_vs:
-        sources.append((f"full:{args.full_vs.stem}", lambda: full_against(args.csv, args.full_vs)))
-    for method, read in sources:
-        found = read()
+        sources.append((f"full:{args.full_vs.stem}", full_against(args.csv, args.full_vs)))
+    for method, found in sources:
         if not found:
             raise SystemExit(f"no rows with recompute={method!r} in {', '.join(map(str, args.csv))}")
         for order, shuffled in (("in order", 0), ("shuffled", 1), ("both", None)):

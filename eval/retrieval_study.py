@@ -340,9 +340,11 @@ def _paired(rs: list[dict]) -> dict:
     pairs = [(r["full_correct"], r["pc_correct"]) for r in rs]
     if any(v not in (0, 1) for pair in pairs for v in pair) or not any(f for f, _ in pairs):
         return dict(kept_ci_low=None, kept_ci_high=None, lost=None, won=None, mcnemar_p=None)
-    s = kept_share.summarize([(int(f), int(p)) for f, p in pairs], bar=0.98)
-    return dict(kept_ci_low=s["ci_low"], kept_ci_high=s["ci_high"], lost=s["lost_b"], won=s["won_c"],
-                mcnemar_p=s["mcnemar_p"])
+    pairs = [(int(f), int(p)) for f, p in pairs]
+    lo, hi = kept_share.bootstrap_ci(pairs)
+    lost, won = sum(f > p for f, p in pairs), sum(p > f for f, p in pairs)
+    return dict(kept_ci_low=round(lo, 3), kept_ci_high=round(hi, 3), lost=lost, won=won,
+                mcnemar_p=round(kept_share.mcnemar_p(lost, won), 4))
 
 
 def plot(summary: list[dict], path):
