@@ -68,13 +68,14 @@ def dtype_line(asked: str, got, device: str) -> str:
 
 
 def _resolve_alias(model: str) -> str:
-    """``smollm2`` -> its converted folder (fetched and converted on first use, saying so)."""
-    if model != "smollm2":
-        return model
-    from ..models.smollm2 import ensure_smollm2
+    """A model alias (``smollm2``, ``gemma3-270m``) -> its converted folder (fetched and converted on
+    first use, saying so); any other name as it is."""
+    from ..models.loading import ALIASES, alias_dir
 
-    path = ensure_smollm2(progress=lambda line: click.echo(line, err=True))
-    click.echo(f"smollm2: SmolLM2-135M-Instruct from {path} (converted once; loads offline)", err=True)
+    if model not in ALIASES:
+        return model
+    path = alias_dir(model, progress=lambda line: click.echo(line, err=True))
+    click.echo(f"{model}: from {path} (converted once; loads offline)", err=True)
     return str(path)
 
 

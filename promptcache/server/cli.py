@@ -202,7 +202,7 @@ def serve(model_arg, model, device, dtype, engine, config_file, server, src_root
           api_key_file, api_key_list, model_name, vllm):
     """Serve an OpenAI-compatible API (chat, completions, models, health, metrics) and Anthropic's
     Messages API that reuse attention states across requests. MODEL (or --model): a Hugging Face id,
-    a local directory, 'smollm2' or 'embedded'. Needs the 'serve' extra. On a CPU in float32 serve
+    a local directory, 'smollm2', 'gemma3-270m' or 'embedded'. Needs the 'serve' extra. On a CPU in float32 serve
     packs the linear layers for oneDNN unless --no-packed-linear (faster decoding)."""
     try:
         import uvicorn

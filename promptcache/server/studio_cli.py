@@ -20,7 +20,7 @@ from .core.compute import ComputeThread
 @click.command("studio")
 @click.argument("schemas", nargs=-1, required=True, type=click.Path(exists=True, dir_okay=False))
 @click.option("--model", "-m", default="embedded", show_default=True,
-              help="A Hugging Face id, a local directory, 'smollm2' or 'embedded' (random weights: noise answers).")
+              help="A Hugging Face id, a local directory, 'smollm2', 'gemma3-270m' or 'embedded' (random weights: noise answers).")
 @click.option("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda when available).")
 @click.option("--dtype", default="auto", show_default=True, type=click.Choice(("auto", "float32", "bfloat16", "float16")))
 @click.option("--port", default=8765, show_default=True, help="Port on 127.0.0.1 the page is served on.")
