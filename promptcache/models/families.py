@@ -11,7 +11,7 @@ from .masks import additive as additive_mask
 from .base import Adapter, UnsupportedModelError
 from transformers.models.falcon import modeling_falcon
 
-from .kinds import AlibiAdapter, LearnedAdapter, RotaryAdapter, scaled_mask
+from .kinds import AlibiAdapter, LayerTypeRopes, LearnedAdapter, RotaryAdapter, scaled_mask
 
 REGISTRY: dict[str, type[Adapter]] = {}
 
@@ -65,6 +65,28 @@ class LlamaFamily(RotaryAdapter):
     """Llama, Mistral, Qwen2, Qwen3, Phi-3: rotary embeddings fed by ``position_ids``."""
 
     model_types = ("llama", "mistral", "qwen2", "qwen3", "phi3")
+
+
+@register
+class Gemma3Text(LayerTypeRopes):
+    """Gemma 3 (text): local layers (a sliding window, ``config.sliding_window`` positions, RoPE base
+    10K) and every ``sliding_window_pattern``-th layer global (RoPE base 1M), as
+    ``config.layer_types`` names them; keys and queries RMS-normalised and the query scaled by
+    ``query_pre_attn_scalar`` inside the model's own attention module (the engine's attention
+    takes the module's ``scaling``). Windows apply by position ID on the pool (``paged.KeyRule``)."""
+
+    model_types = ("gemma3_text",)
+
+    def check_config(self) -> None:
+        super().check_config()
+        c = self.config
+        if getattr(c, "attn_logit_softcapping", None) is not None:
+            raise UnsupportedModelError(f"Gemma 3 with attn_logit_softcapping={c.attn_logit_softcapping} is not "
+                                        "supported (the engine's attention applies no soft-capping)")
+        if getattr(c, "use_bidirectional_attention", False):
+            raise UnsupportedModelError("Gemma 3 with use_bidirectional_attention=True is not a causal LM")
+        if getattr(c, "layer_types", None) is None:
+            raise UnsupportedModelError("a gemma3_text config without layer_types (which layers slide)")
 
 
 @register

@@ -29,13 +29,15 @@ _BOUNDED_ROPES = ("dynamic", "longrope")  # original inv_freq below the adapter'
 class RopeSpec:
     """The rotary frequencies one model applies to its keys."""
 
-    inv_freq: torch.Tensor  # [rotary_dim // 2], float64 on CPU: the model's own float32 values
+    # [rotary_dim // 2], or [layers, rotary_dim // 2] where layers differ (Gemma 3: a base per layer
+    # type); float64 on CPU: the model's own float32 values
+    inv_freq: torch.Tensor
     rope_type: str
 
     @property
     def rotary_dim(self) -> int:
         """Leading channels of each head that are rotated; ``head_dim - rotary_dim`` pass through."""
-        return 2 * self.inv_freq.numel()
+        return 2 * self.inv_freq.shape[-1]
 
 
 class RotaryAdapter(Adapter):
@@ -89,8 +91,8 @@ class RotaryAdapter(Adapter):
         under which rotating stored keys is not exact."""
         rotary = _rotary_module(self.model)
         rope_type = getattr(rotary, "rope_type", "default")
-        if not isinstance(rope_type, str):  # per-layer-type ropes (a dict): not a registered family
-            raise UnsupportedModelError(f"cannot relocate: per-layer rope types {rope_type!r} are not verified")
+        if not isinstance(rope_type, str):  # per-layer-type ropes (a dict): a family that reads them says how
+            return self.layer_rope_spec(rotary)
         if rope_type in _STATIC_ROPES:
             inv_freq = rotary.inv_freq
         elif rope_type in _BOUNDED_ROPES:
@@ -103,6 +105,11 @@ class RotaryAdapter(Adapter):
                 f"(verified: {', '.join(_STATIC_ROPES + _BOUNDED_ROPES)})"
             )
         return RopeSpec(inv_freq.detach().to("cpu", torch.float64), rope_type)
+
+    def layer_rope_spec(self, rotary) -> RopeSpec:
+        """The rope of a model whose rotary module holds frequencies per layer type (``rope_type``
+        a dict); refused unless a family reads them (``LayerTypeRopes``)."""
+        raise UnsupportedModelError(f"cannot relocate: per-layer rope types {rotary.rope_type!r} are not verified")
 
     def check_relocatable(self) -> None:
         spec = self.rope_spec()
@@ -196,6 +203,27 @@ class AlibiAdapter(Adapter):
                 f"blocks (transformers {transformers.__version__}): the model no longer calls the hooked blocks "
                 "as expected; this transformers version is not supported"
             )
+
+
+class LayerTypeRopes(RotaryAdapter):
+    """A rotary family whose one rotary module holds frequencies per layer type
+    (``{type}_inv_freq`` beside ``rope_type = {type: kind}``, e.g. Gemma 3: local layers at base
+    10K, global ones at 1M) and whose layers each apply their type's (``config.layer_types``):
+    relocation rotates each layer's keys by its own frequencies."""
+
+    def layer_rope_spec(self, rotary) -> RopeSpec:
+        kinds = rotary.rope_type
+        odd = {t: k for t, k in kinds.items() if k not in _STATIC_ROPES}
+        if odd:
+            raise UnsupportedModelError(f"cannot relocate: rope type(s) {odd} are not verified "
+                                        f"(verified per layer type: {', '.join(_STATIC_ROPES)})")
+        types = list(self.config.layer_types)
+        missing = sorted(set(types) - set(kinds))
+        if missing:
+            raise UnsupportedModelError(f"cannot relocate: layer type(s) {missing} have no rope in the rotary module")
+        per_type = {t: getattr(rotary, f"{t}_inv_freq").detach().to("cpu", torch.float64) for t in kinds}
+        inv_freq = torch.stack([per_type[t] for t in types])  # [layers, rotary_dim // 2]
+        return RopeSpec(inv_freq, "/".join(f"{t}:{k}" for t, k in sorted(kinds.items())))
 
 
 def scaled_mask(alibi: torch.Tensor, causal: torch.Tensor, scale: float) -> torch.Tensor:

@@ -91,15 +91,20 @@ def mover(adapter: Adapter) -> Mover:
 
 def rotate_keys(kv: torch.Tensor, inv_freq: torch.Tensor, delta: int) -> torch.Tensor:
     """kv [L, 2, H, n, D] with keys rotated by ``delta`` positions over the first
-    ``2 * len(inv_freq)`` channels. The angle is computed in float64 (exact for large deltas),
-    the rotation in at least float32, and the result rounded once to kv's dtype."""
-    r = 2 * inv_freq.numel()
+    ``2 * inv_freq.shape[-1]`` channels. ``inv_freq``: [r / 2] for every layer, or [L, r / 2], a
+    row per layer (layers with their own rope base). The angle is computed in float64 (exact for
+    large deltas), the rotation in at least float32, and the result rounded once to kv's dtype."""
+    r = 2 * inv_freq.shape[-1]
     if r > kv.shape[-1]:
         raise ValueError(f"rotary dim {r} exceeds head_dim {kv.shape[-1]}")
-    angle = delta * inv_freq.to(torch.float64)  # [r / 2]
+    if inv_freq.dim() == 2 and inv_freq.shape[0] != kv.shape[0]:
+        raise ValueError(f"per-layer frequencies for {inv_freq.shape[0]} layers, states of {kv.shape[0]}")
+    angle = delta * inv_freq.to(torch.float64)  # [r / 2] or [L, r / 2]
     compute = torch.promote_types(kv.dtype, torch.float32)
-    cos = torch.cat([angle.cos(), angle.cos()]).to(device=kv.device, dtype=compute)  # [r]
-    sin = torch.cat([angle.sin(), angle.sin()]).to(device=kv.device, dtype=compute)
+    cos = torch.cat([angle.cos(), angle.cos()], dim=-1).to(device=kv.device, dtype=compute)  # [r] or [L, r]
+    sin = torch.cat([angle.sin(), angle.sin()], dim=-1).to(device=kv.device, dtype=compute)
+    if inv_freq.dim() == 2:  # [L, 1, 1, r]: broadcast over heads and tokens of each layer
+        cos, sin = cos[:, None, None], sin[:, None, None]
     out = kv.clone()
     k = kv[:, 0, ..., :r].to(compute)  # [L, H, n, r]
     out[:, 0, ..., :r] = (k * cos + _rotate_half(k) * sin).to(kv.dtype)
