@@ -25,16 +25,35 @@ def _run(model, ids, pos, past):
     pos_t = torch.tensor([pos], dtype=torch.long, device=device)
     if adapter.positional == "alibi":
         return adapter.forward(ids_t, pos_t, past)[0], past
+    extra = {}
+    if adapter.windows_by_position:  # Gemma 3: each layer type's mask, its window measured in position IDs
+        extra["attention_mask"] = windowed_masks(model.config, past.pc_positions, pos, device)
+        past.pc_positions = past.pc_positions + list(pos)
     with torch.inference_mode():
-        out = model(input_ids=ids_t, position_ids=pos_t, past_key_values=past, use_cache=True)
+        out = model(input_ids=ids_t, position_ids=pos_t, past_key_values=past, use_cache=True, **extra)
     return out.logits[0, -1], out.past_key_values
+
+
+def windowed_masks(config, past_pos, pos, device):
+    """The stock model's attention masks by layer type (bool [1, 1, T, kv], True = attend) for
+    tokens at ``pos`` after keys at ``past_pos``: every earlier key and the new ones causally; in
+    sliding layers only keys at positions above the query's minus ``config.sliding_window``
+    (transformers' ``kv_idx > q_idx - window``, here in position IDs, not cache indices)."""
+    keys = torch.tensor(list(past_pos) + list(pos), device=device)
+    q = torch.tensor(list(pos), device=device)
+    seen = torch.ones((len(q), len(keys)), dtype=torch.bool, device=device)
+    seen[:, len(past_pos):] = torch.ones((len(q), len(q)), dtype=torch.bool, device=device).tril()
+    inside = keys[None, :] > q[:, None] - config.sliding_window
+    return {"full_attention": seen[None, None], "sliding_attention": (seen & inside)[None, None]}
 
 
 def _empty(model, capacity=4096):
     adapter = get_adapter(model)
     if adapter.positional == "alibi":
         return SpliceCache(adapter.kv_spec(), capacity, device=model.device)
-    return DynamicCache()
+    past = DynamicCache()
+    past.pc_positions = []  # the position IDs of its entries (read by windowed_masks)
+    return past
 
 
 def _layer_kv(past, layer):
@@ -88,6 +107,7 @@ def definition_state(model, schema_layout, prompt_layout):
             past.set_length(n)
         else:
             past = DynamicCache(ddp_cache_data=kv)
+            past.pc_positions = list(positions)
     ids = [t for t, _ in new]
     pos = [p for _, p in new]
     logits, past = _run(model, ids, pos, past)

@@ -72,6 +72,11 @@ def _configs():
         "qwen2": lambda: Qwen2Config(**common, num_key_value_heads=2, use_sliding_window=False),
         "qwen3": lambda: Qwen3Config(**common, num_key_value_heads=2, head_dim=16, use_sliding_window=False),
         "phi3": lambda: Phi3Config(**common, num_key_value_heads=2, pad_token_id=1),
+        # a local layer (window, rope base 10K) and a global one (base 1M); the window past every
+        # prompt of the family-wide tests (their oracle is the stock forward, windowed by cache
+        # index): windows shorter than prompts are tested against a by-position oracle
+        # (tests/engine/test_gemma3.py, ``gemma3_config``)
+        "gemma3_text": lambda: gemma3_config(1024),
         "gpt_neox": lambda: GPTNeoXConfig(**common, rotary_pct=0.25),
         "falcon_rotary": lambda: FalconConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2,
                                               num_attention_heads=4, alibi=False, new_decoder_architecture=True,
@@ -86,6 +91,16 @@ def _configs():
         "opt": lambda: OPTConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                                  ffn_dim=128, max_position_embeddings=1024, word_embed_proj_dim=64),
     }
+
+
+def gemma3_config(window: int, layer_types=("sliding_attention", "full_attention")):
+    """A tiny Gemma 3 (text) config: sliding layers with ``window`` positions, RMS-normed queries
+    and keys, the query scaled by ``query_pre_attn_scalar`` (not head_dim)."""
+    from transformers import Gemma3TextConfig
+
+    return Gemma3TextConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=len(layer_types),
+                            num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=1024,
+                            sliding_window=window, layer_types=list(layer_types), query_pre_attn_scalar=24)
 
 
 FAMILIES = sorted(_configs())

@@ -2,8 +2,8 @@
 uncached module, and a prompt with no new tokens; ``POOLED``: the families the KV pool serves (all);
 ``serve_together``: prompts served at once through the serving core."""
 
-POOLED = ["bloom", "falcon_alibi", "falcon_rotary", "gpt2", "gpt_neox", "llama", "mistral", "mpt", "opt", "phi3", "qwen2",
-          "qwen3"]  # every family of tiny.FAMILIES
+POOLED = ["bloom", "falcon_alibi", "falcon_rotary", "gemma3_text", "gpt2", "gpt_neox", "llama", "mistral", "mpt", "opt",
+          "phi3", "qwen2", "qwen3"]  # every family of tiny.FAMILIES
 
 SCHEMA = """<schema name="trip">
   <system>You are a travel planner.</system>

@@ -76,6 +76,10 @@ class Adapter:
     # the model computes attention inline, not through transformers' attention interface: paged
     # forwards reach it through ``paged_attention`` (ALiBi families)
     inline_attention: ClassVar[bool] = False
+    # sliding windows applied by position ID in every forward on a ``SpliceCache`` too (each layer
+    # type its own mask, ``layer_mask_kwargs``), not by cache index: a gapped or longer-than-the-window
+    # sequence is then exact there as on the pool (Gemma 3)
+    windows_by_position: ClassVar[bool] = False
     relocation: ClassVar[str | None] = None
     relocation_refusal: ClassVar[str] = "this model's stored states cannot be moved to new positions exactly"
 
@@ -140,7 +144,8 @@ class Adapter:
         window does not bound it: the KV pool applies windows by position ID (``paged.KeyRule``),
         so a sequence longer than the window is served exactly; only a prompt assembled in a
         private buffer (selective recompute), whose mask counts entries, must fit in the window
-        (``check_limits`` refuses it, naming the window)."""
+        (``check_limits`` refuses it, naming the window), except in families that apply windows
+        by position there too (``windows_by_position``)."""
         return self.max_positions
 
     def check_limits(self, max_pos: int, entries: int) -> None:
@@ -232,6 +237,12 @@ class Adapter:
         tokens).
         """
         with attention_kernels(input_ids.device):
+            if write_slots is None and attention_mask is None and self.windows_by_position:
+                # every cached entry plus the new tokens causally, windows applied by position below
+                old = cache.length
+                attention_mask = torch.ones((1, 1, input_ids.shape[1], old + input_ids.shape[1]), dtype=torch.bool,
+                                            device=cache.buf.device)
+                attention_mask[..., old:] = torch.ones_like(attention_mask[0, 0, :, old:]).tril()
             if write_slots is None and attention_mask is None:  # the hot path
                 cache.stage_positions(position_ids)
                 kwargs = {"position_ids": position_ids} if self.passes_position_ids else {}
@@ -250,7 +261,7 @@ class Adapter:
         if write_slots is None:
             mask = check_mask(attention_mask, b, t, old + t).to(cache.buf.device)
             cache.stage_positions(position_ids)
-            kwargs.update(self.mask_kwargs(mask))
+            kwargs.update(self.layer_mask_kwargs(mask, cache.positions[:, : old + t], position_ids))
             with self._positions(cache.positions[:, : old + t], mask) as state, self.masked_attention(cache):
                 out = self.model(input_ids=input_ids, past_key_values=cache, use_cache=True, logits_to_keep=1,
                                  **kwargs)
@@ -263,7 +274,7 @@ class Adapter:
                     mask = slot_causal(old, cache.pending[0], kv_len)
                 else:
                     mask = attention_mask
-                kwargs.update(self.mask_kwargs(mask))
+                kwargs.update(self.layer_mask_kwargs(mask, cache.positions[:, :kv_len], position_ids))
                 with self._positions(cache.positions[:, :kv_len], mask) as state, self.masked_attention(cache):
                     out = self.model(input_ids=input_ids, past_key_values=cache, use_cache=True, logits_to_keep=1,
                                      **kwargs)
@@ -297,6 +308,12 @@ class Adapter:
         if self.attn_implementation() == "sdpa":
             return {"attention_mask": mask}
         return {"attention_mask": additive_mask(mask, self.kv_spec().dtype)}
+
+    def layer_mask_kwargs(self, mask: torch.Tensor, key_positions: torch.Tensor, position_ids: torch.Tensor) -> dict:
+        """``mask_kwargs`` for a forward whose keys sit at ``key_positions`` [B, kv] and queries at
+        ``position_ids`` [B, T]: families with ``windows_by_position`` add each layer type's window
+        (measured in position IDs) to the mask; the others carry ``mask`` as it is."""
+        return self.mask_kwargs(mask)
 
     def attn_implementation(self) -> str:
         return getattr(self.config, ATTN_FIELD, None) or "eager"

@@ -76,6 +76,22 @@ class Gemma3Text(LayerTypeRopes):
     takes the module's ``scaling``). Windows apply by position ID on the pool (``paged.KeyRule``)."""
 
     model_types = ("gemma3_text",)
+    windows_by_position = True
+
+    def max_entries(self) -> int | None:
+        return None  # windows apply by position ID in every forward (layer_mask_kwargs)
+
+    def layer_mask_kwargs(self, mask, key_positions, position_ids):
+        """One mask per layer type (the model takes a dict keyed by ``config.layer_types``' names):
+        ``mask`` for global layers, and for sliding ones ``mask`` and keys at positions above the
+        query's minus the window (transformers' ``kv_idx > q_idx - window``, in position IDs)."""
+        masks = {}
+        for kind, window in zip(self.config.layer_types, self.sliding_windows() or [None] * len(self.config.layer_types)):
+            if kind not in masks:
+                seen = mask if window is None else \
+                    mask & (key_positions[:, None, None, :] > position_ids[:, None, :, None] - window)
+                masks[kind] = self.mask_kwargs(seen)["attention_mask"]
+        return {"attention_mask": masks}
 
     def check_config(self) -> None:
         super().check_config()

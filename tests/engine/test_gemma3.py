@@ -1,0 +1,188 @@
+"""Gemma 3 (``gemma3_text``) on the engine, with sliding windows shorter than the prompts.
+
+Gemma 3's local layers see a window of positions (RoPE base 10K), its global layers every key
+(base 1M); keys and queries are RMS-normed and the query is scaled by ``query_pre_attn_scalar``.
+The oracle here is the stock model with each layer type's mask built from position IDs
+(``oracle.windowed_masks``: transformers' ``kv_idx > q_idx - window`` measured in positions, as
+the pool measures it for Mistral/Qwen2): Prompt Cache's gaps count as distance. Tiny random
+configs with 4- to 7-position windows: the travel schema's modules cross the window, its prompts
+run past it, with gaps, a union, parameters, an uncached module; documents relocated; token
+chains longer than the window; the family-wide tests (tests/tiny.py's ``gemma3_text``) cover the
+rest of the engine with a window past every prompt.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from oracle import definition_greedy, definition_state, plain_logits, windowed_masks
+from promptcache import PromptCache
+from promptcache.engine import TokenPrompt
+from promptcache.engine.serving_core import paged
+from promptcache.engine.serving_core.prefix import PrefixCache
+from promptcache.models import UnsupportedModelError, get_adapter
+from promptcache.models.relocate import relocate
+from promptcache.models.splice import SpliceCache
+from tiny import VOCAB, gemma3_config, make_tokenizer
+from trip import PROMPTS, SCHEMA, serve_together
+
+TOL = 1e-4
+LAYERS = ("sliding_attention", "full_attention", "sliding_attention")
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return make_tokenizer()
+
+
+def gemma3(window: int, layer_types=LAYERS, seed: int = 0):
+    """A tiny float32 Gemma 3 (weights widened as tests/tiny.py does)."""
+    torch.manual_seed(seed)
+    config = gemma3_config(window, layer_types)
+    config.bos_token_id, config.eos_token_id, config.pad_token_id = 2, 3, 1
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0, 0.2)
+    return model.eval()
+
+
+def stock_at(model, ids, pos):
+    """The stock forward of ``ids`` at ``pos`` from nothing, windows by position: logits [T, V]."""
+    with torch.inference_mode():
+        out = model(input_ids=torch.tensor([ids]), position_ids=torch.tensor([pos]),
+                    attention_mask=windowed_masks(model.config, [], pos, model.device), use_cache=False)
+    return out.logits[0]
+
+
+def test_the_adapter_reads_each_layer_types_rope_window_and_scale(tokenizer):
+    model = gemma3(5)
+    adapter = get_adapter(model)
+    assert type(adapter).__name__ == "Gemma3Text"
+    assert adapter.sliding_windows() == [5, None, 5]
+    assert paged.key_rule(adapter).windows == (5, None, 5)
+    freq = adapter.rope_spec().inv_freq  # [layers, head_dim / 2]: local layers base 10K, the global one 1M
+    assert freq.shape == (3, 8)
+    assert torch.equal(freq[0], freq[2]) and not torch.allclose(freq[0], freq[1])
+    assert freq[0, 1].item() == pytest.approx(10_000 ** (-2 / 16)) and freq[1, 1].item() == pytest.approx(1e6 ** (-2 / 16))
+    assert adapter.max_entries() is None  # windows apply by position in every forward, not by refusing
+    assert paged.paged_refusal(PromptCache(model, tokenizer).runner) is None
+
+
+@pytest.mark.parametrize("window", [4, 7])
+def test_a_gapped_sequence_longer_than_the_window_equals_the_stock_forward_by_position(window):
+    """The adapter's forward on a SpliceCache (how schemas are encoded): tokens with a gap, twice
+    the window long, in two chunks, equal the stock model with each layer type's mask by position."""
+    model = gemma3(window)
+    ids = [(7 * i + 5) % VOCAB for i in range(2 * window + 5)]
+    pos = list(range(6)) + list(range(6 + 9, len(ids) + 9))
+    want = stock_at(model, ids, pos)[-1]
+    adapter = get_adapter(model)
+    cache = SpliceCache(adapter.kv_spec(), len(ids))
+    cut = len(ids) // 2
+    adapter.forward(torch.tensor([ids[:cut]]), torch.tensor([pos[:cut]]), cache)
+    got = adapter.forward(torch.tensor([ids[cut:]]), torch.tensor([pos[cut:]]), cache)[0]
+    assert torch.max(torch.abs(got - want)).item() <= TOL
+    index_windowed = model(input_ids=torch.tensor([ids]), position_ids=torch.tensor([pos])).logits[0, -1]
+    assert torch.max(torch.abs(index_windowed - want)).item() > 1e-3  # the gap does count: by index it differs
+
+
+@pytest.mark.parametrize("window", [4, 7])
+def test_travel_prompts_served_together_equal_the_definition_by_position(window, tokenizer):
+    """The travel schema (modules longer than the window, a gap, a union member, parameters, an
+    uncached module, a prompt with no new tokens) served together from the pool at recompute=0 in
+    chunks of 5: each prompt's first logits within 1e-4 of the definition (each span's states
+    from its encoding context, the new tokens on top, all windowed by position) and its greedy
+    tokens equal."""
+    pc = PromptCache(gemma3(window), tokenizer)
+    pc.add_schema(SCHEMA)
+    schema = pc.schema("trip").layout
+    assert max(len(s.token_ids) for s in schema.spans) > window  # a module crosses the window
+    reqs = serve_together(pc, PROMPTS, max_new=8, budget=5)
+    for prompt, req in zip(PROMPTS, reqs):
+        assert req.error is None, (prompt, req.error)
+        layout = pc.layout(prompt)
+        assert max(layout.position_ids) - min(layout.position_ids) > window
+        ref, _, _ = definition_state(pc.model, schema, layout)
+        assert torch.max(torch.abs(req.prefill.logits - ref)).item() <= TOL, prompt
+        assert req.token_ids == definition_greedy(pc.model, schema, layout, 8, eos=3), prompt
+        assert req.prefill.cached_tokens > 0
+
+
+def test_a_token_chain_longer_than_the_window_is_exact_and_reused(tokenizer):
+    """Prefix prompts (token chains in 8-token blocks) several windows long: a first request and a
+    second that reuses its blocks both equal a plain forward (contiguous: by index is by position)."""
+    pc = PromptCache(gemma3(6), tokenizer)
+    chains = PrefixCache(pc, 8)
+    ids = pc.tokenizer("You are a travel planner. Plan a trip of three days to Paris, Tokyo or Rome. "
+                       "Keep it cheap. Highlight the food.").input_ids
+    assert len(ids) > 4 * 6
+    from promptcache.engine.serving_core.kvpool import KVPool
+    from promptcache.engine.serving_core.request import Request
+    from promptcache.engine.decoding.sampling import SamplingParams
+    from promptcache.engine.serving_core.scheduler import ServingScheduler
+
+    sched = ServingScheduler(pc.runner, KVPool(pc.runner.spec, pc.device, 512, 8), token_budget=7)
+    for prompt_ids in (ids, ids + pc.tokenizer(" Answer in one short paragraph.").input_ids):
+        req = Request(TokenPrompt(pc, tuple(prompt_ids), "ns", chains), SamplingParams(max_new_tokens=6, temperature=0.0),
+                      pc.tokenizer)
+        sched.add(req)
+        while sched.has_work:
+            sched.step()
+        assert req.error is None, req.error
+        assert torch.max(torch.abs(req.prefill.logits - plain_logits(pc.model, prompt_ids))).item() <= TOL
+        assert req.token_ids == pc.generate(prompt_ids, max_new_tokens=6, temperature=0.0, use_cache=False).token_ids
+    assert req.prefill.cached_tokens >= 24
+
+
+def test_relocation_rotates_each_layer_by_its_own_base():
+    """A span longer than the window encoded at position 0 and moved to 37 equals the same span
+    encoded at 37 (per-layer frequencies: a single base would be off in the other layer type)."""
+    model = gemma3(5)
+    adapter = get_adapter(model)
+    from promptcache.engine.schemas.encoder import SchemaEncoder
+
+    pc = PromptCache(model, make_tokenizer())
+    encoder = SchemaEncoder(pc.runner)
+    ids = [(11 * i + 3) % VOCAB for i in range(13)]
+    moved = relocate(adapter, encoder.encode_alone(ids, 0), 37)
+    there = encoder.encode_alone(ids, 37)
+    assert torch.max(torch.abs(moved - there)).item() <= 1e-4
+    from promptcache.models.relocate import rotate_keys
+
+    one_base = rotate_keys(encoder.encode_alone(ids, 0), adapter.rope_spec().inv_freq[0], 37)
+    assert torch.max(torch.abs(one_base - there)).item() > 1e-2  # the global layer needs its own
+
+
+def test_documents_relocated_past_the_window_equal_their_definition():
+    """Independent RAG documents (encoded once, moved to their place) longer than the window, a
+    question on top: the logits equal the documents encoded where they sit (tests/rag's definition)."""
+    from promptcache.rag import DocumentStore
+    import importlib.util
+    import pathlib
+
+    spec = importlib.util.spec_from_file_location("rag_defs", pathlib.Path(__file__).parents[1] / "rag" / "test_rag.py")
+    rag = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(rag)
+    pc = PromptCache(gemma3(6), make_tokenizer())
+    store = DocumentStore(pc, None, independent=True)
+    for k, v in rag.DOCS.items():
+        store.add(k, v)
+    for doc_ids in (["tokyo", "paris"], ["rome"]):
+        res = store.prefill("What is famous there?", doc_ids, "Answer briefly.", recompute=0)
+        ref = rag.definition_logits(store, "What is famous there?", doc_ids, "Answer briefly.")
+        assert torch.max(torch.abs(res.logits - ref)).item() <= TOL, doc_ids
+        assert res.cached_tokens > 6
+
+
+@pytest.mark.parametrize("setting", [dict(attn_logit_softcapping=50.0), dict(use_bidirectional_attention=True)])
+def test_settings_the_engine_does_not_reproduce_are_refused(setting):
+    config = gemma3_config(5)
+    for k, v in setting.items():
+        setattr(config, k, v)
+    model = AutoModelForCausalLM.from_config(config)
+    with pytest.raises(UnsupportedModelError, match=next(iter(setting))):
+        get_adapter(model)
