@@ -110,8 +110,13 @@ class PrefixStore:
         """Next-token logits [V] after ``ids`` and the number of tokens reused."""
         from transformers import DynamicCache
 
+        from transformers.cache_utils import DynamicLayer
+
         n = self.match(ids)
         cache = DynamicCache(config=self.model.config)
+        # full layers throughout (a sliding layer would keep only its window of the views): the stock
+        # model applies its windows through the mask, by index, which at contiguous positions is exact
+        cache.layers = [DynamicLayer() for _ in self.kv]
         for layer, (k, v) in zip(cache.layers, self.kv):  # views of the stored prefix: no copy here
             layer.lazy_initialization(k, v)
             layer.keys, layer.values = k[:, :, :n], v[:, :, :n]

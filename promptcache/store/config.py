@@ -45,6 +45,10 @@ class StoreConfig:
     disk_policy: str = setting(
         "on_evict", "on_evict: states reach --spill-dir when memory evicts them (and at shutdown); through: at once "
                     "(survives a kill).")
+    window_aware: bool = setting(
+        False, "Disk and --remote keep of each state, in sliding-window layers (Gemma 3's local ones), only the "
+               "tokens a later position can see: exact where every reader of a module sits after it (no parameter "
+               "argument before it, nothing recomputed inside it).")
     pin_budget: int = setting(
         DEFAULT_PIN_BUDGET, "Memory that the server's cache_control breakpoints may pin at once (a size); a "
                             "request that would pin more is refused with a 400.")

@@ -183,7 +183,7 @@ class DiskTier(Tier):
             if key in self._index:
                 return
         path = self.spill_dir / f"{key}.safetensors"
-        codec.write_file(path, {"kv": (key, kv)})
+        codec.write_file(path, {"kv": (key, kv)}, windows=self.windows)
         info = codec.StateInfo(key, str(kv.dtype).removeprefix("torch."), tuple(kv.shape))
         size = path.stat().st_size  # the budget counts the file (header and data)
         with self._lock:

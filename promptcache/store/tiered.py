@@ -47,9 +47,11 @@ from .pins import Pins
 log = logging.getLogger(__name__)
 
 
-def build_store(device: torch.device | str, config: StoreConfig | None = None) -> "TieredStore":
+def build_store(device: torch.device | str, config: StoreConfig | None = None, windows=None) -> "TieredStore":
     """The default tiers: device memory (not on CPU), host memory, disk (all write-back), then the
-    shared Redis tier when ``config.remote`` is set."""
+    shared Redis tier when ``config.remote`` is set. ``windows``: the model's sliding window per
+    layer; with ``config.window_aware`` the disk and Redis tiers write only what a later position
+    can see of each state (``store/window.py``)."""
     config, device = config or StoreConfig(), torch.device(device)
     tiers: list[Tier] = []
     if device.type != "cpu":
@@ -58,6 +60,10 @@ def build_store(device: torch.device | str, config: StoreConfig | None = None) -
     tiers.append(DiskTier(config.spill_dir, config.disk_budget, config.disk_policy))
     if config.remote is not None:
         tiers.append(_redis_tier(config.remote, config.remote_policy))
+    if config.window_aware and windows and any(w is not None for w in windows):
+        for tier in tiers:
+            if tier.io:  # tiers that serialize: disk, Redis
+                tier.windows = tuple(windows)
     return TieredStore(tiers)
 
 

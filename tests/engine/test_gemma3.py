@@ -25,29 +25,15 @@ from promptcache.engine.serving_core.prefix import PrefixCache
 from promptcache.models import UnsupportedModelError, get_adapter
 from promptcache.models.relocate import relocate
 from promptcache.models.splice import SpliceCache
-from tiny import VOCAB, gemma3_config, make_tokenizer
+from tiny import VOCAB, gemma3_config, gemma3_model as gemma3, make_tokenizer
 from trip import PROMPTS, SCHEMA, serve_together
 
 TOL = 1e-4
-LAYERS = ("sliding_attention", "full_attention", "sliding_attention")
 
 
 @pytest.fixture(scope="module")
 def tokenizer():
     return make_tokenizer()
-
-
-def gemma3(window: int, layer_types=LAYERS, seed: int = 0):
-    """A tiny float32 Gemma 3 (weights widened as tests/tiny.py does)."""
-    torch.manual_seed(seed)
-    config = gemma3_config(window, layer_types)
-    config.bos_token_id, config.eos_token_id, config.pad_token_id = 2, 3, 1
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() > 1:
-                p.normal_(0, 0.2)
-    return model.eval()
 
 
 def stock_at(model, ids, pos):

