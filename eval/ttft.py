@@ -94,7 +94,8 @@ class PrefixStore:
     @torch.inference_mode()
     def store(self, ids: list[int]) -> None:
         dev = next(self.model.parameters()).device
-        out = self.model(input_ids=torch.tensor([ids], device=dev), use_cache=True, logits_to_keep=1)
+        out = self.model(input_ids=torch.tensor([ids], device=dev), past_key_values=_full_cache(self.model),
+                         use_cache=True, logits_to_keep=1)
         self.ids, self.kv = list(ids), [(layer.keys, layer.values) for layer in out.past_key_values.layers]
 
     def match(self, ids: list[int]) -> int:
@@ -108,15 +109,8 @@ class PrefixStore:
     @torch.inference_mode()
     def prefill(self, ids: list[int]) -> tuple[torch.Tensor, int]:
         """Next-token logits [V] after ``ids`` and the number of tokens reused."""
-        from transformers import DynamicCache
-
-        from transformers.cache_utils import DynamicLayer
-
         n = self.match(ids)
-        cache = DynamicCache(config=self.model.config)
-        # full layers throughout (a sliding layer would keep only its window of the views): the stock
-        # model applies its windows through the mask, by index, which at contiguous positions is exact
-        cache.layers = [DynamicLayer() for _ in self.kv]
+        cache = _full_cache(self.model)
         for layer, (k, v) in zip(cache.layers, self.kv):  # views of the stored prefix: no copy here
             layer.lazy_initialization(k, v)
             layer.keys, layer.values = k[:, :, :n], v[:, :, :n]
@@ -124,6 +118,18 @@ class PrefixStore:
         out = self.model(input_ids=torch.tensor([ids[n:]], device=dev), past_key_values=cache, use_cache=True,
                          logits_to_keep=1)
         return out.logits[0, -1], n
+
+
+def _full_cache(model):
+    """A DynamicCache whose every layer keeps every token (a sliding-window layer would keep only
+    its window, and a prefix of it would not be the prompt's prefix): the stock model applies its
+    windows through the mask, by index, which at contiguous positions is exact."""
+    from transformers import DynamicCache
+    from transformers.cache_utils import DynamicLayer
+
+    cache = DynamicCache(config=model.config)
+    cache.layers = [DynamicLayer() for _ in cache.layers]
+    return cache
 
 
 def host_engine(model, tok) -> PromptCache | None:
