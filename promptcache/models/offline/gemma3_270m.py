@@ -18,7 +18,6 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -27,8 +26,7 @@ from pathlib import Path
 from typing import Callable
 
 from ...errors import ModelNotFoundError
-from ...fsutil import fsync_folder
-from ..smollm2 import convert_gguf
+from ..smollm2 import convert_gguf, is_converted, publish
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +35,6 @@ CHUNK_PACKAGES = tuple(f"{PACKAGE}-part{i}" for i in range(1, 5))
 GGUF_NAME = "gemma-3-270m-q4_k_m.gguf"
 MODEL_DIR = "gemma3-270m"
 TERMS = ("GEMMA_TERMS.html", "NOTICE.md", "README.upstream.md")  # copied beside the weights
-_MARKER = "config.json"  # with a *.safetensors beside it: a finished conversion (it is renamed in whole)
 
 
 class PackageFetchError(ModelNotFoundError):
@@ -140,7 +137,7 @@ def ensure_gemma3_270m(cache_dir: Path | str | None = None,
     callback for one-line status messages; the same lines are logged."""
     out = Path(cache_dir) if cache_dir is not None else default_dir()
     say = (lambda m: (log.info(m), progress(m))) if progress else log.info
-    if (out / _MARKER).is_file() and any(out.glob("*.safetensors")):
+    if is_converted(out):
         log.info("Gemma 3 270M: using %s", out)
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -159,9 +156,6 @@ def ensure_gemma3_270m(cache_dir: Path | str | None = None,
         say(f"Gemma 3 270M: converting {GGUF_NAME} to float32 transformers weights")
         staged = convert_gguf(gguf, tmp / MODEL_DIR)
         copy_terms(main, staged)
-        if out.exists():  # a leftover without weights: replace it
-            shutil.rmtree(out)
-        os.replace(staged, out)
-        fsync_folder(out.parent)
+        publish(staged, out)
     say(f"Gemma 3 270M: converted into {out} (use under the Gemma terms: {out / TERMS[0]})")
     return out
