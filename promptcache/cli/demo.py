@@ -38,7 +38,8 @@ RANDOM_WEIGHTS = ("  note: the embedded model has RANDOM weights: the answers be
 
 @click.command()
 @click.option("--model", "-m", default="embedded", show_default=True,
-              help="Model id, directory, 'smollm2' / 'gemma3-270m' (real text; fetched once) or 'embedded' (offline, noise).")
+              help="Model id, directory, 'smollm2' / 'gemma3-270m' (real text; fetched once) or 'embedded' "
+                   "(offline, noise).")
 @click.option("--device", default=None, help="cpu or cuda (default: cuda when available).")
 @click.option("--max-new-tokens", default=16, show_default=True, help="Most tokens per answer.")
 @guard

@@ -66,6 +66,6 @@ def model_options(f):
     f = click.option("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda when available).")(f)
     f = click.option("--model", "-m", default="embedded", show_default=True,
                      help="Hugging Face model id, local directory, 'smollm2' (SmolLM2-135M-Instruct, fetched "
-                          "once), 'gemma3-270m' (Gemma 3 270M base, fetched once), or 'embedded' / 'embedded:bench' (random weights from shipped configs, "
-                          "no download).")(f)
+                          "once), 'gemma3-270m' (Gemma 3 270M base, fetched once), or 'embedded' / "
+                          "'embedded:bench' (random weights from shipped configs, no download).")(f)
     return f

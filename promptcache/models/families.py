@@ -86,7 +86,8 @@ class Gemma3Text(LayerTypeRopes):
         ``mask`` for global layers, and for sliding ones ``mask`` and keys at positions above the
         query's minus the window (transformers' ``kv_idx > q_idx - window``, in position IDs)."""
         masks = {}
-        for kind, window in zip(self.config.layer_types, self.sliding_windows() or [None] * len(self.config.layer_types)):
+        types = self.config.layer_types
+        for kind, window in zip(types, self.sliding_windows() or [None] * len(types)):
             if kind not in masks:
                 seen = mask if window is None else \
                     mask & (key_positions[:, None, None, :] > position_ids[:, None, :, None] - window)

