@@ -36,8 +36,8 @@ def pc():
 
 
 def schema_text(pc) -> str:
-    """Three modules of ~230 tokens: the prompt importing them crosses the window."""
-    modules = "".join(f'<module name="m{i}">{(DOC.format(name=n, year=y)) * 2}</module>'
+    """Three modules of ~290 tokens: a prompt importing two of them crosses the window."""
+    modules = "".join(f'<module name="m{i}">{(DOC.format(name=n, year=y)) * 3}</module>'
                       for i, (n, y) in enumerate([("Skarvik", 1702), ("Olden", 1811), ("Brae", 1650)]))
     return f'<schema name="towns">Notes on three towns.{modules}</schema>'
 
