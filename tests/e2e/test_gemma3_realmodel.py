@@ -106,6 +106,7 @@ def test_demo_runs_offline_on_the_converted_folder(pc):
 
 
 def test_serve_answers_from_the_schema(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "tests" / "server"))  # the server tests' helpers
     from serverkit import client, free_port, start_until
 
     port = free_port()
