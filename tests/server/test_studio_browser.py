@@ -14,6 +14,7 @@ webdriver = pytest.importorskip("selenium.webdriver", reason="the browser tests 
 from selenium.webdriver.common.by import By  # noqa: E402
 from selenium.webdriver.support.ui import WebDriverWait  # noqa: E402
 
+from programs import needs  # noqa: E402
 from promptcache.layout import layout_schema  # noqa: E402
 from promptcache.pml import PMLError  # noqa: E402
 from serverkit import MODEL, ROOT, client  # noqa: E402
@@ -25,10 +26,11 @@ FLAGS = ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-
 TOKYO = '<prompt schema="travel"><user><trip days="four" travelers="two"/><tokyo/> What to eat?</user></prompt>'
 
 
+pytestmark = needs("chromium", "chromedriver")
+
+
 @pytest.fixture(scope="module")
 def browser():
-    if not (shutil.which("chromium") and shutil.which("chromedriver")):
-        pytest.fail("chromium and chromedriver are needed (apt-get install chromium chromium-driver)")
     profile = tempfile.mkdtemp(prefix="studio-chromium-")
     opts = webdriver.ChromeOptions()
     opts.binary_location = CHROMIUM
