@@ -108,16 +108,20 @@ class Engine:
 
     def run(self, requests: list[Request], progress: Progress | None = None) -> list[Request]:
         """Submit ``requests`` and step until every one has finished (others submitted meanwhile are
-        stepped too). ``progress(done, total)`` after each step that finished some. A step that
-        fails marks the requests it concerned (``Request.error``) and the loop goes on."""
+        stepped too). ``progress(done, total)`` once at 0 and after each step that finished some,
+        the last call (done == total) closing a bar. A step that fails marks the requests it
+        concerned (``Request.error``) and the loop goes on."""
         for r in requests:
             self.submit(r)
         total, done = len(requests), 0
-        while (left := sum(not r.finished for r in requests)) > 0:
+        if progress is not None:
+            progress(0, total)
+        while done < total:
             self._step_guarded()
-            if progress is not None and total - left != done:
-                done = total - left
-                progress(done, total)
+            finished = sum(r.finished for r in requests)  # counted after the step: the last one is reported
+            if progress is not None and finished != done:
+                progress(finished, total)
+            done = finished
         return requests
 
     def stream(self, request: Request) -> Iterator[StepOutput]:
