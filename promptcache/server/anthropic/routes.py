@@ -41,6 +41,7 @@ from ...engine import PromptCache, SamplingParams, TokenPrompt
 from ...engine.serving_core.prefix import PrefixCache
 from ...engine.prefill.results import Generation, PrefillResult
 from ...store import PinBudgetError, Pins
+from ..core.counts import TokenCounts
 from ..core.errors import APIError
 from ..core.events import EventSink
 from ..core.lifecycle import Exchange, Lifecycle, Submission, engine_failed
@@ -159,7 +160,8 @@ class MessagesExchange(Exchange):
         self.mid = A.new_message_id()
 
     def usage(self, result: PrefillResult, output_tokens: int) -> dict:
-        n, read = self.submission.prompt_tokens, result.cached_tokens
+        counts = TokenCounts.of(result)  # recomputed tokens were not read from the cache
+        n, read = counts.prompt, counts.cached
         made = max(0, min(n // self.block_size * self.block_size - read, n - read))
         return A.usage(n - read - made, made, read, output_tokens)
 

@@ -6,6 +6,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client import CONTENT_TYPE_LATEST
 from prometheus_client.core import CounterMetricFamily
 
+from .counts import TokenCounts
+
 # the shared (Redis) tier's counters (TieredStore.shared_stats) -> metric name, help
 REMOTE = {"hits": ("promptcache_remote_hits", "stored states fetched from the shared tier (verified)"),
           "errors": ("promptcache_remote_errors", "shared tier failures (down, slow, full): served locally"),
@@ -18,9 +20,14 @@ class Metrics:
     def __init__(self, backend, prefix_cache, store):
         r = self.registry = CollectorRegistry()
         self.requests = Counter("promptcache_requests", "HTTP requests answered", ["endpoint", "status"], registry=r)
+        # prompt = cached + recomputed + new (counts.py: the definition usage, access log and studio share)
         self.prompt_tokens = Counter("promptcache_prompt_tokens", "prompt tokens served", registry=r)
-        self.cached_tokens = Counter("promptcache_cached_tokens", "prompt tokens served from stored states",
-                                     registry=r)
+        self.cached_tokens = Counter("promptcache_cached_tokens", "prompt tokens served from stored states "
+                                     "(not computed for the request)", registry=r)
+        self.recomputed_tokens = Counter("promptcache_recomputed_tokens", "prompt tokens laid out from stored "
+                                         "states but computed afresh in the prompt's context", registry=r)
+        self.new_tokens = Counter("promptcache_new_tokens", "prompt tokens with no stored states, run through "
+                                  "the model", registry=r)
         self.generated_tokens = Counter("promptcache_generated_tokens", "tokens generated", registry=r)
         self.finished = Counter("promptcache_requests_finished", "engine requests by outcome",
                                 ["outcome"], registry=r)  # done, error, cancelled
@@ -43,6 +50,12 @@ class Metrics:
             usage.labels(tier).set_function(lambda t=tier: store.usage().get(t, 0))
         if store.shared:
             r.register(_RemoteCounters(store))
+
+    def count_prompt(self, counts: TokenCounts) -> None:
+        self.prompt_tokens.inc(counts.prompt)
+        self.cached_tokens.inc(counts.cached)
+        self.recomputed_tokens.inc(counts.recomputed)
+        self.new_tokens.inc(counts.new)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -19,6 +19,7 @@ from typing import Callable
 from fastapi import FastAPI, Request
 
 from ...engine.prefill.results import Generation, PrefillResult, TokenLogprob
+from ..core.counts import TokenCounts
 from ..core.errors import APIError
 from ..core.events import EventSink
 from ..core.lifecycle import Exchange, Lifecycle, Submission, engine_failed, sse
@@ -64,8 +65,8 @@ class OpenAIExchange(Exchange):
         self.rid = P.new_id("chatcmpl" if chat else "cmpl")
 
     def usage(self, result: PrefillResult, gen: Generation) -> dict:
-        return P.usage(self.submission.prompt_tokens, len(gen.token_ids), result.reused_tokens, result.exact,
-                       result.recomputed_tokens)
+        counts = TokenCounts.of(result)
+        return P.usage(counts.prompt, len(gen.token_ids), counts.cached, result.exact, counts.recomputed)
 
     def logprobs(self, entries: list[TokenLogprob] | None, start: int = 0) -> dict | None:
         """``choices[].logprobs`` (None: not asked); ``start``: a completion's text offset of the first."""

@@ -40,6 +40,7 @@ from ...engine.prefill.results import Generation, PrefillResult
 from ...layout import layout_prompt, layout_schema
 from ...pml import PMLError, parse_prompt
 from ..core.backend import Backend
+from ..core.counts import TokenCounts
 from ..core.errors import APIError
 from ..core.events import EventSink
 from ..core.lifecycle import Exchange, Lifecycle, Submission, sse
@@ -269,7 +270,7 @@ class TrafficTap:
         plain = isinstance(body, dict) and scope["path"] != "/v1/messages" and not body.get("pml") \
             and not body.get("documents") and not body.get("tools")
         self.traffic.record(ns, noted["prompt"], noted.get("cached", 0), noted.get("ttft"),
-                            body if plain else None)
+                            body if plain else None, noted.get("recomputed", 0))
 
 
 class FullRun(Exchange):
@@ -291,7 +292,7 @@ class FullRunStream(EventSink):
 
     def prefilled(self, result: PrefillResult):
         return [sse({"type": "prefilled", "ttft_ms": result.ttft * 1e3, "prompt_tokens": self.prompt_tokens,
-                        "cached_tokens": result.cached_tokens})]
+                        "cached_tokens": TokenCounts.of(result).cached})]
 
     def text(self, piece: str):
         return [sse({"type": "text", "text": piece})]

@@ -225,7 +225,8 @@ async function refreshCache() {
   let v;
   try { v = await api("/studio/api/cache"); } catch (e) { $("#cache-namespace").textContent = e.message; return; }
   $("#cache-namespace").textContent = `namespace '${v.namespace}' · ${v.totals.requests} requests · ` +
-    `${v.totals.cached_tokens} of ${v.totals.prompt_tokens} prompt tokens from stored states`;
+    `${v.totals.cached_tokens} of ${v.totals.prompt_tokens} prompt tokens from stored states` +
+    (v.totals.recomputed_tokens ? ` (${v.totals.recomputed_tokens} more laid out from them but recomputed)` : "");
   $("#cache-totals").textContent = v.series.length ? `last ${v.series.length} intervals of 10 s` : "no requests in the last 10 minutes";
   const blocks = $("#cache-blocks");
   blocks.replaceChildren();
