@@ -24,12 +24,17 @@ import pytest
 import programs
 
 _HERE = Path(__file__).resolve().parent
+FOLDER_PROGRAMS = {_HERE / "remote": ("redis-server", "redis-cli")}  # every test of the folder needs them
 
 
 def pytest_collection_modifyitems(config, items):
     for item in items:
-        if (_HERE / "e2e") in Path(str(item.fspath)).resolve().parents:
+        parents = Path(str(item.fspath)).resolve().parents
+        if (_HERE / "e2e") in parents:
             item.add_marker(pytest.mark.slow)
+        for folder, names in FOLDER_PROGRAMS.items():
+            if folder in parents:
+                item.add_marker(programs.needs(*names))
 
 
 def pytest_configure(config):

@@ -3,7 +3,8 @@
 ``RedisServer`` (tests/redis_server.py) starts Debian's ``redis-server`` (``.ci/run`` installs it) without persistence,
 waits until it answers PING, and can be killed and started again on the same port (a Redis
 outage mid-run). Where ``redis-server`` (or ``redis-cli``, for the cluster) is not installed the
-tests are skipped, the package named (``tests/programs.py``; failed under ``CI=true``); a server
+tests are skipped, the package named (``tests/programs.py``, marked in ../conftest.py; failed
+under ``CI=true``); a server
 that is installed but cannot start FAILS the test with the reason.
 """
 
@@ -15,13 +16,7 @@ import time
 
 import pytest
 
-from programs import require
 from redis_server import RedisServer, free_port
-
-
-@pytest.fixture(autouse=True)
-def redis_installed():
-    require("redis-server", "redis-cli")
 
 
 @pytest.fixture

@@ -96,6 +96,22 @@ def test_invalid_schema_shows_its_line(browser, server, pc, old, new):
     assert not browser.find_elements(By.CSS_SELECTOR, "#schema-axis .bar")
 
 
+def test_every_error_of_a_schema_is_shown(browser, server, pc):
+    open_page(browser, server[0])
+    bad = (ROOT / "schemas" / "travel.xml").read_text().replace(
+        '<module name="rome">', '<module name="rome" colour="red">').replace('<module name="kyoto">',
+                                                                           '<module name="kyoto" cache="maybe">')
+    with pytest.raises(PMLError) as e:  # what `promptcache validate` reports, one line each
+        layout_schema(bad, pc.tok)
+    want = [f"line {x.line}: {x.reason}" for x in e.value.errors]
+    assert len(want) == 2
+    browser.execute_script("arguments[0].value = arguments[1]", browser.find_element(By.ID, "schema-text"), bad)
+    browser.find_element(By.ID, "schema-show").click()
+    err = browser.find_element(By.ID, "schema-error")
+    wait(browser, lambda d: err.is_displayed())
+    assert err.text.splitlines() == want and err.get_attribute("data-line") == str(e.value.errors[0].line)
+
+
 def test_send_a_prompt_spans_coloured_and_answer(browser, server):
     open_page(browser, server[0], view="prompt")
     browser.execute_script("arguments[0].value = arguments[1]", browser.find_element(By.ID, "prompt-text"), TOKYO)

@@ -38,7 +38,7 @@ from ...engine import PromptCache, SamplingParams, TokenPrompt
 from ...engine.schemas.assemble import leading_exact
 from ...engine.prefill.results import Generation, PrefillResult
 from ...layout import layout_prompt, layout_schema
-from ...pml import PMLError, parse_prompt
+from ...pml import PMLError, PMLErrors, parse_prompt
 from ..core.backend import Backend
 from ..core.counts import TokenCounts
 from ..core.errors import APIError
@@ -322,7 +322,11 @@ def _check_prompt(body: PromptBody, max_chars: int) -> PromptBody:
 
 
 def _pml_fields(e: PMLError) -> dict:
-    return {"message": str(e), "line": e.line, "reason": e.reason, "source": e.source}
+    """The first error's line and reason, and ``errors``: every error of the text (up to
+    ``MAX_ERRORS``; ``more`` counts the others), as ``promptcache validate`` prints them."""
+    each = e.errors if isinstance(e, PMLErrors) else [e]
+    return {"message": str(e), "line": e.line, "reason": e.reason, "source": e.source,
+            "errors": [{"line": x.line, "reason": x.reason} for x in each], "more": getattr(e, "more", 0)}
 
 
 def _pml_error(e: PMLError) -> JSONResponse:

@@ -95,7 +95,9 @@ function schemaError(e) {
   const box = $("#schema-error");
   box.hidden = false;
   box.dataset.line = d.line == null ? "" : d.line;
-  box.textContent = d.line != null ? `line ${d.line}: ${d.reason}` : e.message;
+  const each = (d.errors || []).map((x) => x.line != null ? `line ${x.line}: ${x.reason}` : x.reason);
+  if (d.more) each.push(`${d.more} more errors not shown`);
+  box.textContent = each.length ? each.join("\n") : e.message;  // every error, the first line selected
   $("#schema-axis").replaceChildren(); $("#schema-summary").textContent = "";
   if (d.line != null) {  // select the line in the editor
     const ta = $("#schema-text"), lines = ta.value.split("\n");
