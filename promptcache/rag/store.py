@@ -11,9 +11,10 @@ uses.
 
 The prompt is written as the text would be: a cached prefix (BOS, the chat template's header,
 the system text, the user header), then each document followed by ``separator`` ("\n\n"),
-then the question and the template's tail. Three modes (``DocumentStore.mode``; docs/rag.md):
+then the question and the template's tail. Three modes (``DocumentStore.mode``; docs/rag.md;
+the default is the last, reuse):
 
-* **Chains (default, exact).** A request's documents are cached as a chain (RAGCache's knowledge
+* **Exact chains** (``exact=True``). A request's documents are cached as a chain (RAGCache's knowledge
   tree): each document's states are computed after the prefix and the documents before it in that
   request, and stored under ``hash(parent key, document digest, start position, separator)``. A
   later request whose leading documents match reuses them; the rest (and the question) run in one
@@ -22,7 +23,8 @@ then the question and the template's tail. Three modes (``DocumentStore.mode``; 
   where the store does (a named ``StoreConfig.spill_dir``: indexed at start, written at
   ``pc.store.persist()``), otherwise a reopened store rebuilds them on first use. ``canonical_order=True`` sorts a
   request's documents by id first, so requests retrieving the same set in any order share a chain.
-  Works with every supported family (nothing is relocated).
+  Works with every supported family (nothing is relocated); a model whose states cannot be moved
+  (learned absolute positions) gets this mode by default.
 * **Independent** (``independent=True``, the paper's position-independent modules). Each document
   is encoded once, alone (no context, positions from 0; ``prefixed=True``: after the store's
   ``encode_prefix``, the prefix of a request without a system text, only the document's states kept),
@@ -42,10 +44,11 @@ then the question and the template's tail. Three modes (``DocumentStore.mode``; 
   its cached prefix, cached units and one run of new text (the question), the shape a server that
   can be handed only a prefix of stored states can place (``integrations.vllm``: vLLM's KV
   connector). Off by default: it changes what the separators attend to.
-* **Hybrid** (``hybrid=True``): the longest stored chain of the request's leading documents (exact;
-  chains are written by chain stores on the same engine), then the other documents as in
-  ``independent``, their drift recomputed (``recompute``, default ``"auto"``). Exact when the whole
-  request is a stored chain. It does not write chains: past the chain its states are approximate.
+* **Reuse** (the default, ``reuse``; ``hybrid=True`` names it too): the longest stored chain of
+  the request's leading documents (exact; chains are written by chain stores on the same engine),
+  then the other documents as in ``independent``, their drift recomputed (``recompute``, default
+  ``"auto"``). Exact when the whole request is a stored chain. It does not write chains: past the
+  chain its states are approximate.
 
 Works with any retriever: the caller passes document ids. Keys come from ``promptcache.keys``
 (``alone_key``, salted by the namespace), so documents and the prefix live in the engine's store
