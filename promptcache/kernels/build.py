@@ -33,13 +33,14 @@ from pathlib import Path
 
 import torch
 
-from .build_folder import BuildBusy, BuildLock, build_folder
+from .build_folder import BuildBusy, BuildLock, build_folder, wait_seconds
 
 log = logging.getLogger(__name__)
 
 __all__ = ["NativeKernels"]
 
 CFLAGS = ("-O3", "-march=native", "-fopenmp")
+LOADING_WAIT_S = 30.0  # the longest wait on a lock held while a built kernel is loaded
 
 
 def _cpu_flags() -> str:
@@ -116,7 +117,10 @@ class NativeKernels:
         folder = build_folder(name)
         library = folder / f"{name}.so"
         t0 = time.perf_counter()
-        with BuildLock(folder, self.what):
+        # a built kernel's lock is held by a process loading it (ninja's check and a load: about a
+        # second), worth waiting for; a build (minutes) is waited on only as PROMPTCACHE_KERNEL_WAIT says
+        wait = max(wait_seconds(), LOADING_WAIT_S) if library.exists() else None
+        with BuildLock(folder, self.what, wait):
             before = _mtime(library)
             if before is None:
                 log.info("building the %s for this environment in %s (once; a minute or two on a busy "

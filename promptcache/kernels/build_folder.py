@@ -11,7 +11,8 @@ when its holder dies, however it dies), with the holder's pid written inside for
 it is held, torch's own lock file (``lock``, which torch's loader waits on for as long as it
 exists) can only be a leftover of a killed builder: it is removed with a log line. A process
 that finds the lock held by another waits at most ``PROMPTCACHE_KERNEL_WAIT`` seconds (default
-0) and then says so: the caller keeps torch's ops instead of hanging.
+0; where the kernel is built already, up to 30 s: its holder is only loading it) and then says
+so: the caller keeps torch's ops instead of hanging.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-__all__ = ["ROOT_ENV", "WAIT_ENV", "BuildBusy", "BuildLock", "build_folder", "env_key"]
+__all__ = ["ROOT_ENV", "WAIT_ENV", "BuildBusy", "BuildLock", "build_folder", "env_key", "wait_seconds"]
 
 ROOT_ENV = "PROMPTCACHE_KERNEL_DIR"
 WAIT_ENV = "PROMPTCACHE_KERNEL_WAIT"
@@ -51,6 +52,7 @@ def build_folder(name: str, prefix: str | None = None) -> Path:
 
 
 def wait_seconds() -> float:
+    """``PROMPTCACHE_KERNEL_WAIT``: how long to wait on another process's build (seconds, default 0)."""
     raw = os.environ.get(WAIT_ENV, "0").strip() or "0"
     try:
         value = float(raw)

@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -106,3 +107,15 @@ def test_a_build_running_elsewhere_is_not_waited_on(tiny):
         assert time.monotonic() - t0 < 5
     reason = kernels.unavailable_reason()
     assert f"being built by process {os.getpid()}" in reason and "PROMPTCACHE_KERNEL_WAIT" in reason, reason
+
+
+def test_a_built_kernel_being_loaded_elsewhere_is_waited_for(tiny):
+    """Where the kernel is built already, the lock's holder is only loading it: worth a short wait
+    (two processes starting at once both get the kernel), even with PROMPTCACHE_KERNEL_WAIT=0."""
+    _run(tiny, sys.prefix)  # built in this environment's folder
+    held = BuildLock(_folder(tiny, sys.prefix), "tiny kernel", wait=0).__enter__()
+    threading.Timer(1.0, held.__exit__, (None, None, None)).start()
+    t0 = time.monotonic()
+    kernels = NativeKernels(tiny, "promptcache_tiny", "tiny kernel", "PROMPTCACHE_TINY")
+    assert kernels.available(), kernels.unavailable_reason()
+    assert time.monotonic() - t0 >= 0.9
