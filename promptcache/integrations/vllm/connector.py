@@ -39,7 +39,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V
 
 from .documents import DocumentStates, Unit, is_documents
 from .keyed import KeyedStates, is_keyed
-from .states import CompiledStates, rope_inv_freq, rotated
+from .rope import rope_inv_freq
+from .states import CompiledStates, rotated
 from .supply import PARAMS_KEY, SupplyError, check
 
 __all__ = ["PromptCacheConnector"]
