@@ -85,7 +85,8 @@ def rope_inv_freq(config) -> torch.Tensor:
         reason = _REFUSED.get(kind, f"not reproduced here (supported: {', '.join(ROPES)})")
         raise SupplyError(f"rope type '{kind}' is not supported by the vLLM connector: {reason}")
     if "mrope_section" in params:
-        raise SupplyError(f"a multimodal rope (mrope_section, rope type '{kind}') is not supported by the vLLM connector")
+        raise SupplyError(f"a multimodal rope (mrope_section, rope type '{kind}') is not supported by the vLLM "
+                          "connector")
     base, dim = float(params["rope_theta"]), _rotary_dim(config, params)
     inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
     if kind == "linear":
