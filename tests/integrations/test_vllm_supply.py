@@ -317,6 +317,15 @@ def test_vllm_config_prints_the_kv_transfer_config_last(compiled):
     config = json.loads(out.output.strip().splitlines()[-1])
     assert config["kv_connector_module_path"] == CONNECTOR_MODULE and config["kv_role"] == "kv_consumer"
     assert config["kv_connector_extra_config"]["compiled"] == [str(compiled.resolve())]
+    assert config["kv_load_failure_policy"] == "fail"
+
+
+def test_vllm_config_load_failure_policy(compiled):
+    out = CliRunner().invoke(main, ["vllm-config", "--compiled", str(compiled), "--load-failure-policy", "recompute"])
+    assert out.exit_code == 0, out.output
+    assert json.loads(out.output.strip().splitlines()[-1])["kv_load_failure_policy"] == "recompute"
+    out = CliRunner().invoke(main, ["vllm-config", "--compiled", str(compiled), "--load-failure-policy", "retry"])
+    assert out.exit_code != 0 and "retry" in out.output
 
 
 def test_vllm_config_refuses_a_folder_that_is_no_artifact(tmp_path):
