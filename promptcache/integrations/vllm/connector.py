@@ -21,8 +21,14 @@ spill folder ``extra_config["spill_dir"]`` an engine writes.
 Errors never give a wrong answer: a request whose states cannot be supplied is computed in full
 by vLLM (reason logged, at warning). Its blocks then enter vLLM's prefix cache under its salt,
 so a later request with that salt would find plain blocks where it expects rotated ones: the
-connector remembers refused salts and refuses them again. A load that fails on the worker fails
-the request (``kv_load_failure_policy`` "fail").
+connector remembers refused salts and refuses them again. A load that fails on the worker (a
+state damaged after the scheduler's check) is reported as vLLM load errors of the request's
+blocks (``get_block_ids_with_load_errors``): vLLM's ``kv_load_failure_policy`` fails the request
+("fail") or computes it from the first unwritten block ("recompute"); the scheduler side sees the
+blocks in ``update_connector_output`` and refuses the request's salt from then on.
+
+Keys are rotated at the frequencies vLLM's model uses (``rope.rope_inv_freq``: default, linear,
+llama3, yarn); a rope it does not reproduce is refused by name, every request computed in full.
 """
 
 from __future__ import annotations
