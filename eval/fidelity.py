@@ -87,10 +87,11 @@ def answer_done(text: str) -> bool:
     return any(s in text for s in STOPS)
 
 
-def full_greedy(model, tok, ids: list[int], eos: frozenset[int], max_new: int) -> tuple[torch.Tensor, str, float]:
+def full_greedy(model, tok, ids: list[int], eos: frozenset[int], max_new: int
+                ) -> tuple[torch.Tensor, list[int], str, float]:
     """Full prefill of ``ids`` at positions 0..n-1 (nothing reused; timed), then greedy decoding on
     its own KV cache until EOS, a completed answer (``answer_done``) or ``max_new`` tokens:
-    (first-token logits [V] float32, the generated text, TTFT s)."""
+    (first-token logits [V] float32, the generated ids, their text, TTFT s)."""
     with torch.inference_mode():
         t0 = time.perf_counter()
         out = model(input_ids=torch.tensor([ids]), use_cache=True, logits_to_keep=1)
@@ -103,7 +104,7 @@ def full_greedy(model, tok, ids: list[int], eos: frozenset[int], max_new: int) -
                 break
             out = model(input_ids=torch.tensor([[t]]), past_key_values=past, use_cache=True)
             past, t = out.past_key_values, int(out.logits[0, -1].argmax())
-    return first, tok.decode(gen, skip_special_tokens=True), ttft
+    return first, gen, tok.decode(gen, skip_special_tokens=True), ttft
 
 
 class Prompt:
@@ -146,15 +147,45 @@ class Prompt:
         return sum(len(s) for s in layout.spans if s.kind == "cached" and s.source == "module")
 
 
-def engine_answer(p: Prompt, selection: str | None, budget: float, max_new: int) -> dict:
-    """The engine's answer from the store's reused states, ``budget`` of them recomputed."""
+def follows(pc, res, tokens: list[int]) -> bool:
+    """Whether greedy decoding on ``res``'s kept cache would produce ``tokens`` (full prefill's
+    generated ids): one teacher-forced forward of ``tokens[:-1]`` after the prompt, every step's
+    argmax compared with the next token. The decoder's last hidden states are caught by a hook (the
+    engine's forward returns the last token's logits only) and read through the output embedding."""
+    if int(res.logits.argmax()) != tokens[0]:
+        return False
+    if len(tokens) == 1:
+        return True
+    got: list[torch.Tensor] = []
+    hook = pc.model.get_decoder().register_forward_hook(lambda _m, _a, out: got.append(out[0]))
+    try:
+        n = len(tokens) - 1
+        pos = torch.arange(res.next_position, res.next_position + n)[None]
+        pc.adapter.forward(torch.tensor([tokens[:-1]]), pos, res.cache)
+    finally:
+        hook.remove()
+    with torch.inference_mode():
+        logits = pc.model.get_output_embeddings()(got[-1][0, -n:])  # [n, V]
+    return logits.argmax(-1).tolist() == tokens[1:]
+
+
+def engine_answer(p: Prompt, selection: str | None, budget: float, max_new: int, full: tuple[list[int], str]) -> dict:
+    """The engine's answer from the store's reused states, ``budget`` of them recomputed. Where
+    its greedy tokens are full prefill's (``full``: ids, answer; checked by ``follows``) the
+    answer is full prefill's; else the method decodes its own (prefill run again, timed again)."""
     from promptcache.engine import PrefilledPrompt
 
-    res = p.store(selection).prefill(p.question, p.ids, system=SYSTEM, recompute=budget, reserve=max_new + 1,
-                                     keep_cache=True)
+    def prefill():
+        return p.store(selection).prefill(p.question, p.ids, system=SYSTEM, recompute=budget, reserve=max_new + 1,
+                                          keep_cache=True)
+
+    res = prefill()
     logits, ttft = res.logits.float().clone(), res.ttft
-    gen = p.pc.generate(PrefilledPrompt(res), max_new_tokens=max_new, stop=STOPS)
-    return dict(logits=logits, text=answer_text(gen.text), ttft=ttft, exact=bool(res.exact),
+    if follows(p.pc, res, full[0]):
+        text = full[1]
+    else:
+        text = answer_text(p.pc.generate(PrefilledPrompt(prefill()), max_new_tokens=max_new, stop=STOPS).text)
+    return dict(logits=logits, text=text, ttft=ttft, exact=bool(res.exact),
                 recomputed=res.recomputed_tokens / p.doc_tokens(), cached=res.cached_tokens)
 
 
@@ -219,15 +250,15 @@ def evaluate_prompt(p: Prompt, runs, eos, max_new: int, bf16=None) -> list[dict]
     """Full prefill, then every run, on one prompt: its rows."""
     tok, s = p.pc.tokenizer, p.sample
     ids = p.token_ids()
-    full_logits, text, full_ttft = full_greedy(p.pc.model, tok, ids, eos, max_new)
+    full_logits, full_ids, text, full_ttft = full_greedy(p.pc.model, tok, ids, eos, max_new)
     full = answer_text(text)
     ref = Reference(p, eos) if any(sel == "reference" for _, _, sel in runs) else None
     answers = []
     for label, b, sel in runs:
-        a = ref.answer(b, max_new) if sel == "reference" else engine_answer(p, sel, b, max_new)
+        a = ref.answer(b, max_new) if sel == "reference" else engine_answer(p, sel, b, max_new, (full_ids, full))
         answers.append((label, b, a))
     if bf16 is not None:
-        logits, text, ttft = full_greedy(bf16, tok, ids, eos, max_new)
+        logits, _, text, ttft = full_greedy(bf16, tok, ids, eos, max_new)
         answers.append(("bf16_full", 1.0, dict(logits=logits, text=answer_text(text), ttft=ttft, exact=False,
                                               recomputed=0.0, cached=0)))
     from promptcache.bench import load_avg
