@@ -10,11 +10,15 @@ tokens of documents), each asked with its documents in the listed order and in a
 The documents go into a ``DocumentStore(pc)`` (the default mode: each document encoded alone at
 ``add()``, reused in any subset and order); each method answers the same prompt from those states.
 
-**The answer.** Greedy decoding after the prompt, at most ``--answer-tokens`` (12) tokens, stopped
-at the first newline (or EOS); the answer is the decoded text before the first newline, stripped.
-**Agreement**: a method's answer equals full prefill's answer (float32, the same tokens at
-positions 0..n-1, nothing reused) character for character. **Correct**: the answer holds the
-code. Per method and budget: agreement (with a 95% Wilson interval), accuracy of both, the kept
+**The answer.** Greedy decoding after the prompt, at most ``--answer-tokens`` (16) tokens, stopped
+at the first newline, sentence end or EOS; the answer is the decoded text's first line up to its
+first sentence end, stripped. **Agreement**: the method's answer gives the same code as full
+prefill's (float32, the same tokens at positions 0..n-1, nothing reused): the first number of 4 or
+more digits in each, or where one gives none, the same text (``answer_key``); ``agree_text``, the
+stricter column beside it, asks for the same sentence character for character. Whether a method's
+greedy tokens are full prefill's is checked by one teacher-forced forward on the method's kept
+cache (``follows``); where they depart the method decodes its own answer. **Correct**: the answer
+holds the code. Per method and budget: agreement (with a 95% Wilson interval), accuracy of both, the kept
 share (method correct / full prefill correct) with a 95% paired bootstrap interval, the answers
 lost and won against full prefill and McNemar's exact p (``eval/kept_share.py``), first-token
 KL(full || method), and TTFT: full prefill's over the method's, both timed in this process on the
@@ -80,6 +84,24 @@ def answer_text(text: str) -> str:
     line = text.split("\n", 1)[0]
     m = SENTENCE_END.search(line)
     return (line[: m.start()] if m else line).strip()
+
+
+CODE = re.compile(r"\d{4,}")  # the tasks' answers are 4-digit codes
+
+
+def answer_key(answer: str) -> str:
+    """What two answers must share to agree: the first code (4 or more digits) the answer gives,
+    or, where it gives none, its text in lower case. "The code is 4677" and "The locker code of the
+    person is 4677" agree; "The parcel is for the person who works at the library" gives no code."""
+    m = CODE.search(answer.replace(" ", ""))
+    return m.group(0) if m else answer.lower()
+
+
+def score(row: dict) -> dict:
+    """``row`` with ``agree`` (the answers' keys equal, ``answer_key``) and ``agree_text`` (the
+    answers equal character for character) worked out from its two answers."""
+    full, got = row["full_answer"], row["method_answer"]
+    return {**row, "agree": int(answer_key(full) == answer_key(got)), "agree_text": int(full == got)}
 
 
 def answer_done(text: str) -> bool:
@@ -264,15 +286,15 @@ def evaluate_prompt(p: Prompt, runs, eos, max_new: int, bf16=None) -> list[dict]
     from promptcache.bench import load_avg
 
     load = load_avg()
-    return [dict(task=s["dataset"], sample=s["_id"], documents=len(s["notes"]), order=ORDERS[p.shuffled],
+    return [score(dict(task=s["dataset"], sample=s["_id"], documents=len(s["notes"]), order=ORDERS[p.shuffled],
                  method=label, budget=b, prompt_tokens=len(ids), document_tokens=p.doc_tokens(), cached_tokens=a["cached"],
-                 recomputed=round(a["recomputed"], 4), exact=int(a["exact"]), agree=int(a["text"] == full),
+                 recomputed=round(a["recomputed"], 4), exact=int(a["exact"]),
                  full_correct=correct(s, full), method_correct=correct(s, a["text"]),
                  first_token_kl=round(kl_divergence(full_logits, a["logits"]), 6),
                  first_token_same=int(int(full_logits.argmax()) == int(a["logits"].argmax())),
                  ttft_full_ms=round(full_ttft * 1e3, 2), ttft_ms=round(a["ttft"] * 1e3, 2),
                  speedup=round(full_ttft / a["ttft"], 3) if a["ttft"] > 0 else None, load=load,
-                 answer=s["answers"][0], full_answer=full[:60], method_answer=a["text"][:60])
+                 answer=s["answers"][0], full_answer=full, method_answer=a["text"]))
             for label, b, a in answers]
 
 
@@ -312,6 +334,7 @@ def summarize(rows: list[dict]) -> list[dict]:
             if not rs:
                 continue
             n, agree = len(rs), sum(int(r["agree"]) for r in rs)
+            same_text = sum(int(r["agree_text"]) for r in rs)
             pairs = [(int(r["full_correct"]), int(r["method_correct"])) for r in rs]
             full, got = sum(f for f, _ in pairs), sum(m for _, m in pairs)
             lost, won = sum(f > m for f, m in pairs), sum(m > f for f, m in pairs)
@@ -320,6 +343,7 @@ def summarize(rows: list[dict]) -> list[dict]:
             speed = [float(r["speedup"]) for r in rs if r["speedup"] not in (None, "")]
             out.append(dict(task=task, order=order, method=method, budget=budget, prompts=n,
                             agreement=round(agree / n, 4), agreement_low=round(alo, 4), agreement_high=round(ahi, 4),
+                            agreement_text=round(same_text / n, 4),
                             full_accuracy=round(full / n, 4), method_accuracy=round(got / n, 4),
                             kept=round(got / full, 4) if full else None, kept_low=lo and round(lo, 4),
                             kept_high=hi and round(hi, 4), lost=lost, won=won,
@@ -365,7 +389,7 @@ def read_rows(paths: list[Path]) -> list[dict]:
     for path in paths:
         with open(path, newline="") as f:
             for r in csv.DictReader(f):
-                rows[(r["task"], r["sample"], r["order"], r["method"], float(r["budget"]))] = r
+                rows[(r["task"], r["sample"], r["order"], r["method"], float(r["budget"]))] = score(r)
     return list(rows.values())
 
 

@@ -22,6 +22,15 @@ def test_the_answer_is_the_first_line_up_to_its_first_sentence_end():
     assert not fidelity.answer_done("The code is 6729.")  # a point at the end may still be a decimal point
 
 
+def test_answers_agree_on_the_code_they_give():
+    key = fidelity.answer_key
+    assert key("The code is 4677") == key("The locker code of the person is 46 77") == "4677"
+    assert key("The code is 4232") != key("The code is 4677")
+    assert key("The parcel is for the person at the Library") == key("the parcel is for the person at the library")
+    r = fidelity.score(dict(full_answer="The code is 4677", method_answer="It is 4677"))
+    assert (r["agree"], r["agree_text"]) == (1, 0)
+
+
 def test_wilson_interval_on_known_values():
     lo, hi = fidelity.wilson(9, 10)
     assert (round(lo, 4), round(hi, 4)) == (0.5958, 0.9821)
@@ -29,7 +38,7 @@ def test_wilson_interval_on_known_values():
 
 
 def row(sample, order, method, budget, agree, full, got, kl=0.1, speedup=4.0):
-    return dict(task="single", sample=sample, order=order, method=method, budget=budget, agree=agree,
+    return dict(task="single", sample=sample, order=order, method=method, budget=budget, agree=agree, agree_text=agree,
                 full_correct=full, method_correct=got, first_token_kl=kl, recomputed=budget, speedup=speedup, load=1.0)
 
 
