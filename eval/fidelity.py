@@ -382,6 +382,38 @@ def plot(summary: list[dict], path: Path) -> None:
     save_figure(fig, path)
 
 
+def markdown(summary: list[dict]) -> str:
+    """Agreement tables (a row per method, a column per budget), one per task and order, then every
+    summary row at budgets up to 0.2 with its paired statistics: the results file's tables."""
+    out = []
+    budgets = sorted({s["budget"] for s in summary if s["method"] != "bf16_full"})
+    for task in sorted({s["task"] for s in summary}):
+        for order in (*ORDERS, "both"):
+            here = {(s["method"], s["budget"]): s for s in summary if (s["task"], s["order"]) == (task, order)}
+            if not here:
+                continue
+            n = max(s["prompts"] for s in here.values())
+            out += [f"\n**{task}, {order}** (n = {n} prompts; agreement with full prefill's answer)\n",
+                    "| method | " + " | ".join("full" if b >= 1 else f"{b:.0%}" for b in budgets) + " |",
+                    "| --- |" + " --- |" * len(budgets)]
+            for m in sorted({k[0] for k in here} - {"bf16_full"}):
+                cells = [f"{here[(m, b)]['agreement']:.2f}" if (m, b) in here else "" for b in budgets]
+                out.append(f"| {m} | " + " | ".join(cells) + " |")
+            if ("bf16_full", 1.0) in here:
+                out.append(f"| bfloat16 full prefill | | | | | | {here[('bf16_full', 1.0)]['agreement']:.2f} |")
+    out += ["\n| task | order | method | budget | n | agreement (95% CI) | same sentence | full / method correct | "
+            "kept (95% CI) | lost / won | McNemar p | first-token KL | TTFT vs full |", "|" + " --- |" * 13]
+    for s in summary:
+        if s["budget"] <= 0.2 or s["method"] == "bf16_full":
+            kept = f"{s['kept']:.2f} ({s['kept_low']:.2f}-{s['kept_high']:.2f})" if s["kept"] is not None else "-"
+            out.append(f"| {s['task']} | {s['order']} | {s['method']} | {s['budget']:.2f} | {s['prompts']} | "
+                       f"{s['agreement']:.2f} ({s['agreement_low']:.2f}-{s['agreement_high']:.2f}) | "
+                       f"{s['agreement_text']:.2f} | {s['full_accuracy']:.2f} / {s['method_accuracy']:.2f} | {kept} | "
+                       f"{s['lost']} / {s['won']} | {s['mcnemar_p']:.3f} | {s['first_token_kl']:.3f} | "
+                       f"{s['speedup_median']}x |")
+    return "\n".join(out)
+
+
 # -- the run --------------------------------------------------------------------------------------
 def read_rows(paths: list[Path]) -> list[dict]:
     """Per-prompt rows of earlier runs (split with ``--first``); a later file's row wins."""
@@ -410,6 +442,7 @@ def parse_args(argv):
     ap.add_argument("--combine", nargs="+", type=Path, help="summarize these per-prompt CSVs only")
     ap.add_argument("--out", type=Path, default=RESULTS)
     ap.add_argument("--tag", default="")
+    ap.add_argument("--markdown", action="store_true", help="also print the summary as Markdown tables")
     args = ap.parse_args(argv)
     for b in args.budgets:
         if not 0.0 <= b <= 1.0:
@@ -446,6 +479,8 @@ def main(argv=None) -> list[dict]:
                   f"[{s['agreement_low']:.2f}, {s['agreement_high']:.2f}]  acc {s['full_accuracy']:.2f}->"
                   f"{s['method_accuracy']:.2f}  lost {s['lost']:2d} won {s['won']:2d} p {s['mcnemar_p']:.3f}  "
                   f"KL {s['first_token_kl']:.3f}  TTFT x{s['speedup_median']}")
+    if args.markdown:
+        print(markdown(summary))
     print(f"wrote {path} and {path.with_suffix('.png').name}")
     return summary
 
