@@ -215,16 +215,10 @@ class Reference:
     """CacheBlend-style recompute on the reference path; the documents' base state computed once a prompt."""
 
     def __init__(self, p: Prompt, eos: frozenset[int]):
-        from .recompute_reference import Prompt as RefPrompt, independent_kv
+        from .recompute_reference import from_layout, independent_kv
 
-        layout = p.store(None).layout(p.question, p.ids, system=SYSTEM)
-        ids, mods, at = [], [], 0
-        for s in layout.spans:
-            if s.kind == "cached" and s.source == "module":
-                mods.append((at, at + len(s)))
-            ids += s.token_ids
-            at += len(s)
-        self.pc, self.eos, self.p = p.pc, eos, RefPrompt(torch.tensor(ids), mods)
+        self.pc, self.eos = p.pc, eos
+        self.p = from_layout(p.store(None).layout(p.question, p.ids, system=SYSTEM))
         self.base = independent_kv(p.pc.model, self.p)
 
     def answer(self, budget: float, max_new: int) -> dict:
@@ -238,7 +232,8 @@ class Reference:
             logits, kv = blend(self.pc.model, self.p, self.base, sel, narrow)
             ttft = time.perf_counter() - t0
             out = greedy(self.pc.model, logits, kv, self.p.n, max_new, set(self.eos))
-        return dict(logits=logits[-1].float(), text=answer_text(self.pc.tokenizer.decode(out, skip_special_tokens=True)), ttft=ttft, exact=False,
+        text = answer_text(self.pc.tokenizer.decode(out, skip_special_tokens=True))
+        return dict(logits=logits[-1].float(), text=text, ttft=ttft, exact=False,
                     recomputed=k / max(self.p.candidates.numel(), 1), cached=int(self.p.candidates.numel()))
 
 
@@ -287,7 +282,8 @@ def evaluate_prompt(p: Prompt, runs, eos, max_new: int, bf16=None) -> list[dict]
 
     load = load_avg()
     return [score(dict(task=s["dataset"], sample=s["_id"], documents=len(s["notes"]), order=ORDERS[p.shuffled],
-                 method=label, budget=b, prompt_tokens=len(ids), document_tokens=p.doc_tokens(), cached_tokens=a["cached"],
+                 method=label, budget=b, prompt_tokens=len(ids), document_tokens=p.doc_tokens(),
+                 cached_tokens=a["cached"],
                  recomputed=round(a["recomputed"], 4), exact=int(a["exact"]),
                  full_correct=correct(s, full), method_correct=correct(s, a["text"]),
                  first_token_kl=round(kl_divergence(full_logits, a["logits"]), 6),
@@ -317,7 +313,8 @@ def expand_shared(rows: list[dict], methods: list[str]) -> list[dict]:
     for r in rows:
         for m in methods:
             sel = METHODS.get(m, m)
-            if (r["method"] == "splice" and sel != "reference" and sel not in KEY_SCALES) or r["method"] == "full_recompute":
+            own_splice = sel == "reference" or sel in KEY_SCALES
+            if (r["method"] == "splice" and not own_splice) or r["method"] == "full_recompute":
                 out.append({**r, "method": m})
     return out
 
