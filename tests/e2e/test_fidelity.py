@@ -86,22 +86,22 @@ def test_tasks_are_seeded_and_answerable(task):
 
 
 def test_study_end_to_end_on_a_tiny_model(tmp_path):
-    summary = fidelity.main(["--model", "embedded:demo", "--n", "1", "--methods", "default", "epic", "--budgets", "0",
+    summary = fidelity.main(["--model", "embedded:demo", "--n", "1", "--methods", "default", "cacheblend", "--budgets", "0",
                              "0.2", "1", "--doc-tokens", "160", "--answer-tokens", "4", "--calibrate", "1",
                              "--out", str(tmp_path), "--tag", "_t"])
     with open(tmp_path / "fidelity_t.csv") as f:
         rows = list(csv.DictReader(f))
-    # 2 tasks x 2 orders x (splice, default@0.2, epic@0.2, full_recompute, bf16_full)
-    assert len(rows) == 20 and {r["order"] for r in rows} == {"listed", "shuffled"}
+    # 2 tasks x 2 orders x (splice, default@0.2, cacheblend@0 and @0.2, full_recompute, bf16_full)
+    assert len(rows) == 24 and {r["order"] for r in rows} == {"listed", "shuffled"}
     for r in rows:
         if r["method"] == "full_recompute":  # every document token recomputed: a plain prefill
             assert r["exact"] == "1" and r["agree"] == "1" and float(r["first_token_kl"]) < 1e-6
-        if r["method"] in ("splice", "default", "epic"):
+        if r["method"] in ("splice", "default", "cacheblend"):
             assert r["exact"] == "0" and float(r["first_token_kl"]) > 0  # documents encoded alone drift
         if r["method"] == "default":
             assert math.isclose(float(r["recomputed"]), 0.2, abs_tol=0.02)
-    assert {(s["method"], s["budget"]) for s in summary} >= {("default", 0.0), ("epic", 1.0), ("bf16_full", 1.0)}
+    assert {(s["method"], s["budget"]) for s in summary} >= {("default", 0.0), ("cacheblend", 1.0), ("bf16_full", 1.0)}
     assert (tmp_path / "fidelity_t_summary.csv").exists() and (tmp_path / "fidelity_t_summary.png").exists()
-    again = fidelity.main(["--combine", str(tmp_path / "fidelity_t.csv"), "--methods", "default", "epic",
+    again = fidelity.main(["--combine", str(tmp_path / "fidelity_t.csv"), "--methods", "default", "cacheblend",
                            "--out", str(tmp_path), "--tag", "_c"])
     assert again == summary
