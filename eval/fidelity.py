@@ -44,8 +44,9 @@ is a plain prefill in prompt order: those are run once a prompt (methods ``splic
 bfloat16 against float32 on the first N samples (method ``bf16_full``): how many answers a change
 that is not reuse moves.
 
-Writes ``fidelity{tag}.csv`` (a row per prompt, order, method, budget), ``fidelity{tag}_summary.csv``
-and ``fidelity{tag}.png`` (agreement against budget, one line per method, per task and order).
+Writes ``fidelity{tag}.csv`` (a row per prompt, order, method, budget), ``fidelity{tag}_summary.csv``,
+``fidelity{tag}_summary.png`` (agreement against budget, one line per method, per task and order)
+and ``fidelity{tag}_ttft.png`` (the agreement-vs-TTFT plane).
 """
 
 from __future__ import annotations
@@ -379,6 +380,29 @@ def plot(summary: list[dict], path: Path) -> None:
     save_figure(fig, path)
 
 
+def plot_plane(summary: list[dict], path: Path) -> None:
+    """The agreement-vs-TTFT plane: each method's budgets as a line of (median TTFT speedup over
+    full prefill, agreement), both orders pooled, a panel per task."""
+    plt = pyplot()
+    if plt is None:
+        return
+    tasks = sorted({s["task"] for s in summary})
+    fig, axes = plt.subplots(1, len(tasks), figsize=(5 * len(tasks), 4), squeeze=False)
+    for ax, task in zip(axes[0], tasks):
+        here = [s for s in summary if s["task"] == task and s["order"] == "both" and s["speedup_median"]]
+        for i, m in enumerate(sorted({s["method"] for s in here} - {"bf16_full"})):
+            pts = sorted((s["budget"], s["speedup_median"], s["agreement"]) for s in here if s["method"] == m)
+            ax.plot([p[1] for p in pts], [p[2] for p in pts], marker="o", label=m, color=f"C{i}")
+            for b, x, y in pts:
+                ax.annotate("full" if b >= 1 else f"{b:.0%}", (x, y), fontsize=6, xytext=(2, 2),
+                            textcoords="offset points")
+        ax.set_xscale("log")
+        ax.set(title=f"{task}, both orders", xlabel="TTFT speedup over full prefill (median, same run)",
+               ylabel="agreement with full prefill's answer", ylim=(0, 1.02))
+    axes[0][-1].legend(fontsize=7, loc="lower left")
+    save_figure(fig, path)
+
+
 def markdown(summary: list[dict]) -> str:
     """Agreement tables (a row per method, a column per budget), one per task and order, then every
     summary row at budgets up to 0.2 with its paired statistics: the results file's tables."""
@@ -470,6 +494,7 @@ def main(argv=None) -> list[dict]:
     summary = summarize(expand_shared(rows, args.methods))
     path = write_csv(f"{stem}_summary.csv", summary, args.out)
     plot(summary, path.with_suffix(".png"))
+    plot_plane(summary, path.with_name(f"{stem}_ttft.png"))
     for s in summary:
         if s["order"] == "both":
             print(f"{s['task']:7s} {s['method']:>14s} @{s['budget']:<5} n={s['prompts']:3d} agree {s['agreement']:.3f} "

@@ -101,7 +101,8 @@ def test_study_end_to_end_on_a_tiny_model(tmp_path):
         if r["method"] == "default":
             assert math.isclose(float(r["recomputed"]), 0.2, abs_tol=0.02)
     assert {(s["method"], s["budget"]) for s in summary} >= {("default", 0.0), ("cacheblend", 1.0), ("bf16_full", 1.0)}
-    assert (tmp_path / "fidelity_t_summary.csv").exists() and (tmp_path / "fidelity_t_summary.png").exists()
+    for name in ("fidelity_t_summary.csv", "fidelity_t_summary.png", "fidelity_t_ttft.png"):
+        assert (tmp_path / name).exists()
     again = fidelity.main(["--combine", str(tmp_path / "fidelity_t.csv"), "--methods", "default", "cacheblend",
                            "--out", str(tmp_path), "--tag", "_c"])
     assert again == summary
