@@ -443,7 +443,8 @@ def read_rows(paths: list[Path]) -> list[dict]:
         with open(path, newline="") as f:
             for r in csv.DictReader(f):
                 rows[(r["task"], r["sample"], r["order"], r["method"], float(r["budget"]))] = score(r)
-    return list(rows.values())
+    fields = list(dict.fromkeys(k for r in rows.values() for k in r))  # an older run's file may lack a column
+    return [{k: r.get(k, "") for k in fields} for r in rows.values()]
 
 
 def parse_args(argv):
@@ -487,6 +488,7 @@ def main(argv=None) -> list[dict]:
     stem = f"fidelity{args.tag}"
     if args.combine:
         rows = read_rows(args.combine)
+        write_csv(f"{stem}.csv", rows, args.out)  # the pooled per-prompt rows, rescored
     else:
         check_methods(args.methods)
         rows = run(args, lambda rows: write_csv(f"{stem}.csv", rows, args.out))
