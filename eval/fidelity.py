@@ -404,8 +404,9 @@ def plot_plane(summary: list[dict], path: Path) -> None:
 
 
 def markdown(summary: list[dict]) -> str:
-    """Agreement tables (a row per method, a column per budget), one per task and order, then every
-    summary row at budgets up to 0.2 with its paired statistics: the results file's tables."""
+    """Agreement tables (a row per method, a column per budget), one per task and order, then the
+    summary rows of both orders pooled at budgets up to 0.2 with their paired statistics: the
+    results file's tables."""
     out = []
     budgets = sorted({s["budget"] for s in summary if s["method"] != "bf16_full"})
     for task in sorted({s["task"] for s in summary}):
@@ -421,11 +422,12 @@ def markdown(summary: list[dict]) -> str:
                 cells = [f"{here[(m, b)]['agreement']:.2f}" if (m, b) in here else "" for b in budgets]
                 out.append(f"| {m} | " + " | ".join(cells) + " |")
             if ("bf16_full", 1.0) in here:
-                out.append(f"| bfloat16 full prefill | | | | | | {here[('bf16_full', 1.0)]['agreement']:.2f} |")
+                out.append("| bfloat16 full prefill |" + " |" * (len(budgets) - 1)
+                           + f" {here[('bf16_full', 1.0)]['agreement']:.2f} |")
     out += ["\n| task | order | method | budget | n | agreement (95% CI) | same sentence | full / method correct | "
             "kept (95% CI) | lost / won | McNemar p | first-token KL | TTFT vs full |", "|" + " --- |" * 13]
     for s in summary:
-        if s["budget"] <= 0.2 or s["method"] == "bf16_full":
+        if s["order"] == "both" and (s["budget"] <= 0.2 or s["method"] == "bf16_full"):
             kept = f"{s['kept']:.2f} ({s['kept_low']:.2f}-{s['kept_high']:.2f})" if s["kept"] is not None else "-"
             out.append(f"| {s['task']} | {s['order']} | {s['method']} | {s['budget']:.2f} | {s['prompts']} | "
                        f"{s['agreement']:.2f} ({s['agreement_low']:.2f}-{s['agreement_high']:.2f}) | "
