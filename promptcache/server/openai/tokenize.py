@@ -18,7 +18,7 @@ from fastapi import FastAPI, Request
 from pydantic import BaseModel, ConfigDict
 
 from ..core.errors import APIError
-from .prepare import Preparer
+from .prepare import Preparer, PrepThread
 from .protocol import Message, parse
 
 
@@ -37,8 +37,10 @@ class DetokenizeRequest(BaseModel):
     tokens: list[int]
 
 
-def add_tokenize_routes(app: FastAPI, preparer: Preparer, namespace: Callable[[Request], str], model_name: str) -> None:
-    """``namespace(request)``: the key check (APIError 401)."""
+def add_tokenize_routes(app: FastAPI, preparer: Preparer, prep: PrepThread, namespace: Callable[[Request], str],
+                        model_name: str) -> None:
+    """``namespace(request)``: the key check (APIError 401). Validating, tokenizing and rendering
+    the answer run on ``prep``, never the event loop (a 2 MB prompt is ~500K ids)."""
     pc = preparer.pc
     vocab = pc.model.config.vocab_size
 
@@ -47,9 +49,7 @@ def add_tokenize_routes(app: FastAPI, preparer: Preparer, namespace: Callable[[R
             raise APIError(404, f"model '{req.model}' does not exist (this server serves '{model_name}')",
                            "model", "model_not_found")
 
-    @app.post("/tokenize")
-    async def tokenize(request: Request):
-        namespace(request)
+    def tokenized(request: Request) -> dict:
         req = parse(request, TokenizeRequest)
         check_model(req)
         if (req.prompt is None) == (req.messages is None):
@@ -63,12 +63,20 @@ def add_tokenize_routes(app: FastAPI, preparer: Preparer, namespace: Callable[[R
             ids = pc.tokenizer(req.prompt, add_special_tokens=req.add_special_tokens).input_ids
         return {"tokens": list(ids), "count": len(ids), "max_model_len": preparer.context}
 
+    def detokenized(request: Request) -> dict:
+        req = parse(request, DetokenizeRequest)
+        check_model(req)
+        bad = next((t for t in req.tokens if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise APIError(400, f"token ids must be in [0, {vocab}), got {bad}", "tokens")
+        return {"prompt": pc.tokenizer.decode(req.tokens)}
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        namespace(request)
+        return await prep.respond(tokenized, request)
+
     @app.post("/detokenize")
     async def detokenize(request: Request):
         namespace(request)
-        req = parse(request, DetokenizeRequest)
-        check_model(req)
-        bad = [t for t in req.tokens if not 0 <= t < vocab]
-        if bad:
-            raise APIError(400, f"token ids must be in [0, {vocab}), got {bad[0]}", "tokens")
-        return {"prompt": pc.tokenizer.decode(req.tokens)}
+        return await prep.respond(detokenized, request)
