@@ -152,6 +152,8 @@ class Lifecycle:
         m.prompt_tokens.inc(sub.prompt_tokens)
         m.cached_tokens.inc(result.reused_tokens)  # recomputed tokens were not served from stored states
         m.requests.labels(request.url.path, "200").inc()
+        for tier, n in result.hit_tiers.items():
+            m.tier_hits.labels(tier).inc(n)
 
 
 class _Meter(EventSink):
