@@ -7,9 +7,13 @@ on first use. Every error promptcache raises on purpose derives from ``PromptCac
 (``errors.py``). A ``str`` is always PML or plain text; a ``pathlib.Path`` is a file.
 """
 
-from .errors import ConfigError, PromptCacheError
-from .layout import PromptLayout, SchemaLayout, Span, layout_prompt, layout_schema
-from .pml import PMLError, parse_prompt, parse_schema
+from .openmp import prefer_shared_machine
+
+prefer_shared_machine()  # OpenMP threads that sleep while they wait: set before torch loads libgomp (openmp.py)
+
+from .errors import ConfigError, PromptCacheError  # noqa: E402
+from .layout import PromptLayout, SchemaLayout, Span, layout_prompt, layout_schema  # noqa: E402
+from .pml import PMLError, parse_prompt, parse_schema  # noqa: E402
 
 __version__ = "0.1.0"
 
