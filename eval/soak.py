@@ -16,7 +16,8 @@ compared with the warm ones.
 What it reports (``--out``/soak.json, and one line per figure): requests by kind and status,
 unexpected answers (a 5xx, a reset or a hang on a good request, a bad request not answered 4xx
 with an error object), ``/health`` latency (p50, p99, max; and its max while a big tokenize ran),
-the server's resident memory beyond its host tier's bytes (growth after warm-up), the pool at
+the server's resident memory beyond its caches (host tier bytes, KV pool blocks used; growth
+after warm-up), the pool at
 the end, restart-to-ready and the restart's share of cached tokens.
 
     python -m eval.soak --model smollm2 --minutes 10 --clients 24      # the full run (a quiet machine)
@@ -329,7 +330,7 @@ def metrics(port: int) -> dict:
             continue
         name, value = line.rsplit(" ", 1)
         for want, key in (("promptcache_requests_in_flight", "in_flight"), ('promptcache_store_bytes{tier="host"}', "host"),
-                          ("promptcache_kv_pool_blocks", "blocks")):
+                          ("promptcache_kv_pool_blocks", "blocks"), ("promptcache_kv_pool_bytes", "pool_bytes")):
             if name == want:
                 out[key] = float(value)
         if name.startswith("promptcache_kv_pool_blocks_by_state"):
@@ -349,6 +350,19 @@ def percentile(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else 0.0
 
 
+def _beyond_caches(samples: list[dict], seconds: float) -> list[float]:
+    """Resident bytes beyond the caches, at each sample after warm-up (the first fifth of the run):
+    RSS less the host tier's bytes and the KV pool's touched blocks (on CPU a pool block becomes
+    resident when first used and stays so: the most blocks in use so far, times a block's bytes)."""
+    out, touched = [], 0.0
+    for x in samples:
+        block = x.get("pool_bytes", 0) / x["blocks"] if x.get("blocks") else 0
+        touched = max(touched, (x.get("blocks", 0) - x.get("pool_free", 0)) * block)
+        if x["rss"] and x["at"] >= samples[0]["at"] + 0.2 * seconds:
+            out.append(x["rss"] - x.get("host", 0) - touched)
+    return out
+
+
 def _tenth(xs: list[float], end: int) -> float:
     """The median of the first (``end`` 0) or last (-1) tenth of ``xs`` (at least one value)."""
     k = max(1, len(xs) // 10)
@@ -358,8 +372,7 @@ def _tenth(xs: list[float], end: int) -> float:
 def report(args, soak: Soak, seconds: float, ready: tuple[float, float], end: dict, restart: dict) -> dict:
     lat = [s for _, s in soak.health]
     during_big = [s for at, s in soak.health if any(a <= at <= b for a, b in soak.big)]
-    warm = [x for x in soak.samples if x["at"] >= soak.samples[0]["at"] + 0.2 * seconds] if soak.samples else []
-    beyond = [x["rss"] - x.get("host", 0) for x in warm if x["rss"]]
+    beyond = _beyond_caches(soak.samples, seconds)
     return {
         "model": args.model, "clients": args.clients, "minutes": args.minutes, "seconds": round(seconds, 1),
         "requests": {f"{k} {o}": n for (k, o), n in sorted(soak.counts.items())},
@@ -370,10 +383,10 @@ def report(args, soak: Soak, seconds: float, ready: tuple[float, float], end: di
         "big_tokenize_s": round(statistics.median([b - a for a, b in soak.big]), 2) if soak.big else None,
         # growth: the median of the last tenth of the samples after warm-up against the first tenth
         # (a 2M-character tokenize holds ~200 MB for a moment: the peak is reported apart)
-        "rss_beyond_host_mb_after_warmup": [round(_tenth(beyond, 0) / 2**20), round(_tenth(beyond, -1) / 2**20)]
+        "rss_beyond_caches_mb_after_warmup": [round(_tenth(beyond, 0) / 2**20), round(_tenth(beyond, -1) / 2**20)]
         if beyond else None,
-        "rss_beyond_host_growth_mb": round((_tenth(beyond, -1) - _tenth(beyond, 0)) / 2**20) if beyond else None,
-        "rss_beyond_host_peak_mb": round(max(beyond) / 2**20) if beyond else None,
+        "rss_beyond_caches_growth_mb": round((_tenth(beyond, -1) - _tenth(beyond, 0)) / 2**20) if beyond else None,
+        "rss_beyond_caches_peak_mb": round(max(beyond) / 2**20) if beyond else None,
         "pool_at_end": end, "pool_back_to_baseline": end.get("pool_request", 1) == 0 and end.get("pool_shared", 1) == 0
         and end.get("in_flight", 1) == 0,
         "start_to_ready_s": round(ready[0], 1), "restart_to_ready_s": round(ready[1], 1), **restart,

@@ -21,4 +21,4 @@ def test_a_minute_of_mixed_load_then_a_sigkill(tmp_path):
     assert r["health_max_during_big_ms"] < 1000 * r["big_tokenize_s"] / 2
     assert r["pool_back_to_baseline"], r["pool_at_end"]
     assert r["cached_warm"] > 0 and r["cached_share_after_sigkill"] >= 0.9
-    assert r["rss_beyond_host_growth_mb"] is not None and r["rss_beyond_host_growth_mb"] <= 200
+    assert r["rss_beyond_caches_growth_mb"] is not None and r["rss_beyond_caches_growth_mb"] <= 200

@@ -40,6 +40,8 @@ class Metrics:
               registry=r).set_function(lambda: backend.scheduler.decode_forwards)
         Gauge("promptcache_decode_tokens", "tokens decoded by those forwards (tokens / forwards: mean batch)",
               registry=r).set_function(lambda: backend.scheduler.decode_tokens)
+        Gauge("promptcache_kv_pool_bytes", "bytes of the KV pool (allocated at start; on CPU resident as its blocks are "
+              "first used)", registry=r).set_function(lambda: backend.pool.buf.numel() * backend.pool.buf.element_size())
         for name, doc in (("blocks", "KV pool blocks"), ("free", "free KV pool blocks"),
                           ("entries", "shared KV pool entries (prefix blocks, promoted modules)")):
             Gauge(f"promptcache_kv_pool_{name}", doc, registry=r).set_function(
