@@ -67,6 +67,18 @@ class FileState:
     spilled: bool = False
 
 
+def _weak_write(tier: "DiskTier"):
+    """``tier.write_now`` without keeping ``tier`` alive (a state queued when it is collected is dropped)."""
+    method = weakref.WeakMethod(tier.write_now)
+
+    def write(key: str, kv: torch.Tensor) -> None:
+        live = method()
+        if live is not None:
+            live(key, kv)
+
+    return write
+
+
 class DiskTier(Tier):
     name = "disk"
     io = True
@@ -80,7 +92,10 @@ class DiskTier(Tier):
         if write_policy not in DISK_POLICIES:
             raise ValueError(f"disk write policy must be one of {', '.join(DISK_POLICIES)}, got {write_policy!r}")
         self.budget, self.write_policy = budget, write_policy
-        self.writer = WriteBehind(self.write_now, lag) if write_policy == "behind" else None
+        self.writer = None
+        if write_policy == "behind":  # the thread holds the tier weakly: a tier nobody holds is collected
+            self.writer = WriteBehind(_weak_write(self), lag)
+            weakref.finalize(self, self.writer.close)
         self._index: OrderedDict[str, FileState] = OrderedDict()  # LRU order
         self._files: OrderedDict[Path, codec.StatesFile] = OrderedDict()
         self._spilled = 0  # bytes of spill files indexed

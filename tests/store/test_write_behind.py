@@ -3,6 +3,7 @@ written, on disk (whole files) within the lag, and what was written survives a S
 
 from __future__ import annotations
 
+import gc
 import os
 import signal
 import subprocess
@@ -126,3 +127,14 @@ def test_states_written_behind_survive_a_sigkill(tmp_path):
         if f"k{i}" in store:
             assert torch.equal(store.get(f"k{i}")[0], torch.full((2, 2, 2, 64, 8), float(i)))
     store.close()
+
+
+def test_a_behind_tier_nobody_holds_is_collected_and_frees_its_folder(tmp_path):
+    disk = DiskTier(tmp_path / "s", write_policy="behind")
+    disk.put("a", kv(1))
+    disk.flush()
+    del disk
+    gc.collect()
+    again = DiskTier(tmp_path / "s", write_policy="behind")  # the folder's lock went with the first
+    assert torch.equal(again.get("a"), kv(1))
+    again.close()
