@@ -61,8 +61,11 @@ Reopening checks every field of the index (a wrong type, a null or a missing fie
 ``DocumentStoreError`` naming the file, the document and the field; nothing is changed), the
 model and tokenizer (refused naming the part unless ``reencode=True``), and registers each file
 with what it must hold (key, dtype, shape, model, checksum); the data is verified on first read.
-A state that fails is dropped from the store; ``add`` of the same document re-encodes it and
-rewrites its file.
+The folder heals (``_stored``): a state that fails verification is dropped from the store, logged,
+encoded again from the document's text and its file rewritten atomically, whether a question
+reads it or ``add`` of the same document finds it (``add`` verifies a known document's file); a
+missing file is logged at opening and rebuilt the same way. A document whose text is known
+never fails for its states.
 """
 
 from __future__ import annotations
@@ -82,6 +85,7 @@ from ..engine.prefill.recompute import check_recompute, check_selection, recompu
 from ..keys import alone_key, chain_root, token_digest
 from ..layout import PromptLayout, Span
 from ..models.relocate import check_relocatable, relocate
+from ..store import StoreError
 from .documents import Document, DocumentStoreError, UnknownDocumentError
 from .prompt import DocumentPrompt
 from .folder import DocumentFolder
@@ -174,12 +178,8 @@ class DocumentStore:
             raise ValueError(f"document '{doc_id}' is empty")
         digest = token_digest(ids)
         doc = Document(doc_id, text, dict(metadata or {}), len(ids), digest, tuple(ids))
-        unit = self.unit_ids(doc)
-        key = self.state_key(unit)
-        if (not self.exact or self.path is not None) and key not in self.pc.store:
-            kv = self._put(key, self._encode(unit))
-            if self.folder is not None:
-                self.folder.write_states(doc, kv)
+        if not self.exact or self.path is not None:
+            self._stored(doc, verify=True)
         with self._lock:
             self._docs[doc_id] = doc
             self._save_index()
@@ -389,9 +389,7 @@ class DocumentStore:
         cached, hits, device = [], {}, self.pc.device
         for span in [s for s in layout.spans if s.name.startswith("doc:")][skip:]:
             key = self.state_key(span.token_ids)
-            if key not in self.pc.store:  # added to a chain store, or evicted: encode it again
-                self._put(key, self._encode(span.token_ids))
-            kv, tier = self.pc.store.get(key)
+            kv, tier = self._stored(self._docs[span.name.removeprefix("doc:")])
             hits[tier] = hits.get(tier, 0) + 1
             start = span.position_ids[0]
             positions = torch.arange(start, start + len(span), device=device)
@@ -446,6 +444,35 @@ class DocumentStore:
                 self.pc.release(res)
         return res
 
+    def _stored(self, doc: Document, verify: bool = False) -> tuple[torch.Tensor, str]:
+        """(``doc``'s unit states, the tier they came from), healed where they are not sound: a
+        state the store lacks (added to a chain store, evicted, its file missing) or whose copy
+        fails verification (a damaged file) is encoded again from the text and stored, and its
+        file is rewritten atomically where the store has a folder. ``verify``: check the folder's
+        file now (``add``), not only when it is read."""
+        key, unit, damage = self.state_key(self.unit_ids(doc)), self.unit_ids(doc), None
+        if verify and self.folder is not None and self.folder.has_states(doc):
+            damage = self.folder.damage(doc)
+            if damage is not None:
+                log.warning("document '%s': its states file is damaged (%s); encoded again from its text", doc.id,
+                            damage)
+                self.pc.store.discard(key)
+        kv = tier = None
+        if key in self.pc.store:
+            try:
+                kv, tier = self.pc.store.get(key)
+            except StoreError as e:  # the store dropped the bad copy from every tier
+                log.warning("document '%s': its stored states failed verification (%s); encoded again from its "
+                            "text", doc.id, e)
+                damage = str(e)
+        if kv is None:
+            self._put(key, self._encode(unit))
+            kv, tier = self.pc.store.get(key)
+        if self.folder is not None and (damage is not None or not self.folder.has_states(doc)):
+            with self._lock:
+                self.folder.write_states(doc, kv)
+        return kv, tier
+
     def _put(self, key: str, kv: torch.Tensor) -> torch.Tensor:
         """Store a document's states in the engine's stored dtype (``RunnerConfig.kv_dtype``, like
         schema modules; the splice buffer upcasts them); returns what was stored."""
@@ -457,8 +484,8 @@ class DocumentStore:
         if self.folder is None:
             return
         for d in self._docs.values():
-            if not self.folder.has_states(d):  # stored in memory before (same text): persist it now
-                self.folder.write_states(d, self.pc.store.get(self.state_key(self.unit_ids(d)))[0])
+            if not self.folder.has_states(d):  # stored in memory before (same text), or its file went missing
+                self._stored(d)
         self.folder.save(self._docs.values())
 
     def _open(self, reencode: bool) -> None:
@@ -474,6 +501,10 @@ class DocumentStore:
                 self.add(d["id"], d["text"], d["metadata"])
             return
         for doc, f, expect in self.folder.opened(records):
-            # read lazily on first use; the disk tier verifies it and never uses a bad file
-            self.pc.store.register_file(f, {self.state_key(self.unit_ids(doc)): ("kv", expect, 0)})
+            if self.folder.has_states(doc):
+                # read lazily on first use; the disk tier verifies it and never uses a bad file
+                self.pc.store.register_file(f, {self.state_key(self.unit_ids(doc)): ("kv", expect, 0)})
+            else:
+                log.warning("document '%s': its states file %s is missing; it is encoded again from its text when "
+                            "first used", doc.id, f)
             self._docs[doc.id] = doc

@@ -162,15 +162,18 @@ class Engine:
 
 
 def _write_through(store):
-    """``on_publish`` for a store with shared write-through tiers: each block a request publishes
-    is written there too, so other replicas find it (None: no such tier)."""
+    """``on_publish`` for a store whose tiers take every new state (shared write-through tiers, a
+    disk tier ``through`` or ``behind``): each block a request publishes is written there too, so
+    other replicas find it and a killed process finds it after a restart (None: no such tier)."""
     tiers = [t for t in store.shared if t.write_policy == "through"]
-    if not tiers:
+    if not tiers and not store.keeps_new:
         return None
 
     def publish(key, kv):
         data = kv.clone()
         for tier in tiers:
             tier.put(key, data)
+        if store.keeps_new:
+            store.keep(key, data)
 
     return publish

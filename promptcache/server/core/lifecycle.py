@@ -153,6 +153,8 @@ class Lifecycle:
         note(request, **counts.fields(), ttft=ttft)
         m.count_prompt(counts)
         m.requests.labels(request.url.path, "200").inc()
+        for tier, n in result.hit_tiers.items():
+            m.tier_hits.labels(tier).inc(n)
 
 
 class _Meter(EventSink):

@@ -1,8 +1,8 @@
 """POST /v1/chat/completions and /v1/completions (parse, prepare, ``Lifecycle.serve``, render); GET /v1/models.
 
-The route parses the body (``protocol.parse``), prepares it on the prep thread (``Preparer``:
-a ``Submission``) and hands an ``OpenAIExchange`` to the lifecycle, which submits it, awaits its
-prefill and streams or collects (``core/lifecycle.py``). This module only renders: a collected
+The route validates the body (``protocol.parse``) and prepares it (``Preparer``: a
+``Submission``), both on the prep thread, never the event loop, and hands an ``OpenAIExchange``
+to the lifecycle, which submits it, awaits its prefill and streams or collects (``core/lifecycle.py``). This module only renders: a collected
 answer as ``chat.completion`` / ``text_completion``, a streamed one as SSE chunks.
 
 Streaming: a chat stream opens with the assistant role chunk. Token log-probabilities ride on the
@@ -37,7 +37,7 @@ def add_openai_routes(app: FastAPI, lifecycle: Lifecycle, preparer: Preparer, pr
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         ns = namespace(request)
-        req = P.parse(request, P.ChatRequest, model_name)
+        req = await prep.run(P.parse, request, P.ChatRequest, model_name)
         sub = await prep.prepare(preparer.chat, req, ns)
         return await lifecycle.serve(request, OpenAIExchange(req, sub, tokenizer, chat=True,
                                                              tool_calls=tools.active(req)))
@@ -45,7 +45,7 @@ def add_openai_routes(app: FastAPI, lifecycle: Lifecycle, preparer: Preparer, pr
     @app.post("/v1/completions")
     async def completions(request: Request):
         ns = namespace(request)
-        req = P.parse(request, P.CompletionRequest, model_name)
+        req = await prep.run(P.parse, request, P.CompletionRequest, model_name)
         sub = await prep.prepare(preparer.completion, req, ns)
         return await lifecycle.serve(request, OpenAIExchange(req, sub, tokenizer, chat=False))
 

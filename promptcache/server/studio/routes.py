@@ -132,7 +132,10 @@ class Studio:
                 "sources": {n: t for n, t in sources.items() if n in names}}  # PML texts to edit (``promptcache studio``)
 
     async def schema(self, request: Request):
-        ns = self.ctx.namespace(request)
+        return await self.ctx.prep.respond(self.schema_view, request, self.ctx.namespace(request))
+
+    def schema_view(self, request: Request, ns: str) -> Response | dict:
+        """On the prep thread (validating, laying out and rendering a large schema take seconds)."""
         body = parse(request, SchemaBody)
         if (body.name is None) == (body.pml is None):
             raise APIError(400, "send either 'name' (a loaded schema) or 'pml' (schema text)", "pml")
@@ -146,16 +149,18 @@ class Studio:
                 raise APIError(400, f"pml holds {len(body.pml)} characters, the limit is {self.preparer.max_chars}",
                                "pml")
             try:
-                layout = await self.ctx.prep.run(lambda: layout_schema(
-                    body.pml, self.pc.tok, max_positions=self.preparer.context, allow_src_root=self.no_files))
+                layout = layout_schema(body.pml, self.pc.tok, max_positions=self.preparer.context,
+                                       allow_src_root=self.no_files)
             except PMLError as e:
                 return _pml_error(e)
-        return await self.ctx.prep.run(studio_views.schema_view, layout, self.pc.tokenizer)
+        return studio_views.schema_view(layout, self.pc.tokenizer)
 
     async def prompt(self, request: Request):
-        ns = self.ctx.namespace(request)
+        return await self.ctx.prep.respond(self.posted_prompt_view, request, self.ctx.namespace(request))
+
+    def posted_prompt_view(self, request: Request, ns: str) -> Response | dict:
         body = _check_prompt(parse(request, PromptBody), self.preparer.max_chars)
-        view = await self.ctx.prep.run(self.prompt_view, body, ns)
+        view = self.prompt_view(body, ns)
         if "error" in view:
             return JSONResponse(APIError(400, view["error"]["message"], "pml").body() | view, status_code=400)
         return view
@@ -202,8 +207,7 @@ class Studio:
     async def full(self, request: Request):
         """The baseline beside the cached answer: every token runs, nothing reused or shared."""
         ns = self.ctx.namespace(request)
-        body = _check_prompt(parse(request, PromptBody), self.preparer.max_chars)
-        ids = await self.ctx.prep.run(self._token_ids, body, ns)
+        body, ids = await self.ctx.prep.run(self._token_ids, request, ns)
         context = self.preparer.context
         if context is not None and len(ids) + body.max_tokens > context:
             raise APIError(400, f"{len(ids)} prompt tokens + max_tokens {body.max_tokens} exceed the context "
@@ -212,16 +216,17 @@ class Studio:
                          SamplingParams(max_new_tokens=body.max_tokens, temperature=0.0))
         return await self.ctx.lifecycle.serve(request, FullRun(sub))
 
-    def _token_ids(self, body: PromptBody, ns: str) -> list[int]:
+    def _token_ids(self, request: Request, ns: str) -> tuple[PromptBody, list[int]]:
+        body = _check_prompt(parse(request, PromptBody), self.preparer.max_chars)
         if body.messages is not None:
-            return self.preparer.chat_ids(self.preparer.chat_messages(body.messages))
+            return body, self.preparer.chat_ids(self.preparer.chat_messages(body.messages))
         try:
-            return self.pc.layout(parse_prompt(body.pml), ns).token_ids
+            return body, self.pc.layout(parse_prompt(body.pml), ns).token_ids
         except PMLError as e:
             raise APIError(400, f"bad PML prompt: {e}", "pml") from None
 
     async def cache(self, request: Request):
-        return await self.ctx.prep.run(self.cache_view, self.ctx.namespace(request))
+        return await self.ctx.prep.respond(self.cache_view, self.ctx.namespace(request))
 
     def cache_view(self, ns: str) -> dict:
         pc, prefix, traffic = self.pc, self.prefix, self.traffic
