@@ -40,7 +40,7 @@ from ..store import StoreError, build_store
 from ..tokens import as_span_tokenizer
 from ..tunables import PREWARM_SLACK
 from .schemas import compiled
-from .schemas.assemble import assemble, is_exact, leading_exact, moves_last
+from .schemas.assemble import assemble, leading_exact, moves_last
 from .prefill.config import EngineConfig, ServingConfig
 from .serving_core.core import Engine
 from .schemas.encoder import Progress, SchemaEncoder
@@ -217,16 +217,19 @@ class PromptCache:
     def plan(self, prompt: str | Path | Prompt, namespace: str | None = None, *,
              recompute: float | str | None = None, layout: PromptLayout | None = None) -> PrefillPlan | None:
         """The prompt as a ``PrefillPlan`` for the serving scheduler: its stored states (read in
-        place from the store's tensors, or promoted into the KV pool) and its new tokens. None
-        when the prompt recomputes part of its cached states (a drifted layout under ``"auto"`` or
-        any layout with ``recompute`` > 0 that is not exact): those are assembled in a private
-        buffer (``prefill``), which the scheduler copies into the pool."""
+        place from the store's tensors, or promoted into the KV pool) and its new tokens. A prompt
+        that recomputes part of its cached states (a drifted layout under ``"auto"``, or any layout
+        with ``recompute`` > 0 that is not exact) runs the chosen tokens as rows of the step in
+        prompt order (``engine/prefill/ordered.py``), its other states read like any plan's."""
         r = self.recompute_fraction(recompute)
         layout = self.layout(prompt, namespace) if layout is None else layout
         entry = self.schema(layout.schema.name, namespace) if layout.schema is not None else None
-        if r > 0 and not is_exact(layout, entry):  # decided before any store lookup: the private
-            return None  # prefill looks the states up itself (a lookup promotes them between tiers)
-        return self._assemble(layout, entry)
+        plan = self._assemble(layout, entry)
+        if r > 0 and not plan.exact:  # exact plans (and r = 0) skip the walk over the layout
+            req = recompute_request(layout, leading_exact(layout, entry), r, self.config.recompute.selection,
+                                    moves_last(layout))
+            plan = self.runner.recompute_plan(plan, req)
+        return plan
 
     def _assemble(self, layout: PromptLayout, entry: EncodedSchema | None) -> PrefillPlan:
         """``assemble.assemble``; a stored state that vanished (shared tier down or evicted) or

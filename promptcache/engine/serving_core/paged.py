@@ -83,6 +83,13 @@ class PagedRow:
     # pool slots [n] of each shared segment held in the pool (None: a store tensor read in place); a
     # decode row read by the native gather op reads such segments with its own slots (FOLD_SHARED)
     shared_slots: list[torch.Tensor | None] | None = None
+    # key limits in prompt order (selective recompute's rows): per shared segment, the number of its
+    # leading keys each of the t queries sees (LongTensor [t], 0 .. n), or None where every query
+    # sees all of it; a row with any limit is read as a prefill chunk (never folded into a gather)
+    shared_limits: list[torch.Tensor | None] | None = None
+
+    def limits(self) -> list[torch.Tensor | None]:
+        return self.shared_limits if self.shared_limits is not None else [None] * len(self.shared)
 
 
 @dataclass(frozen=True)
@@ -133,6 +140,11 @@ class StepPlan:
     qpos: torch.Tensor | None = None
     segment_pos: list[torch.Tensor] = field(default_factory=list)
     prefill_pos: list[tuple[torch.Tensor, list[torch.Tensor]]] = field(default_factory=list)
+    # segments some queries see only a prefix of (``PagedRow.shared_limits``): (view, query idx
+    # [m], keys seen by each [m], 1 .. n), read apart (never cascaded or concatenated); with a
+    # KeyRule, their key positions in ``limited_pos``
+    limited: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    limited_pos: list[torch.Tensor] = field(default_factory=list)
     # built at the first layer, read by the others: (partial, window) -> (bias, dead queries);
     # ("rows", segment) -> the segment's queries as a slice or an index tensor
     memo: dict = field(default_factory=dict)
@@ -153,12 +165,16 @@ def build_plan(pool: KVPool, rows: list[PagedRow], scale: float | None = None, k
     gather_max = None if cpu_attention.gathers(pool.buf) else GATHER_MAX
     for row in rows:
         t = len(row.ids)
-        decode = t == 1 and (gather_max is None or len(row.own) <= gather_max)
+        limits = row.limits()
+        decode = t == 1 and (gather_max is None or len(row.own) <= gather_max) and all(x is None for x in limits)
         slots = row.shared_slots if decode and gather_max is None and FOLD_SHARED else None
         folded = []  # shared pool slots this decode row reads with its own (one softmax over both)
         for i, (key, view) in enumerate(row.shared):
             if slots is not None and slots[i] is not None:
                 folded.append(slots[i])
+                continue
+            if limits[i] is not None:
+                _add_limited(plan, view, off, limits[i], None)
                 continue
             by_key.setdefault(key, (view, []))[1].extend(range(off, off + t))
         if decode:
@@ -182,6 +198,21 @@ def build_plan(pool: KVPool, rows: list[PagedRow], scale: float | None = None, k
             plan.decode_bias = _bias(valid[None, :, None, :].expand(hk, b, 1, width).reshape(hk * b, 1, width))
         plan.decodes_only = not plan.prefills and all(idx.numel() == off for _, idx in plan.segments)
     return plan
+
+
+def _add_limited(plan: StepPlan, view: torch.Tensor, off: int, limits: torch.Tensor, pos: torch.Tensor | None) -> None:
+    """A segment the row's queries (packed from ``off``) see a prefix of, ``limits`` [t] keys each;
+    queries that see none of it are left out."""
+    n = view.shape[3]
+    limits = limits.to("cpu", torch.long)
+    if bool((limits < 0).any()) or bool((limits > n).any()):
+        raise ValueError(f"key limits of a shared segment of {n} tokens must lie in 0..{n}, got {limits.tolist()}")
+    sees = torch.nonzero(limits > 0).flatten()
+    if sees.numel() == 0:
+        return
+    plan.limited.append((view, (sees + off).to(plan.pool.buf.device), limits[sees]))
+    if pos is not None:
+        plan.limited_pos.append(pos)
 
 
 def _own_positions(row: PagedRow) -> list[int]:
@@ -225,10 +256,14 @@ def _build_keyed(pool: KVPool, rows: list[PagedRow], scale: float | None, keys: 
     decodes, off = [], 0
     for row in rows:
         t = len(row.ids)
-        for (key, view), pos in zip(row.shared, _shared_positions(row)):
+        limits = row.limits()
+        for (key, view), pos, lim in zip(row.shared, _shared_positions(row), limits):
+            if lim is not None:
+                _add_limited(plan, view, off, lim, pos)
+                continue
             by_key.setdefault(key, (view, [], pos))[1].extend(range(off, off + t))
         own_pos = torch.tensor(_own_positions(row), dtype=torch.long)
-        if t == 1 and len(row.own) <= GATHER_MAX:
+        if t == 1 and len(row.own) <= GATHER_MAX and all(x is None for x in limits):
             decodes.append((off, row.own, own_pos))
             off += 1
             continue
@@ -420,7 +455,31 @@ def attend(plan: StepPlan, layer: int, query: torch.Tensor, scaling: float | Non
             rows = _query_rows(plan, i, idx)
             o, l = _attend(q[:, :, rows].reshape(hk, -1, d), ks, vs, None, qs)
             _merge(out, lse, rows, o.view(hk, g, -1, d), l.view(hk, g, -1))
+    for j, (view, idx, limits) in enumerate(plan.limited):  # prefixes of segments, per query
+        rows = _query_rows(plan, ("limited", j), idx)
+        m = len(limits)
+        o, l = _attend_limited(plan, j, q[:, :, rows].reshape(hk, g * m, d), view[layer, 0], view[layer, 1], limits, qs)
+        _merge(out, lse, rows, o.view(hk, g, m, d), l.view(hk, g, m))
     return out.view(hq, n, d).transpose(0, 1)[None].to(query.dtype)
+
+
+def _attend_limited(plan: StepPlan, j: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, limits: torch.Tensor,
+                    scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [Hk, G * m, D] (G query heads a KV head, m queries each) over k, v [Hk, n, D], query i
+    seeing keys 0 .. limits[i] - 1 (``limits`` [m], 1 .. n): the native kernel's ``attend_limits``
+    where it covers them, else a mask (built once a step). Returns (out, lse) float32."""
+    g = q.shape[1] // len(limits)
+    op = cpu_attention.limits_kernel_for(q, k)
+    if op is not None and v.dtype == k.dtype:
+        memo_key = ("limits", j)
+        if memo_key not in plan.memo:
+            plan.memo[memo_key] = limits.repeat(g).to(q.device)
+        return op(q, k, v, scale, plan.memo[memo_key])
+    memo_key = ("limits-bias", j)
+    if memo_key not in plan.memo:
+        seen = torch.arange(k.shape[1])[None, :] < limits[:, None]  # [m, n]
+        plan.memo[memo_key] = _bias(seen.repeat(g, 1).to(q.device))[None]  # [1, G * m, n]
+    return _attend(q, k, v, plan.memo[memo_key], scale)
 
 
 def _query_rows(plan: StepPlan, i: int, idx: torch.Tensor):
@@ -486,21 +545,27 @@ def _attend_keyed(plan: StepPlan, layer: int, query: torch.Tensor, scale: float)
         qpos = plan.qpos[idx.cpu()]
         _merge_keyed(plan, (-1, i, window), out, lse, idx, q[:, :, idx].reshape(hk, g * len(qpos), d),
                      _layer_kv(views, layer), qpos, pos, window)
+    for j, ((view, idx, limits), pos) in enumerate(zip(plan.limited, plan.limited_pos)):
+        qpos = plan.qpos[idx.cpu()]
+        _merge_keyed(plan, (-2, j, window), out, lse, idx, q[:, :, idx].reshape(hk, g * len(qpos), d),
+                     (view[layer, 0], view[layer, 1]), qpos, pos, window, limits=limits)
     return out.view(hq, n, d).transpose(0, 1)[None].to(query.dtype)
 
 
 _EMPTY = -1e30  # the log-sum-exp of no key yet (finite: exp(_EMPTY - _EMPTY) is 1, not NaN)
 
 
-def _merge_keyed(plan: StepPlan, memo_key, out, lse, rows, q, kv, qpos, kpos, window, causal: bool = False) -> None:
+def _merge_keyed(plan: StepPlan, memo_key, out, lse, rows, q, kv, qpos, kpos, window, causal: bool = False,
+                 limits: torch.Tensor | None = None) -> None:
     """One partial result of ``_attend_keyed``: queries q [Hk, G * m, D] (positions qpos [m],
     host) over keys/values [Hk, n, D] (positions kpos [n], host), merged into (out, lse) at
-    ``rows``; ``causal``: the keys are the queries' own new tokens (query i sees keys 0..i)."""
+    ``rows``; ``causal``: the keys are the queries' own new tokens (query i sees keys 0..i);
+    ``limits`` [m]: query i sees keys 0 .. limits[i] - 1 only."""
     hk, gm, d = q.shape
     m = len(qpos)
     g = gm // m
     if memo_key not in plan.memo:
-        plan.memo[memo_key] = _key_bias(plan.keys, hk, g, qpos, kpos, window, causal, q.device)
+        plan.memo[memo_key] = _key_bias(plan.keys, hk, g, qpos, kpos, window, causal, q.device, limits)
     bias, dead = plan.memo[memo_key]
     if bias is False:  # the window hides every key from every query
         return
@@ -511,12 +576,14 @@ def _merge_keyed(plan: StepPlan, memo_key, out, lse, rows, q, kv, qpos, kpos, wi
     _merge(out, lse, rows, o.view(hk, g, m, d), l.view(hk, g, m))
 
 
-def _key_bias(keys: KeyRule, hk: int, g: int, qpos, kpos, window, causal: bool, dev):
+def _key_bias(keys: KeyRule, hk: int, g: int, qpos, kpos, window, causal: bool, dev, limits=None):
     """(additive float32 bias [Hk, G * m or 1, n] or None, dead queries [G * m] bool or None) of
     a partial, or (False, None) where no query sees any key. The bias: the ALiBi term of each
-    key (per query head) plus -inf where the window or causality hides a key."""
+    key (per query head) plus -inf where the window, causality or a key limit hides a key."""
     m, n = len(qpos), len(kpos)
     visible = torch.ones((m, n), dtype=torch.bool).tril() if causal else None
+    if limits is not None:
+        visible = torch.arange(n)[None, :] < limits.cpu()[:, None]
     if window is not None and int(qpos.max()) - int(kpos.min()) >= window:
         inside = kpos[None, :] > qpos[:, None] - window
         visible = inside if visible is None else visible & inside

@@ -80,6 +80,7 @@ class Request:
         self.shared: list[tuple[str, torch.Tensor]] = []  # (cascade key, view [L, 2, H, n, D]) in KV order
         self.shared_pos: list[torch.Tensor] = []  # position IDs of each ``shared`` view
         self.shared_slots: list[torch.Tensor | None] = []  # pool slots of each ``shared`` view (None: not in the pool)
+        self.shared_order: list[torch.Tensor] | None = None  # prompt index of each ``shared`` key (a plan in prompt order)
         self.blocks: list[int] = []  # its own blocks, in token order (published ones included)
         self.slots: torch.Tensor | None = None  # [len(blocks) * block_size] pool slot of each own token
         self.own_ids: list[int] = []  # tokens whose states are in its own slots, in order
