@@ -405,11 +405,10 @@ class DocumentStore:
             start = span.position_ids[0]
             positions = torch.arange(start, start + len(span), device=device)
             at = len(self.encode_prefix)  # where the stored states sit
-            if start != at:  # moved to its place only when a buffer does not hold it there already
-                cached.append(Segment(f"{key}@{start}", None, positions,
-                                      load=functools.partial(relocate, self.pc.adapter, kv, start - at)))
-            else:
-                cached.append(Segment(f"{key}@0", kv, positions))
+            # read in place at any position (the pool rotates queries back by the shift); a private
+            # buffer places the states moved to their place, only when it does not hold them there already
+            move = functools.partial(relocate, self.pc.adapter, kv, start - at) if start != at else None
+            cached.append(Segment(f"{key}@{at}", kv, positions, load=move, shift=start - at))
         return cached, hits
 
     def _chain_states(self, layout: PromptLayout, docs: list[Document]) -> tuple[list, dict]:

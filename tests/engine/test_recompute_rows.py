@@ -133,3 +133,34 @@ def test_recomputed_tokens_are_rows_in_prompt_order_and_their_stored_copies_are_
     assert plan.recomputed > 0 and len(plan.new_ids) == len(plain.new_ids) + plan.recomputed
     assert plan.cached_tokens == plain.cached_tokens - plan.recomputed  # the stale copies left the segments
     assert all(seg.order is not None for seg in plan.segments)
+
+
+@pytest.mark.parametrize("family", ["llama", "bloom"])
+def test_documents_are_read_in_place_at_any_position(family, tokenizer):
+    """Questions over the same documents in other orders read each document's stored tensor itself
+    (no moved copy, no pool copy): the batch holds the distinct documents once, plus each
+    question's own rows (new and recomputed tokens) in its own blocks."""
+    pc = PromptCache(make_model(family), tokenizer)
+    store = DocumentStore(pc, independent=True)
+    for k, v in DOCS.items():
+        store.add(k, v)
+    orders = [["paris", "tokyo", "rome"], ["rome", "paris", "tokyo"], ["tokyo", "rome", "paris"]]
+    sched = ServingScheduler(pc.runner, KVPool(pc.runner.spec, pc.device, 2048, 16), token_budget=512)
+    reqs = [Request(store.prompt("Which city is old?", ids, recompute=r), SamplingParams(max_new_tokens=NEW, temperature=0.0),
+                    tokenizer) for ids in orders for r in (0.0, "auto")]
+    for r in reqs:
+        sched.add(r)
+    sched.step()  # every request admitted (one step holds all their prompts): its shared views are known
+    assert not sched.waiting
+    stored = {pc.store.get(store.state_key(store.unit_ids(store.get(d))))[0].untyped_storage().data_ptr()
+              for d in DOCS}
+    read = {view.untyped_storage().data_ptr() for r in reqs for _, view in r.shared}
+    assert stored <= read and len(read - stored) == 1  # the documents themselves, and the prompts' prefix
+    assert sum(r.shared_shift is not None and any(r.shared_shift) for r in reqs) == len(reqs)  # read elsewhere
+    own = sum(len(r.blocks) for r in reqs)
+    assert sched.pool.num_blocks - sched.pool.free_blocks == own  # nothing else entered the pool
+    while sched.has_work:
+        sched.step()
+    for (ids, r), got in zip([(ids, r) for ids in orders for r in (0.0, "auto")], reqs):
+        want = store.prefill("Which city is old?", ids, reserve=NEW + 1, keep_cache=True, recompute=r)
+        check(got, want, private_greedy(pc, want, NEW), (family, ids, r))

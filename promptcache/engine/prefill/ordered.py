@@ -85,7 +85,7 @@ def _cut(seg: Segment, runs: list[tuple[int, int, int]], order: list[int], scale
          ordered: bool) -> list[Segment]:
     """The segment's runs that stay stored (kept as they are, or scaled copies), each named by its
     slice so that pool entries and cascade reads never confuse it with the whole segment."""
-    kv = seg.states()  # [L, 2, H, n, D]
+    kv = seg.kv if seg.kv is not None else seg.states()  # [L, 2, H, n, D] (as stored: read shifted)
     out = []
     for kind, a, b in runs:
         if kind == _CHOSEN:
@@ -95,5 +95,6 @@ def _cut(seg: Segment, runs: list[tuple[int, int, int]], order: list[int], scale
             part = part.clone()
             part[:, 0].mul_(scale)  # keys only: q . (s k) = s (q . k)
             key += f"*{scale}"
-        out.append(Segment(key, part, seg.positions[a:b], promote=seg.promote, order=order[a] if ordered else None))
+        out.append(Segment(key, part, seg.positions[a:b], promote=seg.promote, order=order[a] if ordered else None,
+                           shift=seg.shift))
     return out

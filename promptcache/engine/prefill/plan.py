@@ -40,15 +40,27 @@ class Segment:
     # that already holds the segment at its slot never calls it)
     order: int | None = None  # prompt index of its first token (its tokens are consecutive in prompt
     # order); read only by a plan that runs in prompt order (``PrefillPlan.new_order``)
+    shift: int = 0  # ``kv`` holds the states encoded ``shift`` positions earlier (at ``positions -
+    # shift``): the pool reads them in place at any position (each query rotated back by ``shift``
+    # for that segment on rotary models; ALiBi reads ``positions``), a private buffer places
+    # ``load()`` (the states moved to ``positions``)
 
     @property
     def n(self) -> int:
         return len(self.positions)
 
+    @property
+    def placed(self) -> str:
+        """What a private buffer holding ``states()`` holds: the key, and the shift it was moved by."""
+        return f"{self.key}>{self.shift}" if self.shift else self.key
+
     def states(self) -> torch.Tensor:
-        """The segment's states [L, 2, H, n, D] (``load``-ed when not held)."""
-        if self.kv is not None:
+        """The segment's states at ``positions`` [L, 2, H, n, D] (``load``-ed when not held, or
+        moved by ``shift``)."""
+        if self.kv is not None and not self.shift:
             return self.kv
+        if self.shift and self.load is None:
+            raise RuntimeError(f"segment {self.key} is read shifted by {self.shift} and has no moved copy")
         if self.load is None:
             raise RuntimeError(f"segment {self.key} holds no states (a pool entry's key)")
         return self.load()

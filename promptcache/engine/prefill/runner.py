@@ -74,7 +74,7 @@ class ModelRunner:
         # must not hold the (asynchronous) copies of the stored spans yet
         ids = torch.tensor([new_ids], dtype=torch.long, device=self.device)  # [1, T]
         pos = torch.tensor([new_pos], dtype=torch.long, device=self.device)  # [1, T]
-        cache = self.pool.acquire(capacity, [(seg.key, seg.n) for seg in segments])
+        cache = self.pool.acquire(capacity, [(seg.placed, seg.n) for seg in segments])
         try:
             copied = cache.place(segments)
             if recompute is None:
@@ -114,7 +114,7 @@ class ModelRunner:
         n_cached = plan.cached_tokens
         ids = torch.tensor([plan.new_ids], dtype=torch.long, device=self.device)  # [1, T]
         pos = torch.tensor([plan.new_pos], dtype=torch.long, device=self.device)  # [1, T]
-        cache = self.pool.acquire(n_cached + len(plan.new_ids), [(seg.key, seg.n) for seg in plan.segments])
+        cache = self.pool.acquire(n_cached + len(plan.new_ids), [(seg.placed, seg.n) for seg in plan.segments])
         try:
             cache.place(plan.segments)
             with self.lock:

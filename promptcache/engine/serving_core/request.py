@@ -81,6 +81,7 @@ class Request:
         self.shared_pos: list[torch.Tensor] = []  # position IDs of each ``shared`` view
         self.shared_slots: list[torch.Tensor | None] = []  # pool slots of each ``shared`` view (None: not in the pool)
         self.shared_order: list[torch.Tensor] | None = None  # prompt index of each ``shared`` key (a plan in prompt order)
+        self.shared_shift: list[int] | None = None  # positions each ``shared`` view's states lie behind where it is read
         self.blocks: list[int] = []  # its own blocks, in token order (published ones included)
         self.slots: torch.Tensor | None = None  # [len(blocks) * block_size] pool slot of each own token
         self.own_ids: list[int] = []  # tokens whose states are in its own slots, in order

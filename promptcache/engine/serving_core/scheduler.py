@@ -150,7 +150,8 @@ class ServingScheduler(RequestQueue):
         r.own_ids.extend(ids)  # their states are written by this step's forward
         r.own_pos.extend(pos)
         return PagedRow(ids, pos, r.shared, r.slots[: done + len(ids)], logits=logits, shared_pos=r.shared_pos,
-                        shared_slots=r.shared_slots, own_pos=r.own_pos, shared_limits=limits)
+                        shared_slots=r.shared_slots, own_pos=r.own_pos, shared_limits=limits,
+                        shared_shift=r.shared_shift)
 
     def _chunk(self, r: Request, budget: int) -> PagedRow:
         lo = len(r.own_ids)
@@ -221,13 +222,15 @@ class ServingScheduler(RequestQueue):
             return self._no_room(req, entries, plan.cached_tokens)
         # the views hold the segments' tokens in KV order: their positions, cut at the views' lengths
         positions = torch.cat([seg.positions.to("cpu", torch.long) for seg in plan.segments]) if shared else None
-        req.admit(plan, entries, [(k, v) for k, v, _ in shared], blocks, self._slots_of(blocks), copied)
-        req.shared_pos = list(positions.split([v.shape[3] for _, v, _ in shared])) if shared else []
-        req.shared_slots = [slots for _, _, slots in shared]
+        lengths = [v.shape[3] for _, v, _, _ in shared]
+        req.admit(plan, entries, [(k, v) for k, v, _, _ in shared], blocks, self._slots_of(blocks), copied)
+        req.shared_pos = list(positions.split(lengths)) if shared else []
+        req.shared_slots = [slots for _, _, slots, _ in shared]
+        req.shared_shift = [shift for _, _, _, shift in shared] if any(seg.shift for seg in plan.segments) else None
         if plan.new_order is not None:  # the prompt index of every shared key, split as the views are
             order = torch.cat([torch.arange(seg.order, seg.order + seg.n) for seg in plan.segments]) if shared \
                 else torch.zeros(0, dtype=torch.long)
-            req.shared_order = list(order.split([v.shape[3] for _, v, _ in shared]))
+            req.shared_order = list(order.split(lengths))
         return "admitted"
 
     def _slots_of(self, blocks: list[int]) -> torch.Tensor:
@@ -262,30 +265,33 @@ class ServingScheduler(RequestQueue):
                     return entries, None, copied
                 entries.append(held[i])
                 copied += seg.kv.numel() * seg.kv.element_size()
-        shared: list[tuple[str, torch.Tensor, torch.Tensor | None]] = []
-        chain: list[SharedEntry] = []  # consecutive full pool entries: coalesced into runs
+        shared: list[tuple[str, torch.Tensor, torch.Tensor | None, int]] = []
+        chain: list[SharedEntry] = []  # consecutive full pool entries read at one shift: coalesced into runs
+        shift = 0
         for seg, entry in zip(plan.segments, held):
+            if entry is None or seg.shift != shift:
+                shared += self._runs(chain, shift)
+                chain, shift = [], seg.shift
             if entry is None:  # read in place from the store's tensor
-                shared += self._runs(chain)
-                chain = []
-                shared.append((seg.key, seg.kv, None))
+                shared.append((seg.key, seg.kv, None, seg.shift))
                 continue
             chain.append(entry)
             if entry.n != len(entry.blocks) * pool.block_size:  # partial: ends a run
-                shared += self._runs(chain)
+                shared += self._runs(chain, shift)
                 chain = []
-        shared += self._runs(chain)
+        shared += self._runs(chain, shift)
         return entries, shared, copied
 
-    def _runs(self, chain: list[SharedEntry]) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
-        """Consecutive pool entries as views of contiguous runs: (key, view, the run's pool slots)."""
+    def _runs(self, chain: list[SharedEntry], shift: int) -> list[tuple[str, torch.Tensor, torch.Tensor, int]]:
+        """Consecutive pool entries as views of contiguous runs: (key, view, the run's pool slots, shift)."""
         if not chain:
             return []
         blocks = [b for e in chain for b in e.blocks]
         views, out, slot = self.pool.views(blocks, sum(e.n for e in chain)), [], 0
         for v in views:
             start = blocks[slot // self.pool.block_size] * self.pool.block_size
-            out.append((f"pool:{start}:{v.shape[3]}", v, torch.arange(start, start + v.shape[3], device=self.pool.buf.device)))
+            slots = torch.arange(start, start + v.shape[3], device=self.pool.buf.device)
+            out.append((f"pool:{start}:{v.shape[3]}", v, slots, shift))
             slot += v.shape[3]
         return out
 
