@@ -12,8 +12,9 @@ which stored states are read in place, which tokens run at which position IDs) t
 takes at admission. New tokens attend to every cached entry and to the new tokens before them:
 the paper's definition. Generated tokens take positions after the largest position in the
 prompt. Several threads may call ``generate`` on one PromptCache: they share its engine.
-``prefill`` assembles one prompt in a private buffer (``ModelRunner.prefill_spliced``): the
-logits alone, and the route of prompts that recompute part of their states.
+A prompt that recomputes part of its states runs the chosen tokens as rows of the step
+(``plan``). ``prefill`` assembles one prompt in a private buffer (``ModelRunner.prefill_spliced``):
+the logits alone, never on the serving path.
 
 Rooms: ``runner.py`` (model, forwards, buffers), ``registry.py`` (encoded schemas, fingerprints,
 keys), ``encoder.py`` (schema encoding), ``assemble.py`` (prompt plans), ``sampling.py``,
@@ -251,8 +252,9 @@ class PromptCache:
     def run_spliced(self, plan: PrefillPlan, t0: float | None = None, reserve: int = 0, keep_cache: bool = False,
                     *, recompute: RecomputeRequest | None = None) -> PrefillResult:
         """A plan the caller made (stored segments in KV order, new tokens at their positions),
-        assembled in a private buffer and run: the RAG store's prompts. ``recompute``: a request
-        from ``recompute.recompute_request``."""
+        assembled in a private buffer and run: ``DocumentStore.prefill`` (the logits alone; its
+        served prompts are planned into the pool). ``recompute``: a request from
+        ``recompute.recompute_request``."""
         return self.runner.prefill_spliced(plan, t0, reserve, keep_cache, recompute=recompute)
 
     def prefill_baseline(self, prompt, namespace: str | None = None) -> PrefillResult:

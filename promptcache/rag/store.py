@@ -116,7 +116,6 @@ class DocumentStore:
         self.mode = EXACT if exact else INDEPENDENT if independent else REUSE
         self.selection = check_selection(selection or pc.config.recompute.selection)
         self.canonical_order = bool(canonical_order)
-        self.separator = separator
         self._sep = tuple(pc.tok.encode(separator)) if separator else ()
         self.attach_separator = bool(attach_separator) and bool(self._sep)
         if self.attach_separator and prefixed:
