@@ -65,7 +65,9 @@ def run(args) -> tuple[dict, list[tuple[float, float]]]:
         store.add(doc_id, text)
     rng = random.Random(0)
     store.generate("Warm up.", rng.sample(sorted(texts), args.k), SYSTEM, max_new_tokens=2, temperature=0.0)
-    stream_params = SamplingParams(max_new_tokens=100_000, temperature=0.0, ignore_eos=True)
+    # a request's blocks are reserved for its whole generation at admission: long enough to
+    # outlast the questions' admission, short enough that streams and questions fit the pool
+    stream_params = SamplingParams(max_new_tokens=args.stream_tokens, temperature=0.0, ignore_eos=True)
     streams = [Request(pc.prompt_spec(pc.chat_ids([{"role": "user", "content": f"Tell a long story number {i}."}])),
                        stream_params, pc.tokenizer) for i in range(args.streams)]
     for r in streams:
@@ -81,6 +83,9 @@ def run(args) -> tuple[dict, list[tuple[float, float]]]:
 
     while min(len(t) for t in times.values()) < args.settle:
         step()
+        failed = [r.error for r in streams if r.error is not None]
+        if failed:
+            raise failed[0]
     arrived = time.perf_counter()
     questions = [Request(store.prompt(f"What does document {i} say?", rng.sample(sorted(texts), args.k), SYSTEM),
                          SamplingParams(max_new_tokens=args.answer_tokens, temperature=0.0), pc.tokenizer)
@@ -141,6 +146,7 @@ def main(argv=None) -> None:
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--doc-tokens", type=int, default=250)
     ap.add_argument("--answer-tokens", type=int, default=8)
+    ap.add_argument("--stream-tokens", type=int, default=600, help="tokens each stream may decode (max_new_tokens)")
     ap.add_argument("--settle", type=int, default=8, help="tokens every stream decodes before the questions come")
     ap.add_argument("--budget", type=int, default=512, help="tokens an engine step may run (ServingConfig)")
     ap.add_argument("--packed", action=argparse.BooleanOptionalAction, default=True)
