@@ -123,7 +123,6 @@ class DocumentStore:
         self.mode = EXACT if exact else INDEPENDENT if independent else REUSE
         self.selection = check_selection(selection or pc.config.recompute.selection)
         self.canonical_order = bool(canonical_order)
-        self.separator = separator
         self._sep = tuple(pc.tok.encode(separator)) if separator else ()
         self.attach_separator = bool(attach_separator) and bool(self._sep)
         if self.attach_separator and prefixed:
@@ -220,11 +219,7 @@ class DocumentStore:
         r = self.pc.recompute_fraction(recompute)
         docs = self._order(doc_ids)
         if not self.exact:  # reuse: the longest stored chain first
-            chain, _ = self._layout(question, docs, system, len(docs))
-            cached, hits = self._chain_states(chain, docs if self.hybrid else [])
-            chained = len(cached) - (chain.spans[0].name == "(prefix)")
-            return self._prefill_independent(question, docs, system, reserve, keep_cache, t0, r,
-                                             (cached, hits, chained))
+            return self._prefill_independent(question, docs, system, reserve, keep_cache, t0, r)
         return self._prefill_chain(question, docs, system, reserve, keep_cache, t0)
 
     def served_layout(self, question: str, doc_ids: list[str], system: str | None = None) -> PromptLayout:
@@ -240,12 +235,6 @@ class DocumentStore:
         self._prefix_state(layout, [], {})
         return layout
 
-    @property
-    def private_prefill(self) -> bool:
-        """Its prompts are assembled in a private buffer (reused documents are placed and partly
-        recomputed); exact chain prompts plan into the engine's pool as token chains."""
-        return not self.exact
-
     def prompt(self, question: str, doc_ids: list[str], system: str | None = None, *,
                recompute: float | str | None = None, prefix=None,
                layout: PromptLayout | None = None) -> DocumentPrompt:
@@ -255,7 +244,7 @@ class DocumentStore:
         store's prompt is planned from its layout, laid out once, here."""
         if recompute is not None:
             check_recompute(recompute)
-        if self.private_prefill:
+        if not self.exact:  # planned at admission (``plan``)
             self._order(doc_ids)
             layout = None
         elif layout is None:
@@ -361,13 +350,35 @@ class DocumentStore:
         hits[tier] = hits.get(tier, 0) + 1
         cached.append(Segment(key, kv, torch.arange(len(first.token_ids), device=self.pc.device)))
 
+    def plan(self, question: str, doc_ids: list[str], system: str | None = None, *,
+             recompute: float | str | None = None) -> PrefillPlan:
+        """A reuse (independent or hybrid) store's prompt as the serving scheduler runs it: the
+        prefix, the stored chain and the documents read from stored states, the drifted tokens
+        ``recompute`` chooses and the new text as the request's prefill rows in prompt order
+        (``engine/prefill/ordered.py``). An exact store's prompts are token chains (``DocumentPrompt``)."""
+        if self.exact:
+            raise DocumentStoreError("an exact (chain) store's prompts are planned as token chains (DocumentPrompt)")
+        plan, req = self._independent_plan(question, self._order(doc_ids), system, self.pc.recompute_fraction(recompute))
+        return plan if req is None else self.pc.runner.recompute_plan(plan, req)
+
+    def _found(self, question: str, docs: list[Document], system: str | None) -> tuple:
+        """(states, tier hits, documents) of the prefix and the longest stored chain of the leading
+        documents (hybrid stores; the prefix alone otherwise)."""
+        chain, _ = self._layout(question, docs, system, len(docs))
+        cached, hits = self._chain_states(chain, docs if self.hybrid else [])
+        return cached, hits, len(cached) - (chain.spans[0].name == "(prefix)")
+
     def _prefill_independent(self, question: str, docs: list[Document], system: str | None, reserve: int,
-                             keep_cache: bool, t0: float, r: float, found: tuple) -> PrefillResult:
-        """``found``: (states, tier hits, documents) of the prefix and the leading documents' stored
-        chain (exact; ``_chain_states``); the other documents come from their independent states
-        moved to their positions (drifted: ``r`` of their tokens recomputed); separators and the
-        question run."""
-        cached, hits, chained = found
+                             keep_cache: bool, t0: float, r: float) -> PrefillResult:
+        plan, req = self._independent_plan(question, docs, system, r)
+        return self.pc.run_spliced(plan, t0, reserve, keep_cache, recompute=req)
+
+    def _independent_plan(self, question: str, docs: list[Document], system: str | None, r: float):
+        """(plan, recompute request or None): the prefix and the leading documents' stored chain
+        (exact; ``_chain_states``), the other documents from their independent states moved to
+        their positions (drifted: ``r`` of their tokens to recompute); separators and the question
+        run."""
+        cached, hits, chained = self._found(question, docs, system)
         layout, _ = self._layout(question, docs, system, chained)
         n_exact = sum(seg.n for seg in cached)
         more, more_hits = self._independent_states(layout, chained)
@@ -381,7 +392,7 @@ class DocumentStore:
         plan = PrefillPlan(segments=cached, new_ids=[t for s in new for t in s.token_ids],
                            new_pos=[p for s in new for p in s.position_ids], max_position=max(layout.position_ids),
                            exact=not drifted, layout=layout, hit_tiers=hits)
-        return self.pc.run_spliced(plan, t0, reserve, keep_cache, recompute=req)
+        return plan, req
 
     def _independent_states(self, layout: PromptLayout, skip: int):
         """(stored segments, tier hits): each document after the first ``skip``
@@ -394,11 +405,10 @@ class DocumentStore:
             start = span.position_ids[0]
             positions = torch.arange(start, start + len(span), device=device)
             at = len(self.encode_prefix)  # where the stored states sit
-            if start != at:  # moved to its place only when a buffer does not hold it there already
-                cached.append(Segment(f"{key}@{start}", None, positions,
-                                      load=functools.partial(relocate, self.pc.adapter, kv, start - at)))
-            else:
-                cached.append(Segment(f"{key}@0", kv, positions))
+            # read in place at any position (the pool rotates queries back by the shift); a private
+            # buffer places the states moved to their place, only when it does not hold them there already
+            move = functools.partial(relocate, self.pc.adapter, kv, start - at) if start != at else None
+            cached.append(Segment(f"{key}@{at}", kv, positions, load=move, shift=start - at))
         return cached, hits
 
     def _chain_states(self, layout: PromptLayout, docs: list[Document]) -> tuple[list, dict]:
