@@ -20,7 +20,8 @@ For each workload:
   each (``ignore_eos``); requests and generated tokens per second.
 
 Prints the ratios (measured in one run; a shared machine's load falls on both modes) and
-writes ``bench_vllm.csv`` and ``.png``. vLLM comes from ``eval/vllm_connector.py``
+writes ``bench_vllm.csv`` and ``.png`` (``--rope llama3``: SmolLM2's weights with Llama 3.1's
+rope scaling, ``bench_vllm_llama3.csv``). vLLM comes from ``eval/vllm_connector.py``
 (``$PROMPTCACHE_VLLM_VENV`` or a venv made once). Run it at ``nice -n 19`` on a shared machine.
 """
 
@@ -37,11 +38,14 @@ from pathlib import Path
 
 from eval.common import RESULTS, save_table, text_of_tokens
 from eval.peer_servers import MODEL_NAME, Running
-from eval.vllm_connector import server, vllm_venv
+from eval.vllm_connector import rope_variant, server, vllm_venv
 
 MODES = ("connector", "plain")
 WORKLOADS = ("modules", "documents")
 SYSTEM = "Answer the question from the documents."
+ROPES = {"default": None,  # SmolLM2 as published
+         "llama3": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                    "original_max_position_embeddings": 2048}}
 
 
 def make_schema(tok, modules: int, tokens: int) -> str:
@@ -133,7 +137,9 @@ def plot(rows: list[dict], path: Path) -> bool:
     for ax in (a, b):
         ax.tick_params(axis="x", labelsize=7)
     r = rows[0]
-    fig.suptitle(f"vLLM CPU, SmolLM2-135M: {r['imports']} of {r['modules']} modules x {r['module_tokens']} tokens; "
+    rope = "" if r["rope"] == "default" else f" ({r['rope']} rope)"
+    fig.suptitle(f"vLLM CPU, SmolLM2-135M{rope}: {r['imports']} of {r['modules']} modules x {r['module_tokens']} "
+                 "tokens; "
                  f"{r['retrieve']} of {r['docs']} documents x {r['doc_tokens']} tokens, new orders", fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -155,6 +161,8 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--max-tokens", type=int, default=16, help="generated tokens per throughput request")
     ap.add_argument("--threads", type=int, default=2, help="vLLM's CPU threads")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--rope", choices=sorted(ROPES), default="default",
+                    help="SmolLM2's weights with this rope (llama3: Llama 3.1's scaling, factor 8)")
     ap.add_argument("--out", type=Path, default=RESULTS)
     args = ap.parse_args(argv)
 
@@ -164,9 +172,11 @@ def main(argv=None) -> list[dict]:
     from promptcache.integrations.vllm import kv_transfer_config
     from promptcache.models.smollm2 import ensure_smollm2
 
-    model_dir = ensure_smollm2()
-    pc = PromptCache.from_pretrained(model_dir)
     work = Path(tempfile.mkdtemp(prefix="bench_vllm-"))
+    model_dir = ensure_smollm2()
+    if ROPES[args.rope]:
+        model_dir = rope_variant(model_dir, work / f"smollm2-{args.rope}", ROPES[args.rope])
+    pc = PromptCache.from_pretrained(model_dir)
     folder = pc.compile(make_schema(pc.tokenizer, args.modules, args.module_tokens), work / "notes")
     store = make_store(pc, work / "docs", args.docs, args.doc_tokens)
     sets = {"modules": lambda n, seed, tag: requests_for(pc, make_prompts(n, args.modules, args.imports, seed, tag)),
@@ -196,13 +206,14 @@ def main(argv=None) -> list[dict]:
               f"{c['cached_tokens_mean']} vs {p['cached_tokens_mean']} of {c['prompt_tokens']})")
         print(f"{w}: throughput at {args.concurrency} concurrent: connector {c['requests_per_s']:.2f} req/s, plain "
               f"{p['requests_per_s']:.2f} req/s: {c['requests_per_s'] / p['requests_per_s']:.1f}x")
-    save_table("bench_vllm", rows, args.out, plot)
+    save_table("bench_vllm" if args.rope == "default" else f"bench_vllm_{args.rope}", rows, args.out, plot)
     return rows
 
 
 def row(args, workload: str, mode: str, requests: list[dict], times: list[tuple], rate: tuple) -> dict:
     secs = sorted(t for t, _, _ in times)
-    return {"workload": workload, "mode": mode, "modules": args.modules, "module_tokens": args.module_tokens,
+    return {"workload": workload, "mode": mode, "rope": args.rope, "modules": args.modules,
+            "module_tokens": args.module_tokens,
             "imports": args.imports, "docs": args.docs, "doc_tokens": args.doc_tokens, "retrieve": args.retrieve,
             "prompt_tokens": round(statistics.mean(len(r["prompt"]) for r in requests)),
             "cached_tokens_mean": round(statistics.mean(c for _, c, _ in times)),

@@ -28,7 +28,7 @@ export PROMPTCACHE_FAILURE_LOG="$out/failures.txt"  # each failure as it happens
 gcc --version | head -1
 # one refusal of the native CPU kernels (a C++ exception through torch's dispatcher), alone
 python3 -X faulthandler -c "import torch; from promptcache.kernels import attention as c; g = c.gather_kernel_for(torch.zeros(1, 1, 1, 16), torch.zeros(1)); g(torch.randn(1, 2, 1, 16), torch.randn(1, 10, 16), torch.randn(1, 10, 16), torch.tensor([[0, 1], [9, 10]]), torch.tensor([2, 2]), 1.0)" 2>&1 | tail -5
-find ~/.cache/torch_extensions -name "*.so" -exec ldd {} \; 2>/dev/null | grep -E "stdc|gomp|gcc_s" | sort -u
+find "${PROMPTCACHE_KERNEL_DIR:-$HOME/.cache/promptcache/kernels}" -name "*.so" -exec ldd {} \; 2>/dev/null | grep -E "stdc|gomp|gcc_s" | sort -u
 timeout "${CUDA_TEST_SECONDS:-300}" python3 -m pytest -q -p no:cacheprovider -n "$workers" --timeout 240 --tb=short -rfE \
     $tests "$@" 2>&1 | tee "$out/tests.log" | grep -v "^tests/.*PASSED" | tail -150
 echo "pytest exit: ${PIPESTATUS[0]}"

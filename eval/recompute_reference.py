@@ -124,6 +124,19 @@ def run_layers(model, ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor, 
     return logits, kv, active
 
 
+def from_layout(layout) -> Prompt:
+    """A reference prompt from an engine ``PromptLayout``: its module spans (``source == "module"``:
+    PML modules, stored documents) as the modules, everything before the first the prefix, the rest
+    the suffix; contiguous positions."""
+    ids, mods, at = [], [], 0
+    for s in layout.spans:
+        if s.kind == "cached" and s.source == "module":
+            mods.append((at, at + len(s)))
+        ids += s.token_ids
+        at += len(s)
+    return Prompt(torch.tensor(ids), mods)
+
+
 def independent_kv(model, p: Prompt) -> KV:
     """Naive reuse state: every module encoded alone after the prefix, at its final positions."""
     pos = torch.arange(p.n)

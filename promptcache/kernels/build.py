@@ -1,18 +1,23 @@
-"""C++ CPU kernels compiled at first use on this machine: ``NativeKernels``.
+"""C++ CPU kernels compiled at first use in each Python environment: ``NativeKernels``.
 
 Each kernel file (``kernels/attention.cpp``, ``kernels/rms_norm.cpp``, ``kernels/fused.cpp``)
 is built with torch's C++ extension loader (the system's C++ compiler and ``ninja``;
-``-O3 -march=native -fopenmp``) into torch's extension folder (``TORCH_EXTENSIONS_DIR``, default
-``~/.cache/torch_extensions``), under a name keyed by the source, the flags, this CPU's flags and
-torch's version: ~10 s once per machine, then a load of a few milliseconds. ``-march=native``
-is why the build is per machine: the same source takes AVX-512 (and AVX-512 BF16) where the CPU
-has it, AVX2 or SSE elsewhere. ``-fopenmp``: ATen's ``parallel_for`` is inline OpenMP, and the
-extension binds to the libgomp torch has already loaded (one thread pool).
+``-O3 -march=native -fopenmp``) into a folder of this environment's own
+(``kernels/build_folder.py``: ``~/.cache/promptcache/kernels/<python, torch, venv>/``, root
+``PROMPTCACHE_KERNEL_DIR``), under a name keyed by the source, the flags, this CPU's flags and
+torch's version: built once per environment (on 2 cores beside other work, load average 8-10:
+the attention kernel 281 s, the norm and fused kernels 26 s each; the log says how long it took),
+then a load of a few milliseconds. ``-march=native`` is why the build is per machine: the same source takes
+AVX-512 (and AVX-512 BF16) where the CPU has it, AVX2 or SSE elsewhere. ``-fopenmp``: ATen's
+``parallel_for`` is inline OpenMP, and the extension binds to the libgomp torch has already
+loaded (one thread pool).
 
-Where a kernel cannot be built (no compiler, no ninja) a warning says why once, and its callers
-keep torch's own ops (the same computation, slower); an environment variable per kernel turns it
-off (``PROMPTCACHE_NATIVE_ATTENTION=0``, ``PROMPTCACHE_NATIVE_NORM=0``,
-``PROMPTCACHE_NATIVE_FUSED=0``).
+A build holds the folder's ``BuildLock``: a process that finds another one building (or loading)
+the same kernel waits at most ``PROMPTCACHE_KERNEL_WAIT`` seconds (default 0), says so and keeps
+torch's ops; a lock left by a killed builder is cleared with a log line. Where a kernel cannot be
+built (no compiler, no ninja) a warning says why once, and its callers keep torch's own ops (the
+same computation, slower); an environment variable per kernel turns it off
+(``PROMPTCACHE_NATIVE_ATTENTION=0``, ``PROMPTCACHE_NATIVE_NORM=0``, ``PROMPTCACHE_NATIVE_FUSED=0``).
 """
 
 from __future__ import annotations
@@ -28,11 +33,14 @@ from pathlib import Path
 
 import torch
 
+from .build_folder import BuildBusy, BuildLock, build_folder, wait_seconds
+
 log = logging.getLogger(__name__)
 
 __all__ = ["NativeKernels"]
 
 CFLAGS = ("-O3", "-march=native", "-fopenmp")
+LOADING_WAIT_S = 30.0  # the longest wait on a lock held while a built kernel is loaded
 
 
 def _cpu_flags() -> str:
@@ -78,6 +86,14 @@ class NativeKernels:
         """Why the kernels are not used (None: they are, or were not asked for yet)."""
         return self._reason
 
+    def build_name(self) -> str:
+        """The extension's name: the source and the headers beside it (vectors.h: a header change
+        rebuilds too), the flags, this CPU's flags and torch's version."""
+        code = self.source.read_bytes() + b"".join(h.read_bytes() for h in sorted(self.source.parent.glob("*.h")))
+        digest = hashlib.sha256(code + " ".join(CFLAGS).encode() + _cpu_flags().encode()
+                                + torch.__version__.encode()).hexdigest()[:12]
+        return f"promptcache_{self.source.stem}_{digest}"
+
     def _load(self) -> None:
         if os.environ.get(self.switch, "1").strip().lower() in ("0", "false", "no", "off"):
             self._reason = f"turned off by {self.switch}"
@@ -85,6 +101,9 @@ class NativeKernels:
             return
         try:
             self._ops = self._build()
+        except BuildBusy as exc:  # never wait on another process's build without bound
+            self._reason = str(exc)
+            log.warning("%s: using torch's ops in this process (the next process loads the kernel)", exc)
         except Exception as exc:  # no compiler, no ninja, a failed build: torch's ops compute the same
             last = str(exc).strip().splitlines()[-1] if str(exc).strip() else ""
             self._reason = f"{type(exc).__name__}: {last}"
@@ -94,17 +113,32 @@ class NativeKernels:
     def _build(self):
         from torch.utils import cpp_extension  # heavy: only when a kernel is wanted
 
-        # the source and the headers beside it (vectors.h): a header change rebuilds too
-        code = self.source.read_bytes() + b"".join(h.read_bytes() for h in sorted(self.source.parent.glob("*.h")))
-        digest = hashlib.sha256(code + " ".join(CFLAGS).encode() + _cpu_flags().encode()
-                                + torch.__version__.encode()).hexdigest()[:12]
+        name = self.build_name()
+        folder = build_folder(name)
+        library = folder / f"{name}.so"
         t0 = time.perf_counter()
-        log.info("loading the %s (compiled on first use on this machine: ~10 s)", self.what)
-        cpp_extension.load(name=f"promptcache_{self.source.stem}_{digest}", sources=[str(self.source)],
-                           extra_cflags=list(CFLAGS), extra_ldflags=["-fopenmp"], is_python_module=False,
-                           verbose=False)
+        # a built kernel's lock is held by a process loading it (ninja's check and a load: about a
+        # second), worth waiting for; a build (minutes) is waited on only as PROMPTCACHE_KERNEL_WAIT says
+        wait = max(wait_seconds(), LOADING_WAIT_S) if library.exists() else None
+        with BuildLock(folder, self.what, wait):
+            before = _mtime(library)
+            if before is None:
+                log.info("building the %s for this environment in %s (once; up to a few minutes "
+                         "on a busy machine)", self.what, folder)
+            cpp_extension.load(name=name, sources=[str(self.source)], build_directory=str(folder),
+                               extra_cflags=list(CFLAGS), extra_ldflags=["-fopenmp"], is_python_module=False,
+                               verbose=False)
+            built = _mtime(library) != before
         ops = getattr(torch.ops, self.namespace)
         if self.on_load is not None:
             self.on_load(ops)
-        log.info("%s ready in %.1f s (%s)", self.what, time.perf_counter() - t0, self.source.name)
+        log.info("%s %s in %.1f s (%s)", self.what, "built" if built else "loaded",
+                 time.perf_counter() - t0, folder)
         return ops
+
+
+def _mtime(path: Path) -> int | None:
+    try:
+        return path.stat().st_mtime_ns
+    except FileNotFoundError:
+        return None

@@ -27,7 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..pml.errors import PMLError
+from ..pml.errors import PMLError, raise_collected
 from ..pml.nodes import ModuleRef, Prompt, PromptRole, Schema, Text
 from ..pml.parser import parse_prompt
 from ..pml.rules import resolve_imports
@@ -70,13 +70,15 @@ def layout_prompt(
     elif schema is not None:
         schema = None  # a plain prompt ignores any schema
     imported: dict[Path_, ModuleRef] = {}
+    errors: list[PMLError] = []  # every error of the prompt (imports, argument lengths), raised together
     if schema is not None:
         refs = [c for c in prompt.children if isinstance(c, ModuleRef)] + [
             r for c in prompt.children if isinstance(c, PromptRole) for r in c.children if isinstance(r, ModuleRef)
         ]
-        imported = resolve_imports(refs, schema.name, schema.schema.children, prompt.source)
-    items = _prompt_items(prompt, schema, tok)
-    layout = _PromptBuilder(prompt, schema, tok, imported).build(items)
+        imported = resolve_imports(refs, schema.name, schema.schema.children, prompt.source, errors)
+    items = [it for it in _prompt_items(prompt, schema, tok) if it.kind != "ref" or it.path in imported]
+    layout = _PromptBuilder(prompt, schema, tok, imported, errors).build(items)
+    raise_collected(errors)
     if not layout.spans:
         raise PMLError("empty prompt: it yields no tokens", prompt.source, prompt.line)
     n = max(layout.position_ids) + 1
@@ -133,8 +135,10 @@ def _prompt_items(prompt: Prompt, schema: SchemaLayout | None, tok: SpanTokenize
 
 
 class _PromptBuilder:
-    def __init__(self, prompt: Prompt, schema: SchemaLayout | None, tok: SpanTokenizer, imported: dict):
+    def __init__(self, prompt: Prompt, schema: SchemaLayout | None, tok: SpanTokenizer, imported: dict,
+                 errors: list[PMLError]):
         self.prompt, self.schema, self.tok, self.imported = prompt, schema, tok, imported
+        self.errors = errors  # an argument too long is noted here and left out
 
     def build(self, items: list[_Item]) -> PromptLayout:
         out: list[tuple[tuple, Span]] = []  # (sort key, span)
@@ -198,12 +202,13 @@ class _PromptBuilder:
         text = (" " if s.lead_space else "") + arg
         ids = tuple(encode_checked(self.tok, text, self.prompt.source, ref.line)) if arg else ()
         if len(ids) > len(s.token_ids):
-            raise PMLError(
+            self.errors.append(PMLError(
                 f"argument '{s.param}' of module '{'/'.join(s.module)}' is {len(ids)} tokens, "
                 f"the parameter allows {len(s.token_ids)}",
                 self.prompt.source,
                 ref.line,
-            )
+            ))
+            return []
         if not ids:
             return []
         return [Span("new", s.name, ids, tuple(range(s.start, s.start + len(ids))), "argument", s.index)]

@@ -237,7 +237,7 @@ class SpliceCache(Cache):
         self.resident = {}  # until placement completes, nothing in this buffer is trusted
         from_host = []  # (off, kv) copied layer by layer on the side stream
         for seg in segments:
-            key, pos, n = seg.key, seg.positions, seg.n
+            key, pos, n = getattr(seg, "placed", seg.key), seg.positions, seg.n  # a moved copy: not the stored key
             if old.get(off) != (key, n):
                 kv = seg.states()
                 if self.overlap and self.buf.is_cuda and not kv.is_cuda:

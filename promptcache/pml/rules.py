@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 from typing import Iterable, Iterator
 
-from .errors import PMLError
+from .errors import PMLError, raise_collected
 from .nodes import ROLES, Module, ModuleRef, Parameter, Role, Text, Union
 
 NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_.-]*$")
@@ -95,55 +95,64 @@ def check_not_empty(name: str, children: list, source: str, line: int | None) ->
 
 def check_imported_once(refs: list[ModuleRef], source: str, path: Path_ = ()) -> None:
     """No module is referenced twice in one scope of a prompt."""
+    raise_collected(_imported_twice(refs, source, path))
+
+
+def _imported_twice(refs: list[ModuleRef], source: str, path: Path_) -> list[PMLError]:
     seen: set[str] = set()
+    errors = []
     for ref in refs:
         if ref.name in seen:
-            raise PMLError(f"module '{'/'.join(path + (ref.name,))}' imported twice", source, ref.line)
+            errors.append(PMLError(f"module '{'/'.join(path + (ref.name,))}' imported twice", source, ref.line))
         seen.add(ref.name)
+    return errors
 
 
-def resolve_imports(refs: list[ModuleRef], schema_name: str, children: list, source: str) -> dict[Path_, ModuleRef]:
+def resolve_imports(refs: list[ModuleRef], schema_name: str, children: list, source: str,
+                    errors: list[PMLError] | None = None) -> dict[Path_, ModuleRef]:
     """Check a prompt's module references against a schema tree: every module exists in the scope
     it is named in, is imported once, at most one member per union, every parameter gets an
-    argument and no unknown argument is given. Returns path -> reference, in import order."""
+    argument and no unknown argument is given. Returns path -> reference, in import order.
+    Every error is found: raised together (``PMLErrors``), or, where ``errors`` is given, appended
+    to it and the bad references left out of what is returned (the caller raises them later)."""
     imported: dict[Path_, ModuleRef] = {}
     chosen: dict[int, str] = {}  # id(union) -> imported member
+    found: list[PMLError] = []
+
+    def check(ref: ModuleRef, members: dict, path: Path_) -> str | None:
+        """Why ``ref`` cannot be imported (None: it can)."""
+        if ref.name not in members:
+            where = f"inside '{'/'.join(path)}'" if path else "at the top level"
+            known = ", ".join(sorted(members)) or "none"
+            return f"unknown module '{ref.name}' {where} of schema '{schema_name}' (known: {known})"
+        m, u = members[ref.name]
+        if u is not None:
+            other = chosen.setdefault(id(u), ref.name)
+            if other != ref.name:
+                return f"two members of one union imported: '{other}' and '{ref.name}' (a union allows one)"
+        params = [c.name for c in m.children if isinstance(c, Parameter)]
+        unknown = [a for a in ref.args if a not in params]
+        if unknown:
+            return f"module '{ref.name}' has no parameter '{unknown[0]}' (parameters: {', '.join(params) or 'none'})"
+        missing = [n for n in params if n not in ref.args]
+        if missing:
+            return f"module '{ref.name}' needs an argument for parameter(s): {', '.join(missing)}"
+        return None
 
     def walk(refs: list[ModuleRef], scope_children: list, path: Path_) -> None:
         members = {m.name: (m, u) for m, u in scope(scope_children)}
-        check_imported_once(refs, source, path)
+        found.extend(_imported_twice(refs, source, path))
         for ref in refs:
-            if ref.name not in members:
-                where = f"inside '{'/'.join(path)}'" if path else "at the top level"
-                known = ", ".join(sorted(members)) or "none"
-                raise PMLError(
-                    f"unknown module '{ref.name}' {where} of schema '{schema_name}' (known: {known})", source, ref.line
-                )
-            m, u = members[ref.name]
-            p = path + (ref.name,)
-            if u is not None:
-                other = chosen.setdefault(id(u), ref.name)
-                if other != ref.name:
-                    raise PMLError(
-                        f"two members of one union imported: '{other}' and '{ref.name}' (a union allows one)",
-                        source,
-                        ref.line,
-                    )
-            params = [c.name for c in m.children if isinstance(c, Parameter)]
-            for arg in ref.args:
-                if arg not in params:
-                    raise PMLError(
-                        f"module '{ref.name}' has no parameter '{arg}' (parameters: {', '.join(params) or 'none'})",
-                        source,
-                        ref.line,
-                    )
-            missing = [n for n in params if n not in ref.args]
-            if missing:
-                raise PMLError(
-                    f"module '{ref.name}' needs an argument for parameter(s): {', '.join(missing)}", source, ref.line
-                )
-            imported[p] = ref
-            walk(ref.children, m.children, p)
+            why = check(ref, members, path)
+            if why is not None:
+                found.append(PMLError(why, source, ref.line))
+                continue
+            imported[path + (ref.name,)] = ref
+            walk(ref.children, members[ref.name][0].children, path + (ref.name,))
 
     walk(refs, children, ())
+    if errors is None:
+        raise_collected(found)
+    else:
+        errors.extend(found)
     return imported

@@ -37,7 +37,7 @@ import torch
 from .. import jsonsafe
 from ..fsutil import atomic_write
 from ..keys import PORTABLE, alone_key, model_digest, token_digest
-from ..store.codec import StateInfo, write_file
+from ..store.codec import CodecError, StateInfo, StatesFile, write_file
 from .documents import Document, DocumentStoreError
 
 __all__ = ["FORMAT_VERSION", "INDEX", "DocumentFolder"]
@@ -125,8 +125,10 @@ class DocumentFolder:
 
     def opened(self, records: list[dict]) -> list[tuple[Document, Path, StateInfo]]:
         """Each record as (document, states file, what the file must hold); everything is checked
-        before anything is returned, so on an error nothing gets registered."""
-        out, spec = [], self.pc.runner.stored_spec  # states are persisted in the stored dtype
+        before anything is returned, so on an error nothing gets registered. A file that is
+        missing is returned all the same (and not counted as written): its document's text is
+        known, so the store rebuilds it."""
+        out = []
         for d in records:
             ids = tuple(self.pc.tok.encode(d["text"]))
             doc = Document(d["id"], d["text"], d["metadata"], len(ids), d["digest"], ids)
@@ -134,16 +136,30 @@ class DocumentFolder:
                 raise DocumentStoreError(f"{self.index}: document '{doc.id}' tokenizes differently than when it was "
                                          "stored")
             f = self.file(doc)
-            if d["file"] != f.name or not f.is_file():
-                raise DocumentStoreError(f"{self.index}: document '{doc.id}': states file {self.path / 'docs' / d['file']} "
-                                         f"is missing or misnamed (field 'file', expected {f.name})")
-            shape = (spec.layers, 2, spec.kv_heads, len(ids) + len(self.suffix), spec.head_dim)
-            out.append((doc, f, StateInfo(self.portable_key(ids + self.suffix), str(spec.dtype).removeprefix("torch."),
-                                          shape,
-                                          model_digest(self.pc.model_key), d["sha256"])))
-        for doc, _, expect in out:
-            self.sums[doc.digest] = expect.checksum
+            if d["file"] != f.name:
+                raise DocumentStoreError(f"{self.index}: document '{doc.id}': states file {d['file']!r} is misnamed "
+                                         f"(field 'file', expected {f.name})")
+            out.append((doc, f, self.expectation(doc, d["sha256"])))
+        for doc, f, expect in out:
+            if f.is_file():  # a missing file is the caller's to rebuild from the text
+                self.sums[doc.digest] = expect.checksum
         return out
+
+    def expectation(self, doc: Document, checksum: str | None = None) -> StateInfo:
+        """What ``doc``'s states file must hold (``checksum``: the index's; None: the one written or opened)."""
+        spec = self.pc.runner.stored_spec  # states are persisted in the stored dtype
+        shape = (spec.layers, 2, spec.kv_heads, len(doc.token_ids) + len(self.suffix), spec.head_dim)
+        return StateInfo(self.portable_key(doc.token_ids + self.suffix), str(spec.dtype).removeprefix("torch."),
+                         shape, model_digest(self.pc.model_key), checksum or self.sums.get(doc.digest))
+
+    def damage(self, doc: Document) -> str | None:
+        """What is wrong with ``doc``'s states file (missing, unreadable, failing its checks or its
+        checksum), or None when it is intact. Reads and verifies the whole file."""
+        try:
+            StatesFile(self.file(doc)).read("kv", self.expectation(doc))
+        except (CodecError, OSError) as e:
+            return str(e)
+        return None
 
 
 def check_index(index, where: Path) -> list[dict]:

@@ -3,16 +3,15 @@
 Chain stores are exact (every state a plain prefill's), so their prompt is planned as a token
 chain (``engine.serving_core.chains``, the prefix reuse the server uses for plain prompts): blocks shared in
 the KV pool by every request that matches them, published as requests fill them. Independent and
-hybrid stores place documents encoded alone and recompute part of their states, so their prompt
-is assembled in a private buffer (``DocumentStore.prefill``) that the scheduler copies into the
-pool.
+hybrid stores read documents encoded alone (moved to their positions) and recompute part of
+their states as the request's own prefill rows (``DocumentStore.plan``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..engine import PrefillResult, PromptSpec, TokenPrompt
+from ..engine import PromptSpec, TokenPrompt
 from ..engine.serving_core.prefix import PrefixCache
 from ..layout import PromptLayout
 
@@ -30,14 +29,10 @@ class DocumentPrompt(PromptSpec):
     layout: PromptLayout | None = None  # an exact store's prompt, laid out when the request was made
 
     def plan(self, pool):
-        if self.store.private_prefill:
-            return None
+        if not self.store.exact:  # documents reused out of their context: part recomputed as rows of the step
+            return self.store.plan(self.question, list(self.doc_ids), self.system, recompute=self.recompute)
         layout = self.layout if self.layout is not None else self.store.layout(self.question, list(self.doc_ids),
                                                                                 self.system)
         pc = self.store.pc
         prefix = self.prefix if self.prefix is not None else pc.engine().prefix
         return TokenPrompt(pc, tuple(layout.token_ids), self.store.namespace, prefix, layout).plan(pool)
-
-    def prefill(self) -> PrefillResult:
-        return self.store.prefill(self.question, list(self.doc_ids), self.system, keep_cache=True,
-                                  recompute=self.recompute)

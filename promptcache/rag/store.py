@@ -11,9 +11,10 @@ uses.
 
 The prompt is written as the text would be: a cached prefix (BOS, the chat template's header,
 the system text, the user header), then each document followed by ``separator`` ("\n\n"),
-then the question and the template's tail. Three modes (``DocumentStore.mode``; docs/rag.md):
+then the question and the template's tail. Three modes (``DocumentStore.mode``; docs/rag.md;
+the default is the last, reuse):
 
-* **Chains (default, exact).** A request's documents are cached as a chain (RAGCache's knowledge
+* **Exact chains** (``exact=True``). A request's documents are cached as a chain (RAGCache's knowledge
   tree): each document's states are computed after the prefix and the documents before it in that
   request, and stored under ``hash(parent key, document digest, start position, separator)``. A
   later request whose leading documents match reuses them; the rest (and the question) run in one
@@ -22,7 +23,8 @@ then the question and the template's tail. Three modes (``DocumentStore.mode``; 
   where the store does (a named ``StoreConfig.spill_dir``: indexed at start, written at
   ``pc.store.persist()``), otherwise a reopened store rebuilds them on first use. ``canonical_order=True`` sorts a
   request's documents by id first, so requests retrieving the same set in any order share a chain.
-  Works with every supported family (nothing is relocated).
+  Works with every supported family (nothing is relocated); a model whose states cannot be moved
+  (learned absolute positions) gets this mode by default.
 * **Independent** (``independent=True``, the paper's position-independent modules). Each document
   is encoded once, alone (no context, positions from 0; ``prefixed=True``: after the store's
   ``encode_prefix``, the prefix of a request without a system text, only the document's states kept),
@@ -42,10 +44,11 @@ then the question and the template's tail. Three modes (``DocumentStore.mode``; 
   its cached prefix, cached units and one run of new text (the question), the shape a server that
   can be handed only a prefix of stored states can place (``integrations.vllm``: vLLM's KV
   connector). Off by default: it changes what the separators attend to.
-* **Hybrid** (``hybrid=True``): the longest stored chain of the request's leading documents (exact;
-  chains are written by chain stores on the same engine), then the other documents as in
-  ``independent``, their drift recomputed (``recompute``, default ``"auto"``). Exact when the whole
-  request is a stored chain. It does not write chains: past the chain its states are approximate.
+* **Reuse** (the default, ``reuse``; ``hybrid=True`` names it too): the longest stored chain of
+  the request's leading documents (exact; chains are written by chain stores on the same engine),
+  then the other documents as in ``independent``, their drift recomputed (``recompute``, default
+  ``"auto"``). Exact when the whole request is a stored chain. It does not write chains: past the
+  chain its states are approximate.
 
 Works with any retriever: the caller passes document ids. Keys come from ``promptcache.keys``
 (``alone_key``, salted by the namespace), so documents and the prefix live in the engine's store
@@ -58,8 +61,11 @@ Reopening checks every field of the index (a wrong type, a null or a missing fie
 ``DocumentStoreError`` naming the file, the document and the field; nothing is changed), the
 model and tokenizer (refused naming the part unless ``reencode=True``), and registers each file
 with what it must hold (key, dtype, shape, model, checksum); the data is verified on first read.
-A state that fails is dropped from the store; ``add`` of the same document re-encodes it and
-rewrites its file.
+The folder heals (``_stored``): a state that fails verification is dropped from the store, logged,
+encoded again from the document's text and its file rewritten atomically, whether a question
+reads it or ``add`` of the same document finds it (``add`` verifies a known document's file); a
+missing file is logged at opening and rebuilt the same way. A document whose text is known
+never fails for its states.
 """
 
 from __future__ import annotations
@@ -79,6 +85,7 @@ from ..engine.prefill.recompute import check_recompute, check_selection, recompu
 from ..keys import alone_key, chain_root, token_digest
 from ..layout import PromptLayout, Span
 from ..models.relocate import check_relocatable, relocate
+from ..store import StoreError
 from .documents import Document, DocumentStoreError, UnknownDocumentError
 from .prompt import DocumentPrompt
 from .folder import DocumentFolder
@@ -116,7 +123,6 @@ class DocumentStore:
         self.mode = EXACT if exact else INDEPENDENT if independent else REUSE
         self.selection = check_selection(selection or pc.config.recompute.selection)
         self.canonical_order = bool(canonical_order)
-        self.separator = separator
         self._sep = tuple(pc.tok.encode(separator)) if separator else ()
         self.attach_separator = bool(attach_separator) and bool(self._sep)
         if self.attach_separator and prefixed:
@@ -171,12 +177,8 @@ class DocumentStore:
             raise ValueError(f"document '{doc_id}' is empty")
         digest = token_digest(ids)
         doc = Document(doc_id, text, dict(metadata or {}), len(ids), digest, tuple(ids))
-        unit = self.unit_ids(doc)
-        key = self.state_key(unit)
-        if (not self.exact or self.path is not None) and key not in self.pc.store:
-            kv = self._put(key, self._encode(unit))
-            if self.folder is not None:
-                self.folder.write_states(doc, kv)
+        if not self.exact or self.path is not None:
+            self._stored(doc, verify=True)
         with self._lock:
             self._docs[doc_id] = doc
             self._save_index()
@@ -217,11 +219,7 @@ class DocumentStore:
         r = self.pc.recompute_fraction(recompute)
         docs = self._order(doc_ids)
         if not self.exact:  # reuse: the longest stored chain first
-            chain, _ = self._layout(question, docs, system, len(docs))
-            cached, hits = self._chain_states(chain, docs if self.hybrid else [])
-            chained = len(cached) - (chain.spans[0].name == "(prefix)")
-            return self._prefill_independent(question, docs, system, reserve, keep_cache, t0, r,
-                                             (cached, hits, chained))
+            return self._prefill_independent(question, docs, system, reserve, keep_cache, t0, r)
         return self._prefill_chain(question, docs, system, reserve, keep_cache, t0)
 
     def served_layout(self, question: str, doc_ids: list[str], system: str | None = None) -> PromptLayout:
@@ -237,12 +235,6 @@ class DocumentStore:
         self._prefix_state(layout, [], {})
         return layout
 
-    @property
-    def private_prefill(self) -> bool:
-        """Its prompts are assembled in a private buffer (reused documents are placed and partly
-        recomputed); exact chain prompts plan into the engine's pool as token chains."""
-        return not self.exact
-
     def prompt(self, question: str, doc_ids: list[str], system: str | None = None, *,
                recompute: float | str | None = None, prefix=None,
                layout: PromptLayout | None = None) -> DocumentPrompt:
@@ -252,7 +244,7 @@ class DocumentStore:
         store's prompt is planned from its layout, laid out once, here."""
         if recompute is not None:
             check_recompute(recompute)
-        if self.private_prefill:
+        if not self.exact:  # planned at admission (``plan``)
             self._order(doc_ids)
             layout = None
         elif layout is None:
@@ -358,13 +350,35 @@ class DocumentStore:
         hits[tier] = hits.get(tier, 0) + 1
         cached.append(Segment(key, kv, torch.arange(len(first.token_ids), device=self.pc.device)))
 
+    def plan(self, question: str, doc_ids: list[str], system: str | None = None, *,
+             recompute: float | str | None = None) -> PrefillPlan:
+        """A reuse (independent or hybrid) store's prompt as the serving scheduler runs it: the
+        prefix, the stored chain and the documents read from stored states, the drifted tokens
+        ``recompute`` chooses and the new text as the request's prefill rows in prompt order
+        (``engine/prefill/ordered.py``). An exact store's prompts are token chains (``DocumentPrompt``)."""
+        if self.exact:
+            raise DocumentStoreError("an exact (chain) store's prompts are planned as token chains (DocumentPrompt)")
+        plan, req = self._independent_plan(question, self._order(doc_ids), system, self.pc.recompute_fraction(recompute))
+        return plan if req is None else self.pc.runner.recompute_plan(plan, req)
+
+    def _found(self, question: str, docs: list[Document], system: str | None) -> tuple:
+        """(states, tier hits, documents) of the prefix and the longest stored chain of the leading
+        documents (hybrid stores; the prefix alone otherwise)."""
+        chain, _ = self._layout(question, docs, system, len(docs))
+        cached, hits = self._chain_states(chain, docs if self.hybrid else [])
+        return cached, hits, len(cached) - (chain.spans[0].name == "(prefix)")
+
     def _prefill_independent(self, question: str, docs: list[Document], system: str | None, reserve: int,
-                             keep_cache: bool, t0: float, r: float, found: tuple) -> PrefillResult:
-        """``found``: (states, tier hits, documents) of the prefix and the leading documents' stored
-        chain (exact; ``_chain_states``); the other documents come from their independent states
-        moved to their positions (drifted: ``r`` of their tokens recomputed); separators and the
-        question run."""
-        cached, hits, chained = found
+                             keep_cache: bool, t0: float, r: float) -> PrefillResult:
+        plan, req = self._independent_plan(question, docs, system, r)
+        return self.pc.run_spliced(plan, t0, reserve, keep_cache, recompute=req)
+
+    def _independent_plan(self, question: str, docs: list[Document], system: str | None, r: float):
+        """(plan, recompute request or None): the prefix and the leading documents' stored chain
+        (exact; ``_chain_states``), the other documents from their independent states moved to
+        their positions (drifted: ``r`` of their tokens to recompute); separators and the question
+        run."""
+        cached, hits, chained = self._found(question, docs, system)
         layout, _ = self._layout(question, docs, system, chained)
         n_exact = sum(seg.n for seg in cached)
         more, more_hits = self._independent_states(layout, chained)
@@ -378,7 +392,7 @@ class DocumentStore:
         plan = PrefillPlan(segments=cached, new_ids=[t for s in new for t in s.token_ids],
                            new_pos=[p for s in new for p in s.position_ids], max_position=max(layout.position_ids),
                            exact=not drifted, layout=layout, hit_tiers=hits)
-        return self.pc.run_spliced(plan, t0, reserve, keep_cache, recompute=req)
+        return plan, req
 
     def _independent_states(self, layout: PromptLayout, skip: int):
         """(stored segments, tier hits): each document after the first ``skip``
@@ -386,18 +400,15 @@ class DocumentStore:
         cached, hits, device = [], {}, self.pc.device
         for span in [s for s in layout.spans if s.name.startswith("doc:")][skip:]:
             key = self.state_key(span.token_ids)
-            if key not in self.pc.store:  # added to a chain store, or evicted: encode it again
-                self._put(key, self._encode(span.token_ids))
-            kv, tier = self.pc.store.get(key)
+            kv, tier = self._stored(self._docs[span.name.removeprefix("doc:")])
             hits[tier] = hits.get(tier, 0) + 1
             start = span.position_ids[0]
             positions = torch.arange(start, start + len(span), device=device)
             at = len(self.encode_prefix)  # where the stored states sit
-            if start != at:  # moved to its place only when a buffer does not hold it there already
-                cached.append(Segment(f"{key}@{start}", None, positions,
-                                      load=functools.partial(relocate, self.pc.adapter, kv, start - at)))
-            else:
-                cached.append(Segment(f"{key}@0", kv, positions))
+            # read in place at any position (the pool rotates queries back by the shift); a private
+            # buffer places the states moved to their place, only when it does not hold them there already
+            move = functools.partial(relocate, self.pc.adapter, kv, start - at) if start != at else None
+            cached.append(Segment(f"{key}@{at}", kv, positions, load=move, shift=start - at))
         return cached, hits
 
     def _chain_states(self, layout: PromptLayout, docs: list[Document]) -> tuple[list, dict]:
@@ -443,6 +454,35 @@ class DocumentStore:
                 self.pc.release(res)
         return res
 
+    def _stored(self, doc: Document, verify: bool = False) -> tuple[torch.Tensor, str]:
+        """(``doc``'s unit states, the tier they came from), healed where they are not sound: a
+        state the store lacks (added to a chain store, evicted, its file missing) or whose copy
+        fails verification (a damaged file) is encoded again from the text and stored, and its
+        file is rewritten atomically where the store has a folder. ``verify``: check the folder's
+        file now (``add``), not only when it is read."""
+        key, unit, damage = self.state_key(self.unit_ids(doc)), self.unit_ids(doc), None
+        if verify and self.folder is not None and self.folder.has_states(doc):
+            damage = self.folder.damage(doc)
+            if damage is not None:
+                log.warning("document '%s': its states file is damaged (%s); encoded again from its text", doc.id,
+                            damage)
+                self.pc.store.discard(key)
+        kv = tier = None
+        if key in self.pc.store:
+            try:
+                kv, tier = self.pc.store.get(key)
+            except StoreError as e:  # the store dropped the bad copy from every tier
+                log.warning("document '%s': its stored states failed verification (%s); encoded again from its "
+                            "text", doc.id, e)
+                damage = str(e)
+        if kv is None:
+            self._put(key, self._encode(unit))
+            kv, tier = self.pc.store.get(key)
+        if self.folder is not None and (damage is not None or not self.folder.has_states(doc)):
+            with self._lock:
+                self.folder.write_states(doc, kv)
+        return kv, tier
+
     def _put(self, key: str, kv: torch.Tensor) -> torch.Tensor:
         """Store a document's states in the engine's stored dtype (``RunnerConfig.kv_dtype``, like
         schema modules; the splice buffer upcasts them); returns what was stored."""
@@ -454,8 +494,8 @@ class DocumentStore:
         if self.folder is None:
             return
         for d in self._docs.values():
-            if not self.folder.has_states(d):  # stored in memory before (same text): persist it now
-                self.folder.write_states(d, self.pc.store.get(self.state_key(self.unit_ids(d)))[0])
+            if not self.folder.has_states(d):  # stored in memory before (same text), or its file went missing
+                self._stored(d)
         self.folder.save(self._docs.values())
 
     def _open(self, reencode: bool) -> None:
@@ -471,6 +511,10 @@ class DocumentStore:
                 self.add(d["id"], d["text"], d["metadata"])
             return
         for doc, f, expect in self.folder.opened(records):
-            # read lazily on first use; the disk tier verifies it and never uses a bad file
-            self.pc.store.register_file(f, {self.state_key(self.unit_ids(doc)): ("kv", expect, 0)})
+            if self.folder.has_states(doc):
+                # read lazily on first use; the disk tier verifies it and never uses a bad file
+                self.pc.store.register_file(f, {self.state_key(self.unit_ids(doc)): ("kv", expect, 0)})
+            else:
+                log.warning("document '%s': its states file %s is missing; it is encoded again from its text when "
+                            "first used", doc.id, f)
             self._docs[doc.id] = doc

@@ -101,7 +101,7 @@ def create_app(pc, *, api_keys: dict[str, str] | None = None, documents=None, ma
     add_openai_routes(app, lifecycle, preparer, prep, tenancy.namespace, model_name)
     add_messages_route(app, MessagesContext(pc, lifecycle, prep, backend.prefix, pc.store.pins, tenancy.namespace,
                                             model_name, context))
-    add_tokenize_routes(app, preparer, tenancy.namespace, model_name)
+    add_tokenize_routes(app, preparer, prep, tenancy.namespace, model_name)
     _add_health_routes(app, backend, metrics, tenancy, open_metrics)
     add_worker_routes(app, backend, model_name, block_size)  # what a router reads (docs/scaling.md)
     add_studio_routes(app, StudioContext(pc, preparer, backend, lifecycle, tenancy.namespace, prep, model_name,

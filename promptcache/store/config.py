@@ -13,9 +13,11 @@ from dataclasses import dataclass, fields
 from ..errors import ConfigError
 from ..settings import setting
 
-__all__ = ["DEFAULT_PIN_BUDGET", "REMOTE_SCHEMES", "StoreConfig", "WRITE_POLICIES"]
+__all__ = ["DEFAULT_LAG", "DEFAULT_PIN_BUDGET", "DISK_POLICIES", "REMOTE_SCHEMES", "StoreConfig", "WRITE_POLICIES"]
 
-WRITE_POLICIES = ("on_evict", "through")
+WRITE_POLICIES = ("on_evict", "through")  # a shared tier's
+DISK_POLICIES = ("on_evict", "through", "behind")  # the disk tier's
+DEFAULT_LAG = 2.0  # seconds a write-behind state may wait for the disk
 
 DEFAULT_PIN_BUDGET = 1 << 30  # bytes of states cache_control breakpoints may pin at once
 REMOTE_SCHEMES = ("redis://", "rediss://", "unix://", "redis+cluster://", "rediss+cluster://")
@@ -42,9 +44,13 @@ class StoreConfig:
         "through", "through: publish every new state to --remote; on_evict: what memory evicts.")
     disk_budget: int | None = setting(
         None, "Disk for spill files in --spill-dir (a size: 20GiB; none: unbounded); least recently used deleted.")
-    disk_policy: str = setting(
-        "on_evict", "on_evict: states reach --spill-dir when memory evicts them (and at shutdown); through: at once "
-                    "(survives a kill).")
+    disk_policy: str | None = setting(
+        None, "behind: every new state is queued to a writer thread and reaches --spill-dir within --disk-lag "
+              "seconds (a kill loses at most those); through: written at once on the request path; on_evict: when "
+              "memory evicts it (and at shutdown). Default: behind with --spill-dir, else on_evict.")
+    disk_lag: float = setting(
+        DEFAULT_LAG, "Write-behind: seconds a new state may wait for the disk; beyond it new states wait for the "
+                     "writer (the most a kill loses).")
     window_aware: bool = setting(
         False, "Disk and --remote keep of each state, in sliding-window layers (Gemma 3's local ones), only the "
                "tokens a later position can see: exact where every reader of a module sits after it (no parameter "
@@ -60,9 +66,21 @@ class StoreConfig:
                 raise ConfigError(f"StoreConfig.{f.name} must be None or >= 0 bytes, got {v!r}")
         if self.pin_budget is None:
             raise ConfigError("StoreConfig.pin_budget must be >= 0 bytes, got None (the pin budget is never unbounded)")
-        for name in ("remote_policy", "disk_policy"):
-            if getattr(self, name) not in WRITE_POLICIES:
-                raise ConfigError(f"StoreConfig.{name} must be one of {', '.join(WRITE_POLICIES)}, "
-                                  f"got {getattr(self, name)!r}")
+        if self.remote_policy not in WRITE_POLICIES:
+            raise ConfigError(f"StoreConfig.remote_policy must be one of {', '.join(WRITE_POLICIES)}, "
+                              f"got {self.remote_policy!r}")
+        if self.disk_policy is not None and self.disk_policy not in DISK_POLICIES:
+            raise ConfigError(f"StoreConfig.disk_policy must be one of {', '.join(DISK_POLICIES)} (or None: the "
+                              f"default), got {self.disk_policy!r}")
+        if isinstance(self.disk_lag, bool) or not isinstance(self.disk_lag, (int, float)) or not self.disk_lag > 0:
+            raise ConfigError(f"StoreConfig.disk_lag must be > 0 seconds, got {self.disk_lag!r}")
         if self.remote is not None and not str(self.remote).startswith(REMOTE_SCHEMES):
             raise ConfigError(f"StoreConfig.remote must be a redis:// (or redis+cluster://) URL, got {self.remote!r}")
+
+    @property
+    def disk_write_policy(self) -> str:
+        """``disk_policy``, its default resolved: ``behind`` for a named spill folder (a temporary
+        one does not outlive the process), else ``on_evict``."""
+        if self.disk_policy is not None:
+            return self.disk_policy
+        return "behind" if self.spill_dir else "on_evict"

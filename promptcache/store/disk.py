@@ -11,6 +11,12 @@ lives. Every read checks the header against what the reader registered (content 
 shape, model, checksum). Registering a file replaces any entry for the same keys (a stale or
 corrupted one) and forgets the file's open handle, so it is verified afresh.
 
+Writes (``write_policy``): ``on_evict`` spills what memory evicts; ``through`` also writes every
+new state at once, on the caller's thread; ``behind`` (``StoreConfig``'s default for a named
+folder) queues every new state to a writer thread (``spillfolder.WriteBehind``), on disk within ``lag``
+seconds, readable from the queue until then. Every file is written atomically (temp, fsync,
+rename), so a killed process leaves whole files or none.
+
 Thread safety: a lock guards the index and the handle cache; file I/O runs outside it.
 The default spill folder is a temporary folder removed when the tier is collected or the process
 exits.
@@ -40,8 +46,9 @@ from pathlib import Path
 import torch
 
 from . import codec
-from .base import Tier, check_policy, nbytes
-from .spillfolder import SpillFolder
+from .base import Tier, nbytes
+from .config import DEFAULT_LAG, DISK_POLICIES
+from .spillfolder import SpillFolder, WriteBehind
 
 log = logging.getLogger(__name__)
 
@@ -60,15 +67,35 @@ class FileState:
     spilled: bool = False
 
 
+def _weak_write(tier: "DiskTier"):
+    """``tier.write_now`` without keeping ``tier`` alive (a state queued when it is collected is dropped)."""
+    method = weakref.WeakMethod(tier.write_now)
+
+    def write(key: str, kv: torch.Tensor) -> None:
+        live = method()
+        if live is not None:
+            live(key, kv)
+
+    return write
+
+
 class DiskTier(Tier):
     name = "disk"
     io = True
 
     def __init__(self, spill_dir: str | Path | None = None, budget: int | None = None,
-                 write_policy: str = "on_evict"):
+                 write_policy: str = "on_evict", lag: float = DEFAULT_LAG):
+        """``write_policy``: ``on_evict``, ``through`` (every new state written at once) or
+        ``behind`` (every new state queued to a writer thread, on disk within ``lag`` seconds)."""
         if budget is not None and budget < 0:
             raise ValueError(f"disk budget must be >= 0 bytes, got {budget}")
-        self.budget, self.write_policy = budget, check_policy(write_policy)
+        if write_policy not in DISK_POLICIES:
+            raise ValueError(f"disk write policy must be one of {', '.join(DISK_POLICIES)}, got {write_policy!r}")
+        self.budget, self.write_policy = budget, write_policy
+        self.writer = None
+        if write_policy == "behind":  # the thread holds the tier weakly: a tier nobody holds is collected
+            self.writer = WriteBehind(_weak_write(self), lag)
+            weakref.finalize(self, self.writer.close)
         self._index: OrderedDict[str, FileState] = OrderedDict()  # LRU order
         self._files: OrderedDict[Path, codec.StatesFile] = OrderedDict()
         self._spilled = 0  # bytes of spill files indexed
@@ -99,9 +126,16 @@ class DiskTier(Tier):
         """Wait for the start-up scan of a named folder; True when it has ended."""
         return self._ready.wait(timeout)
 
+    def flush(self) -> None:
+        """Write every state the writer has queued (``behind``); returns once they are on disk."""
+        if self.writer is not None:
+            self.writer.flush()
+
     def close(self) -> None:
-        """Release a named folder's lock (after the scan); the index stays readable."""
+        """Write what is queued, release a named folder's lock (after the scan); the index stays readable."""
         self._ready.wait()
+        if self.writer is not None:
+            self.writer.close()
         if self._folder is not None:
             self._folder.close()
 
@@ -156,13 +190,15 @@ class DiskTier(Tier):
                 self._files[path] = opened
             for key, (name, expect, n) in entries.items():
                 self._drop(key)
+                if self.writer is not None:
+                    self.writer.discard(key)  # a queued copy is stale beside the file
                 self._index[key] = FileState(path, name, expect, n)
 
     def get(self, key: str) -> torch.Tensor | None:
         with self._lock:
             entry = self._index.get(key)
             if entry is None:
-                return None
+                return self.writer.get(key) if self.writer is not None else None
             self._index.move_to_end(key)
             handle = self._files.get(entry.path)
             if handle is not None:
@@ -179,6 +215,18 @@ class DiskTier(Tier):
         return kv
 
     def put(self, key: str, kv: torch.Tensor) -> None:
+        """Write ``kv`` to a spill file now, or queue it to the writer (``behind``; the caller
+        hands ``kv`` over: it must not change afterwards)."""
+        with self._lock:
+            if key in self._index:
+                return
+        if self.writer is not None:
+            self.writer.submit(key, kv)
+        else:
+            self.write_now(key, kv)
+
+    def write_now(self, key: str, kv: torch.Tensor) -> None:
+        """Write ``kv`` to ``<key>.safetensors`` atomically (temp file, fsync, rename) and index it."""
         with self._lock:
             if key in self._index:
                 return
@@ -190,10 +238,14 @@ class DiskTier(Tier):
             if key not in self._index:
                 self._index[key] = FileState(path, "kv", info, size, spilled=True)
                 self._spilled += size
+            if self.writer is not None:
+                self._trim()  # written behind the store's back: the store's budget check has passed
 
     def evict(self, key: str) -> torch.Tensor | None:
         with self._lock:
             self._drop(key)
+        if self.writer is not None:
+            self.writer.discard(key)
         return None
 
     def _drop(self, key: str) -> None:
@@ -209,9 +261,11 @@ class DiskTier(Tier):
 
     @property
     def bytes_used(self) -> int:
-        """Bytes of spill files on disk (registered files are not this tier's to budget)."""
+        """Bytes of spill files on disk, and of states queued to be written (registered files are
+        not this tier's to budget)."""
+        queued = self.writer.bytes if self.writer is not None else 0
         with self._lock:
-            return self._spilled
+            return self._spilled + queued
 
     def __contains__(self, key: str) -> bool:
-        return key in self._index
+        return key in self._index or (self.writer is not None and key in self.writer)

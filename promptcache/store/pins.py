@@ -9,7 +9,7 @@ Decisions: the budget counts the bytes of distinct live pinned keys (a key pinne
 once); a pin that would pass it is refused whole (``PinBudgetError``), nothing is pinned half.
 Pinning a key the store does not hold yet is fine (the request that stores it pins it first, so
 it is never evicted between being stored and being pinned). Thread-safe: the server pins from its
-event loop, the store reads ``live`` from the engine thread.
+prep thread, the store reads ``live`` from the engine thread.
 """
 
 from __future__ import annotations

@@ -6,7 +6,8 @@ Redis tier when ``StoreConfig.remote`` names one. Lookup runs down the list (dev
 disk -> remote); a hit below the top is promoted to the fastest tier that can hold it.
 
 Writes: ``put`` stores a state in the fastest tier that fits and in every lower tier whose
-``write_policy`` is ``"through"``; a state evicted from a tier goes to the next lower local tier
+``write_policy`` is ``"through"`` (or ``"behind"``: the disk tier's writer thread writes it within
+seconds); ``keep`` hands such tiers a state that lives outside the store (a serving pool block); a state evicted from a tier goes to the next lower local tier
 unless a lower local tier already holds it (``"on_evict"``, write-back). Shared tiers
 (``tier.shared``, after every local tier) never take part in eviction decisions (no network
 round trip under the lock); one with ``"on_evict"`` receives every state a local memory tier
@@ -57,7 +58,7 @@ def build_store(device: torch.device | str, config: StoreConfig | None = None, w
     if device.type != "cpu":
         tiers.append(MemoryTier("device", device, config.device_budget))
     tiers.append(MemoryTier("host", "cpu", config.host_budget, pin=config.pin_memory))
-    tiers.append(DiskTier(config.spill_dir, config.disk_budget, config.disk_policy))
+    tiers.append(DiskTier(config.spill_dir, config.disk_budget, config.disk_write_policy, config.disk_lag))
     if config.remote is not None:
         tiers.append(_redis_tier(config.remote, config.remote_policy))
     if config.window_aware and windows and any(w is not None for w in windows):
@@ -110,7 +111,7 @@ class TieredStore:
             if any(key in t for t in self.local):
                 return
             i = self._insert_at(key, kv, 0)
-        through = [j for j in range(i + 1, len(self.tiers)) if self.tiers[j].write_policy == "through"]
+        through = [j for j in range(i + 1, len(self.tiers)) if self.tiers[j].write_policy in ("through", "behind")]
         for j in through:
             self.tiers[j].put(key, kv)
         with self._lock:  # a write-through local tier (disk) may now be over its budget
@@ -118,6 +119,24 @@ class TieredStore:
                 if not self.tiers[j].shared:
                     self._fit(j)
         self._flush()
+
+    @property
+    def keeps_new(self) -> bool:
+        """Whether a local tier takes every new state (a disk tier ``through`` or ``behind``):
+        then states that live elsewhere (the serving pool's blocks) are handed to ``keep``."""
+        return any(t.write_policy in ("through", "behind") for t in self.local)
+
+    def keep(self, key: str, kv: torch.Tensor) -> None:
+        """Write a state held outside the store (a block the serving pool published) to the local
+        tiers that take every new state, not to memory tiers (it has its memory in the pool), so a
+        killed process finds it after a restart. ``kv`` is handed over: it must not change."""
+        for tier in self.local:
+            if tier.write_policy in ("through", "behind"):
+                tier.put(key, kv)
+        with self._lock:
+            for i, tier in enumerate(self.tiers):
+                if tier.write_policy == "through" and not tier.shared:
+                    self._fit(i)
 
     def publish(self, key: str, kv: torch.Tensor) -> None:
         """Write a state to every shared tier whatever its policy (``promptcache compile --remote``)."""
@@ -199,6 +218,7 @@ class TieredStore:
             chosen.append((key, kv))
         for key, kv in reversed(chosen):  # written oldest first: the disk's LRU order matches
             disk.put(key, kv)
+        disk.flush()  # written behind: on disk before this returns
         with self._lock:
             self._fit(self.tiers.index(disk))
         log.info("persisted %d states to %s", len(chosen), disk.spill_dir)

@@ -88,17 +88,20 @@ def test_compiled_for_another_model_is_refused(runner, tmp_path):
 
 def test_recompile_never_overwrites_another_models_artifact(runner, tmp_path):
     """Following the tool's advice must not destroy work: an artifact compiled for another model
-    (here: embedded in bfloat16) is refused by --recompile, untouched, with the --model to pass."""
+    (here: embedded in bfloat16, run with --dtype float32) is refused by --recompile, untouched,
+    with the --model to pass; without --model/--dtype, run takes the ones it records."""
     res = invoke(runner, "compile", SCHEMA, "--dtype", "bfloat16", "--out", tmp_path / "b")
     assert res.exit_code == 0, res.output
     before = {f.name: f.read_bytes() for f in (tmp_path / "b").iterdir()}
     for extra in ([], ["--recompile"], ["--recompile", "--schema", SCHEMA]):
-        res = invoke(runner, "run", PROMPT, "--compiled", tmp_path / "b", *extra, "--max-new-tokens", "1")
+        res = invoke(runner, "run", PROMPT, "--compiled", tmp_path / "b", "--dtype", "float32", *extra,
+                     "--max-new-tokens", "1")
         assert res.exit_code == 1 and "--model embedded --dtype bfloat16" in res.output, res.output
         assert "--recompile" not in res.output.splitlines()[-1]  # no advice that would overwrite it
         assert {f.name: f.read_bytes() for f in (tmp_path / "b").iterdir()} == before
-    res = invoke(runner, "run", PROMPT, "--compiled", tmp_path / "b", "--dtype", "bfloat16", "--max-new-tokens", "1")
-    assert res.exit_code == 0, res.output
+    for extra in ([], ["--dtype", "bfloat16"]):
+        res = invoke(runner, "run", PROMPT, "--compiled", tmp_path / "b", *extra, "--max-new-tokens", "1")
+        assert res.exit_code == 0, res.output
 
 
 def test_bad_schema_gives_file_line_message(runner, tmp_path):

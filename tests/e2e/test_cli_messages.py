@@ -4,6 +4,7 @@ and ``promptcache --help`` loads no torch."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -76,11 +77,19 @@ def test_help_imports_no_torch_in_a_fresh_process():
 def test_an_artifact_compiled_with_the_alias_advises_the_alias(tmp_path):
     out = tmp_path / "c"
     r = CliRunner().invoke(main, ["compile", str(ROOT / "schemas" / "travel.xml"), "--model", "smollm2",
-                                  "--out", str(out)])
+                                  "--dtype", "float32", "--out", str(out)])
     assert r.exit_code == 0, r.output
-    r = CliRunner().invoke(main, ["run", str(ROOT / "examples" / "travel_tokyo.xml"), "--compiled", str(out)])
+    # --model says otherwise: refused, the alias advised
+    r = CliRunner().invoke(main, ["run", str(ROOT / "examples" / "travel_tokyo.xml"), "--compiled", str(out),
+                                  "--model", "embedded"])
     assert r.exit_code == 1
     assert "use it with --model smollm2 --dtype float32" in r.stderr, r.stderr
+    # without --model: the model (and dtype) the artifact records, said once
+    r = CliRunner().invoke(main, ["run", str(ROOT / "examples" / "travel_tokyo.xml"), "--compiled", str(out),
+                                  "--max-new-tokens", "2", "--json"])
+    assert r.exit_code == 0, r.stderr
+    assert f"model: smollm2 (float32), the model {out} was compiled for (--model chooses another)" in r.stderr
+    assert json.loads(r.stdout)["cached_tokens"] > 0
 
 
 # -- chat: a parameter's scaffold never reaches the model ----------------------------------------
@@ -104,3 +113,14 @@ def test_chat_leaves_modules_with_parameters_out_and_never_sends_a_scaffold():
     too_long = session.command('/use trip days="' + "very " * 10 + 'long"')
     assert "days" in too_long and "4" in too_long, too_long  # the parameter allows 4 tokens: said at /use
     assert session.imports == ["trip", "food"]  # refused /use lines change nothing
+
+
+def test_validate_reports_every_error_of_a_prompt_file_in_one_run(tmp_path):
+    f = tmp_path / "bad_prompt.xml"
+    f.write_text('<prompt schema="travel">\n<trip days="3" travelers="two" color="red"/>\n<nosuch/>\n<tokyo/>\n'
+                 '<paris/>\n<user>Food?</user>\n</prompt>\n')
+    res = CliRunner().invoke(main, ["validate", str(ROOT / "schemas" / "travel.xml"), str(f)])
+    assert res.exit_code == 1
+    errors = [ln for ln in res.stderr.splitlines() if ln.startswith(str(f))]
+    assert [ln.split(":")[1] for ln in errors] == ["2", "3", "5"], res.stderr
+    assert "no parameter 'color'" in errors[0] and "unknown module 'nosuch'" in errors[1] and "union" in errors[2]

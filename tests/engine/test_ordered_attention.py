@@ -10,9 +10,11 @@ import torch
 from promptcache import PromptCache
 from promptcache.kernels import ordered_attention
 from promptcache.rag import DocumentStore
+from programs import COMPILER, needs
 from tiny import CORPUS, DEVICE, make_model, make_tokenizer
 
-pytestmark = pytest.mark.skipif(DEVICE != "cpu", reason="the native kernel is the CPU's (a GPU runs sdpa)")
+pytestmark = [pytest.mark.skipif(DEVICE != "cpu", reason="the native kernel is the CPU's (a GPU runs sdpa)"),
+              needs(*COMPILER)]
 
 
 def causal_by(order: torch.Tensor, queries: torch.Tensor) -> torch.Tensor:

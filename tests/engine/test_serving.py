@@ -2,7 +2,7 @@
 
 Exactness: a request served among others (chunked prefill, batched decode, states read in place)
 gets the oracle's logits (within 1e-4) and greedy tokens for every family the pool serves, with
-module gaps, unions, parameters, uncached modules, token chains and private (recompute) prefills.
+module gaps, unions, parameters, uncached modules, token chains and recompute rows in prompt order.
 Memory: admission waits for room instead of failing, cancellation frees blocks at the next step,
 a finished chat's prompt and answer blocks are reused by its next turn.
 """
@@ -101,12 +101,12 @@ def test_concurrent_requests_equal_the_oracle(family, tokenizer):
     assert sched.pool.free_blocks == sched.pool.num_blocks  # everything given back
 
 
-def test_a_drifted_prompt_under_auto_falls_back_to_its_private_prefill(tokenizer):
-    """The default recompute ("auto") recomputes part of a drifted prompt: its plan says so (None)
-    and the scheduler runs the request's start instead; an exact prompt is read in place."""
+def test_a_drifted_prompt_under_auto_recomputes_rows_of_the_step(tokenizer):
+    """The default recompute ("auto") recomputes part of a drifted prompt: its plan runs the
+    chosen tokens as rows in prompt order; an exact prompt is read in place and keeps no order."""
     pc = engine("llama", tokenizer)
     pc.add_schema(PREFIX_SCHEMA)
-    assert pc.plan(PROMPTS[0]) is None and pc.plan(PREFIX_PROMPT) is not None
+    assert pc.plan(PROMPTS[0]).recomputed > 0 and pc.plan(PREFIX_PROMPT).new_order is None
     params = SamplingParams(max_new_tokens=6, temperature=0.0)
     pool = KVPool(pc.runner.spec, pc.device, 1024, 16)
     sched = ServingScheduler(pc.runner, pool)
@@ -121,8 +121,8 @@ def test_a_drifted_prompt_under_auto_falls_back_to_its_private_prefill(tokenizer
     assert exact.prefill.exact and exact.prefill.recomputed_tokens == 0 and exact.prefill.bytes_copied == 0
 
 
-def test_a_private_prefill_is_served_beside_pooled_ones(tokenizer):
-    """A recompute prompt is assembled in its own buffer, then copied into its blocks."""
+def test_a_recompute_prompt_is_served_beside_pooled_ones(tokenizer):
+    """A recompute prompt's rows are chunked and batched with other requests' rows."""
     pc = engine("llama", tokenizer)
     start = pml(pc, PROMPTS[0], recompute=0.5)
     reqs, _ = serve(pc, [pml(pc, PROMPTS[1]), start, pml(pc, PROMPTS[2])])
@@ -297,7 +297,7 @@ def test_prefix_identity_through_the_pool(family, tokenizer):
 
 @pytest.mark.parametrize("family", ["llama", "gpt_neox"])
 def test_recompute_identity_through_the_pool(family, tokenizer):
-    """Identity 4: recompute=1.0 (a private prefill copied into the pool) equals a plain forward
+    """Identity 4: recompute=1.0 (every cached token a row of the step) equals a plain forward
     over the prompt's tokens at the layout's positions, and decodes on in the pool."""
     pc = engine(family, tokenizer)
     prompt = PROMPTS[1]

@@ -22,7 +22,7 @@ from promptcache import EngineConfig, PromptCache, RecomputeConfig
 from promptcache.cli import main
 from promptcache.integrations.vllm import SupplyError, cache_salt, kv_transfer_config, plan_request, to_vllm_request
 from promptcache.integrations.vllm.documents import DocumentStates
-from promptcache.integrations.vllm.states import rope_inv_freq
+from promptcache.integrations.vllm.rope import rope_inv_freq
 from promptcache.integrations.vllm.supply import PARAMS_KEY
 from promptcache.rag import DocumentStore, DocumentStoreError
 from tiny import make_model, make_tokenizer

@@ -20,7 +20,8 @@ from promptcache import EngineConfig, PromptCache, RecomputeConfig
 from promptcache.cli import main
 from promptcache.integrations.vllm import (CONNECTOR_MODULE, SupplyError, cache_salt, plan_request, supply,
                                            to_vllm_request)
-from promptcache.integrations.vllm.states import CompiledStates, rope_inv_freq, rotated
+from promptcache.integrations.vllm.rope import rope_inv_freq
+from promptcache.integrations.vllm.states import CompiledStates, rotated
 from promptcache.integrations.vllm.supply import PARAMS_KEY, check
 from promptcache.keys import model_digest
 from tiny import make_model, make_tokenizer
@@ -228,12 +229,80 @@ def test_a_corrupted_state_is_refused_at_check(pc, compiled, tmp_path):
                                                                                params["digest"]).token_ids))
 
 
-def test_rope_other_than_the_default_is_refused():
+SCALED = {  # rope_parameters of the kinds vLLM and the connector share
+    "linear": {"rope_type": "linear", "factor": 2.0},
+    "llama3": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 64},
+    "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256},
+    "yarn mscale": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256, "mscale": 0.707,
+                    "mscale_all_dim": 0.707, "beta_fast": 16, "beta_slow": 2},
+    "yarn attention_factor": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256,
+                              "attention_factor": 1.25, "truncate": False},
+}
+
+
+def scaled_config(rope: dict):
     from transformers import LlamaConfig
 
-    config = LlamaConfig(hidden_size=64, num_attention_heads=4, rope_scaling={"rope_type": "linear", "factor": 2.0})
-    with pytest.raises(SupplyError, match="rope type 'linear'"):
+    return LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                       rope_parameters={"rope_theta": 10000.0, **rope})
+
+
+@pytest.mark.parametrize("kind", list(SCALED))
+def test_scaled_rope_frequencies_and_scaling_are_transformers(kind):
+    """vLLM's formulas (rope.py) against transformers' for the same config: the engine stored its
+    keys with transformers' frequencies and attention scaling, vLLM queries with its own."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from promptcache.integrations.vllm.rope import attention_scaling
+
+    config = scaled_config(SCALED[kind])
+    want, scaling = ROPE_INIT_FUNCTIONS[SCALED[kind]["rope_type"]](config, "cpu")
+    assert torch.allclose(rope_inv_freq(config), want, rtol=1e-6, atol=0)
+    assert attention_scaling(config) == pytest.approx(scaling, rel=1e-12)
+
+
+@pytest.mark.parametrize("kind,match", [
+    ({"rope_type": "dynamic", "factor": 2.0}, "'dynamic' .* NTK base"),
+    ({"rope_type": "longrope", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8,
+      "original_max_position_embeddings": 256}, "'longrope' switches"),
+])
+def test_ropes_neither_side_reproduces_are_refused_by_name(kind, match):
+    with pytest.raises(SupplyError, match=match):
+        rope_inv_freq(scaled_config(kind))
+
+
+def test_per_layer_type_ropes_are_refused_by_name():
+    from transformers import Gemma3TextConfig
+
+    config = Gemma3TextConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=1, head_dim=16,
+                              num_hidden_layers=2, layer_types=["sliding_attention", "full_attention"])
+    with pytest.raises(SupplyError, match="rope per layer type .*sliding_attention"):
         rope_inv_freq(config)
+
+
+@pytest.mark.parametrize("kind", ["llama3", "yarn"])
+def test_scaled_rope_rotated_states_give_the_engines_logits(kind, tmp_path):
+    """The rotation with a scaled rope, played as vLLM plays it (as for the default rope above):
+    every supplied layout's next-token logits equal the engine's at recompute=0 within 1e-4."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    config = scaled_config(SCALED[kind])
+    config.vocab_size, config.intermediate_size, config.num_hidden_layers = 400, 128, 2
+    config.bos_token_id, config.eos_token_id, config.pad_token_id = 2, 3, 1
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0, 0.2)
+    engine = PromptCache(model, make_tokenizer(), EngineConfig(recompute=RecomputeConfig(fraction=0)))
+    states = CompiledStates([engine.compile(SCHEMA, tmp_path / "trip")])
+    for text, unrotated in SUPPLIED.values():
+        request = plan_request(engine, text)
+        assert request.supply is not None and (request.supply.offset == 0) == unrotated, request.reason
+        got = vllm_logits(model, states, request, request.token_ids)
+        assert (got - engine.prefill(text, recompute=0).logits).abs().max().item() <= 1e-4, text
 
 
 def test_inv_freq_is_the_models(pc):
@@ -248,6 +317,15 @@ def test_vllm_config_prints_the_kv_transfer_config_last(compiled):
     config = json.loads(out.output.strip().splitlines()[-1])
     assert config["kv_connector_module_path"] == CONNECTOR_MODULE and config["kv_role"] == "kv_consumer"
     assert config["kv_connector_extra_config"]["compiled"] == [str(compiled.resolve())]
+    assert config["kv_load_failure_policy"] == "fail"
+
+
+def test_vllm_config_load_failure_policy(compiled):
+    out = CliRunner().invoke(main, ["vllm-config", "--compiled", str(compiled), "--load-failure-policy", "recompute"])
+    assert out.exit_code == 0, out.output
+    assert json.loads(out.output.strip().splitlines()[-1])["kv_load_failure_policy"] == "recompute"
+    out = CliRunner().invoke(main, ["vllm-config", "--compiled", str(compiled), "--load-failure-policy", "retry"])
+    assert out.exit_code != 0 and "retry" in out.output
 
 
 def test_vllm_config_refuses_a_folder_that_is_no_artifact(tmp_path):

@@ -4,6 +4,7 @@ import pytest
 
 from pml_tokenizers import ToyTokenizer
 from promptcache import PMLError, layout_prompt, layout_schema, parse_prompt, parse_schema
+from promptcache.pml.errors import MAX_ERRORS, PMLErrors
 
 
 def check(err: PMLError, source: str, line: int, *fragments: str) -> None:
@@ -392,3 +393,27 @@ def test_errors_are_value_errors_with_attributes():
     err = schema_error('<schema name="s">\n<module name="m" cache="no">x</module></schema>')
     assert isinstance(err, ValueError)
     assert err.reason == "module 'm' has cache='no': expected true or false"
+
+
+def test_every_error_of_a_prompt_is_reported_in_line_order():
+    """As for a schema: imports and argument lengths all checked, one line each (validate prints them)."""
+    text = ('<prompt schema="travel">\n<plan days="three or four" nights="2"/>\n<rome/>\n<paris/>\n<tokyo/>\n'
+            '<paris/>\n</prompt>')
+    err = prompt_error(text)
+    assert isinstance(err, PMLErrors)
+    got = [(e.line, e.reason) for e in err.errors]
+    assert [line for line, _ in got] == [2, 3, 5, 6]
+    assert "has no parameter 'nights'" in got[0][1] and "unknown module 'rome'" in got[1][1]
+    assert "two members of one union imported: 'paris' and 'tokyo'" in got[2][1]
+    assert "module 'paris' imported twice" in got[3][1]
+    assert str(err).splitlines() == [f"<string>:{line}: {reason}" for line, reason in got]
+    # a reference that is valid apart from an argument too long: its length is checked too
+    err = prompt_error('<prompt schema="travel">\n<plan days="three or four"/>\n<rome/>\n</prompt>')
+    assert [e.line for e in err.errors] == [2, 3] and "the parameter allows 2" in err.errors[0].reason
+
+
+def test_a_prompt_with_more_errors_than_shown_counts_the_rest():
+    refs = "\n".join(f"<nosuch{i}/>" for i in range(MAX_ERRORS + 5))
+    err = prompt_error(f'<prompt schema="travel">\n{refs}\n</prompt>')
+    assert len(err.errors) == MAX_ERRORS and err.more == 5
+    assert str(err).splitlines()[-1] == "<string>: 5 more errors not shown"

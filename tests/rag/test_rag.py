@@ -126,15 +126,63 @@ def test_reload_with_another_model_is_refused_or_reencoded(tmp_path):
     assert make_store(path=tmp_path / "d", seed=1).ids() == ["paris"]  # now built for the new model
 
 
-def test_corrupted_document_states_are_never_used(tmp_path):
-    store = make_store(path=tmp_path / "c")
-    store.add("paris", DOCS["paris"])
-    f = next((tmp_path / "c" / "docs").glob("*.safetensors"))
+def _damage_one_byte(folder):
+    f = next((folder / "docs").glob("*.safetensors"))
     data = bytearray(f.read_bytes())
     data[-8] ^= 0xFF
     f.write_bytes(bytes(data))
-    with pytest.raises(StoreError, match="checksum mismatch"):
-        make_store(path=tmp_path / "c", independent=True).prefill("Q?", ["paris"])
+    return f
+
+
+def test_corrupted_document_states_are_never_used_and_healed_on_read(tmp_path, caplog):
+    store = make_store(path=tmp_path / "c")
+    store.add("paris", DOCS["paris"])
+    ref = store.prefill("Q?", ["paris"]).logits
+    f = _damage_one_byte(tmp_path / "c")
+    reopened = make_store(path=tmp_path / "c", independent=True)
+    with caplog.at_level("WARNING", logger="promptcache"):
+        res = reopened.prefill("Q?", ["paris"])  # the bad copy is refused, the text encoded again
+    assert "checksum mismatch" in caplog.text and "encoded again" in caplog.text
+    assert torch.allclose(res.logits, ref, atol=1e-6)
+    assert reopened.folder.damage(reopened.get("paris")) is None and f.is_file()  # rewritten in place
+    again = make_store(path=tmp_path / "c").prefill("Q?", ["paris"])
+    assert again.hit_tiers.get("disk") == 1 and torch.allclose(again.logits, ref, atol=1e-6)
+
+
+@pytest.mark.parametrize("reopen", [False, True])
+def test_re_adding_a_document_heals_its_damaged_file(tmp_path, reopen, caplog):
+    store = make_store(path=tmp_path / "h")
+    for k, v in DOCS.items():
+        store.add(k, v)
+    questions = [("Where?", ["paris", "rome"]), ("What?", ["rome", "tokyo", "paris"])]
+    before = [store.prefill(q, ids, "S.").logits for q, ids in questions]
+    f = _damage_one_byte(tmp_path / "h")
+    damaged = next(d for d in DOCS if store.folder.file(store.get(d)) == f)
+    if reopen:
+        store = make_store(path=tmp_path / "h")
+    with caplog.at_level("WARNING", logger="promptcache"):
+        store.add(damaged, DOCS[damaged])  # the file is checked, found damaged, rewritten from the text
+    assert f"document '{damaged}'" in caplog.text and "damaged" in caplog.text
+    assert store.folder.damage(store.get(damaged)) is None
+    for (q, ids), ref in zip(questions, before):
+        assert torch.allclose(store.prefill(q, ids, "S.").logits, ref, atol=1e-6)
+    fresh = make_store(path=tmp_path / "h")  # and after reopening: served from the healed file
+    for (q, ids), ref in zip(questions, before):
+        res = fresh.prefill(q, ids, "S.")
+        assert "disk" in res.hit_tiers and torch.allclose(res.logits, ref, atol=1e-6)
+
+
+def test_a_missing_document_file_is_rebuilt_from_the_indexed_text(tmp_path, caplog):
+    store = make_store(path=tmp_path / "m")
+    store.add("paris", DOCS["paris"])
+    ref = store.prefill("Q?", ["paris"]).logits
+    f = store.folder.file(store.get("paris"))
+    f.unlink()
+    with caplog.at_level("WARNING", logger="promptcache"):
+        reopened = make_store(path=tmp_path / "m")  # opens: the text is in the index
+    assert "missing" in caplog.text
+    assert torch.allclose(reopened.prefill("Q?", ["paris"]).logits, ref, atol=1e-6)
+    assert f.is_file() and reopened.folder.damage(reopened.get("paris")) is None
 
 
 def test_learned_position_models_are_refused_for_independent_documents():

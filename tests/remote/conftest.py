@@ -2,8 +2,10 @@
 
 ``RedisServer`` (tests/redis_server.py) starts Debian's ``redis-server`` (``.ci/run`` installs it) without persistence,
 waits until it answers PING, and can be killed and started again on the same port (a Redis
-outage mid-run). A server that cannot start FAILS the test with the reason: these tests are
-never skipped.
+outage mid-run). Where ``redis-server`` (or ``redis-cli``, for the cluster) is not installed the
+tests are skipped, the package named (``tests/programs.py``, marked in ../conftest.py; failed
+under ``CI=true``); a server
+that is installed but cannot start FAILS the test with the reason.
 """
 
 from __future__ import annotations

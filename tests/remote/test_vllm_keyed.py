@@ -21,7 +21,7 @@ from promptcache import EngineConfig, PromptCache, RecomputeConfig
 from promptcache.cli import main
 from promptcache.integrations.vllm import SupplyError, cache_salt, plan_request
 from promptcache.integrations.vllm.keyed import KeyedStates
-from promptcache.integrations.vllm.states import rope_inv_freq
+from promptcache.integrations.vllm.rope import rope_inv_freq
 from promptcache.rag import DocumentStore
 from promptcache.store import StoreConfig
 from tiny import make_model, make_tokenizer

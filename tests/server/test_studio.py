@@ -71,6 +71,24 @@ def test_schema_text_errors_at_their_line(server):
     assert ok == 200 and view["name"] == "travel"
 
 
+def _line_of(text: str, fragment: str) -> int:
+    return next(i for i, x in enumerate(text.splitlines(), 1) if fragment in x)
+
+
+def test_every_error_of_a_schema_and_of_a_prompt_is_returned(server):
+    """As ``promptcache validate`` prints them: the editor gets each error's line and reason."""
+    bad = TRAVEL.replace('<module name="rome">', '<module name="rome" colour="red">').replace(
+        '<module name="kyoto">', '<module name="kyoto" cache="maybe">')
+    status, body = post(server[0], "/studio/api/schema", {"pml": bad})
+    lines = [e["line"] for e in body["error"]["errors"]]
+    assert status == 400 and lines == sorted([_line_of(bad, 'colour="red"'), _line_of(bad, 'cache="maybe"')])
+    assert body["error"]["line"] == lines[0] and body["error"]["more"] == 0
+    prompt = '<prompt schema="travel">\n<trip days="3" travelers="two" color="red"/>\n<nosuch/>\n</prompt>'
+    status, body = post(server[0], "/studio/api/prompt", {"pml": prompt})
+    assert status == 400 and [e["line"] for e in body["error"]["errors"]] == [2, 3]
+    assert "color" in body["error"]["errors"][0]["reason"] and "nosuch" in body["error"]["errors"][1]["reason"]
+
+
 def test_posted_schema_reads_no_file(server):
     status, body = post(server[0], "/studio/api/schema",
                         {"pml": '<schema name="s"><module name="m" src="pyproject.toml"/></schema>'})

@@ -14,6 +14,7 @@ webdriver = pytest.importorskip("selenium.webdriver", reason="the browser tests 
 from selenium.webdriver.common.by import By  # noqa: E402
 from selenium.webdriver.support.ui import WebDriverWait  # noqa: E402
 
+from programs import needs  # noqa: E402
 from promptcache.layout import layout_schema  # noqa: E402
 from promptcache.pml import PMLError  # noqa: E402
 from serverkit import MODEL, ROOT, client  # noqa: E402
@@ -25,10 +26,11 @@ FLAGS = ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-
 TOKYO = '<prompt schema="travel"><user><trip days="four" travelers="two"/><tokyo/> What to eat?</user></prompt>'
 
 
+pytestmark = needs("chromium", "chromedriver")
+
+
 @pytest.fixture(scope="module")
 def browser():
-    if not (shutil.which("chromium") and shutil.which("chromedriver")):
-        pytest.fail("chromium and chromedriver are needed (apt-get install chromium chromium-driver)")
     profile = tempfile.mkdtemp(prefix="studio-chromium-")
     opts = webdriver.ChromeOptions()
     opts.binary_location = CHROMIUM
@@ -92,6 +94,22 @@ def test_invalid_schema_shows_its_line(browser, server, pc, old, new):
     wait(browser, lambda d: err.is_displayed())
     assert err.get_attribute("data-line") == str(line) and err.text.startswith(f"line {line}:")
     assert not browser.find_elements(By.CSS_SELECTOR, "#schema-axis .bar")
+
+
+def test_every_error_of_a_schema_is_shown(browser, server, pc):
+    open_page(browser, server[0])
+    bad = (ROOT / "schemas" / "travel.xml").read_text().replace(
+        '<module name="rome">', '<module name="rome" colour="red">').replace('<module name="kyoto">',
+                                                                           '<module name="kyoto" cache="maybe">')
+    with pytest.raises(PMLError) as e:  # what `promptcache validate` reports, one line each
+        layout_schema(bad, pc.tok)
+    want = [f"line {x.line}: {x.reason}" for x in e.value.errors]
+    assert len(want) == 2
+    browser.execute_script("arguments[0].value = arguments[1]", browser.find_element(By.ID, "schema-text"), bad)
+    browser.find_element(By.ID, "schema-show").click()
+    err = browser.find_element(By.ID, "schema-error")
+    wait(browser, lambda d: err.is_displayed())
+    assert err.text.splitlines() == want and err.get_attribute("data-line") == str(e.value.errors[0].line)
 
 
 def test_send_a_prompt_spans_coloured_and_answer(browser, server):

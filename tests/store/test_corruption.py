@@ -162,7 +162,7 @@ def test_poisoned_state_is_dropped_and_reencoded(setup, tmp_path, caplog):
 DOCS = {"paris": "Paris is the capital of France, famous for museums.", "rome": "Rome is old and has gardens."}
 
 
-def test_document_store_corruption_is_refused_then_repaired(tmp_path):
+def test_document_store_corruption_is_never_used_and_healed(tmp_path):
     pc = PromptCache(make_model("llama", 0), make_tokenizer())
     store = DocumentStore(pc, tmp_path / "d", independent=True)
     for k, v in DOCS.items():
@@ -177,19 +177,15 @@ def test_document_store_corruption_is_refused_then_repaired(tmp_path):
         buf = bytearray(clean)
         buf[off] ^= 0xFF
         f.write_bytes(bytes(buf))
-        try:
+        try:  # opening registers the file again: a copy healed before in memory does not shadow it
             res = DocumentStore(fresh, tmp_path / "d", independent=True).prefill("Q?", ["paris", "rome"], "S.")
             results.append("same" if torch.allclose(res.logits, ref, atol=1e-6) else "WRONG")
         except (StoreError, DocumentStoreError):
             results.append("refused")
-    assert "WRONG" not in results and results.count("refused") == len(results)
-    # the file is still corrupted: re-adding the document repairs it in the same engine
+    # every damage is found and never used: the document is encoded again from its text, its file rewritten
+    assert results.count("same") == len(results), results
     reopened = DocumentStore(fresh, tmp_path / "d", independent=True)
-    with pytest.raises(StoreError):
-        reopened.prefill("Q?", ["paris", "rome"], "S.")
-    for k, v in DOCS.items():
-        reopened.add(k, v)
-    assert torch.allclose(reopened.prefill("Q?", ["paris", "rome"], "S.").logits, ref, atol=1e-6)
+    assert all(reopened.folder.damage(reopened.get(k)) is None for k in DOCS)
     third = PromptCache(make_model("llama", 0), make_tokenizer())
     res = DocumentStore(third, tmp_path / "d", independent=True).prefill("Q?", ["paris", "rome"], "S.")
     assert torch.allclose(res.logits, ref, atol=1e-6) and "disk" in res.hit_tiers  # the file was rewritten

@@ -99,7 +99,8 @@ def test_one_owner_per_folder(tmp_path):
 def test_persist_writes_what_memory_holds_within_the_disk_budget(tmp_path):
     spill(tmp_path / "probe", 2)
     budget = file_bytes(tmp_path / "probe", 0, 1)  # two states' files
-    store = build_store("cpu", StoreConfig(spill_dir=str(tmp_path / "spill"), disk_budget=budget))
+    store = build_store("cpu", StoreConfig(spill_dir=str(tmp_path / "spill"), disk_budget=budget,
+                                           disk_policy="on_evict"))
     for i in range(3):
         store.put(key(i), kv(i))  # all in host memory (unbounded)
     assert not list((tmp_path / "spill").glob("*.safetensors"))

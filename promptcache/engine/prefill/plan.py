@@ -2,10 +2,10 @@
 
 Two planners produce it: PML schema prompts (``assemble.assemble``, through ``PromptCache.plan``)
 and token chains (the server's automatic prefix reuse and ``DocumentStore`` chains:
-``chains.ChainPlanner``). The serving scheduler reads a plan from the pool and the store; a prompt
-that recomputes part of its stored states is instead assembled in a private buffer from the same
-plan (``ModelRunner.prefill_spliced``), and the scheduler copies that buffer into the request's own
-blocks.
+``chains.ChainPlanner``); a prompt that recomputes part of its stored states gets its plan in
+prompt order from ``ordered.ordered_plan``. The serving scheduler reads every plan from the pool
+and the store; ``PromptCache.prefill`` assembles the same plan in a private buffer
+(``ModelRunner.prefill_spliced``) for the logits alone.
 
 A plan's ``segments`` are stored states read in place, in KV order; ``new_ids`` run after them
 at ``new_pos``. ``publish`` (chains only) names the keys under which the request's own full
@@ -38,15 +38,29 @@ class Segment:
     # blocks: in the pool, consecutive blocks form one run that attention reads as one view)
     load: Callable[[], torch.Tensor] | None = None  # gives ``kv`` when it is needed (a private buffer
     # that already holds the segment at its slot never calls it)
+    order: int | None = None  # prompt index of its first token (its tokens are consecutive in prompt
+    # order); read only by a plan that runs in prompt order (``PrefillPlan.new_order``)
+    shift: int = 0  # ``kv`` holds the states encoded ``shift`` positions earlier (at ``positions -
+    # shift``): the pool reads them in place at any position (each query rotated back by ``shift``
+    # for that segment on rotary models; ALiBi reads ``positions``), a private buffer places
+    # ``load()`` (the states moved to ``positions``)
 
     @property
     def n(self) -> int:
         return len(self.positions)
 
+    @property
+    def placed(self) -> str:
+        """What a private buffer holding ``states()`` holds: the key, and the shift it was moved by."""
+        return f"{self.key}>{self.shift}" if self.shift else self.key
+
     def states(self) -> torch.Tensor:
-        """The segment's states [L, 2, H, n, D] (``load``-ed when not held)."""
-        if self.kv is not None:
+        """The segment's states at ``positions`` [L, 2, H, n, D] (``load``-ed when not held, or
+        moved by ``shift``)."""
+        if self.kv is not None and not self.shift:
             return self.kv
+        if self.shift and self.load is None:
+            raise RuntimeError(f"segment {self.key} is read shifted by {self.shift} and has no moved copy")
         if self.load is None:
             raise RuntimeError(f"segment {self.key} holds no states (a pool entry's key)")
         return self.load()
@@ -62,25 +76,36 @@ class PrefillPlan:
     layout: PromptLayout | None = None
     publish: Callable[[list[int]], list[str]] | None = None
     hit_tiers: dict[str, int] = field(default_factory=dict)
+    # selective recompute (``engine/prefill/ordered.py``): the prompt index of each new token (the
+    # recomputed cached tokens and the prompt's new tokens, ascending). A query then sees only the
+    # keys at or before it in prompt order (segments by ``Segment.order``; its own tokens causally).
+    # None: every new token sees every segment (the paper's splice).
+    new_order: list[int] | None = None
+    recomputed: int = 0  # of ``new_ids``, the cached tokens computed afresh (their stored copies are not read)
+    logits: torch.Tensor | None = None  # [V]: a prefill the caller already ran (``PrefilledPrompt``): no
+    # new token runs, decoding starts from these logits
 
     @property
     def cached_tokens(self) -> int:
+        """Tokens read from stored states."""
         return sum(s.n for s in self.segments)
 
     def __post_init__(self):
-        if not self.new_ids or len(self.new_ids) != len(self.new_pos):
+        if (not self.new_ids and self.logits is None) or len(self.new_ids) != len(self.new_pos):
             raise ValueError(f"a plan runs at least one new token with a position each "
                              f"(got {len(self.new_ids)} ids, {len(self.new_pos)} positions)")
+        if self.new_order is not None:
+            if len(self.new_order) != len(self.new_ids) or any(s.order is None for s in self.segments):
+                raise ValueError(f"a plan in prompt order gives an order to each of its {len(self.new_ids)} new "
+                                 f"tokens (got {len(self.new_order)}) and to every segment")
+            if any(b <= a for a, b in zip(self.new_order, self.new_order[1:])):
+                raise ValueError("a plan's new tokens run in prompt order (new_order ascending)")
 
 
 class PromptSpec:
     """What a request asks the engine to prefill, planned by the scheduler at admission
     (``prompts.py`` has the kinds): ``plan(pool)`` -> a ``PrefillPlan`` read from the pool and the
-    store, or None for a prompt assembled in a private buffer first, which ``prefill()`` runs
-    (a ``PrefillResult`` holding its cache)."""
+    store."""
 
-    def plan(self, pool) -> PrefillPlan | None:
+    def plan(self, pool) -> PrefillPlan:
         raise NotImplementedError
-
-    def prefill(self):
-        raise NotImplementedError(f"{type(self).__name__} always plans into the pool")

@@ -41,9 +41,9 @@ from ...layout import PromptLayout
 from .budget import AUTO, AUTO_FRACTION, DEFAULT_SELECTION, check_fraction, check_recompute, fraction_of
 
 __all__ = ["APE_KEY_SCALE", "AUTO", "AUTO_FRACTION", "BOUNDARY_TOKENS", "DEFAULT_SELECTION", "KEY_SCALES",
-           "RecomputeRequest", "SCORED", "SELECTIONS", "SPARE_NAMED", "anchored", "ape", "boundaries", "check_fraction", "check_recompute", "check_selection", "epic",
+           "RecomputeRequest", "SCORED", "SELECTIONS", "SPARE_NAMED", "anchored", "ape", "boundaries", "check_fraction", "check_recompute", "check_selection", "choose", "epic",
            "fraction_of", "recompute_request", "fill", "match_order", "named_spans", "register_selection",
-           "run_recompute", "scale_reused_keys", "tail", "top"]
+           "run_recompute", "scale_reused_keys", "scaled_slots", "spared_slots", "tail", "top"]
 
 
 
@@ -334,7 +334,29 @@ def scale_reused_keys(cache, req: RecomputeRequest, chosen: list[int], scale: fl
     return sum(b - a for a, b in runs)
 
 
-# -- the forward --------------------------------------------------------------------------------------
+# -- what a request recomputes ----------------------------------------------------------------------
+def spared_slots(req: RecomputeRequest) -> list[int]:
+    """Candidate slots a key-scaling selection leaves as they are (``SPARE_NAMED``: the named spans)."""
+    return [s for i in named_spans(req) for s in range(*req.spans[i])] if req.selection in SPARE_NAMED else []
+
+
+def choose(req: RecomputeRequest, scores: torch.Tensor | None = None) -> list[int]:
+    """The cached slots the request's selection recomputes (ascending; none for a budget of 0).
+    ``scores``: the question's attention per cached slot, for the selections in ``SCORED``."""
+    k = min(req.budget, len(req.candidates))
+    return sorted(SELECTIONS[req.selection](scores, req, k)) if k else []
+
+
+def scaled_slots(req: RecomputeRequest, chosen: list[int]) -> list[int]:
+    """The reused candidate slots whose keys a ``KEY_SCALES`` selection scales (none for the others):
+    every candidate not chosen and not spared."""
+    if req.selection not in KEY_SCALES:
+        return []
+    keep = set(chosen) | set(spared_slots(req))
+    return [s for s in req.candidates if s not in keep]
+
+
+# -- the forward in a private buffer ------------------------------------------------------------------
 def run_recompute(adapter, cache, req: RecomputeRequest, new_ids: list[int], new_pos: list[int],
                   ids: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, int]:
     """On an assembled ``cache`` (cached spans at slots 0..n_cached-1, length n_cached), recompute
@@ -346,7 +368,7 @@ def run_recompute(adapter, cache, req: RecomputeRequest, new_ids: list[int], new
     device = cache.buf.device
     k = min(req.budget, len(req.candidates))
     scale = KEY_SCALES.get(req.selection)
-    spared = [s for i in named_spans(req) for s in range(*req.spans[i])] if req.selection in SPARE_NAMED else []
+    spared = spared_slots(req)
     if k == 0:
         if scale is not None:
             scale_reused_keys(cache, req, spared, scale)
@@ -356,7 +378,7 @@ def run_recompute(adapter, cache, req: RecomputeRequest, new_ids: list[int], new
         per_layer = question_attention(adapter, lambda: adapter.forward(ids, pos, cache), n_cached)  # [L, n_cached]
         if per_layer is not None:
             scores = per_layer[int(per_layer.shape[0] * SCORED[req.selection]) :].sum(0)
-    chosen = SELECTIONS[req.selection](scores, req, k)
+    chosen = choose(req, scores)
     if scale is not None:  # before the forward: the recomputed tokens and the question see the scaled keys
         scale_reused_keys(cache, req, sorted(set(chosen) | set(spared)), scale)
     # inputs in prompt order: chosen cached tokens and the new tokens (the last prompt token is new)

@@ -23,7 +23,8 @@ from ...models.splice import CachePool, KVSpec, SpliceCache
 from ...layout import PromptLayout
 from ...models import get_adapter
 from .plan import PrefillPlan, Segment
-from .recompute import RecomputeRequest, run_recompute
+from .ordered import ordered_plan
+from .recompute import KEY_SCALES, SCORED, RecomputeRequest, choose, question_attention, run_recompute, scaled_slots
 from .results import PrefillResult
 
 __all__ = ["ModelRunner", "eos_ids"]
@@ -73,7 +74,7 @@ class ModelRunner:
         # must not hold the (asynchronous) copies of the stored spans yet
         ids = torch.tensor([new_ids], dtype=torch.long, device=self.device)  # [1, T]
         pos = torch.tensor([new_pos], dtype=torch.long, device=self.device)  # [1, T]
-        cache = self.pool.acquire(capacity, [(seg.key, seg.n) for seg in segments])
+        cache = self.pool.acquire(capacity, [(seg.placed, seg.n) for seg in segments])
         try:
             copied = cache.place(segments)
             if recompute is None:
@@ -96,6 +97,33 @@ class ModelRunner:
         return PrefillResult(logits=logits, ttft=ttft, cached_tokens=n_cached, new_tokens=len(new_ids), exact=exact,
                              bytes_copied=copied, hit_tiers=dict(plan.hit_tiers), layout=layout, cache=cache,
                              next_position=plan.max_position + 1, recomputed_tokens=redone)
+
+    def recompute_plan(self, plan: PrefillPlan, req: RecomputeRequest) -> PrefillPlan:
+        """``plan`` with the tokens ``req``'s selection chooses recomputed as rows of the serving
+        step, in prompt order (``ordered.ordered_plan``): what ``prefill_spliced`` computes with
+        ``recompute=req``, read from the pool instead of a private buffer."""
+        scores = self.question_scores(plan, req) if req.selection in SCORED and req.budget else None
+        chosen = choose(req, scores)
+        return ordered_plan(plan, req, chosen, scaled_slots(req, chosen), KEY_SCALES.get(req.selection))
+
+    def question_scores(self, plan: PrefillPlan, req: RecomputeRequest) -> torch.Tensor | None:
+        """The question's attention per cached slot ([n_cached], summed over heads, queries and the
+        layers ``SCORED`` names), for the selections that read it: one forward of the new tokens
+        over the plan assembled in a buffer of its own, in eager attention (the probabilities are
+        what no fused kernel returns; the one use of a private buffer on the serving path)."""
+        n_cached = plan.cached_tokens
+        ids = torch.tensor([plan.new_ids], dtype=torch.long, device=self.device)  # [1, T]
+        pos = torch.tensor([plan.new_pos], dtype=torch.long, device=self.device)  # [1, T]
+        cache = self.pool.acquire(n_cached + len(plan.new_ids), [(seg.placed, seg.n) for seg in plan.segments])
+        try:
+            cache.place(plan.segments)
+            with self.lock:
+                per_layer = question_attention(self.adapter, lambda: self.adapter.forward(ids, pos, cache), n_cached)
+        finally:
+            self.pool.release(cache)
+        if per_layer is None:
+            return None
+        return per_layer[int(per_layer.shape[0] * SCORED[req.selection]) :].sum(0)
 
     def prefill_plain(self, token_ids: list[int], t0: float | None = None,
                       layout: PromptLayout | None = None) -> PrefillResult:

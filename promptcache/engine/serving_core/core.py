@@ -108,16 +108,20 @@ class Engine:
 
     def run(self, requests: list[Request], progress: Progress | None = None) -> list[Request]:
         """Submit ``requests`` and step until every one has finished (others submitted meanwhile are
-        stepped too). ``progress(done, total)`` after each step that finished some. A step that
-        fails marks the requests it concerned (``Request.error``) and the loop goes on."""
+        stepped too). ``progress(done, total)`` once at 0 and after each step that finished some,
+        the last call (done == total) closing a bar. A step that fails marks the requests it
+        concerned (``Request.error``) and the loop goes on."""
         for r in requests:
             self.submit(r)
         total, done = len(requests), 0
-        while (left := sum(not r.finished for r in requests)) > 0:
+        if progress is not None:
+            progress(0, total)
+        while done < total:
             self._step_guarded()
-            if progress is not None and total - left != done:
-                done = total - left
-                progress(done, total)
+            finished = sum(r.finished for r in requests)  # counted after the step: the last one is reported
+            if progress is not None and finished != done:
+                progress(finished, total)
+            done = finished
         return requests
 
     def stream(self, request: Request) -> Iterator[StepOutput]:
@@ -158,15 +162,18 @@ class Engine:
 
 
 def _write_through(store):
-    """``on_publish`` for a store with shared write-through tiers: each block a request publishes
-    is written there too, so other replicas find it (None: no such tier)."""
+    """``on_publish`` for a store whose tiers take every new state (shared write-through tiers, a
+    disk tier ``through`` or ``behind``): each block a request publishes is written there too, so
+    other replicas find it and a killed process finds it after a restart (None: no such tier)."""
     tiers = [t for t in store.shared if t.write_policy == "through"]
-    if not tiers:
+    if not tiers and not store.keeps_new:
         return None
 
     def publish(key, kv):
         data = kv.clone()
         for tier in tiers:
             tier.put(key, data)
+        if store.keeps_new:
+            store.keep(key, data)
 
     return publish

@@ -65,7 +65,7 @@ from ...errors import ConfigError
 from ...tunables import COMPILE_BUCKETS
 from .kvpool import KVPool
 from .paged import PagedRow, StepPlan, attend, attention_swapped, build_plan, key_rule, paged_forward, \
-    paged_refusal, step_inputs, write_kv
+    paged_refusal, query_rope, step_inputs, write_kv
 
 log = logging.getLogger(__name__)
 
@@ -238,7 +238,7 @@ class CompiledSteps:
         last = ends[-1] if ends else n - 1
         keep = torch.tensor(ends + [last] * (rows_bucket - len(ends)), dtype=torch.long, device=dev)  # [R]
         kwargs = {"position_ids": pos} if self.runner.adapter.passes_position_ids else {}
-        step = _Step(build_plan(pool, rows, keys=key_rule(self.runner.adapter)), write, n)
+        step = _Step(build_plan(pool, rows, keys=key_rule(self.runner.adapter), rope=query_rope(self.runner.adapter, rows)), write, n)
         graph = self.graph_for(shape)
         first = graph not in self.compile_seconds
         if first:

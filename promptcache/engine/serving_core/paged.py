@@ -54,13 +54,14 @@ from transformers import AttentionInterface
 from transformers.cache_utils import Cache, CacheLayerMixin
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+from ...models.relocate import rope_spec
 from ...models.splice import SpliceCache
 from ...tunables import DECODE_MATMUL_ROWS, FOLD_SHARED, GATHER_MAX, SEGMENTS_MAX  # read at call time (tests set them here)
 from ...kernels import attention as cpu_attention
 from .kvpool import KVPool
 
 __all__ = ["KeyRule", "PagedRow", "StepPlan", "attend", "attention_swapped", "build_plan", "key_rule", "paged_forward",
-           "paged_refusal", "step_inputs", "write_kv", "ATTENTION_NAME"]
+           "paged_refusal", "query_rope", "step_inputs", "write_kv", "ATTENTION_NAME"]
 
 ATTENTION_NAME = "promptcache_paged"
 
@@ -83,6 +84,19 @@ class PagedRow:
     # pool slots [n] of each shared segment held in the pool (None: a store tensor read in place); a
     # decode row read by the native gather op reads such segments with its own slots (FOLD_SHARED)
     shared_slots: list[torch.Tensor | None] | None = None
+    # key limits in prompt order (selective recompute's rows): per shared segment, the number of its
+    # leading keys each of the t queries sees (LongTensor [t], 0 .. n), or None where every query
+    # sees all of it; a row with any limit is read as a prefill chunk (never folded into a gather)
+    shared_limits: list[torch.Tensor | None] | None = None
+    # per shared segment, the positions its stored states lie behind the positions it is read at
+    # (``Segment.shift``: a document read in place at any position; 0: where it was encoded)
+    shared_shift: list[int] | None = None
+
+    def limits(self) -> list[torch.Tensor | None]:
+        return self.shared_limits if self.shared_limits is not None else [None] * len(self.shared)
+
+    def shifts(self) -> list[int]:
+        return self.shared_shift if self.shared_shift is not None else [0] * len(self.shared)
 
 
 @dataclass(frozen=True)
@@ -133,41 +147,62 @@ class StepPlan:
     qpos: torch.Tensor | None = None
     segment_pos: list[torch.Tensor] = field(default_factory=list)
     prefill_pos: list[tuple[torch.Tensor, list[torch.Tensor]]] = field(default_factory=list)
+    # segments some queries see only a prefix of (``PagedRow.shared_limits``): (view, query idx
+    # [m], keys seen by each [m], 1 .. n), read apart (never cascaded or concatenated); with a
+    # KeyRule, their key positions in ``limited_pos``
+    limited: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    limited_pos: list[torch.Tensor] = field(default_factory=list)
+    # segments read shifted (``PagedRow.shared_shift``): the rotary frequencies [r / 2] of the model
+    # and, per entry of ``segments`` / ``limited``, each query's shift [m] (None: none shifted)
+    rope: torch.Tensor | None = None
+    segment_shift: list[torch.Tensor | None] = field(default_factory=list)
+    limited_shift: list[torch.Tensor | None] = field(default_factory=list)
     # built at the first layer, read by the others: (partial, window) -> (bias, dead queries);
     # ("rows", segment) -> the segment's queries as a slice or an index tensor
     memo: dict = field(default_factory=dict)
 
 
-def build_plan(pool: KVPool, rows: list[PagedRow], scale: float | None = None, keys: KeyRule | None = None) -> StepPlan:
+def build_plan(pool: KVPool, rows: list[PagedRow], scale: float | None = None, keys: KeyRule | None = None,
+               rope: torch.Tensor | None = None) -> StepPlan:
     """``keys``: the model's ``KeyRule`` (``key_rule``); a sliding window that no row's keys
-    reach past is dropped (the plan is then the one without it)."""
+    reach past is dropped (the plan is then the one without it). ``rope``: the rotary
+    frequencies queries are rotated by for segments read shifted (``query_rope``; None: shifts
+    need no rotation, as with ALiBi, where ``shared_pos`` carries the positions)."""
     if keys is not None and keys.bias is None and not _window_bites(rows, min(w for w in keys.windows if w)):
         keys = None
     if keys is not None:
-        return _build_keyed(pool, rows, scale, keys)
+        return _shifted(_build_keyed(pool, rows, scale, keys), rows, rope)
     plan, dev = StepPlan(pool, scale), pool.buf.device
-    by_key: dict[str, tuple[torch.Tensor, list[int]]] = {}
+    by_key: dict[tuple, tuple[torch.Tensor, list[int], list[int]]] = {}
     decodes, off = [], 0
     # the native gather op reads each decode row's own slots in place up to its length: every decode
     # row goes through it (one call a layer); the fallback gathers copies padded to the longest row
     gather_max = None if cpu_attention.gathers(pool.buf) else GATHER_MAX
     for row in rows:
         t = len(row.ids)
-        decode = t == 1 and (gather_max is None or len(row.own) <= gather_max)
+        limits, shifts = row.limits(), row.shifts()
+        decode = t == 1 and (gather_max is None or len(row.own) <= gather_max) and all(x is None for x in limits)
         slots = row.shared_slots if decode and gather_max is None and FOLD_SHARED else None
         folded = []  # shared pool slots this decode row reads with its own (one softmax over both)
         for i, (key, view) in enumerate(row.shared):
-            if slots is not None and slots[i] is not None:
+            if slots is not None and slots[i] is not None and not shifts[i]:
                 folded.append(slots[i])
                 continue
-            by_key.setdefault(key, (view, []))[1].extend(range(off, off + t))
+            if limits[i] is not None:
+                _add_limited(plan, view, off, limits[i], None, shifts[i])
+                continue
+            entry = by_key.setdefault(key, (view, [], []))
+            entry[1].extend(range(off, off + t))
+            entry[2].extend([shifts[i]] * t)
         if decode:
             decodes.append((off, torch.cat([*folded, row.own]) if folded else row.own))
         else:  # a chunk, or a decode row with a long own part (read in place, not padded into the gather)
             done = len(row.own) - t
             plan.prefills.append((off, off + t, _parts(row.own[done:], 1)[0], _parts(row.own[:done], SEGMENTS_MAX)))
         off += t
-    plan.segments = [(views, idx) for views, idx, _ in _group_segments([(v, q, None) for v, q in by_key.values()], dev)]
+    grouped = _group_segments([(v, q, None, sh) for v, q, sh in by_key.values()], dev)
+    plan.segments = [(views, idx) for views, idx, _, _ in grouped]
+    plan.segment_shift = [sh for _, _, _, sh in grouped]
     if decodes:
         width = max(len(s) for _, s in decodes)
         slots = torch.zeros((len(decodes), width), dtype=torch.long, device=dev)
@@ -180,8 +215,33 @@ def build_plan(pool: KVPool, rows: list[PagedRow], scale: float | None = None, k
             valid = torch.arange(width, device=dev)[None, :] < plan.decode_lengths[:, None]  # [B, width]
             hk, b = pool.buf.shape[2], len(decodes)
             plan.decode_bias = _bias(valid[None, :, None, :].expand(hk, b, 1, width).reshape(hk * b, 1, width))
-        plan.decodes_only = not plan.prefills and all(idx.numel() == off for _, idx in plan.segments)
+        plan.decodes_only = not plan.prefills and all(idx.numel() == off for _, idx in plan.segments) \
+            and all(sh is None for sh in plan.segment_shift)
+    return _shifted(plan, rows, rope)
+
+
+def _shifted(plan: StepPlan, rows: list[PagedRow], rope: torch.Tensor | None) -> StepPlan:
+    """The plan with the rotary frequencies its shifted segments need (checked present)."""
+    if any(sh is not None for sh in plan.segment_shift + plan.limited_shift):
+        plan.rope = rope
     return plan
+
+
+def _add_limited(plan: StepPlan, view: torch.Tensor, off: int, limits: torch.Tensor, pos: torch.Tensor | None,
+                 shift: int = 0) -> None:
+    """A segment the row's queries (packed from ``off``) see a prefix of, ``limits`` [t] keys each;
+    queries that see none of it are left out."""
+    n = view.shape[3]
+    limits = limits.to("cpu", torch.long)
+    if bool((limits < 0).any()) or bool((limits > n).any()):
+        raise ValueError(f"key limits of a shared segment of {n} tokens must lie in 0..{n}, got {limits.tolist()}")
+    sees = torch.nonzero(limits > 0).flatten()
+    if sees.numel() == 0:
+        return
+    plan.limited.append((view, (sees + off).to(plan.pool.buf.device), limits[sees]))
+    plan.limited_shift.append(torch.full((sees.numel(),), shift, dtype=torch.long) if shift else None)
+    if pos is not None:
+        plan.limited_pos.append(pos)
 
 
 def _own_positions(row: PagedRow) -> list[int]:
@@ -221,14 +281,21 @@ def _build_keyed(pool: KVPool, rows: list[PagedRow], scale: float | None, keys: 
     ``build_plan``), other rows' own tokens as prefills, shared segments grouped by the queries
     that read them; the position IDs of all of them alongside."""
     plan, dev = StepPlan(pool, scale, keys=keys), pool.buf.device
-    by_key: dict[str, tuple[torch.Tensor, list[int], torch.Tensor]] = {}
+    by_key: dict[str, tuple[torch.Tensor, list[int], torch.Tensor, list[int]]] = {}
     decodes, off = [], 0
     for row in rows:
         t = len(row.ids)
-        for (key, view), pos in zip(row.shared, _shared_positions(row)):
-            by_key.setdefault(key, (view, [], pos))[1].extend(range(off, off + t))
+        limits = row.limits()
+        for (key, view), pos, lim, shift in zip(row.shared, _shared_positions(row), limits, row.shifts()):
+            if lim is not None:
+                _add_limited(plan, view, off, lim, pos, shift)
+                continue
+            # a segment read at another position is another partial here (its key positions differ)
+            entry = by_key.setdefault((key, int(pos[0]) if len(pos) else 0), (view, [], pos, []))
+            entry[1].extend(range(off, off + t))
+            entry[3].extend([shift] * t)
         own_pos = torch.tensor(_own_positions(row), dtype=torch.long)
-        if t == 1 and len(row.own) <= GATHER_MAX:
+        if t == 1 and len(row.own) <= GATHER_MAX and all(x is None for x in limits):
             decodes.append((off, row.own, own_pos))
             off += 1
             continue
@@ -239,8 +306,9 @@ def _build_keyed(pool: KVPool, rows: list[PagedRow], scale: float | None, keys: 
         off += t
     plan.qpos = torch.tensor([p for r in rows for p in r.pos], dtype=torch.long)
     grouped = _group_segments(list(by_key.values()), dev)
-    plan.segments = [(views, idx) for views, idx, _ in grouped]
-    plan.segment_pos = [pos for _, _, pos in grouped]
+    plan.segments = [(views, idx) for views, idx, _, _ in grouped]
+    plan.segment_pos = [pos for _, _, pos, _ in grouped]
+    plan.segment_shift = [sh for _, _, _, sh in grouped]
     if decodes:
         width = max(len(s) for _, s, _ in decodes)
         slots = torch.zeros((len(decodes), width), dtype=torch.long, device=dev)
@@ -268,22 +336,24 @@ def _decode_bias(plan: StepPlan, hk: int, g: int, window: int | None, dev) -> to
     return bias.expand(hk, b, bias.shape[2], width).reshape(hk * b, bias.shape[2], width)
 
 
-def _group_segments(segs: list[tuple[torch.Tensor, list[int], torch.Tensor | None]], dev
-                    ) -> list[tuple[list[torch.Tensor], torch.Tensor, torch.Tensor | None]]:
-    """Segments (view, query indices, key positions or None) read by the same queries: kept
-    apart while there are at most ``SEGMENTS_MAX`` of them, else read together (concatenated a
-    layer at a time). Returns (views, query idx, their key positions concatenated or None)."""
-    by_queries: dict[tuple[int, ...], list[tuple[torch.Tensor, torch.Tensor | None]]] = {}
-    for view, q, pos in segs:
-        by_queries.setdefault(tuple(q), []).append((view, pos))
+def _group_segments(segs: list[tuple[torch.Tensor, list[int], torch.Tensor | None, list[int]]], dev
+                    ) -> list[tuple[list[torch.Tensor], torch.Tensor, torch.Tensor | None, torch.Tensor | None]]:
+    """Segments (view, query indices, key positions or None, each query's shift) read by the same
+    queries with the same shifts: kept apart while there are at most ``SEGMENTS_MAX`` of them,
+    else read together (concatenated a layer at a time). Returns (views, query idx, their key
+    positions concatenated or None, each query's shift [m] or None where none is shifted)."""
+    by_queries: dict[tuple, list[tuple[torch.Tensor, torch.Tensor | None]]] = {}
+    for view, q, pos, shifts in segs:
+        by_queries.setdefault((tuple(q), tuple(shifts)), []).append((view, pos))
     out = []
-    for q, group in by_queries.items():
+    for (q, shifts), group in by_queries.items():
         idx = torch.tensor(q, dtype=torch.long, device=dev)
+        shift = torch.tensor(shifts, dtype=torch.long) if any(shifts) else None
         if len(group) <= SEGMENTS_MAX:
-            out += [([v], idx, pos) for v, pos in group]
+            out += [([v], idx, pos, shift) for v, pos in group]
         else:
             pos = None if group[0][1] is None else torch.cat([p for _, p in group])
-            out.append(([v for v, _ in group], idx, pos))
+            out.append(([v for v, _ in group], idx, pos, shift))
     return out
 
 
@@ -413,14 +483,64 @@ def attend(plan: StepPlan, layer: int, query: torch.Tensor, scaling: float | Non
             _merge(out, lse, rows, o.view(hk, g, t, d), l.view(hk, g, t))
     for i, (views, idx) in enumerate(plan.segments):  # shared segments: read once for every query that needs them
         ks, vs = _layer_kv(views, layer)
+        shift = plan.segment_shift[i] if plan.segment_shift else None
         if idx.numel() == n:  # every query of the step reads it (one request, or one shared prompt)
-            o, l = _attend(q.reshape(hk, g * n, d), ks, vs, None, qs)
+            o, l = _attend(_rotated(plan, ("segment", i), q, shift).reshape(hk, g * n, d), ks, vs, None, qs)
             _merge_all(out, lse, o.view(hk, g, n, d), l.view(hk, g, n))
         else:
             rows = _query_rows(plan, i, idx)
-            o, l = _attend(q[:, :, rows].reshape(hk, -1, d), ks, vs, None, qs)
+            qr = _rotated(plan, ("segment", i), q[:, :, rows], shift)
+            o, l = _attend(qr.reshape(hk, -1, d), ks, vs, None, qs)
             _merge(out, lse, rows, o.view(hk, g, -1, d), l.view(hk, g, -1))
+    for j, (view, idx, limits) in enumerate(plan.limited):  # prefixes of segments, per query
+        rows = _query_rows(plan, ("limited", j), idx)
+        m = len(limits)
+        qr = _rotated(plan, ("limited", j), q[:, :, rows], plan.limited_shift[j])
+        o, l = _attend_limited(plan, j, qr.reshape(hk, g * m, d), view[layer, 0], view[layer, 1], limits, qs)
+        _merge(out, lse, rows, o.view(hk, g, m, d), l.view(hk, g, m))
     return out.view(hq, n, d).transpose(0, 1)[None].to(query.dtype)
+
+
+def _rotated(plan: StepPlan, memo_key, q: torch.Tensor, shift: torch.Tensor | None) -> torch.Tensor:
+    """Queries q [Hk, G, m, D] (rotated at their positions p) as rotated at p - shift for a
+    segment whose stored keys lie ``shift`` [m] positions behind where it is read: rotary scores
+    depend on q and k's positions only through their difference, so this reads the stored keys
+    as if moved (``models.relocate`` moves them instead). Rotations over the first
+    ``2 * len(plan.rope)`` channels, angles in float64 (built once a step). No rope (ALiBi): as
+    they are, the bias reads the positions."""
+    if shift is None or plan.rope is None:
+        return q
+    memo_key = ("rotation", memo_key)
+    if memo_key not in plan.memo:
+        angle = -shift.to(torch.float64)[:, None] * plan.rope.to(torch.float64)[None, :]  # [m, r / 2]
+        cos, sin = angle.cos().repeat(1, 2), angle.sin().repeat(1, 2)  # [m, r]
+        plan.memo[memo_key] = (cos.to(q.device, torch.float32), sin.to(q.device, torch.float32))
+    cos, sin = plan.memo[memo_key]
+    r = cos.shape[1]
+    x = q[..., :r].float()
+    x1, x2 = x.chunk(2, dim=-1)
+    out = q.clone()
+    out[..., :r] = (x * cos + torch.cat((-x2, x1), dim=-1) * sin).to(q.dtype)
+    return out
+
+
+def _attend_limited(plan: StepPlan, j: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, limits: torch.Tensor,
+                    scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [Hk, G * m, D] (G query heads a KV head, m queries each) over k, v [Hk, n, D], query i
+    seeing keys 0 .. limits[i] - 1 (``limits`` [m], 1 .. n): the native kernel's ``attend_limits``
+    where it covers them, else a mask (built once a step). Returns (out, lse) float32."""
+    g = q.shape[1] // len(limits)
+    op = cpu_attention.limits_kernel_for(q, k)
+    if op is not None and v.dtype == k.dtype:
+        memo_key = ("limits", j)
+        if memo_key not in plan.memo:
+            plan.memo[memo_key] = limits.repeat(g).to(q.device)
+        return op(q, k, v, scale, plan.memo[memo_key])
+    memo_key = ("limits-bias", j)
+    if memo_key not in plan.memo:
+        seen = torch.arange(k.shape[1])[None, :] < limits[:, None]  # [m, n]
+        plan.memo[memo_key] = _bias(seen.repeat(g, 1).to(q.device))[None]  # [1, G * m, n]
+    return _attend(q, k, v, plan.memo[memo_key], scale)
 
 
 def _query_rows(plan: StepPlan, i: int, idx: torch.Tensor):
@@ -484,23 +604,31 @@ def _attend_keyed(plan: StepPlan, layer: int, query: torch.Tensor, scale: float)
             _merge_keyed(plan, (i, j, window), out, lse, rows, qr, _read(kbuf, vbuf, part), qpos, pos, window)
     for i, ((views, idx), pos) in enumerate(zip(plan.segments, plan.segment_pos)):
         qpos = plan.qpos[idx.cpu()]
-        _merge_keyed(plan, (-1, i, window), out, lse, idx, q[:, :, idx].reshape(hk, g * len(qpos), d),
+        qr = _rotated(plan, ("segment", i), q[:, :, idx], plan.segment_shift[i])
+        _merge_keyed(plan, (-1, i, window), out, lse, idx, qr.reshape(hk, g * len(qpos), d),
                      _layer_kv(views, layer), qpos, pos, window)
+    for j, ((view, idx, limits), pos) in enumerate(zip(plan.limited, plan.limited_pos)):
+        qpos = plan.qpos[idx.cpu()]
+        qr = _rotated(plan, ("limited", j), q[:, :, idx], plan.limited_shift[j])
+        _merge_keyed(plan, (-2, j, window), out, lse, idx, qr.reshape(hk, g * len(qpos), d),
+                     (view[layer, 0], view[layer, 1]), qpos, pos, window, limits=limits)
     return out.view(hq, n, d).transpose(0, 1)[None].to(query.dtype)
 
 
 _EMPTY = -1e30  # the log-sum-exp of no key yet (finite: exp(_EMPTY - _EMPTY) is 1, not NaN)
 
 
-def _merge_keyed(plan: StepPlan, memo_key, out, lse, rows, q, kv, qpos, kpos, window, causal: bool = False) -> None:
+def _merge_keyed(plan: StepPlan, memo_key, out, lse, rows, q, kv, qpos, kpos, window, causal: bool = False,
+                 limits: torch.Tensor | None = None) -> None:
     """One partial result of ``_attend_keyed``: queries q [Hk, G * m, D] (positions qpos [m],
     host) over keys/values [Hk, n, D] (positions kpos [n], host), merged into (out, lse) at
-    ``rows``; ``causal``: the keys are the queries' own new tokens (query i sees keys 0..i)."""
+    ``rows``; ``causal``: the keys are the queries' own new tokens (query i sees keys 0..i);
+    ``limits`` [m]: query i sees keys 0 .. limits[i] - 1 only."""
     hk, gm, d = q.shape
     m = len(qpos)
     g = gm // m
     if memo_key not in plan.memo:
-        plan.memo[memo_key] = _key_bias(plan.keys, hk, g, qpos, kpos, window, causal, q.device)
+        plan.memo[memo_key] = _key_bias(plan.keys, hk, g, qpos, kpos, window, causal, q.device, limits)
     bias, dead = plan.memo[memo_key]
     if bias is False:  # the window hides every key from every query
         return
@@ -511,12 +639,14 @@ def _merge_keyed(plan: StepPlan, memo_key, out, lse, rows, q, kv, qpos, kpos, wi
     _merge(out, lse, rows, o.view(hk, g, m, d), l.view(hk, g, m))
 
 
-def _key_bias(keys: KeyRule, hk: int, g: int, qpos, kpos, window, causal: bool, dev):
+def _key_bias(keys: KeyRule, hk: int, g: int, qpos, kpos, window, causal: bool, dev, limits=None):
     """(additive float32 bias [Hk, G * m or 1, n] or None, dead queries [G * m] bool or None) of
     a partial, or (False, None) where no query sees any key. The bias: the ALiBi term of each
-    key (per query head) plus -inf where the window or causality hides a key."""
+    key (per query head) plus -inf where the window, causality or a key limit hides a key."""
     m, n = len(qpos), len(kpos)
     visible = torch.ones((m, n), dtype=torch.bool).tril() if causal else None
+    if limits is not None:
+        visible = torch.arange(n)[None, :] < limits.cpu()[:, None]
     if window is not None and int(qpos.max()) - int(kpos.min()) >= window:
         inside = kpos[None, :] > qpos[:, None] - window
         visible = inside if visible is None else visible & inside
@@ -691,12 +821,26 @@ def paged_forward(runner, pool: KVPool, rows: list[PagedRow]) -> torch.Tensor:
     """One forward of every row's new tokens; logits [k, V] of the rows with ``logits`` set, in order."""
     ids, pos, write, ends = step_inputs(pool, rows)
     keep = torch.tensor(ends, dtype=torch.long, device=pool.buf.device)
-    plan = build_plan(pool, rows, keys=key_rule(runner.adapter))
+    plan = build_plan(pool, rows, keys=key_rule(runner.adapter), rope=query_rope(runner.adapter, rows))
     kwargs = {"position_ids": pos} if runner.adapter.passes_position_ids else {}
     with runner.lock, attention_swapped(runner, pc_plan=plan):
         out = runner.model(input_ids=ids, past_key_values=PagedCache(pool, write), use_cache=True,
                            logits_to_keep=keep, pc_plan=plan, **kwargs)
     return out.logits[0]
+
+
+def query_rope(adapter, rows: list[PagedRow]) -> torch.Tensor | None:
+    """The rotary frequencies queries are rotated by where some row reads a segment shifted
+    (None: no row does, or the model's keys carry no position: ALiBi). A model whose stored states
+    cannot be read at another position is refused (``Adapter.relocation``)."""
+    if not any(any(r.shifts()) for r in rows):
+        return None
+    if adapter.relocation == "positions_only":
+        return None
+    if adapter.relocation != "rotate_keys":
+        raise ValueError(f"{adapter.config.model_type}: stored states cannot be read at another position "
+                         f"({adapter.relocation_refusal or 'not relocatable'})")
+    return rope_spec(adapter).inv_freq
 
 
 def step_inputs(pool: KVPool, rows: list[PagedRow]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[int]]:

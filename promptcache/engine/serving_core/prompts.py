@@ -1,13 +1,10 @@
 """What a request asks the engine to prefill: a ``PromptSpec``, planned by the scheduler at admission.
 
-A spec is data (the prompt and where its stored states are looked up) with the two questions the
-scheduler asks it, on the engine's thread, when the request is admitted:
-
-  * ``plan(pool) -> PrefillPlan | None``: the stored segments read in place (pool entries, or a
-    store tier's own tensors) and the new tokens to run; None when the prompt must be assembled in
-    a private buffer first (it recomputes part of its cached states);
-  * ``prefill() -> PrefillResult``: that private prefill, holding its cache (the scheduler copies
-    its states into the request's own blocks and gives the buffer back).
+A spec is data (the prompt and where its stored states are looked up) with the one question the
+scheduler asks it, on the engine's thread, when the request is admitted: ``plan(pool) ->
+PrefillPlan``, the stored segments read in place (pool entries, or a store tier's own tensors)
+and the rows to run (new tokens, and the cached tokens a drifted prompt recomputes, in prompt
+order: ``engine/prefill/ordered.py``).
 
 Three kinds here, one in ``rag`` (``DocumentPrompt``, for ``DocumentStore`` documents):
 ``PmlPrompt`` (a PML prompt over a loaded schema), ``TokenPrompt`` (token ids at positions 0..n-1:
@@ -18,11 +15,12 @@ a prompt's logits and then decode from the same state).
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 from ...layout import PromptLayout
 from ...pml.nodes import Prompt
-from ..prefill.plan import PrefillPlan, PromptSpec
+from ..prefill.plan import PrefillPlan, PromptSpec, Segment
 from .prefix import PrefixCache
 from ..prefill.results import PrefillResult
 
@@ -39,12 +37,8 @@ class PmlPrompt(PromptSpec):
     recompute: float | str | None = None  # None: the engine's RecomputeConfig
     layout: PromptLayout | None = None  # laid out already (checked when the request was made)
 
-    def plan(self, pool) -> PrefillPlan | None:
+    def plan(self, pool) -> PrefillPlan:
         return self.pc.plan(self.tree, self.namespace, recompute=self.recompute, layout=self.layout)
-
-    def prefill(self) -> PrefillResult:
-        return self.pc.prefill(self.tree, keep_cache=True, namespace=self.namespace, recompute=self.recompute,
-                               layout=self.layout)
 
 
 @dataclass(frozen=True, eq=False)
@@ -75,16 +69,27 @@ class TokenPrompt(PromptSpec):
 
 @dataclass(frozen=True, eq=False)
 class PrefilledPrompt(PromptSpec):
-    """A prefill already run with ``keep_cache=True`` (its cache is handed over, once)."""
+    """A prefill the caller already ran with ``keep_cache=True`` (studies that read a prompt's
+    logits, then decode from the same state): its buffer is read in place as one stored segment
+    and decoding starts from its logits (nothing is run or copied). The buffer is handed over,
+    once: it is not given back to the runner's buffers."""
 
     result: PrefillResult
 
     def __post_init__(self):
-        if self.result.cache is None:
-            raise ValueError("PrefilledPrompt needs a PrefillResult that kept its cache (keep_cache=True)")
+        cache = self.result.cache
+        if cache is None or not hasattr(cache, "buf"):
+            raise ValueError("PrefilledPrompt needs a PrefillResult that kept its assembled cache "
+                             "(PromptCache.prefill(..., keep_cache=True) or DocumentStore.prefill(..., keep_cache=True))")
 
-    def plan(self, pool) -> None:
-        return None
+    def plan(self, pool) -> PrefillPlan:
+        res, cache = self.result, self.result.cache
+        cache.sync()
+        n = cache.length
+        kv = cache.buf[:, :, 0, :, :n]  # [L, 2, H, n, D]
+        seg = Segment(f"prefilled:{next(_prefilled)}", kv, cache.positions[0, :n])
+        return PrefillPlan(segments=[seg], new_ids=[], new_pos=[], max_position=res.next_position - 1, exact=res.exact,
+                           layout=res.layout, hit_tiers=dict(res.hit_tiers), logits=res.logits)
 
-    def prefill(self) -> PrefillResult:
-        return self.result
+
+_prefilled = itertools.count()  # PrefilledPrompt segments' keys: each buffer read by its request alone

@@ -2,9 +2,9 @@
 
 A request is data: what it asks for (``prompt``: a ``PromptSpec``, ``prompts.py``), its sampling
 settings, per-request logits processors and how many log-probabilities to record. The scheduler
-asks the prompt for its ``PrefillPlan`` at admission (or, for a prompt that recomputes part of its
-states, for a private prefill it copies into the pool); nothing about the route is decided by the
-caller. While it runs, the request also holds its serving state: the plan, the pool entries it
+asks the prompt for its ``PrefillPlan`` at admission (a prompt that recomputes part of its states
+included: its recomputed tokens are rows of its prefill); nothing about the route is decided by
+the caller. While it runs, the request also holds its serving state: the plan, the pool entries it
 reads, its own blocks and slots, the tokens whose states those slots hold, and how many of its
 blocks it has shared. One object from submission to the end: the scheduler keeps no other.
 
@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import enum
 import itertools
-import time
 from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Sequence
@@ -80,6 +79,8 @@ class Request:
         self.shared: list[tuple[str, torch.Tensor]] = []  # (cascade key, view [L, 2, H, n, D]) in KV order
         self.shared_pos: list[torch.Tensor] = []  # position IDs of each ``shared`` view
         self.shared_slots: list[torch.Tensor | None] = []  # pool slots of each ``shared`` view (None: not in the pool)
+        self.shared_order: list[torch.Tensor] | None = None  # prompt index of each ``shared`` key (a plan in prompt order)
+        self.shared_shift: list[int] | None = None  # positions each ``shared`` view's states lie behind where it is read
         self.blocks: list[int] = []  # its own blocks, in token order (published ones included)
         self.slots: torch.Tensor | None = None  # [len(blocks) * block_size] pool slot of each own token
         self.own_ids: list[int] = []  # tokens whose states are in its own slots, in order
@@ -87,7 +88,6 @@ class Request:
         self.published = 0  # leading own blocks shared under chain keys (no longer freed by it)
         self.publishing = True  # False once a block's key was already shared by another request
         self.submitted = 0.0  # perf_counter when it was submitted: its TTFT counts from there (queueing included)
-        self.admitted = 0.0  # perf_counter at admission
         self.bytes_copied = 0
 
     @property
@@ -99,7 +99,7 @@ class Request:
               bytes_copied: int = 0) -> None:
         """Record what the scheduler gave it at admission."""
         self.plan, self.entries, self.shared, self.blocks, self.slots = plan, entries, shared, blocks, slots
-        self.bytes_copied, self.admitted = bytes_copied, time.perf_counter()
+        self.bytes_copied = bytes_copied
 
     @property
     def finished(self) -> bool:

@@ -26,12 +26,13 @@ never needs preemption. A request that could not fit even into an empty pool fai
 ``PoolFull``. Prefill writes straight into the request's own blocks (no reserve-then-copy).
 
 Plans. At admission, on this thread (the pool is not thread-safe), the scheduler asks the
-request's prompt (``prompts.PromptSpec``) for its ``PrefillPlan`` (``plan.py``). A prompt that
-must be assembled in a private buffer (selective recompute, independent documents) answers None
-and is asked for that prefill instead: it runs whole, and its states are copied into the
-request's own blocks (the one copy left, paid only by those prompts). A chain request shares each of its own blocks
-(prompt, then answer) as soon as the block is full, so concurrent requests and the next turn of
-a chat reuse them.
+request's prompt (``prompts.PromptSpec``) for its ``PrefillPlan`` (``plan.py``). Every prompt is
+planned this way: a prompt that recomputes part of its stored states (selective recompute,
+documents reused out of their context) runs the chosen tokens as its own prefill rows in prompt
+order, each query seeing the stored keys before it (``PagedRow.shared_limits``, from the plan's
+``new_order`` and each segment's ``order``), chunked and batched like any prefill. A chain request
+shares each of its own blocks (prompt, then answer) as soon as the block is full, so concurrent
+requests and the next turn of a chat reuse them.
 
 Paused requests (``Request.paused``: the client stopped reading) are left out of decode steps
 until resumed. ``step()`` is not thread-safe: one thread drives it (the server's worker).
@@ -143,18 +144,23 @@ class ServingScheduler(RequestQueue):
                 reqs.append(r)
         return reqs, rows, max(budget, 0)
 
-    def _row(self, r: Request, ids: list[int], pos: list[int], logits: bool) -> PagedRow:
+    def _row(self, r: Request, ids: list[int], pos: list[int], logits: bool,
+             limits: list[torch.Tensor | None] | None = None) -> PagedRow:
         done = len(r.own_ids)
         r.own_ids.extend(ids)  # their states are written by this step's forward
         r.own_pos.extend(pos)
         return PagedRow(ids, pos, r.shared, r.slots[: done + len(ids)], logits=logits, shared_pos=r.shared_pos,
-                        shared_slots=r.shared_slots,
-                        own_pos=r.own_pos)
+                        shared_slots=r.shared_slots, own_pos=r.own_pos, shared_limits=limits,
+                        shared_shift=r.shared_shift)
 
     def _chunk(self, r: Request, budget: int) -> PagedRow:
         lo = len(r.own_ids)
         hi = min(len(r.plan.new_ids), lo + budget)
-        return self._row(r, r.plan.new_ids[lo:hi], r.plan.new_pos[lo:hi], hi == len(r.plan.new_ids))
+        limits = None
+        if r.shared_order is not None:  # a plan in prompt order: each query sees the shared keys before it
+            q = torch.tensor(r.plan.new_order[lo:hi], dtype=torch.long)
+            limits = [_limits(order, q) for order in r.shared_order]
+        return self._row(r, r.plan.new_ids[lo:hi], r.plan.new_pos[lo:hi], hi == len(r.plan.new_ids), limits)
 
     # -- admission --------------------------------------------------------------------------------
     def _admit(self, reqs: list[Request], rows: list[PagedRow], budget: int) -> list[StepOutput]:
@@ -178,9 +184,8 @@ class ServingScheduler(RequestQueue):
                 self.waiting.appendleft(req)  # no room now: it waits for running requests to finish
                 break
             self.running.append(req)
-            if not req.prefilling:  # a private prefill ran whole: its first token now
-                outs.append(self._guard(req, lambda: self._first_token(req, req.prefill)))
-                budget -= len(req.plan.new_ids)
+            if not req.prefilling:  # prefilled by the caller (``plan.logits``): its first token now
+                outs.append(self._guard(req, lambda: self._first_token(req, self._prefill_result(req, req.plan.logits))))
                 continue
             row = self._chunk(req, budget)
             budget -= len(row.ids)
@@ -205,8 +210,6 @@ class ServingScheduler(RequestQueue):
     def _admit_one(self, req: Request, inflight: set[str]):
         """"admitted", "later" (its first block is being computed) or None (no room now)."""
         plan = req.prompt.plan(self.pool)
-        if plan is None:  # the prompt recomputes part of its states: a private buffer first
-            return self._admit_private(req)
         if plan.publish is not None and inflight:
             first = plan.publish(plan.new_ids[: self.pool.block_size])
             if first and first[0] in inflight and self.running:
@@ -219,9 +222,15 @@ class ServingScheduler(RequestQueue):
             return self._no_room(req, entries, plan.cached_tokens)
         # the views hold the segments' tokens in KV order: their positions, cut at the views' lengths
         positions = torch.cat([seg.positions.to("cpu", torch.long) for seg in plan.segments]) if shared else None
-        req.admit(plan, entries, [(k, v) for k, v, _ in shared], blocks, self._slots_of(blocks), copied)
-        req.shared_pos = list(positions.split([v.shape[3] for _, v, _ in shared])) if shared else []
-        req.shared_slots = [slots for _, _, slots in shared]
+        lengths = [v.shape[3] for _, v, _, _ in shared]
+        req.admit(plan, entries, [(k, v) for k, v, _, _ in shared], blocks, self._slots_of(blocks), copied)
+        req.shared_pos = list(positions.split(lengths)) if shared else []
+        req.shared_slots = [slots for _, _, slots, _ in shared]
+        req.shared_shift = [shift for _, _, _, shift in shared] if any(seg.shift for seg in plan.segments) else None
+        if plan.new_order is not None:  # the prompt index of every shared key, split as the views are
+            order = torch.cat([torch.arange(seg.order, seg.order + seg.n) for seg in plan.segments]) if shared \
+                else torch.zeros(0, dtype=torch.long)
+            req.shared_order = list(order.split(lengths))
         return "admitted"
 
     def _slots_of(self, blocks: list[int]) -> torch.Tensor:
@@ -247,66 +256,44 @@ class ServingScheduler(RequestQueue):
         entries = [e for e in held if e is not None]
         for i, seg in enumerate(plan.segments):
             if held[i] is None and seg.kv is None:
-                raise RuntimeError(f"plan segment {seg.key} is neither in the pool nor given")
+                if seg.load is None:
+                    raise RuntimeError(f"plan segment {seg.key} is neither in the pool nor given")
+                seg.kv = seg.load()  # states made when first needed (a document moved to its position)
             if held[i] is None and (seg.promote or not _in_place(seg.kv, pool)):
                 held[i] = pool.promote(seg.key, seg.kv, seg.positions)
                 if held[i] is None:
                     return entries, None, copied
                 entries.append(held[i])
                 copied += seg.kv.numel() * seg.kv.element_size()
-        shared: list[tuple[str, torch.Tensor, torch.Tensor | None]] = []
-        chain: list[SharedEntry] = []  # consecutive full pool entries: coalesced into runs
+        shared: list[tuple[str, torch.Tensor, torch.Tensor | None, int]] = []
+        chain: list[SharedEntry] = []  # consecutive full pool entries read at one shift: coalesced into runs
+        shift = 0
         for seg, entry in zip(plan.segments, held):
+            if entry is None or seg.shift != shift:
+                shared += self._runs(chain, shift)
+                chain, shift = [], seg.shift
             if entry is None:  # read in place from the store's tensor
-                shared += self._runs(chain)
-                chain = []
-                shared.append((seg.key, seg.kv, None))
+                shared.append((seg.key, seg.kv, None, seg.shift))
                 continue
             chain.append(entry)
             if entry.n != len(entry.blocks) * pool.block_size:  # partial: ends a run
-                shared += self._runs(chain)
+                shared += self._runs(chain, shift)
                 chain = []
-        shared += self._runs(chain)
+        shared += self._runs(chain, shift)
         return entries, shared, copied
 
-    def _runs(self, chain: list[SharedEntry]) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
-        """Consecutive pool entries as views of contiguous runs: (key, view, the run's pool slots)."""
+    def _runs(self, chain: list[SharedEntry], shift: int) -> list[tuple[str, torch.Tensor, torch.Tensor, int]]:
+        """Consecutive pool entries as views of contiguous runs: (key, view, the run's pool slots, shift)."""
         if not chain:
             return []
         blocks = [b for e in chain for b in e.blocks]
         views, out, slot = self.pool.views(blocks, sum(e.n for e in chain)), [], 0
         for v in views:
             start = blocks[slot // self.pool.block_size] * self.pool.block_size
-            out.append((f"pool:{start}:{v.shape[3]}", v, torch.arange(start, start + v.shape[3], device=self.pool.buf.device)))
+            slots = torch.arange(start, start + v.shape[3], device=self.pool.buf.device)
+            out.append((f"pool:{start}:{v.shape[3]}", v, slots, shift))
             slot += v.shape[3]
         return out
-
-    def _admit_private(self, req: Request):
-        """A prompt assembled in its own buffer: run it whole, copy its states into own blocks."""
-        res = req.prompt.prefill()
-        cache = res.cache
-        n = cache.length
-        blocks = self.pool.allocate(self.pool.blocks_for(n + req.params.max_new_tokens))
-        if blocks is None:  # prefilled for nothing; it runs again when there is room
-            self.runner.release(cache)
-            res.cache = None
-            if not self.running:
-                raise PoolFull(f"request {req.id} needs {self.pool.blocks_for(n + req.params.max_new_tokens)} "
-                               f"KV blocks, the pool has {self.pool.available_blocks}")
-            return None
-        cache.sync()
-        self.pool.write(blocks, 0, cache.buf[:, :, 0, :, :n])  # [L, 2, H, n, D]
-        own_pos = cache.positions[0, :n].tolist()
-        self.runner.release(cache)
-        res.cache = None
-        ids = [0] * n  # placeholders: only their count matters (a private prefill publishes nothing)
-        plan = PrefillPlan(segments=[], new_ids=ids, new_pos=own_pos, max_position=res.next_position - 1,
-                           exact=res.exact, layout=res.layout)
-        req.admit(plan, [], [], blocks, self._slots_of(blocks), res.bytes_copied + n * self.pool.spec.bytes_per_token)
-        req.own_ids, req.own_pos = list(ids), list(own_pos)
-        res.ttft = time.perf_counter() - req.submitted  # as a pool prefill's: from submission, queueing included
-        req.prefill = res
-        return "admitted"
 
     # -- one step ---------------------------------------------------------------------------------
     def _run(self, reqs: list[Request], rows: list[PagedRow]) -> list[StepOutput]:
@@ -350,9 +337,11 @@ class ServingScheduler(RequestQueue):
         plan = req.plan
         if self.runner.device.type == "cuda":
             torch.cuda.synchronize(self.runner.device)
-        return PrefillResult(logits=logits, ttft=time.perf_counter() - req.submitted, cached_tokens=plan.cached_tokens,
-                             new_tokens=len(plan.new_ids), exact=plan.exact, bytes_copied=req.bytes_copied,
-                             hit_tiers=dict(plan.hit_tiers), layout=plan.layout, next_position=plan.max_position + 1)
+        return PrefillResult(logits=logits, ttft=time.perf_counter() - req.submitted,
+                             cached_tokens=plan.cached_tokens + plan.recomputed,
+                             new_tokens=len(plan.new_ids) - plan.recomputed, exact=plan.exact,
+                             bytes_copied=req.bytes_copied, hit_tiers=dict(plan.hit_tiers), layout=plan.layout,
+                             next_position=plan.max_position + 1, recomputed_tokens=plan.recomputed)
 
     def _first_token(self, req: Request, res: PrefillResult) -> StepOutput:
         req.begin(res)
@@ -409,6 +398,13 @@ class ServingScheduler(RequestQueue):
             self.published_blocks += 1
             if self.on_publish is not None:
                 self.on_publish(keys[j], entry.views[0])
+
+
+def _limits(order: torch.Tensor, queries: torch.Tensor) -> torch.Tensor | None:
+    """How many leading keys of a shared view (prompt indices ``order`` [n], ascending) each query
+    (prompt indices ``queries`` [t]) sees: those at or before it. None: every query sees all."""
+    limits = torch.searchsorted(order, queries, right=True)
+    return None if bool((limits == len(order)).all()) else limits
 
 
 def _in_place(kv: torch.Tensor, pool: KVPool) -> bool:

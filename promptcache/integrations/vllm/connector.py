@@ -21,8 +21,14 @@ spill folder ``extra_config["spill_dir"]`` an engine writes.
 Errors never give a wrong answer: a request whose states cannot be supplied is computed in full
 by vLLM (reason logged, at warning). Its blocks then enter vLLM's prefix cache under its salt,
 so a later request with that salt would find plain blocks where it expects rotated ones: the
-connector remembers refused salts and refuses them again. A load that fails on the worker fails
-the request (``kv_load_failure_policy`` "fail").
+connector remembers refused salts and refuses them again. A load that fails on the worker (a
+state damaged after the scheduler's check) is reported as vLLM load errors of the request's
+blocks (``get_block_ids_with_load_errors``): vLLM's ``kv_load_failure_policy`` fails the request
+("fail") or computes it from the first unwritten block ("recompute"); the scheduler side sees the
+blocks in ``update_connector_output`` and refuses the request's salt from then on.
+
+Keys are rotated at the frequencies vLLM's model uses (``rope.rope_inv_freq``: default, linear,
+llama3, yarn); a rope it does not reproduce is refused by name, every request computed in full.
 """
 
 from __future__ import annotations
@@ -37,9 +43,11 @@ import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1, KVConnectorMetadata,
                                                                KVConnectorRole)
 
+from ...store.codec import CodecError
 from .documents import DocumentStates, Unit, is_documents
 from .keyed import KeyedStates, is_keyed
-from .states import CompiledStates, rope_inv_freq, rotated
+from .rope import rope_inv_freq
+from .states import CompiledStates, rotated
 from .supply import PARAMS_KEY, SupplyError, check
 
 __all__ = ["PromptCacheConnector"]
@@ -55,6 +63,7 @@ class Load:
     ``offset``) or of its document units (each rotated to its start), at ``slots``."""
 
     req_id: str
+    salt: str | None
     schema: tuple[str, str] | None  # (name, digest); None for documents
     spans: tuple[int, ...]
     first: int  # the first token vLLM's own prefix cache does not hold
@@ -92,6 +101,8 @@ class PromptCacheConnector(KVConnectorBase_V1):
         self.tp_size = vllm_config.parallel_config.tensor_parallel_size
         self.claimed: dict[str, Load] = {}  # scheduler: checked, waiting for their blocks
         self.loads: dict[str, Load] = {}  # scheduler: blocks allocated, for the next metadata
+        self.sent: dict[str, Load] = {}  # scheduler: handed to the workers, until the request finishes
+        self.failed_blocks: set[int] = set()  # worker: blocks of loads that failed, for vLLM's next output
         self.refused: OrderedDict[str, None] = OrderedDict()
 
     # -- scheduler side -----------------------------------------------------------------------------
@@ -121,22 +132,26 @@ class PromptCacheConnector(KVConnectorBase_V1):
             if is_documents(params):
                 units, tokens = self.documents.check(params, request.prompt_token_ids, salt)
                 self.documents.verify(units)
-                return Load(request.request_id, None, (), 0, tokens, 0, [], units=tuple(units))
+                return Load(request.request_id, salt, None, (), 0, tokens, 0, [], units=tuple(units))
             if is_keyed(params):
                 states, tokens = self.keyed.check(params, request.prompt_token_ids, salt)
                 self.keyed.verify(states)
-                return Load(request.request_id, None, (), 0, tokens, 0, [], keyed=tuple(states))
+                return Load(request.request_id, salt, None, (), 0, tokens, 0, [], keyed=tuple(states))
             schema = self.states.schema(params.get("schema"), params.get("digest"))
             ok = check(params, schema, request.prompt_token_ids, salt)
             self.states.verify(schema.name, schema.digest, ok.spans)
         except SupplyError as e:
             log.warning("promptcache: request %s is computed in full by vLLM: %s", request.request_id, e)
-            if salt is not None:
-                self.refused[salt] = None
-                if len(self.refused) > REFUSED_SALTS:
-                    self.refused.popitem(last=False)
+            self._refuse(salt)
             return None
-        return Load(request.request_id, (schema.name, schema.digest), ok.spans, 0, ok.tokens, ok.offset, [])
+        return Load(request.request_id, salt, (schema.name, schema.digest), ok.spans, 0, ok.tokens, ok.offset, [])
+
+    def _refuse(self, salt: str | None) -> None:
+        if salt is not None:
+            self.refused[salt] = None
+            self.refused.move_to_end(salt)
+            if len(self.refused) > REFUSED_SALTS:
+                self.refused.popitem(last=False)
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int):
         load = self.claimed.pop(request.request_id, None)
@@ -151,17 +166,35 @@ class PromptCacheConnector(KVConnectorBase_V1):
             if load is not None:
                 load.block_ids = list(new.block_ids[0])
                 meta.loads.append(load)
+                self.sent[load.req_id] = load
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):  # resumed after preemption: all its blocks are new
             load = self.loads.pop(req_id, None)
             if load is not None and cached.new_block_ids[i] is not None:
                 load.block_ids = list(cached.new_block_ids[i][0])
                 meta.loads.append(load)
+                self.sent[load.req_id] = load
         return meta
+
+    def update_connector_output(self, connector_output) -> None:
+        """A load the workers could not write (``invalid_block_ids``): vLLM fails the request or,
+        with ``kv_load_failure_policy`` "recompute", computes its tokens from the first unwritten
+        block as a plain prefill, and caches those blocks under the request's salt. The salt is
+        refused from then on, so no later request reads them as rotated states."""
+        invalid = set(getattr(connector_output, "invalid_block_ids", None) or ())
+        if not invalid:
+            return
+        for load in list(self.sent.values()):
+            if invalid.intersection(load.block_ids):
+                log.warning("promptcache: request %s: its states could not be written (see the worker's log); "
+                            "its cache_salt is refused from now on", load.req_id)
+                self._refuse(load.salt)
+                self.sent.pop(load.req_id, None)
 
     def request_finished(self, request, block_ids) -> tuple[bool, dict[str, Any] | None]:
         self.claimed.pop(request.request_id, None)
         self.loads.pop(request.request_id, None)
+        self.sent.pop(request.request_id, None)
         return False, None
 
     # -- worker side ----------------------------------------------------------------------------------
@@ -177,22 +210,37 @@ class PromptCacheConnector(KVConnectorBase_V1):
                                f"the model has {self.layers}")
         heads = self._rank_heads()
         for load in meta.loads:
-            if load.units:  # documents: each unit rotated from 0 to its start
-                kv = self.documents.kv(list(load.units), self.inv_freq)[:, :, heads, load.first:load.tokens]
-            elif load.keyed:  # each state by its own shift
-                kv = self.keyed.kv(list(load.keyed), self.inv_freq)[:, :, heads, load.first:load.tokens]
-            else:
-                kv = self.states.kv(*load.schema, load.spans)  # [L, 2, H, n, D]
-                kv = rotated(kv[:, :, heads, load.first:load.tokens], self.inv_freq, load.offset)
-            slots = _slots(load.block_ids, self.block_size, load.first, load.tokens)
-            for i, layer in enumerate(layers):
-                cache = layer.kv_cache
-                key = kv[i, 0].transpose(0, 1).to(cache.dtype).contiguous()  # [n', H_rank, D]
-                value = kv[i, 1].transpose(0, 1).to(cache.dtype).contiguous()
-                layer.impl.do_kv_cache_update(layer, key.to(cache.device), value.to(cache.device), cache,
-                                              slots.to(cache.device))
-            log.debug("promptcache: request %s: wrote %d tokens (offset %d)", load.req_id,
-                      load.tokens - load.first, load.offset)
+            try:
+                self._write(load, layers, heads)
+            except (SupplyError, CodecError, OSError) as e:
+                # vLLM fails the request, or recomputes it from the first of these blocks
+                # (kv_load_failure_policy); the scheduler refuses its salt from then on
+                first, last = load.first // self.block_size, (load.tokens - 1) // self.block_size
+                self.failed_blocks.update(load.block_ids[first:last + 1])
+                log.error("promptcache: request %s: states not written, reported to vLLM as a load failure: %s",
+                          load.req_id, e)
+
+    def _write(self, load: Load, layers: list, heads: slice) -> None:
+        if load.units:  # documents: each unit rotated from 0 to its start
+            kv = self.documents.kv(list(load.units), self.inv_freq)[:, :, heads, load.first:load.tokens]
+        elif load.keyed:  # each state by its own shift
+            kv = self.keyed.kv(list(load.keyed), self.inv_freq)[:, :, heads, load.first:load.tokens]
+        else:
+            kv = self.states.kv(*load.schema, load.spans)  # [L, 2, H, n, D]
+            kv = rotated(kv[:, :, heads, load.first:load.tokens], self.inv_freq, load.offset)
+        slots = _slots(load.block_ids, self.block_size, load.first, load.tokens)
+        for i, layer in enumerate(layers):
+            cache = layer.kv_cache
+            key = kv[i, 0].transpose(0, 1).to(cache.dtype).contiguous()  # [n', H_rank, D]
+            value = kv[i, 1].transpose(0, 1).to(cache.dtype).contiguous()
+            layer.impl.do_kv_cache_update(layer, key.to(cache.device), value.to(cache.device), cache,
+                                          slots.to(cache.device))
+        log.debug("promptcache: request %s: wrote %d tokens (offset %d)", load.req_id, load.tokens - load.first,
+                  load.offset)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        failed, self.failed_blocks = self.failed_blocks, set()
+        return failed
 
     def _rank_heads(self) -> slice:
         """This rank's KV heads: a contiguous share, or one head replicated over several ranks."""

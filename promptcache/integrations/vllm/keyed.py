@@ -3,8 +3,8 @@
 A ``promptcache`` engine with ``StoreConfig(remote=URL)`` publishes every state it encodes to
 Redis under its content key (``keys.py``: the key hashes the model and tokenizer, the namespace,
 and the tokens and positions the state was encoded with); one with ``StoreConfig(spill_dir=DIR)``
-writes ``DIR/<key>.safetensors`` (at once with ``disk_policy="through"``, else when memory evicts
-it). A vLLM connector given that URL or folder (``vllm-config --remote URL --spill-dir DIR``)
+writes ``DIR/<key>.safetensors`` (within ``disk_lag`` seconds by default,
+at once with ``disk_policy="through"``, only when memory evicts it with ``"on_evict"``). A vLLM connector given that URL or folder (``vllm-config --remote URL --spill-dir DIR``)
 serves those states without a compiled folder: schema modules a server encoded, and documents of
 a ``DocumentStore`` (``attach_separator``) on that engine.
 

@@ -3,9 +3,8 @@
 ``CompiledStates`` opens each folder's manifest and states file (``artifact.read_manifest``: every
 listed state present with its checksum; the manifest's own hash checked here), and serves a
 request's spans as one ``kv [L, 2, H, n, D]`` (data verified against its checksum at first read).
-``rope_inv_freq`` gives the model's rotary frequencies from its Hugging Face config (the config
-vLLM loaded); ``rotated`` moves the keys by one offset (``models.relocate.rotate_keys``, the
-mover promptcache itself uses, so both sides rotate alike).
+``rotated`` moves the keys by one offset at the frequencies ``rope.rope_inv_freq`` gives
+(``models.relocate.rotate_keys``, the mover promptcache itself uses, so both sides rotate alike).
 """
 
 from __future__ import annotations
@@ -21,7 +20,7 @@ from ...models.relocate import rotate_keys
 from ...store.codec import CodecError, StateInfo, StatesFile
 from .supply import SchemaSpans, SupplyError
 
-__all__ = ["CompiledStates", "rope_inv_freq", "rotated"]
+__all__ = ["CompiledStates", "rotated"]
 
 log = logging.getLogger(__name__)
 
@@ -110,24 +109,6 @@ def _open(folder: Path) -> _Compiled:
                          starts={s["index"]: s["start"] for s in spans})
     return _Compiled(folder, record, manifest["kv_spec"], manifest["states"]["sha256"],
                      manifest["model"].get("model_type"), opened)
-
-
-def rope_inv_freq(config) -> torch.Tensor:
-    """The rotary frequencies [rotary_dim / 2] of a Hugging Face config with the default rope
-    (``inv_freq = base ** (-2i / dim)``, as transformers computes them); ``SupplyError`` for a
-    model without rotary positions or a scaled rope (not supported here yet)."""
-    params = dict(getattr(config, "rope_parameters", None) or {})
-    scaling = getattr(config, "rope_scaling", None) or {}
-    kind = params.get("rope_type") or params.get("type") or scaling.get("rope_type") or scaling.get("type") or "default"
-    if kind != "default":
-        raise SupplyError(f"rope type '{kind}' is not supported by the vLLM connector (only the default rope)")
-    base = params.get("rope_theta", getattr(config, "rope_theta", None))
-    if base is None:
-        raise SupplyError(f"{getattr(config, 'model_type', 'this model')} has no rotary embedding (rope_theta)")
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    factor = params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0))
-    dim = int(head_dim * factor)
-    return 1.0 / (float(base) ** (torch.arange(0, dim, 2, dtype=torch.int64).to(torch.float32) / dim))
 
 
 def rotated(kv: torch.Tensor, inv_freq: torch.Tensor, offset: int) -> torch.Tensor:

@@ -41,9 +41,11 @@ from ...engine import PromptCache, SamplingParams, TokenPrompt
 from ...engine.serving_core.prefix import PrefixCache
 from ...engine.prefill.results import Generation, PrefillResult
 from ...store import PinBudgetError, Pins
+from ..core.counts import TokenCounts
 from ..core.errors import APIError
 from ..core.events import EventSink
 from ..core.lifecycle import Exchange, Lifecycle, Submission, engine_failed
+from ..core.limits import parsed_body
 from ..openai.prepare import PrepThread
 from ..openai.toolcalls import parse as parse_calls
 from . import protocol as A
@@ -72,9 +74,7 @@ def add_messages_route(app: FastAPI, ctx: MessagesContext) -> None:
     async def messages(request: Request):
         try:
             ns = ctx.namespace(request)
-            req = await _parse(request, ctx.model_name)
-            prompt, sub = await ctx.prep.run(_prepare, ctx, req, ns)
-            _pin(ctx, prompt, ns, block_bytes)
+            req, sub = await ctx.prep.run(_prepare, ctx, request, ns, block_bytes)
             return await ctx.lifecycle.serve(request, MessagesExchange(req, sub, ctx.pc.tokenizer,
                                                                        ctx.prefix.block_size))
         except APIError as e:
@@ -85,8 +85,7 @@ def add_messages_route(app: FastAPI, ctx: MessagesContext) -> None:
         """``{"input_tokens": N}``: the prompt's tokens as /v1/messages would render them."""
         try:
             ctx.namespace(request)
-            req = (await _parse(request, ctx.model_name, A.CountTokensRequest)).as_request()
-            prompt = await ctx.prep.run(_render, ctx, req)
+            prompt = await ctx.prep.run(_counted, ctx, request)
         except APIError as e:
             raise A.AnthropicError.of(e) from None
         return {"input_tokens": len(prompt.ids)}
@@ -97,21 +96,29 @@ def _render(ctx: MessagesContext, req: A.MessagesRequest) -> RenderedPrompt:
     return render(ctx.pc.tokenizer, req)
 
 
-def _prepare(ctx: MessagesContext, req: A.MessagesRequest, ns: str) -> tuple[RenderedPrompt, Submission]:
-    """The rendered prompt and what to submit (checked against the context); on the prep thread."""
+def _counted(ctx: MessagesContext, request: Request) -> RenderedPrompt:
+    """A count_tokens request's prompt; on the prep thread."""
+    return _render(ctx, _parse(request, ctx.model_name, A.CountTokensRequest).as_request())
+
+
+def _prepare(ctx: MessagesContext, request: Request, ns: str,
+             block_bytes: int) -> tuple[A.MessagesRequest, Submission]:
+    """The request and what to submit (checked against the context), its breakpoints pinned; on
+    the prep thread (validating, rendering, tokenizing and hashing a 2 MB prompt take seconds)."""
+    req = _parse(request, ctx.model_name)
     prompt = _render(ctx, req)
     params = _sampling(req, len(prompt.ids), ctx.context)
-    return prompt, Submission(TokenPrompt(ctx.pc, tuple(prompt.ids), ns, ctx.prefix), len(prompt.ids), params,
-                              anthropic_tools.processors(req, ctx.pc))
+    sub = Submission(TokenPrompt(ctx.pc, tuple(prompt.ids), ns, ctx.prefix), len(prompt.ids), params,
+                     anthropic_tools.processors(req, ctx.pc))
+    _pin(ctx, prompt, ns, block_bytes)
+    return req, sub
 
-async def _parse(request: Request, model_name: str, kind: type = A.MessagesRequest):
-    """The request body as ``kind`` (``MessagesRequest`` or ``CountTokensRequest``); 400 naming the field."""
+
+def _parse(request: Request, model_name: str, kind: type = A.MessagesRequest):
+    """The request body (parsed once, by ``limits.RequestGuard``) as ``kind`` (``MessagesRequest``
+    or ``CountTokensRequest``); 400 naming the field."""
     try:
-        body = await request.json()
-    except ValueError:
-        raise A.AnthropicError(400, "the request body is not valid JSON") from None
-    try:
-        req = kind.model_validate(body)
+        req = kind.model_validate(parsed_body(request.scope))
     except ValidationError as e:
         raise A.invalid(e) from None
     if req.model != model_name:
@@ -159,7 +166,8 @@ class MessagesExchange(Exchange):
         self.mid = A.new_message_id()
 
     def usage(self, result: PrefillResult, output_tokens: int) -> dict:
-        n, read = self.submission.prompt_tokens, result.cached_tokens
+        counts = TokenCounts.of(result)  # recomputed tokens were not read from the cache
+        n, read = counts.prompt, counts.cached
         made = max(0, min(n // self.block_size * self.block_size - read, n - read))
         return A.usage(n - read - made, made, read, output_tokens)
 

@@ -1,9 +1,11 @@
 """One access-log line per request (logger ``promptcache.access``, INFO), written when the response
 has been sent in full (streamed answers too):
 
-    POST /v1/chat/completions 200 prompt=130 cached=128 generated=16 ttft=12.3ms duration=210.4ms
+    POST /v1/chat/completions 200 prompt=130 cached=100 recomputed=28 new=2 generated=16 ttft=12.3ms duration=210.4ms
 
-Routes add what they know with ``note(request, prompt=..., cached=..., generated=..., ttft=...)``
+``cached``, ``recomputed`` and ``new`` are ``TokenCounts`` (``counts.py``: the one definition the
+usage, ``/metrics`` and the studio share; prompt = cached + recomputed + new). Routes add what
+they know with ``note(request, prompt=..., cached=..., recomputed=..., new=..., generated=..., ttft=...)``
 (kept in the ASGI scope's ``state``); fields a route did not note are left out of the line. A
 response that never completes (the client went away) is logged with status 499.
 """
@@ -15,11 +17,11 @@ import time
 
 log = logging.getLogger("promptcache.access")
 
-FIELDS = ("prompt", "cached", "generated")
+FIELDS = ("prompt", "cached", "recomputed", "new", "generated")
 
 
 def note(request, **fields) -> None:
-    """Record counts (``prompt``, ``cached``, ``generated``) and ``ttft`` (seconds) for the line."""
+    """Record counts (``FIELDS``) and ``ttft`` (seconds) for the line."""
     request.scope.setdefault("state", {}).setdefault("access", {}).update(fields)
 
 

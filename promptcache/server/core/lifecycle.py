@@ -38,6 +38,7 @@ from ...engine.prefill.results import Generation, PrefillResult
 from ...errors import PromptCacheError
 from .access import note
 from .backend import Backend, Job, QueueFull
+from .counts import TokenCounts
 from .errors import APIError
 from .events import Event, EventSink, Prefilled
 from .metrics import Metrics
@@ -148,10 +149,12 @@ class Lifecycle:
     def _count(self, request: Request, call: Call, sub: Submission, result: PrefillResult) -> None:
         ttft, m = time.perf_counter() - call.job.submitted, self.metrics
         m.ttft.observe(ttft)
-        note(request, prompt=sub.prompt_tokens, cached=result.cached_tokens, ttft=ttft)
-        m.prompt_tokens.inc(sub.prompt_tokens)
-        m.cached_tokens.inc(result.reused_tokens)  # recomputed tokens were not served from stored states
+        counts = TokenCounts.of(result)
+        note(request, **counts.fields(), ttft=ttft)
+        m.count_prompt(counts)
         m.requests.labels(request.url.path, "200").inc()
+        for tier, n in result.hit_tiers.items():
+            m.tier_hits.labels(tier).inc(n)
 
 
 class _Meter(EventSink):

@@ -35,6 +35,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
 import torch
+from fastapi.responses import JSONResponse, Response
 
 from ...engine import PmlPrompt, SamplingParams, TokenPrompt
 from ...engine.schemas.encoder import release_free_memory
@@ -191,9 +192,12 @@ class Preparer:
 
 
 class PrepThread:
-    """The one worker thread requests are prepared on (tokenizing, the chat template, PML layout), never
-    the event loop: ``/health`` and running streams stay live while a large prompt is tokenized.
-    One thread keeps the preparer's calls into the tokenizer and the engine serial."""
+    """The one worker thread a route's CPU work runs on (validating a body into its request model,
+    tokenizing, the chat template, PML layout, rendering a large answer), never the event loop:
+    ``/health`` and running streams stay live while a large prompt is tokenized (the tokenizer
+    releases the GIL). One thread keeps the preparer's calls into the tokenizer and the engine
+    serial; what it holds at once is bounded by the request limits (``core/limits.py``) times
+    the requests admitted."""
 
     def __init__(self):
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="promptcache-prep")
@@ -205,6 +209,11 @@ class PrepThread:
     async def prepare(self, how, req, ns: str) -> Submission:
         """``how(req, ns)`` (a Preparer method) on the prep thread."""
         return await self.run(_prepared, how, req, ns)
+
+    async def respond(self, fn, *args) -> Response:
+        """``fn(*args)`` and its answer rendered as JSON, both on the prep thread: FastAPI's encoder
+        takes seconds over the 500K token ids of a 2 MB prompt, and on the loop it stalls /health."""
+        return await self.run(_rendered, fn, *args)
 
     def shutdown(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
@@ -218,6 +227,11 @@ def _prepared(how, req, ns: str) -> Submission:
     except APIError:
         release_free_memory(torch.device("cpu"))
         raise
+
+
+def _rendered(fn, *args) -> Response:
+    out = fn(*args)
+    return out if isinstance(out, Response) else JSONResponse(out)
 
 
 def _check_common(req: BaseRequest) -> None:

@@ -164,9 +164,10 @@ def new_id(prefix: str) -> str:
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int, exact: bool = True,
           recomputed_tokens: int = 0) -> dict:
-    """OpenAI's usage object; ``cached_tokens``: prompt tokens served from stored states (recomputed
-    ones are not). Extension fields: ``exact`` (the prompt's state equals a plain prefill's; false:
-    the answer is approximate) and ``recomputed_tokens`` (cached tokens computed afresh)."""
+    """OpenAI's usage object, counted as ``server/core/counts.py`` says: ``cached_tokens``: prompt
+    tokens served from stored states (recomputed ones are not). Extension fields: ``exact`` (the
+    prompt's state equals a plain prefill's; false: the answer is approximate) and
+    ``recomputed_tokens`` (laid out from stored states, computed afresh)."""
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens,
             "prompt_tokens_details": {"cached_tokens": cached_tokens},

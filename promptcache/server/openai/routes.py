@@ -1,8 +1,8 @@
 """POST /v1/chat/completions and /v1/completions (parse, prepare, ``Lifecycle.serve``, render); GET /v1/models.
 
-The route parses the body (``protocol.parse``), prepares it on the prep thread (``Preparer``:
-a ``Submission``) and hands an ``OpenAIExchange`` to the lifecycle, which submits it, awaits its
-prefill and streams or collects (``core/lifecycle.py``). This module only renders: a collected
+The route validates the body (``protocol.parse``) and prepares it (``Preparer``: a
+``Submission``), both on the prep thread, never the event loop, and hands an ``OpenAIExchange``
+to the lifecycle, which submits it, awaits its prefill and streams or collects (``core/lifecycle.py``). This module only renders: a collected
 answer as ``chat.completion`` / ``text_completion``, a streamed one as SSE chunks.
 
 Streaming: a chat stream opens with the assistant role chunk. Token log-probabilities ride on the
@@ -19,6 +19,7 @@ from typing import Callable
 from fastapi import FastAPI, Request
 
 from ...engine.prefill.results import Generation, PrefillResult, TokenLogprob
+from ..core.counts import TokenCounts
 from ..core.errors import APIError
 from ..core.events import EventSink
 from ..core.lifecycle import Exchange, Lifecycle, Submission, engine_failed, sse
@@ -36,7 +37,7 @@ def add_openai_routes(app: FastAPI, lifecycle: Lifecycle, preparer: Preparer, pr
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         ns = namespace(request)
-        req = P.parse(request, P.ChatRequest, model_name)
+        req = await prep.run(P.parse, request, P.ChatRequest, model_name)
         sub = await prep.prepare(preparer.chat, req, ns)
         return await lifecycle.serve(request, OpenAIExchange(req, sub, tokenizer, chat=True,
                                                              tool_calls=tools.active(req)))
@@ -44,7 +45,7 @@ def add_openai_routes(app: FastAPI, lifecycle: Lifecycle, preparer: Preparer, pr
     @app.post("/v1/completions")
     async def completions(request: Request):
         ns = namespace(request)
-        req = P.parse(request, P.CompletionRequest, model_name)
+        req = await prep.run(P.parse, request, P.CompletionRequest, model_name)
         sub = await prep.prepare(preparer.completion, req, ns)
         return await lifecycle.serve(request, OpenAIExchange(req, sub, tokenizer, chat=False))
 
@@ -64,8 +65,8 @@ class OpenAIExchange(Exchange):
         self.rid = P.new_id("chatcmpl" if chat else "cmpl")
 
     def usage(self, result: PrefillResult, gen: Generation) -> dict:
-        return P.usage(self.submission.prompt_tokens, len(gen.token_ids), result.reused_tokens, result.exact,
-                       result.recomputed_tokens)
+        counts = TokenCounts.of(result)
+        return P.usage(counts.prompt, len(gen.token_ids), counts.cached, result.exact, counts.recomputed)
 
     def logprobs(self, entries: list[TokenLogprob] | None, start: int = 0) -> dict | None:
         """``choices[].logprobs`` (None: not asked); ``start``: a completion's text offset of the first."""

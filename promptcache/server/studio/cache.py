@@ -32,8 +32,12 @@ KEYS = 8192  # attributed keys kept per namespace (least recently derived droppe
 class Record:
     t: float  # time.time() when the answer finished
     prompt: int
-    cached: int
+    cached: int  # served from stored states (server/core/counts.py: recomputed tokens are not)
+    recomputed: int
     ttft: float | None
+
+
+TOTALS = ("requests", "prompt_tokens", "cached_tokens", "recomputed_tokens")
 
 
 class Traffic:
@@ -47,17 +51,19 @@ class Traffic:
         self.bodies: dict[str, deque] = {}
         self.keys: dict[str, OrderedDict[str, str]] = {}  # namespace -> key -> label
 
-    def record(self, ns: str, prompt: int, cached: int, ttft: float | None, body=None) -> None:
+    def record(self, ns: str, prompt: int, cached: int, ttft: float | None, body=None, recomputed: int = 0) -> None:
+        """One answered request: its ``TokenCounts``' prompt, cached and recomputed tokens."""
         now = time.time()
         with self.lock:
             q = self.records.setdefault(ns, deque())
-            q.append(Record(now, prompt, cached, ttft))
+            q.append(Record(now, prompt, cached, recomputed, ttft))
             while q and q[0].t < now - WINDOW:
                 q.popleft()
-            tot = self.totals.setdefault(ns, {"requests": 0, "prompt_tokens": 0, "cached_tokens": 0})
+            tot = self.totals.setdefault(ns, dict.fromkeys(TOTALS, 0))
             tot["requests"] += 1
             tot["prompt_tokens"] += prompt
             tot["cached_tokens"] += cached
+            tot["recomputed_tokens"] += recomputed
             if body is not None:
                 self.bodies.setdefault(ns, deque(maxlen=BODIES)).append(body)
 
@@ -84,8 +90,8 @@ class Traffic:
             return dict(self.keys.get(ns, {}))
 
     def series(self, ns: str) -> list[dict]:
-        """Points of ``BUCKET`` seconds over the last ``WINDOW``: requests, prompt and cached
-        tokens, hit rate (cached / prompt), mean TTFT (ms)."""
+        """Points of ``BUCKET`` seconds over the last ``WINDOW``: requests, prompt, cached and
+        recomputed tokens, hit rate (cached / prompt: recomputed tokens are not hits), mean TTFT (ms)."""
         now = time.time()
         with self.lock:
             recs = [r for r in self.records.get(ns, ()) if r.t >= now - WINDOW]
@@ -98,13 +104,14 @@ class Traffic:
             prompt, cached = sum(r.prompt for r in rs), sum(r.cached for r in rs)
             ttfts = [r.ttft for r in rs if r.ttft is not None]
             out.append({"age_s": age * BUCKET, "requests": len(rs), "prompt_tokens": prompt, "cached_tokens": cached,
+                        "recomputed_tokens": sum(r.recomputed for r in rs),
                         "hit_rate": cached / prompt if prompt else 0.0,
                         "ttft_ms": 1e3 * sum(ttfts) / len(ttfts) if ttfts else None})
         return out
 
     def total(self, ns: str) -> dict[str, int]:
         with self.lock:
-            return dict(self.totals.get(ns, {"requests": 0, "prompt_tokens": 0, "cached_tokens": 0}))
+            return dict(self.totals.get(ns, dict.fromkeys(TOTALS, 0)))
 
 
 UNNAMED = "(blocks of an answer, a document or an Anthropic request)"

@@ -38,8 +38,9 @@ from ...engine import PromptCache, SamplingParams, TokenPrompt
 from ...engine.schemas.assemble import leading_exact
 from ...engine.prefill.results import Generation, PrefillResult
 from ...layout import layout_prompt, layout_schema
-from ...pml import PMLError, parse_prompt
+from ...pml import PMLError, PMLErrors, parse_prompt
 from ..core.backend import Backend
+from ..core.counts import TokenCounts
 from ..core.errors import APIError
 from ..core.events import EventSink
 from ..core.lifecycle import Exchange, Lifecycle, Submission, sse
@@ -131,7 +132,10 @@ class Studio:
                 "sources": {n: t for n, t in sources.items() if n in names}}  # PML texts to edit (``promptcache studio``)
 
     async def schema(self, request: Request):
-        ns = self.ctx.namespace(request)
+        return await self.ctx.prep.respond(self.schema_view, request, self.ctx.namespace(request))
+
+    def schema_view(self, request: Request, ns: str) -> Response | dict:
+        """On the prep thread (validating, laying out and rendering a large schema take seconds)."""
         body = parse(request, SchemaBody)
         if (body.name is None) == (body.pml is None):
             raise APIError(400, "send either 'name' (a loaded schema) or 'pml' (schema text)", "pml")
@@ -145,16 +149,18 @@ class Studio:
                 raise APIError(400, f"pml holds {len(body.pml)} characters, the limit is {self.preparer.max_chars}",
                                "pml")
             try:
-                layout = await self.ctx.prep.run(lambda: layout_schema(
-                    body.pml, self.pc.tok, max_positions=self.preparer.context, allow_src_root=self.no_files))
+                layout = layout_schema(body.pml, self.pc.tok, max_positions=self.preparer.context,
+                                       allow_src_root=self.no_files)
             except PMLError as e:
                 return _pml_error(e)
-        return await self.ctx.prep.run(studio_views.schema_view, layout, self.pc.tokenizer)
+        return studio_views.schema_view(layout, self.pc.tokenizer)
 
     async def prompt(self, request: Request):
-        ns = self.ctx.namespace(request)
+        return await self.ctx.prep.respond(self.posted_prompt_view, request, self.ctx.namespace(request))
+
+    def posted_prompt_view(self, request: Request, ns: str) -> Response | dict:
         body = _check_prompt(parse(request, PromptBody), self.preparer.max_chars)
-        view = await self.ctx.prep.run(self.prompt_view, body, ns)
+        view = self.prompt_view(body, ns)
         if "error" in view:
             return JSONResponse(APIError(400, view["error"]["message"], "pml").body() | view, status_code=400)
         return view
@@ -201,8 +207,7 @@ class Studio:
     async def full(self, request: Request):
         """The baseline beside the cached answer: every token runs, nothing reused or shared."""
         ns = self.ctx.namespace(request)
-        body = _check_prompt(parse(request, PromptBody), self.preparer.max_chars)
-        ids = await self.ctx.prep.run(self._token_ids, body, ns)
+        body, ids = await self.ctx.prep.run(self._token_ids, request, ns)
         context = self.preparer.context
         if context is not None and len(ids) + body.max_tokens > context:
             raise APIError(400, f"{len(ids)} prompt tokens + max_tokens {body.max_tokens} exceed the context "
@@ -211,16 +216,17 @@ class Studio:
                          SamplingParams(max_new_tokens=body.max_tokens, temperature=0.0))
         return await self.ctx.lifecycle.serve(request, FullRun(sub))
 
-    def _token_ids(self, body: PromptBody, ns: str) -> list[int]:
+    def _token_ids(self, request: Request, ns: str) -> tuple[PromptBody, list[int]]:
+        body = _check_prompt(parse(request, PromptBody), self.preparer.max_chars)
         if body.messages is not None:
-            return self.preparer.chat_ids(self.preparer.chat_messages(body.messages))
+            return body, self.preparer.chat_ids(self.preparer.chat_messages(body.messages))
         try:
-            return self.pc.layout(parse_prompt(body.pml), ns).token_ids
+            return body, self.pc.layout(parse_prompt(body.pml), ns).token_ids
         except PMLError as e:
             raise APIError(400, f"bad PML prompt: {e}", "pml") from None
 
     async def cache(self, request: Request):
-        return await self.ctx.prep.run(self.cache_view, self.ctx.namespace(request))
+        return await self.ctx.prep.respond(self.cache_view, self.ctx.namespace(request))
 
     def cache_view(self, ns: str) -> dict:
         pc, prefix, traffic = self.pc, self.prefix, self.traffic
@@ -269,7 +275,7 @@ class TrafficTap:
         plain = isinstance(body, dict) and scope["path"] != "/v1/messages" and not body.get("pml") \
             and not body.get("documents") and not body.get("tools")
         self.traffic.record(ns, noted["prompt"], noted.get("cached", 0), noted.get("ttft"),
-                            body if plain else None)
+                            body if plain else None, noted.get("recomputed", 0))
 
 
 class FullRun(Exchange):
@@ -291,7 +297,7 @@ class FullRunStream(EventSink):
 
     def prefilled(self, result: PrefillResult):
         return [sse({"type": "prefilled", "ttft_ms": result.ttft * 1e3, "prompt_tokens": self.prompt_tokens,
-                        "cached_tokens": result.cached_tokens})]
+                        "cached_tokens": TokenCounts.of(result).cached})]
 
     def text(self, piece: str):
         return [sse({"type": "text", "text": piece})]
@@ -321,7 +327,11 @@ def _check_prompt(body: PromptBody, max_chars: int) -> PromptBody:
 
 
 def _pml_fields(e: PMLError) -> dict:
-    return {"message": str(e), "line": e.line, "reason": e.reason, "source": e.source}
+    """The first error's line and reason, and ``errors``: every error of the text (up to
+    ``MAX_ERRORS``; ``more`` counts the others), as ``promptcache validate`` prints them."""
+    each = e.errors if isinstance(e, PMLErrors) else [e]
+    return {"message": str(e), "line": e.line, "reason": e.reason, "source": e.source,
+            "errors": [{"line": x.line, "reason": x.reason} for x in each], "more": getattr(e, "more", 0)}
 
 
 def _pml_error(e: PMLError) -> JSONResponse:

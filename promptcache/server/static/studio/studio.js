@@ -95,7 +95,9 @@ function schemaError(e) {
   const box = $("#schema-error");
   box.hidden = false;
   box.dataset.line = d.line == null ? "" : d.line;
-  box.textContent = d.line != null ? `line ${d.line}: ${d.reason}` : e.message;
+  const each = (d.errors || []).map((x) => x.line != null ? `line ${x.line}: ${x.reason}` : x.reason);
+  if (d.more) each.push(`${d.more} more errors not shown`);
+  box.textContent = each.length ? each.join("\n") : e.message;  // every error, the first line selected
   $("#schema-axis").replaceChildren(); $("#schema-summary").textContent = "";
   if (d.line != null) {  // select the line in the editor
     const ta = $("#schema-text"), lines = ta.value.split("\n");
@@ -225,7 +227,8 @@ async function refreshCache() {
   let v;
   try { v = await api("/studio/api/cache"); } catch (e) { $("#cache-namespace").textContent = e.message; return; }
   $("#cache-namespace").textContent = `namespace '${v.namespace}' · ${v.totals.requests} requests · ` +
-    `${v.totals.cached_tokens} of ${v.totals.prompt_tokens} prompt tokens from stored states`;
+    `${v.totals.cached_tokens} of ${v.totals.prompt_tokens} prompt tokens from stored states` +
+    (v.totals.recomputed_tokens ? ` (${v.totals.recomputed_tokens} more laid out from them but recomputed)` : "");
   $("#cache-totals").textContent = v.series.length ? `last ${v.series.length} intervals of 10 s` : "no requests in the last 10 minutes";
   const blocks = $("#cache-blocks");
   blocks.replaceChildren();

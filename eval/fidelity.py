@@ -1,0 +1,540 @@
+"""Fidelity study (issue 51): does a reused prompt's answer stay full prefill's answer?
+
+    python -m eval.fidelity --model smollm2 [--n 60] [--tasks single twohop]
+        [--methods default cacheblend epic ape prophet tail] [--budgets 0 0.05 0.1 0.15 0.2 0.3 1]
+        [--calibrate 20] [--first 0] [--out eval/figures] [--tag _smollm2]
+    python -m eval.fidelity --combine A.csv B.csv ... --out eval/figures --tag _smollm2   # summary + PNG only
+
+Prompts: ``eval/fidelity_tasks.py`` (single-hop and two-hop questions over 4-8 documents, ~1K
+tokens of documents), each asked with its documents in the listed order and in a shuffled one.
+The documents go into a ``DocumentStore(pc)`` (the default mode: each document encoded alone at
+``add()``, reused in any subset and order); each method answers the same prompt from those states.
+
+**The answer.** Greedy decoding after the prompt, at most ``--answer-tokens`` (16) tokens, stopped
+at the first newline, sentence end or EOS; the answer is the decoded text's first line up to its
+first sentence end, stripped. **Agreement**: the method's answer gives the same code as full
+prefill's (float32, the same tokens at positions 0..n-1, nothing reused): the first number of 4 or
+more digits in each, or where one gives none, the same text (``answer_key``); ``agree_text``, the
+stricter column beside it, asks for the same sentence character for character. Whether a method's
+greedy tokens are full prefill's is checked by one teacher-forced forward on the method's kept
+cache (``follows``); where they depart the method decodes its own answer. **Correct**: the answer
+holds the code. Per method and budget: agreement (with a 95% Wilson interval), accuracy of both, the kept
+share (method correct / full prefill correct) with a 95% paired bootstrap interval, the answers
+lost and won against full prefill and McNemar's exact p (``eval/kept_share.py``), first-token
+KL(full || method), and TTFT: full prefill's over the method's, both timed in this process on the
+same prompt one after the other (the load average is written beside them).
+
+Methods (``METHODS``; any other engine selection name is accepted as itself):
+
+* ``default``: the store's own default selection (``DEFAULT_SELECTION``) at each budget;
+* ``cacheblend``: CacheBlend-style (``eval/selections.py``: every document token through layer 1,
+  then the budget's tokens with the largest K+V deviation), on the reference path
+  (``eval/recompute_reference.py``: its reused state is every document encoded after the prompt's
+  prefix, not alone; its TTFT is a Python reference's, not the engine's);
+* ``epic``: EPIC-style: the budget spread over every document's first tokens;
+* ``ape``: APE-style: the default's tokens recomputed, the other reused keys at temperature 1.25;
+* ``prophet``: query-aware (ProphetKV-style): the question's attention over the reused states
+  from a cheap pass (one forward of the question) picks the tokens (the engine's ``qattn``);
+* ``tail``: the last tokens before the question (the documents nearest it) recomputed.
+
+Budget ``b``: ``round(b * C)`` of the prompt's ``C`` reused document tokens are recomputed. At
+``0`` every selection without a key scale is the same splice, and at ``1`` every engine selection
+is a plain prefill in prompt order: those are run once a prompt (methods ``splice`` and
+``full_recompute``) and drawn at the ends of every line. ``--calibrate N``: full prefill in
+bfloat16 against float32 on the first N samples (method ``bf16_full``): how many answers a change
+that is not reuse moves.
+
+Writes ``fidelity{tag}.csv`` (a row per prompt, order, method, budget), ``fidelity{tag}_summary.csv``,
+``fidelity{tag}_summary.png`` (agreement against budget, one line per method, per task and order)
+and ``fidelity{tag}_ttft.png`` (the agreement-vs-TTFT plane).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import math
+import random
+import re
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from . import fidelity_tasks, kept_share
+from .common import RESULTS, pyplot, save_figure, write_csv
+from .metrics import kl_divergence
+
+SYSTEM = "You answer questions about the documents the user gives. Answer briefly, using the documents only."
+METHODS = {"default": None, "epic": "epic", "ape": "ape", "prophet": "qattn", "tail": "tail", "cacheblend": "reference"}
+BUDGETS = (0.0, 0.05, 0.1, 0.15, 0.2, 0.3, 1.0)
+ANSWER_TOKENS = 16
+ORDERS = ("listed", "shuffled")
+
+
+# -- answers --------------------------------------------------------------------------------------
+SENTENCE_END = re.compile(r"[.!?](?=\s|$)")  # an end mark before a space or the end of the text
+STOPS = ("\n", ". ", "! ", "? ")  # the engine's stop strings: the answer is complete once one appears
+
+
+def answer_text(text: str) -> str:
+    """The answer in a greedy continuation's text: its first line up to its first sentence end
+    (the end mark itself left out), stripped. "The code is 6729. The" and "The code is 6729" give
+    the same answer."""
+    line = text.split("\n", 1)[0]
+    m = SENTENCE_END.search(line)
+    return (line[: m.start()] if m else line).strip()
+
+
+CODE = re.compile(r"\d{4,}")  # the tasks' answers are 4-digit codes
+
+
+def answer_key(answer: str) -> str:
+    """What two answers must share to agree: the first code (4 or more digits) the answer gives,
+    or, where it gives none, its text in lower case. "The code is 4677" and "The locker code of the
+    person is 4677" agree; "The parcel is for the person who works at the library" gives no code."""
+    m = CODE.search(answer.replace(" ", ""))
+    return m.group(0) if m else answer.lower()
+
+
+def score(row: dict) -> dict:
+    """``row`` with ``agree`` (the answers' keys equal, ``answer_key``) and ``agree_text`` (the
+    answers equal character for character) worked out from its two answers."""
+    full, got = row["full_answer"], row["method_answer"]
+    return {**row, "agree": int(answer_key(full) == answer_key(got)), "agree_text": int(full == got)}
+
+
+def answer_done(text: str) -> bool:
+    """Whether greedy decoding can stop: one of ``STOPS`` appeared (the answer is complete)."""
+    return any(s in text for s in STOPS)
+
+
+def full_greedy(model, tok, ids: list[int], eos: frozenset[int], max_new: int
+                ) -> tuple[torch.Tensor, list[int], str, float]:
+    """Full prefill of ``ids`` at positions 0..n-1 (nothing reused; timed), then greedy decoding on
+    its own KV cache until EOS, a completed answer (``answer_done``) or ``max_new`` tokens:
+    (first-token logits [V] float32, the generated ids, their text, TTFT s)."""
+    with torch.inference_mode():
+        t0 = time.perf_counter()
+        out = model(input_ids=torch.tensor([ids]), use_cache=True, logits_to_keep=1)
+        ttft = time.perf_counter() - t0
+        first, past, gen = out.logits[0, -1].float().clone(), out.past_key_values, []
+        t = int(first.argmax())
+        while True:
+            gen.append(t)
+            if t in eos or len(gen) >= max_new or answer_done(tok.decode(gen, skip_special_tokens=True)):
+                break
+            out = model(input_ids=torch.tensor([[t]]), past_key_values=past, use_cache=True)
+            past, t = out.past_key_values, int(out.logits[0, -1].argmax())
+    return first, gen, tok.decode(gen, skip_special_tokens=True), ttft
+
+
+class Prompt:
+    """One sample in one document order over a ``DocumentStore`` namespace holding its documents."""
+
+    def __init__(self, pc, sample: dict, shuffled: bool):
+        self.pc, self.sample, self.shuffled = pc, sample, shuffled
+        self.namespace = f"fidelity:{sample['_id']}"
+        self.ids = [f"{sample['_id']}:{k}" for k in range(len(sample["notes"]))]
+        self.stores: dict[str | None, object] = {}
+        self.store(None)  # the default store encodes and holds every document
+        if shuffled:
+            random.Random(f"{sample['_id']}:order").shuffle(self.ids)
+        self.question = f"Question: {sample['input']}"
+
+    def store(self, selection: str | None):
+        """A ``DocumentStore(pc)`` in the default mode on this prompt's namespace with ``selection``
+        (None: the store's default); a second store finds the documents' states already stored."""
+        from promptcache.rag import DocumentStore
+
+        if selection not in self.stores:
+            s = DocumentStore(self.pc, namespace=self.namespace, selection=selection)
+            for k, text in enumerate(self.sample["notes"]):
+                s.add(f"{self.sample['_id']}:{k}", text)
+            self.stores[selection] = s
+        return self.stores[selection]
+
+    def forget(self) -> None:
+        """Evict the documents' states (a run holds one sample's at a time)."""
+        s = self.store(None)
+        for d in list(s.ids()):
+            self.pc.store.discard(s.state_key(s.unit_ids(s.get(d))))
+
+    def token_ids(self) -> list[int]:
+        return list(self.store(None).layout(self.question, self.ids, system=SYSTEM).token_ids)
+
+    def doc_tokens(self) -> int:
+        """The prompt's document tokens (a budget's share is of these)."""
+        layout = self.store(None).layout(self.question, self.ids, system=SYSTEM)
+        return sum(len(s) for s in layout.spans if s.kind == "cached" and s.source == "module")
+
+
+def follows(pc, res, tokens: list[int]) -> bool:
+    """Whether greedy decoding on ``res``'s kept cache would produce ``tokens`` (full prefill's
+    generated ids): one teacher-forced forward of ``tokens[:-1]`` after the prompt, every step's
+    argmax compared with the next token. The decoder's last hidden states are caught by a hook (the
+    engine's forward returns the last token's logits only) and read through the output embedding."""
+    if int(res.logits.argmax()) != tokens[0]:
+        return False
+    if len(tokens) == 1:
+        return True
+    got: list[torch.Tensor] = []
+    hook = pc.model.get_decoder().register_forward_hook(lambda _m, _a, out: got.append(out[0]))
+    try:
+        n = len(tokens) - 1
+        pos = torch.arange(res.next_position, res.next_position + n)[None]
+        pc.adapter.forward(torch.tensor([tokens[:-1]]), pos, res.cache)
+    finally:
+        hook.remove()
+    with torch.inference_mode():
+        logits = pc.model.get_output_embeddings()(got[-1][0, -n:])  # [n, V]
+    return logits.argmax(-1).tolist() == tokens[1:]
+
+
+def engine_answer(p: Prompt, selection: str | None, budget: float, max_new: int, full: tuple[list[int], str]) -> dict:
+    """The engine's answer from the store's reused states, ``budget`` of them recomputed. Where
+    its greedy tokens are full prefill's (``full``: ids, answer; checked by ``follows``) the
+    answer is full prefill's; else the method decodes its own (prefill run again, timed again)."""
+    from promptcache.engine import PrefilledPrompt
+
+    def prefill():
+        return p.store(selection).prefill(p.question, p.ids, system=SYSTEM, recompute=budget, reserve=max_new + 1,
+                                          keep_cache=True)
+
+    res = prefill()
+    logits, ttft = res.logits.float().clone(), res.ttft
+    if follows(p.pc, res, full[0]):
+        text = full[1]
+    else:
+        text = answer_text(p.pc.generate(PrefilledPrompt(prefill()), max_new_tokens=max_new, stop=STOPS).text)
+    return dict(logits=logits, text=text, ttft=ttft, exact=bool(res.exact),
+                recomputed=res.recomputed_tokens / p.doc_tokens(), cached=res.cached_tokens)
+
+
+class Reference:
+    """CacheBlend-style recompute on the reference path; the documents' base state computed once a prompt."""
+
+    def __init__(self, p: Prompt, eos: frozenset[int]):
+        from .recompute_reference import from_layout, independent_kv
+
+        self.pc, self.eos = p.pc, eos
+        self.p = from_layout(p.store(None).layout(p.question, p.ids, system=SYSTEM))
+        self.base = independent_kv(p.pc.model, self.p)
+
+    def answer(self, budget: float, max_new: int) -> dict:
+        from .recompute_reference import blend, greedy
+        from .selections import SELECTIONS
+
+        k = round(budget * self.p.candidates.numel())
+        with torch.inference_mode():
+            t0 = time.perf_counter()
+            sel, narrow, _ = SELECTIONS["cacheblend"](self.pc.model, self.p, self.base, k)
+            logits, kv = blend(self.pc.model, self.p, self.base, sel, narrow)
+            ttft = time.perf_counter() - t0
+            out = greedy(self.pc.model, logits, kv, self.p.n, max_new, set(self.eos))
+        text = answer_text(self.pc.tokenizer.decode(out, skip_special_tokens=True))
+        return dict(logits=logits[-1].float(), text=text, ttft=ttft, exact=False,
+                    recomputed=k / max(self.p.candidates.numel(), 1), cached=int(self.p.candidates.numel()))
+
+
+def correct(sample: dict, text: str) -> int:
+    return int(all(a in text.replace(" ", "") for a in sample["answers"]))
+
+
+def runs_for(methods: list[str], budgets: list[float]) -> list[tuple[str, float, str | None]]:
+    """(row label, budget, engine selection or ``reference``) of every run a prompt needs: the
+    shared splice (budget 0) and plain prefill (budget 1) once, each method at the rest."""
+    from promptcache.engine.prefill.recompute import KEY_SCALES
+
+    out, shared0 = [], False
+    for m in methods:
+        sel = METHODS.get(m, m)
+        for b in budgets:
+            if b >= 1.0:  # every selection recomputes everything: one plain prefill in prompt order
+                continue
+            if b == 0.0 and sel != "reference" and sel not in KEY_SCALES:
+                shared0 = True
+                continue
+            out.append((m, b, sel))
+    if shared0:
+        out.insert(0, ("splice", 0.0, None))
+    if any(b >= 1.0 for b in budgets):
+        out.append(("full_recompute", 1.0, None))
+    return out
+
+
+def evaluate_prompt(p: Prompt, runs, eos, max_new: int, bf16=None) -> list[dict]:
+    """Full prefill, then every run, on one prompt: its rows."""
+    tok, s = p.pc.tokenizer, p.sample
+    ids = p.token_ids()
+    full_logits, full_ids, text, full_ttft = full_greedy(p.pc.model, tok, ids, eos, max_new)
+    full = answer_text(text)
+    ref = Reference(p, eos) if any(sel == "reference" for _, _, sel in runs) else None
+    answers = []
+    for label, b, sel in runs:
+        a = ref.answer(b, max_new) if sel == "reference" else engine_answer(p, sel, b, max_new, (full_ids, full))
+        answers.append((label, b, a))
+    if bf16 is not None:
+        logits, _, text, ttft = full_greedy(bf16, tok, ids, eos, max_new)
+        answers.append(("bf16_full", 1.0, dict(logits=logits, text=answer_text(text), ttft=ttft, exact=False,
+                                              recomputed=0.0, cached=0)))
+    from promptcache.bench import load_avg
+
+    load = load_avg()
+    return [score(dict(task=s["dataset"], sample=s["_id"], documents=len(s["notes"]), order=ORDERS[p.shuffled],
+                 method=label, budget=b, prompt_tokens=len(ids), document_tokens=p.doc_tokens(),
+                 cached_tokens=a["cached"],
+                 recomputed=round(a["recomputed"], 4), exact=int(a["exact"]),
+                 full_correct=correct(s, full), method_correct=correct(s, a["text"]),
+                 first_token_kl=round(kl_divergence(full_logits, a["logits"]), 6),
+                 first_token_same=int(int(full_logits.argmax()) == int(a["logits"].argmax())),
+                 ttft_full_ms=round(full_ttft * 1e3, 2), ttft_ms=round(a["ttft"] * 1e3, 2),
+                 speedup=round(full_ttft / a["ttft"], 3) if a["ttft"] > 0 else None, load=load,
+                 answer=s["answers"][0], full_answer=full, method_answer=a["text"]))
+            for label, b, a in answers]
+
+
+# -- statistics -----------------------------------------------------------------------------------
+def wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
+    """95% Wilson score interval of a proportion ``k / n``."""
+    if n == 0:
+        return (float("nan"), float("nan"))
+    p, d = k / n, 1 + z * z / n
+    c, h = (p + z * z / (2 * n)) / d, z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / d
+    return max(0.0, c - h), min(1.0, c + h)
+
+
+def expand_shared(rows: list[dict], methods: list[str]) -> list[dict]:
+    """The shared splice and plain-prefill rows repeated under every method they stand for (its
+    line's ends); the rows a method ran itself stay as they are."""
+    from promptcache.engine.prefill.recompute import KEY_SCALES
+
+    out = [r for r in rows if r["method"] not in ("splice", "full_recompute")]
+    for r in rows:
+        for m in methods:
+            sel = METHODS.get(m, m)
+            own_splice = sel == "reference" or sel in KEY_SCALES
+            if (r["method"] == "splice" and not own_splice) or r["method"] == "full_recompute":
+                out.append({**r, "method": m})
+    return out
+
+
+def summarize(rows: list[dict]) -> list[dict]:
+    """Per task, order (``listed``, ``shuffled``, ``both``), method and budget: agreement and the
+    paired statistics against full prefill."""
+    out = []
+    keys = sorted({(r["task"], r["method"], float(r["budget"])) for r in rows})
+    for task, method, budget in keys:
+        for order in (*ORDERS, "both"):
+            rs = [r for r in rows if (r["task"], r["method"], float(r["budget"])) == (task, method, budget)
+                  and order in (r["order"], "both")]
+            if not rs:
+                continue
+            n, agree = len(rs), sum(int(r["agree"]) for r in rs)
+            same_text = sum(int(r["agree_text"]) for r in rs)
+            pairs = [(int(r["full_correct"]), int(r["method_correct"])) for r in rs]
+            full, got = sum(f for f, _ in pairs), sum(m for _, m in pairs)
+            lost, won = sum(f > m for f, m in pairs), sum(m > f for f, m in pairs)
+            lo, hi = kept_share.bootstrap_ci(pairs) if full else (None, None)
+            alo, ahi = wilson(agree, n)
+            speed = [float(r["speedup"]) for r in rs if r["speedup"] not in (None, "")]
+            out.append(dict(task=task, order=order, method=method, budget=budget, prompts=n,
+                            agreement=round(agree / n, 4), agreement_low=round(alo, 4), agreement_high=round(ahi, 4),
+                            agreement_text=round(same_text / n, 4),
+                            full_accuracy=round(full / n, 4), method_accuracy=round(got / n, 4),
+                            kept=round(got / full, 4) if full else None, kept_low=lo and round(lo, 4),
+                            kept_high=hi and round(hi, 4), lost=lost, won=won,
+                            mcnemar_p=round(kept_share.mcnemar_p(lost, won), 4),
+                            first_token_kl=round(statistics.mean(float(r["first_token_kl"]) for r in rs), 5),
+                            recomputed=round(statistics.mean(float(r["recomputed"]) for r in rs), 4),
+                            speedup_median=round(statistics.median(speed), 3) if speed else None,
+                            load_median=round(statistics.median(float(r["load"]) for r in rs), 2)))
+    return out
+
+
+def plot(summary: list[dict], path: Path) -> None:
+    """Agreement against budget, one line per method; a panel per task and order; bfloat16's
+    agreement drawn as a dashed line."""
+    plt = pyplot()
+    if plt is None:
+        return
+    panels = sorted({(s["task"], s["order"]) for s in summary if s["order"] != "both"})
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.8), squeeze=False)
+    budgets = sorted({s["budget"] for s in summary if s["method"] != "bf16_full"})
+    x = {b: i for i, b in enumerate(budgets)}
+    for ax, (task, order) in zip(axes[0], panels):
+        here = [s for s in summary if (s["task"], s["order"]) == (task, order)]
+        for i, m in enumerate(sorted({s["method"] for s in here} - {"bf16_full"})):
+            pts = sorted((s["budget"], s["agreement"]) for s in here if s["method"] == m)
+            ax.plot([x[b] for b, _ in pts], [a for _, a in pts], marker="o", label=m, color=f"C{i}")
+        for s in here:
+            if s["method"] == "bf16_full":
+                ax.axhline(s["agreement"], color="k", ls="--", lw=1, label=f"bf16 vs fp32 ({s['prompts']})")
+        ax.axhline(0.9, color="C3", ls=":", lw=1)
+        ax.set_xticks(range(len(budgets)), ["full" if b >= 1 else f"{b:.0%}" for b in budgets])
+        n = max((s["prompts"] for s in here), default=0)
+        ax.set(title=f"{task}, {order} (n={n})", xlabel="recomputed share of document tokens", ylim=(0, 1.02))
+    axes[0][0].set_ylabel("agreement with full prefill's answer")
+    axes[0][-1].legend(fontsize=7, loc="lower right")
+    save_figure(fig, path)
+
+
+def plot_plane(summary: list[dict], path: Path) -> None:
+    """The agreement-vs-TTFT plane: each method's budgets as a line of (median TTFT speedup over
+    full prefill, agreement), both orders pooled, a panel per task."""
+    plt = pyplot()
+    if plt is None:
+        return
+    tasks = sorted({s["task"] for s in summary})
+    fig, axes = plt.subplots(1, len(tasks), figsize=(5 * len(tasks), 4), squeeze=False)
+    for ax, task in zip(axes[0], tasks):
+        here = [s for s in summary if s["task"] == task and s["order"] == "both" and s["speedup_median"]]
+        for i, m in enumerate(sorted({s["method"] for s in here} - {"bf16_full"})):
+            pts = sorted((s["budget"], s["speedup_median"], s["agreement"]) for s in here if s["method"] == m)
+            ax.plot([p[1] for p in pts], [p[2] for p in pts], marker="o", label=m, color=f"C{i}")
+            for b, x, y in pts:
+                ax.annotate("full" if b >= 1 else f"{b:.0%}", (x, y), fontsize=6, xytext=(2, 2),
+                            textcoords="offset points")
+        ax.set_xscale("log")
+        ax.set(title=f"{task}, both orders", xlabel="TTFT speedup over full prefill (median, same run)",
+               ylabel="agreement with full prefill's answer", ylim=(0, 1.02))
+    axes[0][-1].legend(fontsize=7, loc="lower left")
+    save_figure(fig, path)
+
+
+def markdown(summary: list[dict]) -> str:
+    """Agreement tables (a row per method, a column per budget), one per task and order, then the
+    summary rows of both orders pooled at budgets up to 0.2 with their paired statistics: the
+    results file's tables."""
+    out = []
+    budgets = sorted({s["budget"] for s in summary if s["method"] != "bf16_full"})
+    for task in sorted({s["task"] for s in summary}):
+        for order in (*ORDERS, "both"):
+            here = {(s["method"], s["budget"]): s for s in summary if (s["task"], s["order"]) == (task, order)}
+            if not here:
+                continue
+            n = max(s["prompts"] for s in here.values())
+            out += [f"\n**{task}, {order}** (n = {n} prompts; agreement with full prefill's answer)\n",
+                    "| method | " + " | ".join("full" if b >= 1 else f"{b:.0%}" for b in budgets) + " |",
+                    "| --- |" + " --- |" * len(budgets)]
+            for m in sorted({k[0] for k in here} - {"bf16_full"}):
+                cells = [f"{here[(m, b)]['agreement']:.2f}" if (m, b) in here else "" for b in budgets]
+                out.append(f"| {m} | " + " | ".join(cells) + " |")
+            if ("bf16_full", 1.0) in here:
+                out.append("| bfloat16 full prefill |" + " |" * (len(budgets) - 1)
+                           + f" {here[('bf16_full', 1.0)]['agreement']:.2f} |")
+    out += ["\n| task | order | method | budget | n | agreement (95% CI) | same sentence | full / method correct | "
+            "kept (95% CI) | lost / won | McNemar p | first-token KL | TTFT vs full |", "|" + " --- |" * 13]
+    for s in summary:
+        if s["order"] == "both" and (s["budget"] <= 0.2 or s["method"] == "bf16_full"):
+            kept = f"{s['kept']:.2f} ({s['kept_low']:.2f}-{s['kept_high']:.2f})" if s["kept"] is not None else "-"
+            out.append(f"| {s['task']} | {s['order']} | {s['method']} | {s['budget']:.2f} | {s['prompts']} | "
+                       f"{s['agreement']:.2f} ({s['agreement_low']:.2f}-{s['agreement_high']:.2f}) | "
+                       f"{s['agreement_text']:.2f} | {s['full_accuracy']:.2f} / {s['method_accuracy']:.2f} | {kept} | "
+                       f"{s['lost']} / {s['won']} | {s['mcnemar_p']:.3f} | {s['first_token_kl']:.3f} | "
+                       f"{s['speedup_median']}x |")
+    return "\n".join(out)
+
+
+# -- the run --------------------------------------------------------------------------------------
+def read_rows(paths: list[Path]) -> list[dict]:
+    """Per-prompt rows of earlier runs (split with ``--first``); a later file's row wins."""
+    rows: dict[tuple, dict] = {}
+    for path in paths:
+        with open(path, newline="") as f:
+            for r in csv.DictReader(f):
+                rows[(r["task"], r["sample"], r["order"], r["method"], float(r["budget"]))] = score(r)
+    fields = list(dict.fromkeys(k for r in rows.values() for k in r))  # an older run's file may lack a column
+    return [{k: r.get(k, "") for k in fields} for r in rows.values()]
+
+
+def parse_args(argv):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="smollm2", help="alias (smollm2), Hugging Face id or local directory")
+    ap.add_argument("--n", type=int, default=60, help="prompts per task (each asked in both orders)")
+    ap.add_argument("--first", type=int, default=0, help="skip the first N samples of each task (split a run)")
+    ap.add_argument("--tasks", nargs="+", default=list(fidelity_tasks.TASKS), choices=fidelity_tasks.TASKS)
+    ap.add_argument("--methods", nargs="+", default=list(METHODS),
+                    help=f"{', '.join(METHODS)}, or any engine selection name")
+    ap.add_argument("--budgets", nargs="+", type=float, default=list(BUDGETS), help="fractions; 1 = full recompute")
+    ap.add_argument("--orders", nargs="+", default=list(ORDERS), choices=ORDERS)
+    ap.add_argument("--doc-tokens", type=int, default=1000, help="about this many document tokens a prompt")
+    ap.add_argument("--answer-tokens", type=int, default=ANSWER_TOKENS)
+    ap.add_argument("--calibrate", type=int, default=0, help="bfloat16 full prefill on the first N samples a task")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--combine", nargs="+", type=Path, help="summarize these per-prompt CSVs only")
+    ap.add_argument("--out", type=Path, default=RESULTS)
+    ap.add_argument("--tag", default="")
+    ap.add_argument("--markdown", action="store_true", help="also print the summary as Markdown tables")
+    args = ap.parse_args(argv)
+    for b in args.budgets:
+        if not 0.0 <= b <= 1.0:
+            ap.error(f"--budgets: {b} is not a fraction in [0, 1]")
+    return args
+
+
+def check_methods(methods: list[str]) -> None:
+    from promptcache.engine.prefill.recompute import SELECTIONS
+
+    from . import engine_selections  # noqa: F401 (registers the studies' selections)
+
+    bad = [m for m in methods if m not in METHODS and m not in SELECTIONS]
+    if bad:
+        raise SystemExit(f"--methods: unknown {', '.join(bad)} (known: {', '.join(METHODS)}, or an engine selection: "
+                         f"{', '.join(SELECTIONS)})")
+
+
+def main(argv=None) -> list[dict]:
+    args = parse_args(argv)
+    stem = f"fidelity{args.tag}"
+    if args.combine:
+        rows = read_rows(args.combine)
+        write_csv(f"{stem}.csv", rows, args.out)  # the pooled per-prompt rows, rescored
+    else:
+        check_methods(args.methods)
+        rows = run(args, lambda rows: write_csv(f"{stem}.csv", rows, args.out))
+        write_csv(f"{stem}.csv", rows, args.out)
+    summary = summarize(expand_shared(rows, args.methods))
+    path = write_csv(f"{stem}_summary.csv", summary, args.out)
+    plot(summary, path.with_suffix(".png"))
+    plot_plane(summary, path.with_name(f"{stem}_ttft.png"))
+    for s in summary:
+        if s["order"] == "both":
+            print(f"{s['task']:7s} {s['method']:>14s} @{s['budget']:<5} n={s['prompts']:3d} agree {s['agreement']:.3f} "
+                  f"[{s['agreement_low']:.2f}, {s['agreement_high']:.2f}]  acc {s['full_accuracy']:.2f}->"
+                  f"{s['method_accuracy']:.2f}  lost {s['lost']:2d} won {s['won']:2d} p {s['mcnemar_p']:.3f}  "
+                  f"KL {s['first_token_kl']:.3f}  TTFT x{s['speedup_median']}")
+    if args.markdown:
+        print(markdown(summary))
+    print(f"wrote {path} and {path.with_suffix('.png').name}")
+    return summary
+
+
+def run(args, save) -> list[dict]:
+    from promptcache import PromptCache
+    from promptcache.models.loading import load_model
+
+    torch.manual_seed(0)
+    torch.set_num_threads(max(1, args.threads))
+    pc = PromptCache.from_pretrained(args.model)
+    eos = frozenset(pc.runner.eos_ids)
+    bf16 = load_model(args.model, dtype="bfloat16")[0] if args.calibrate else None
+    runs, rows = runs_for(args.methods, args.budgets), []
+    tasks = {t: fidelity_tasks.samples(t, args.first + args.n, doc_tokens=args.doc_tokens) for t in args.tasks}
+    for k in range(args.first, args.first + args.n):  # task by task within a sample: a run stopped early has both
+        for task in args.tasks:
+            sample = tasks[task][k]
+            for order in args.orders:
+                p = Prompt(pc, sample, order == "shuffled")
+                got = evaluate_prompt(p, runs, eos, args.answer_tokens, bf16 if k < args.calibrate else None)
+                rows += got
+                print(f"[{task} {k} {order}] full {got[0]['full_answer']!r}: " + " ".join(
+                    f"{r['method']}@{r['budget']}:{r['agree']}" for r in got), flush=True)
+            p.forget()
+            save(rows)
+    return rows
+
+
+if __name__ == "__main__":
+    main()

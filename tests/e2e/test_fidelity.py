@@ -1,0 +1,108 @@
+"""eval/fidelity.py: the answer's definition, the statistics on hand-made rows, the prompts, and
+the study end to end on a tiny random model. No assertion here looks at wall time."""
+
+from __future__ import annotations
+
+import csv
+import math
+import re
+
+import pytest
+
+from eval import fidelity, fidelity_tasks, kept_share
+
+
+def test_the_answer_is_the_first_line_up_to_its_first_sentence_end():
+    assert fidelity.answer_text("The code is 6729. The access") == "The code is 6729"
+    assert fidelity.answer_text("The code is 6729") == "The code is 6729"  # stopped by the engine's ". "
+    assert fidelity.answer_text(" 6729\nNote 2.") == "6729"
+    assert fidelity.answer_text("It is 67.29 or so") == "It is 67.29 or so"  # a point inside a number ends nothing
+    assert fidelity.answer_text("Really? Yes") == "Really"
+    assert fidelity.answer_done("6729. ") and fidelity.answer_done("6729\n")
+    assert not fidelity.answer_done("The code is 6729.")  # a point at the end may still be a decimal point
+
+
+def test_answers_agree_on_the_code_they_give():
+    key = fidelity.answer_key
+    assert key("The code is 4677") == key("The locker code of the person is 46 77") == "4677"
+    assert key("The code is 4232") != key("The code is 4677")
+    assert key("The parcel is for the person at the Library") == key("the parcel is for the person at the library")
+    r = fidelity.score(dict(full_answer="The code is 4677", method_answer="It is 4677"))
+    assert (r["agree"], r["agree_text"]) == (1, 0)
+
+
+def test_wilson_interval_on_known_values():
+    lo, hi = fidelity.wilson(9, 10)
+    assert (round(lo, 4), round(hi, 4)) == (0.5958, 0.9821)
+    assert fidelity.wilson(0, 5)[0] == 0.0 and fidelity.wilson(5, 5)[1] == 1.0
+
+
+def row(sample, order, method, budget, agree, full, got, kl=0.1, speedup=4.0):
+    return dict(task="single", sample=sample, order=order, method=method, budget=budget, agree=agree, agree_text=agree,
+                full_correct=full, method_correct=got, first_token_kl=kl, recomputed=budget, speedup=speedup, load=1.0)
+
+
+def test_summary_counts_agreement_lost_and_won_per_order():
+    # 6 prompts: 4 agree; of the 2 that differ one answer is lost, one changes between two wrong ones
+    outcomes = [(1, 1, 1), (1, 1, 1), (1, 0, 0), (1, 0, 0), (0, 1, 0), (0, 0, 0)]
+    rows = [row(f"s{i}", "listed" if i % 2 == 0 else "shuffled", "default", 0.2, *o) for i, o in enumerate(outcomes)]
+    both = next(s for s in fidelity.summarize(rows) if s["order"] == "both")
+    assert (both["prompts"], both["agreement"], both["lost"], both["won"]) == (6, round(4 / 6, 4), 1, 0)
+    assert both["full_accuracy"] == 0.5 and both["method_accuracy"] == round(2 / 6, 4)
+    assert both["kept"] == round(2 / 3, 4) and both["mcnemar_p"] == kept_share.mcnemar_p(1, 0) == 1.0
+    assert both["kept_low"] <= both["kept"] <= both["kept_high"]
+    listed = next(s for s in fidelity.summarize(rows) if s["order"] == "listed")
+    assert listed["prompts"] == 3 and listed["agreement"] == round(2 / 3, 4)  # s0, s2 agree; s4 does not
+
+
+def test_shared_ends_stand_for_every_method_they_equal():
+    """The splice (budget 0) is every selection without a key scale; APE scales keys even at 0
+    and the CacheBlend reference reuses another state, so they run their own."""
+    runs = fidelity.runs_for(["default", "ape", "cacheblend"], [0.0, 0.1, 1.0])
+    assert [(m, b) for m, b, _ in runs] == [("splice", 0.0), ("default", 0.1), ("ape", 0.0), ("ape", 0.1),
+                                            ("cacheblend", 0.0), ("cacheblend", 0.1), ("full_recompute", 1.0)]
+    rows = [row("s0", "listed", "splice", 0.0, 1, 1, 1), row("s0", "listed", "full_recompute", 1.0, 1, 1, 1),
+            row("s0", "listed", "ape", 0.0, 0, 1, 0)]
+    out = fidelity.expand_shared(rows, ["default", "ape", "cacheblend"])
+    assert sorted((r["method"], r["budget"]) for r in out) == [
+        ("ape", 0.0), ("ape", 1.0), ("cacheblend", 1.0), ("default", 0.0), ("default", 1.0)]
+
+
+@pytest.mark.parametrize("task", fidelity_tasks.TASKS)
+def test_tasks_are_seeded_and_answerable(task):
+    a = fidelity_tasks.samples(task, 8)
+    assert a == fidelity_tasks.samples(task, 8) and a != fidelity_tasks.samples(task, 8, seed=52)
+    for s in a:
+        notes, code = s["notes"], s["answers"][0]
+        assert len(notes) in fidelity_tasks.DOC_COUNTS
+        assert [code in n for n in notes].count(True) == 1 and code in notes[s["target"]]
+        assert 700 < len(" ".join(notes).split()) * 4 / 3 < 1400  # ~1K tokens at ~4/3 tokens a word
+        if task == "twohop":  # the question names no place; the memo names the target's
+            memo = next(n for n in notes if n.startswith("Delivery memo."))
+            place = re.search(r"works at the (\w+)\.", memo).group(1)
+            assert f"works at the {place}." in notes[s["target"]] and place not in s["input"]
+    with pytest.raises(ValueError, match="unknown fidelity task 'x'"):
+        fidelity_tasks.samples("x", 1)
+
+
+def test_study_end_to_end_on_a_tiny_model(tmp_path):
+    summary = fidelity.main(["--model", "embedded:demo", "--n", "1", "--methods", "default", "cacheblend", "--budgets", "0",
+                             "0.2", "1", "--doc-tokens", "160", "--answer-tokens", "4", "--calibrate", "1",
+                             "--out", str(tmp_path), "--tag", "_t"])
+    with open(tmp_path / "fidelity_t.csv") as f:
+        rows = list(csv.DictReader(f))
+    # 2 tasks x 2 orders x (splice, default@0.2, cacheblend@0 and @0.2, full_recompute, bf16_full)
+    assert len(rows) == 24 and {r["order"] for r in rows} == {"listed", "shuffled"}
+    for r in rows:
+        if r["method"] == "full_recompute":  # every document token recomputed: a plain prefill
+            assert r["exact"] == "1" and r["agree"] == "1" and float(r["first_token_kl"]) < 1e-6
+        if r["method"] in ("splice", "default", "cacheblend"):
+            assert r["exact"] == "0" and float(r["first_token_kl"]) > 0  # documents encoded alone drift
+        if r["method"] == "default":
+            assert math.isclose(float(r["recomputed"]), 0.2, abs_tol=0.02)
+    assert {(s["method"], s["budget"]) for s in summary} >= {("default", 0.0), ("cacheblend", 1.0), ("bf16_full", 1.0)}
+    for name in ("fidelity_t_summary.csv", "fidelity_t_summary.png", "fidelity_t_ttft.png"):
+        assert (tmp_path / name).exists()
+    again = fidelity.main(["--combine", str(tmp_path / "fidelity_t.csv"), "--methods", "default", "cacheblend",
+                           "--out", str(tmp_path), "--tag", "_c"])
+    assert again == summary
