@@ -63,6 +63,7 @@ def test_only_the_tiers_that_serialize_trim_and_only_when_asked(tmp_path):
         disk = store.tiers[-1]
         disk.put("k", kv)
         assert disk.get("k").shape == kv.shape
+        disk.flush()  # the write-behind default queues the file; flush waits for it
     sizes = [next((tmp_path / d).glob("*.safetensors")).stat().st_size for d in ("a", "b")]
     assert sizes[0] - sizes[1] >= 12 * 2 * 2 * 8 * 4 - 200
 
