@@ -69,6 +69,7 @@ def test_disk_spill_bytes_per_token_is_half(tmp_path):
         entry = pc.add_schema(SCHEMA)
         for k in entry.keys.values():
             assert pc.store.get(k)[0].dtype == getattr(torch, dtype)
+        pc.store.persist()  # the spill folder's default policy writes behind: on disk once this returns
         files = list(spill.rglob("*.safetensors"))
         assert files, "no state was spilled to disk"
         data = sum(f.stat().st_size - 8 - struct.unpack("<Q", f.read_bytes()[:8])[0] for f in files)  # no header
