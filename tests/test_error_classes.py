@@ -19,7 +19,7 @@ from promptcache import ConfigError, PMLError, PromptCacheError
 ROOT = Path(__file__).resolve().parents[1]
 ENVIRONMENT = {"SourceFileError", "ModelNotFoundError", "OfflineError", "DeviceError", "QueueFull", "EnvironmentProblem",
                "FolderBusy", "SpillFolderBusy", "PinBudgetError", "PoolFull",
-               "PackageFetchError"}  # PackageFetchError: the package index cannot be reached  # PinBudgetError, PoolFull: capacity, like QueueFull
+               "PackageFetchError", "BuildBusy"}  # PackageFetchError: the package index cannot be reached  # PinBudgetError, PoolFull: capacity, like QueueFull
 
 NEEDS = {"promptcache.integrations.vllm.connector": "vllm"}  # loaded by vLLM itself: imports vllm, no extra of ours
 

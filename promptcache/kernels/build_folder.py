@@ -27,6 +27,8 @@ from pathlib import Path
 
 import torch
 
+from ..errors import PromptCacheError
+
 log = logging.getLogger(__name__)
 
 __all__ = ["ROOT_ENV", "WAIT_ENV", "BuildBusy", "BuildLock", "build_folder", "env_key", "wait_seconds"]
@@ -63,8 +65,10 @@ def wait_seconds() -> float:
     return value
 
 
-class BuildBusy(RuntimeError):
+class BuildBusy(PromptCacheError, RuntimeError):
     """Another live process holds the folder's build lock (past the wait allowed)."""
+
+    exit_code = 2  # the environment: another process is building
 
 
 class BuildLock:

@@ -171,7 +171,7 @@ def test_server_metrics_count_remote_hits_and_errors(redis_server, embedded):
     redis_server.stop()
     pc.store.shared[0].exists("x" * 64)  # one failure
 
-    class Idle:  # a backend (and prefix cache) with nothing running
+    class Idle:  # a backend (and prefix cache) with nothing running and an empty one-block pool
         in_flight = blocks_stored = published_blocks = 0
 
         def stats(self):
@@ -179,6 +179,14 @@ def test_server_metrics_count_remote_hits_and_errors(redis_server, embedded):
 
         class scheduler:
             decode_forwards = decode_tokens = 0
+            running = ()
+
+        class pool:
+            buf = torch.zeros(1)
+
+            @staticmethod
+            def describe():
+                return {"state": ["free"], "entries": []}
 
     text = Metrics(Idle(), Idle(), pc.store).render().decode()
     assert f"promptcache_remote_hits_total {float(hits)}" in text
