@@ -171,7 +171,7 @@ def build_plan(pool: KVPool, rows: list[PagedRow], scale: float | None = None, k
     if keys is not None and keys.bias is None and not _window_bites(rows, min(w for w in keys.windows if w)):
         keys = None
     if keys is not None:
-        return _shifted(_build_keyed(pool, rows, scale, keys), rows, rope)
+        return _shifted(_build_keyed(pool, rows, scale, keys), rope)
     plan, dev = StepPlan(pool, scale), pool.buf.device
     by_key: dict[tuple, tuple[torch.Tensor, list[int], list[int]]] = {}
     decodes, off = [], 0
@@ -217,11 +217,11 @@ def build_plan(pool: KVPool, rows: list[PagedRow], scale: float | None = None, k
             plan.decode_bias = _bias(valid[None, :, None, :].expand(hk, b, 1, width).reshape(hk * b, 1, width))
         plan.decodes_only = not plan.prefills and all(idx.numel() == off for _, idx in plan.segments) \
             and all(sh is None for sh in plan.segment_shift)
-    return _shifted(plan, rows, rope)
+    return _shifted(plan, rope)
 
 
-def _shifted(plan: StepPlan, rows: list[PagedRow], rope: torch.Tensor | None) -> StepPlan:
-    """The plan with the rotary frequencies its shifted segments need (checked present)."""
+def _shifted(plan: StepPlan, rope: torch.Tensor | None) -> StepPlan:
+    """The plan with the rotary frequencies its shifted segments need (kept only where a segment is shifted)."""
     if any(sh is not None for sh in plan.segment_shift + plan.limited_shift):
         plan.rope = rope
     return plan
