@@ -70,18 +70,10 @@ class PromptCache:
         model, tokenizer = load_model(name_or_path, device=device, dtype=dtype, **load_kwargs)
         return cls(model, tokenizer, config)
 
-    @property
-    def model_fingerprint(self) -> dict[str, str]:
-        return self.registry.model_fingerprint
-
-    @property
-    def tokenizer_fingerprint(self) -> str:
-        return self.registry.tokenizer_fingerprint
-
-    @property
-    def model_key(self) -> str:
-        """Model and tokenizer fingerprints in one string: the part of every content key that names the model."""
-        return self.registry.model_key
+    model_fingerprint = property(lambda self: self.core.model_fingerprint)
+    tokenizer_fingerprint = property(lambda self: self.core.tokenizer_fingerprint)
+    model_key = property(lambda self: self.core.model_key, doc="Model and tokenizer fingerprints in one string: "
+                         "the part of every content key that names the model.")
 
     # -- schemas ---------------------------------------------------------------------------------
     def add_schema(self, schema: str | Path, progress: Progress | None = None,
