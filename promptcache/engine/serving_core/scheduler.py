@@ -27,8 +27,8 @@ never needs preemption. A request that could not fit even into an empty pool fai
 
 Plans. At admission, on this thread (the pool is not thread-safe), the scheduler asks the one
 planner (``engine/planner.py``) for the request's ``PrefillPlan`` (``plan.py``); the request's
-prompt (``prompts.PromptSpec``) is data. Every prompt is planned this way: a prompt that recomputes part of its stored states (selective recompute,
-documents reused out of their context) runs the chosen tokens as its own prefill rows in prompt
+prompt (``prompts.PromptSpec``) is data. Every prompt is planned this way: a prompt that
+recomputes part of its stored states (selective recompute, documents reused out of their context) runs the chosen tokens as its own prefill rows in prompt
 order, each query seeing the stored keys before it (``PagedRow.shared_limits``, from the plan's
 ``new_order`` and each segment's ``order``), chunked and batched like any prefill. A chain request
 shares each of its own blocks (prompt, then answer) as soon as the block is full, so concurrent
@@ -149,21 +149,23 @@ class ServingScheduler(RequestQueue):
 
     def _row(self, r: Request, ids: list[int], pos: list[int], logits: bool,
              limits: list[torch.Tensor | None] | None = None) -> PagedRow:
-        done = len(r.kv.own_ids)
-        r.kv.own_ids.extend(ids)  # their states are written by this step's forward
-        r.kv.own_pos.extend(pos)
-        return PagedRow(ids, pos, r.kv.shared, r.kv.slots[: done + len(ids)], logits=logits, shared_pos=r.kv.shared_pos,
-                        shared_slots=r.kv.shared_slots, own_pos=r.kv.own_pos, shared_limits=limits,
-                        shared_shift=r.kv.shared_shift)
+        kv = r.kv
+        done = len(kv.own_ids)
+        kv.own_ids.extend(ids)  # their states are written by this step's forward
+        kv.own_pos.extend(pos)
+        return PagedRow(ids, pos, kv.shared, kv.slots[: done + len(ids)], logits=logits, shared_pos=kv.shared_pos,
+                        shared_slots=kv.shared_slots, own_pos=kv.own_pos, shared_limits=limits,
+                        shared_shift=kv.shared_shift)
 
     def _chunk(self, r: Request, budget: int) -> PagedRow:
-        lo = len(r.kv.own_ids)
-        hi = min(len(r.kv.plan.new_ids), lo + budget)
+        kv, plan = r.kv, r.kv.plan
+        lo = len(kv.own_ids)
+        hi = min(len(plan.new_ids), lo + budget)
         limits = None
-        if r.kv.shared_order is not None:  # a plan in prompt order: each query sees the shared keys before it
-            q = torch.tensor(r.kv.plan.new_order[lo:hi], dtype=torch.long)
-            limits = [_limits(order, q) for order in r.kv.shared_order]
-        return self._row(r, r.kv.plan.new_ids[lo:hi], r.kv.plan.new_pos[lo:hi], hi == len(r.kv.plan.new_ids), limits)
+        if kv.shared_order is not None:  # a plan in prompt order: each query sees the shared keys before it
+            q = torch.tensor(plan.new_order[lo:hi], dtype=torch.long)
+            limits = [_limits(order, q) for order in kv.shared_order]
+        return self._row(r, plan.new_ids[lo:hi], plan.new_pos[lo:hi], hi == len(plan.new_ids), limits)
 
     # -- admission --------------------------------------------------------------------------------
     def _admit(self, reqs: list[Request], rows: list[PagedRow], budget: int) -> list[StepOutput]:
