@@ -195,19 +195,14 @@ def follows(pc, res, tokens: list[int]) -> bool:
 def engine_answer(p: Prompt, selection: str | None, budget: float, max_new: int, full: tuple[list[int], str]) -> dict:
     """The engine's answer from the store's reused states, ``budget`` of them recomputed. Where
     its greedy tokens are full prefill's (``full``: ids, answer; checked by ``follows``) the
-    answer is full prefill's; else the method decodes its own (prefill run again, timed again)."""
-    from promptcache.engine import PrefilledPrompt
-
-    def prefill():
-        return p.store(selection).prefill(p.question, p.ids, system=SYSTEM, recompute=budget, reserve=max_new + 1,
-                                          keep_cache=True)
-
-    res = prefill()
+    answer is full prefill's; else the method decodes its own on the serving path (``generate``)."""
+    store = p.store(selection)
+    res = store.prefill(p.question, p.ids, system=SYSTEM, recompute=budget, reserve=max_new + 1, keep_cache=True)
     logits, ttft = res.logits.float().clone(), res.ttft
     if follows(p.pc, res, full[0]):
         text = full[1]
     else:
-        text = answer_text(p.pc.generate(PrefilledPrompt(prefill()), max_new_tokens=max_new, stop=STOPS).text)
+        text = answer_text(store.generate(p.question, p.ids, SYSTEM, max_new, recompute=budget, stop=STOPS).text)
     return dict(logits=logits, text=text, ttft=ttft, exact=bool(res.exact),
                 recomputed=res.recomputed_tokens / p.doc_tokens(), cached=res.cached_tokens)
 

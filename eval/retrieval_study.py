@@ -41,8 +41,6 @@ from typing import Callable
 
 import torch
 
-from promptcache.engine import PrefilledPrompt
-
 from . import kept_share
 from .metrics import kl_divergence
 from .recompute_reference import blend, from_layout, greedy, independent_kv
@@ -88,12 +86,13 @@ class Request:
 
 
 def engine_answer(pc, req: Request, max_new_tokens: int, **kw) -> Answer:
-    """One prefill (its logits and TTFT), then greedy decoding on the cache it kept."""
-    res = req.prefill(pc, reserve=max_new_tokens + 1, keep_cache=True, **kw)
+    """The prefill's first-token logits (``prefill``), then the answer on the serving path
+    (``generate``: the same plan, its chosen tokens rows of the step; TTFT is the prefill's)."""
+    res = req.prefill(pc, **kw)
     logits, ttft = res.logits.clone(), res.ttft
     n_cached = max(res.cached_tokens, 1)
     rec = getattr(res, "recomputed_tokens", 0) / n_cached
-    text = pc.generate(PrefilledPrompt(res), max_new_tokens=max_new_tokens).text
+    text = req.generate(pc, max_new_tokens, **kw)
     return Answer(logits, text, ttft, rec)
 
 

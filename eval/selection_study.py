@@ -26,8 +26,6 @@ from pathlib import Path
 
 import torch
 
-from promptcache.engine import PrefilledPrompt
-
 HERE = Path(__file__).resolve().parent
 from .common import RESULTS, write_csv
 from .data.make_synthetic import retrieval_samples
@@ -123,9 +121,9 @@ def run_engine(path, samples, fractions, names, save=None, max_new_tokens: int =
                          correct=ok(full_text), seconds=full_ttft))
         for n in names:
             for f in ([0.0] if n == names[0] else []) + list(fractions):
-                res = stores[n].prefill(q, ids, SYSTEM, reserve=64, keep_cache=True, recompute=f)
+                res = stores[n].prefill(q, ids, SYSTEM, recompute=f)
                 logits = res.logits.clone()
-                text = engines[n].generate(PrefilledPrompt(res), max_new_tokens=max_new_tokens).text
+                text = stores[n].generate(q, ids, SYSTEM, max_new_tokens, recompute=f).text
                 cand = sum(len(stores[n].get(d).token_ids) for d in ids)
                 rows.append(dict(common, selection="none" if f == 0 else n, fraction=f,
                                  recomputed=round(res.recomputed_tokens / cand, 4), extra=0,

@@ -174,7 +174,9 @@ ENGINE_LAYERS = [
     {"prefill"},  # settings, plans, recompute, the runner and its private buffer, results
     {"schemas"},  # schema encoding, registry, compiled artifacts, PML prompts laid into plans
     {"serving_core"},  # pool, chains, requests, step loop, paged attention, native kernel, Engine
-    {"facade", "stream"},  # PromptCache and GenerationStream on top
+    {"planner"},  # the one planner: every request's PrefillPlan from its prompt spec (data)
+    {"core"},  # EngineCore: runner, store, registry, encoder, planner and the serving Engine
+    {"facade", "stream"},  # PromptCache (a shell over the core) and GenerationStream on top
 ]
 ENGINE_RANK = {unit: rank for rank, units in enumerate(ENGINE_LAYERS) for unit in units}
 SUB_LAYERS = {"server": SERVER_RANK, "engine": ENGINE_RANK}
@@ -218,8 +220,8 @@ def long_functions(limit: int = MAX_FUNCTION_LINES) -> list[str]:
 def test_the_walker_sees_imports_and_cycles():
     g = import_graph()
     assert "promptcache.engine.facade" in g["promptcache.engine"]  # from .facade import PromptCache
-    assert "promptcache.engine.schemas.compiled" in g["promptcache.engine.facade"]  # from . import compiled
-    assert "promptcache.engine.facade" not in g["promptcache.engine.schemas.compiled"]  # called with the facade, not importing it
+    assert "promptcache.engine.schemas.compiled" in g["promptcache.engine.core"]  # from .schemas import compiled
+    assert "promptcache.engine.core" not in g["promptcache.engine.schemas.compiled"]  # called with the core, not importing it
     assert "server" in package_graph(g)["cli"]  # the group resolves ``serve`` from server/cli.py
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     src = ast.parse("if TYPE_CHECKING:\n    import x\nelse:\n    import y\ndef f():\n    import z\n")
@@ -288,3 +290,58 @@ def test_no_function_runs_past_the_limit():
     found = long_functions()
     assert not found, f"functions over {MAX_FUNCTION_LINES} lines:\n" + "\n".join(found)
     assert long_functions(3), "the walker sees functions"
+
+
+# -- the engine plans; prompts are data ------------------------------------------------------------
+SPEC_FILES = ("engine/serving_core/prompts.py", "rag/prompt.py")
+SPEC_FIELD_TYPES = {"str", "int", "float", "bool", "tuple", "Prompt", "PromptLayout"}  # data only (None: a constant)
+
+
+def spec_fields() -> dict[str, dict[str, set[str]]]:
+    """``{class: {field: names in its annotation}}`` of every dataclass in the prompt spec files."""
+    out = {}
+    for rel in SPEC_FILES:
+        for node in ast.parse((PKG / rel).read_text(encoding="utf-8")).body:
+            if isinstance(node, ast.ClassDef):
+                out[node.name] = {st.target.id: {n.id for n in ast.walk(st.annotation) if isinstance(n, ast.Name)}
+                                  for st in node.body if isinstance(st, ast.AnnAssign)}
+                out[node.name]["@frozen"] = {"frozen"} if any(
+                    isinstance(d, ast.Call) and any(k.arg == "frozen" and getattr(k.value, "value", False)
+                                                    for k in d.keywords) for d in node.decorator_list) else set()
+    return out
+
+
+def test_prompt_specs_are_frozen_data_without_engine_objects():
+    found = spec_fields()
+    assert {"PmlPrompt", "TokenPrompt", "SourcePrompt", "DocumentPrompt"} <= set(found)  # the walker sees them
+    assert "str" in found["TokenPrompt"]["namespace"]
+    for name, fields in found.items():
+        assert fields.pop("@frozen") == {"frozen"}, f"{name} is not a frozen dataclass"
+        bad = {f: sorted(types - SPEC_FIELD_TYPES) for f, types in fields.items() if types - SPEC_FIELD_TYPES}
+        assert not bad, f"{name} holds more than data (engine, store or PromptCache objects?): {bad}"
+
+
+def test_prompt_specs_do_not_plan_themselves():
+    """Only the planner makes plans: no spec class defines ``plan`` (they called back up through it)."""
+    for rel in SPEC_FILES + ("engine/prefill/plan.py",):
+        for node in ast.walk(ast.parse((PKG / rel).read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ClassDef) and "Prompt" in node.name:
+                methods = {f.name for f in node.body if isinstance(f, ast.FunctionDef)}
+                assert "plan" not in methods, f"{rel}: {node.name}.plan: specs are data, the planner plans"
+
+
+def test_the_prompt_cache_stays_at_the_engine_top():
+    """No module of the engine but the facade imports it or takes a ``pc`` (the PromptCache), and
+    nothing under serving_core imports the planner, the core or the facade (the scheduler is handed
+    the planner)."""
+    g = import_graph()
+    engine = {m for m in g if m.startswith("promptcache.engine.") and m != "promptcache.engine.facade"}
+    up = {"promptcache.engine.facade", "promptcache.engine.core", "promptcache.engine.planner"}
+    assert not [m for m in engine if "promptcache.engine.facade" in g[m]]
+    assert not [m for m in engine if m.startswith("promptcache.engine.serving_core") and g[m] & up]
+    takes_pc = []
+    for mod in sorted(engine):
+        for node in ast.walk(ast.parse(modules()[mod].read_text(encoding="utf-8"))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                takes_pc += [f"{mod}.{node.name}" for a in node.args.args + node.args.kwonlyargs if a.arg == "pc"]
+    assert not takes_pc, f"the PromptCache passed below the engine's top: {takes_pc}"

@@ -39,8 +39,8 @@ def serve_together(pc, prompts: list[str], max_new: int = 6, budget: int = 12, f
     from promptcache.pml import parse_prompt
 
     sched = ServingScheduler(pc.runner, KVPool(pc.runner.spec, pc.device, 1024, 16), token_budget=budget,
-                             forward=forward)
-    reqs = [Request(PmlPrompt(pc, parse_prompt(p), recompute=0), SamplingParams(max_new_tokens=max_new,
+                             forward=forward, planner=pc.core.planner)
+    reqs = [Request(PmlPrompt(parse_prompt(p), recompute=0), SamplingParams(max_new_tokens=max_new,
                                                                                 temperature=0.0), pc.tokenizer)
             for p in prompts]
     for r in reqs:

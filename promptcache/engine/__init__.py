@@ -9,7 +9,9 @@
   laying a PML prompt over a schema into a plan (``assemble``);
 * ``serving_core/``: KV pool, prefix chains, requests and prompt specs, the step loop
   (``scheduler``), paged attention and the native CPU kernel, step graphs, ``core.Engine``;
-* ``facade.py`` (``PromptCache``) and ``stream.py`` (``GenerationStream``) on top.
+* ``planner.py`` (``Planner``: every request's ``PrefillPlan``, specs being data);
+* ``core.py`` (``EngineCore``: runner, store, registry, encoder, planner, serving engine);
+* ``facade.py`` (``PromptCache``, a thin shell over the core) and ``stream.py`` (``GenerationStream``) on top.
 
 Each room imports only rooms listed before it (tests/test_architecture.py). The names below are
 imported on first use (PEP 562): ``promptcache.engine.prefill.config`` (the settings the command
@@ -18,7 +20,8 @@ line's options are built from) needs no torch, so ``promptcache --help`` loads n
 
 _HOMES = {"StoreConfig": "config", "EngineConfig": "config", "RecomputeConfig": "config", "RunnerConfig": "config",
           "ServingConfig": "config", "Engine": "core", "PromptCache": "facade", "PmlPrompt": "prompts",
-          "PrefilledPrompt": "prompts", "PromptSpec": "prompts", "TokenPrompt": "prompts", "EncodedSchema": "registry",
+          "PromptSpec": "prompts", "SourcePrompt": "prompts", "TokenPrompt": "prompts", "EncodedSchema": "registry",
+          "EngineCore": "engine_core", "Planner": "planner",
           "Request": "request", "StepOutput": "request", "Generation": "results", "PrefillResult": "results",
           "Usage": "results", "ModelRunner": "runner", "SamplingParams": "sampling", "GenerationStream": "stream"}
 
@@ -28,12 +31,12 @@ __all__ = sorted(_HOMES)
 def __getattr__(name: str):
     if name not in _HOMES:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    from . import facade, stream
+    from . import core as engine_core, facade, planner, stream
     from .decoding import sampling
     from .prefill import config, results, runner
     from .schemas import registry
     from .serving_core import core, prompts, request
 
-    homes = {"config": config, "core": core, "facade": facade, "prompts": prompts, "registry": registry,
-             "request": request, "results": results, "runner": runner, "sampling": sampling, "stream": stream}
+    homes = {"config": config, "core": core, "engine_core": engine_core, "facade": facade, "planner": planner,
+             "prompts": prompts, "registry": registry, "request": request, "results": results, "runner": runner, "sampling": sampling, "stream": stream}
     return getattr(homes[_HOMES[name]], name)

@@ -1,4 +1,4 @@
-"""``PromptCache``: the public face of the engine. It delegates; the work is in the rooms beside it.
+"""``PromptCache``: the public face of the engine, a thin shell over ``core.EngineCore``.
 
     pc = PromptCache(model, tokenizer)
     pc.add_schema(Path("schemas/travel.xml"))         # a str is PML text, a Path a file
@@ -16,70 +16,48 @@ A prompt that recomputes part of its states runs the chosen tokens as rows of th
 (``plan``). ``prefill`` assembles one prompt in a private buffer (``ModelRunner.prefill_spliced``):
 the logits alone, never on the serving path.
 
-Rooms: ``runner.py`` (model, forwards, buffers), ``registry.py`` (encoded schemas, fingerprints,
-keys), ``encoder.py`` (schema encoding), ``assemble.py`` (prompt plans), ``sampling.py``,
-``request.py``, ``scheduler.py``, ``stream.py`` (decoding), ``results.py``, ``config.py``.
+The engine itself is ``self.core`` (``core.EngineCore``: runner, store, registry, encoder, the one
+planner and the serving engine); the services stay readable here as attributes (``runner``,
+``store``, ``registry``, ``encoder``, ``tok``, ``adapter``, ...). Nothing below ``core.py`` holds
+a ``PromptCache``.
 """
 
 from __future__ import annotations
 
-import functools
-import logging
-import threading
 import time
 from pathlib import Path
 
 import torch
 
-from ..layout import PromptLayout, SchemaLayout, layout_prompt, layout_schema
-from ..kernels import fuse_mlps_and_rotary, fuse_rms_norms
-from ..models.packed import pack_linears
-from ..pml import parse_prompt
+from ..layout import PromptLayout, SchemaLayout
 from ..pml.nodes import Prompt
-from ..progress import bar_for, progress_for
-from ..store import StoreError, build_store
-from ..tokens import as_span_tokenizer
-from ..tunables import PREWARM_SLACK
-from .schemas import compiled
-from .schemas.assemble import assemble, leading_exact, moves_last
-from .prefill.config import EngineConfig, ServingConfig
-from .serving_core.core import Engine
-from .schemas.encoder import Progress, SchemaEncoder
-from .prefill.plan import PrefillPlan, Segment
-from .serving_core.prompts import PmlPrompt, PromptSpec, TokenPrompt
-from .prefill.recompute import RecomputeRequest, check_recompute, fraction_of, recompute_request
-from .schemas.registry import EncodedSchema, SchemaRegistry
-from .serving_core.request import Request
-from .prefill.results import Generation, PrefillResult
-from .prefill.runner import ModelRunner
+from ..progress import bar_for
+from .core import EngineCore
 from .decoding.sampling import SamplingParams, sampling_params
+from .prefill.config import EngineConfig, ServingConfig
+from .prefill.plan import PrefillPlan
+from .prefill.recompute import RecomputeRequest
+from .prefill.results import Generation, PrefillResult
+from .schemas.encoder import Progress
+from .schemas.registry import EncodedSchema
+from .serving_core.core import Engine
+from .serving_core.prompts import PromptSpec
+from .serving_core.request import Request
 from .stream import GenerationStream
 
 __all__ = ["PromptCache"]
 
-log = logging.getLogger(__name__)
 
 
 class PromptCache:
     """Prompt Cache over a loaded ``transformers`` causal LM and its tokenizer."""
 
     def __init__(self, model, tokenizer, config: EngineConfig | None = None):
-        self.config = config or EngineConfig()
-        self.tokenizer = tokenizer
-        self.tok = as_span_tokenizer(tokenizer)
-        device = torch.device(self.config.runner.device) if self.config.runner.device else None
-        if self.config.runner.packed_linear:  # the CPU fast path: packed linears, one-pass norms, MLPs, rotary
-            pack_linears(model)
-            fuse_rms_norms(model)
-            fuse_mlps_and_rotary(model)
-        self.runner = ModelRunner(model, tokenizer, device, self.config.runner.kv_dtype, self.config.runner.overlap_copies)
-        self.model, self.adapter, self.spec, self.device = model, self.runner.adapter, self.runner.spec, self.runner.device
-        self.store = build_store(self.device, self.config.store, self.adapter.sliding_windows())
-        self.registry = SchemaRegistry(model, tokenizer, self.runner.stored_spec.bytes_per_token, self.device)
-        self.encoder = SchemaEncoder(self.runner, self.config.runner.encode_chunk, self.config.runner.encode_batch_bytes,
-                                     self.tok.pad_id)
-        self._engine: Engine | None = None
-        self._engine_lock = threading.Lock()
+        self.core = EngineCore(model, tokenizer, config)
+        core = self.core  # the services, read where users and tools already read them
+        self.config, self.tokenizer, self.tok, self.runner = core.config, core.tokenizer, core.tok, core.runner
+        self.model, self.adapter, self.spec, self.device = core.model, core.adapter, core.spec, core.device
+        self.store, self.registry, self.encoder = core.store, core.registry, core.encoder
 
     @classmethod
     def from_pretrained(cls, name_or_path: str | Path, device: str = "cpu", dtype: str = "auto",
@@ -92,18 +70,10 @@ class PromptCache:
         model, tokenizer = load_model(name_or_path, device=device, dtype=dtype, **load_kwargs)
         return cls(model, tokenizer, config)
 
-    @property
-    def model_fingerprint(self) -> dict[str, str]:
-        return self.registry.model_fingerprint
-
-    @property
-    def tokenizer_fingerprint(self) -> str:
-        return self.registry.tokenizer_fingerprint
-
-    @property
-    def model_key(self) -> str:
-        """Model and tokenizer fingerprints in one string: the part of every content key that names the model."""
-        return self.registry.model_key
+    model_fingerprint = property(lambda self: self.core.model_fingerprint)
+    tokenizer_fingerprint = property(lambda self: self.core.tokenizer_fingerprint)
+    model_key = property(lambda self: self.core.model_key, doc="Model and tokenizer fingerprints in one string: "
+                         "the part of every content key that names the model.")
 
     # -- schemas ---------------------------------------------------------------------------------
     def add_schema(self, schema: str | Path, progress: Progress | None = None,
@@ -112,31 +82,7 @@ class PromptCache:
         On any error the engine is left unchanged. Without ``progress``, encoding shows a bar on
         a terminal and logs otherwise (``promptcache.progress``). ``allow_src_root``: the folder
         ``src=`` files may come from (default: the schema file's folder)."""
-        t0 = time.perf_counter()
-        layout = layout_schema(schema, self.tok, max_positions=self.adapter.max_positions,
-                               allow_src_root=allow_src_root)
-        ns = self.config.namespace_for(namespace)
-        keys = self.registry.content_keys(layout, ns)
-        encoded = self._ensure_states(layout, keys, progress or progress_for(f"encoding {layout.name}"))
-        # placed now only when every state was just encoded and still sits in memory: states held
-        # by another tier (disk, a remote store) are fetched by the first prompt that needs them,
-        # and reading them here would promote them and churn tight memory budgets
-        seconds = time.perf_counter() - t0
-        in_memory = all(self.store.tier_of(k) in ("device", "host") for k in keys.values())
-        return self.register_schema(layout, keys, ns, seconds,
-                                    place=in_memory and len(encoded) == len(set(keys.values())))
-
-    def _ensure_states(self, layout: SchemaLayout, keys: dict[int, str], progress: Progress | None = None,
-                       fetch: bool = False) -> list[str]:
-        """Encode the states no tier holds (local, or shared: fetched on first use, or now with
-        ``fetch``); with a shared tier, two processes missing the same states encode them once
-        (``TieredStore.ensure``)."""
-        dtype = self.runner.stored_spec.dtype  # kv_dtype (the encoder already gives it; .to is then a no-op)
-
-        def encode() -> dict[str, torch.Tensor]:
-            return {keys[i]: kv.to(dtype) for i, kv in self.encoder.encode(layout, progress).items()}
-
-        return self.store.ensure(keys.values(), encode, fetch)
+        return self.core.add_schema(schema, progress, namespace, allow_src_root=allow_src_root)
 
     def register_schema(self, layout: SchemaLayout, keys: dict[int, str], namespace: str,
                         seconds: float, place: bool = True) -> EncodedSchema:
@@ -144,19 +90,12 @@ class PromptCache:
         and ``load_compiled`` end here). ``place``: copy the default pass's states into a prewarmed
         assembly buffer now (CPU), so the first prompt finds them in place; False leaves states
         held by another tier unread (a lazily loaded artifact, states in a remote store)."""
-        entry = self.registry.register(layout, keys, namespace, seconds)
-        stored = [Segment(keys[i], None, entry.positions[i], load=functools.partial(self._stored_states, keys[i]))
-                  for i in entry.default_order()] if place else []
-        self.runner.prewarm(layout.end + PREWARM_SLACK, stored)
-        return entry
-
-    def _stored_states(self, key: str) -> torch.Tensor:
-        return self.store.get(key)[0]
+        return self.core.register_schema(layout, keys, namespace, seconds, place)
 
     def compile(self, schema: str | Path, out_dir: str | Path, progress: Progress | None = None,
                 namespace: str | None = None, source_name: str | None = None) -> Path:
         """Encode a schema and write it as a compiled artifact (safetensors + manifest.json)."""
-        return compiled.compile_schema(self, schema, out_dir, progress, namespace, source_name)
+        return self.core.compile(schema, out_dir, progress, namespace, source_name)
 
     def load_compiled(self, path: str | Path, schema: str | Path | None = None, recompile: bool = False,
                       namespace: str | None = None, verify: bool = False, convert: bool = False) -> EncodedSchema:
@@ -166,14 +105,14 @@ class PromptCache:
         reads and checks every state now instead of on first use. An artifact stored in another
         dtype than this engine's ``kv_dtype`` is refused unless ``convert``: its states are then
         read, checked and converted into memory now (no recompile)."""
-        return compiled.load_compiled(self, path, schema, recompile, namespace, verify, convert)
+        return self.core.load_compiled(path, schema, recompile, namespace, verify, convert)
 
     def encode_span(self, token_ids: list[int], start: int = 0) -> torch.Tensor:
         """States of tokens encoded alone (no context) at positions start..: [L, 2, H, n, D]."""
         return self.encoder.encode_alone(token_ids, start)
 
     def schema(self, name: str, namespace: str | None = None) -> EncodedSchema:
-        return self.registry.get(name, self.config.namespace_for(namespace))
+        return self.core.planner.schema(name, namespace)
 
     @property
     def schemas(self) -> list[str]:
@@ -182,10 +121,7 @@ class PromptCache:
     # -- prompts ---------------------------------------------------------------------------------
     def layout(self, prompt: str | Path | Prompt, namespace: str | None = None) -> PromptLayout:
         """The prompt's ordered spans (``.kind``, ``.name``, ``.token_ids``, ``.position_ids``)."""
-        tree = prompt if isinstance(prompt, Prompt) else parse_prompt(prompt)
-        ns = self.config.namespace_for(namespace)
-        schema = self.schema(tree.schema, ns).layout if tree.schema is not None else None
-        return layout_prompt(tree, schema, self.tok, max_positions=self.adapter.max_positions)
+        return self.core.planner.layout(prompt, namespace)
 
     def prefill(self, prompt: str | Path | Prompt, reserve: int = 0, keep_cache: bool = False,
                 namespace: str | None = None, *, recompute: float | str | None = None,
@@ -204,16 +140,7 @@ class PromptCache:
         prompt's tokens in prompt order at the layout's positions. ``res.exact`` and
         ``res.recomputed_tokens`` say what the answer is. ``layout``: the prompt's layout when the
         caller has it already (``PmlPrompt``), so it is not computed twice."""
-        t0 = time.perf_counter()
-        r = self.recompute_fraction(recompute)
-        layout = self.layout(prompt, namespace) if layout is None else layout
-        entry = self.schema(layout.schema.name, namespace) if layout.schema is not None else None
-        plan = self._assemble(layout, entry)
-        req = None
-        if r > 0 and not plan.exact:  # exact plans (and r = 0) skip this walk over the layout
-            req = recompute_request(layout, leading_exact(layout, entry), r, self.config.recompute.selection,
-                                    moves_last(layout))
-        return self.runner.prefill_spliced(plan, t0, reserve, keep_cache, recompute=req)
+        return self.core.prefill(prompt, reserve, keep_cache, namespace, recompute=recompute, layout=layout)
 
     def plan(self, prompt: str | Path | Prompt, namespace: str | None = None, *,
              recompute: float | str | None = None, layout: PromptLayout | None = None) -> PrefillPlan | None:
@@ -222,32 +149,12 @@ class PromptCache:
         that recomputes part of its cached states (a drifted layout under ``"auto"``, or any layout
         with ``recompute`` > 0 that is not exact) runs the chosen tokens as rows of the step in
         prompt order (``engine/prefill/ordered.py``), its other states read like any plan's."""
-        r = self.recompute_fraction(recompute)
-        layout = self.layout(prompt, namespace) if layout is None else layout
-        entry = self.schema(layout.schema.name, namespace) if layout.schema is not None else None
-        plan = self._assemble(layout, entry)
-        if r > 0 and not plan.exact:  # exact plans (and r = 0) skip the walk over the layout
-            req = recompute_request(layout, leading_exact(layout, entry), r, self.config.recompute.selection,
-                                    moves_last(layout))
-            plan = self.runner.recompute_plan(plan, req)
-        return plan
-
-    def _assemble(self, layout: PromptLayout, entry: EncodedSchema | None) -> PrefillPlan:
-        """``assemble.assemble``; a stored state that vanished (shared tier down or evicted) or
-        failed verification is re-encoded with the schema's other missing states, once."""
-        try:
-            return assemble(layout, entry, self.store)
-        except StoreError as e:
-            if entry is None:
-                raise
-            log.warning("schema '%s': a stored state cannot be used (%s); re-encoding what is missing", entry.name, e)
-            self._ensure_states(entry.layout, entry.keys, fetch=True)
-            return assemble(layout, entry, self.store)
+        return self.core.plan(prompt, namespace, recompute=recompute, layout=layout)
 
     def recompute_fraction(self, recompute: float | str | None) -> float:
         """The fraction a call uses: ``None`` means ``config.recompute.fraction``; else checked to be
         ``"auto"`` (``AUTO_FRACTION`` of the drifted tokens) or a fraction in [0, 1]."""
-        return fraction_of(self.config.recompute.fraction if recompute is None else check_recompute(recompute))
+        return self.core.planner.recompute_fraction(recompute)
 
     def run_spliced(self, plan: PrefillPlan, t0: float | None = None, reserve: int = 0, keep_cache: bool = False,
                     *, recompute: RecomputeRequest | None = None) -> PrefillResult:
@@ -281,16 +188,7 @@ class PromptCache:
         """The serving core ``generate`` and ``stream`` run on, built on first use. ``config``: its
         pool and step settings (default ``ServingConfig()``); a different one rebuilds it, which
         is refused while it has requests."""
-        with self._engine_lock:
-            if self._engine is not None and config is not None and config != self._engine.config:
-                if self._engine.has_work:
-                    raise RuntimeError("PromptCache.engine(config): the engine has requests running; "
-                                       "change its settings when it is idle")
-                self._engine.close()
-                self._engine = None
-            if self._engine is None:
-                self._engine = Engine(self, config)
-            return self._engine
+        return self.core.engine(config)
 
     def generate(self, prompt, params: SamplingParams | None = None, *, use_cache: bool = True,
                  namespace: str | None = None, recompute: float | str | None = None,
@@ -338,27 +236,11 @@ class PromptCache:
                     recompute: float | str | None = None) -> PromptSpec:
         """One prompt (any form ``generate`` takes) as the request's ``PromptSpec``, checked now:
         PML is parsed and laid out (an unknown schema or a prompt past the context fails here)."""
-        if isinstance(prompt, PromptSpec):
-            return prompt
-        ns = self.config.namespace_for(namespace)
-        if isinstance(prompt, list) and prompt and all(isinstance(m, dict) for m in prompt):
-            prompt = self.chat_ids(prompt)
-        if isinstance(prompt, (list, tuple)):
-            vocab = self.model.config.vocab_size
-            if not prompt or not all(isinstance(t, int) and 0 <= t < vocab for t in prompt):
-                raise ValueError(f"a token prompt must be a non-empty list of token ids in [0, {vocab})")
-            return TokenPrompt(self, tuple(prompt), ns, self.engine().prefix if use_cache else None)
-        tree = prompt if isinstance(prompt, Prompt) else parse_prompt(prompt)
-        layout = self.layout(tree, ns)
-        if not use_cache:
-            return TokenPrompt(self, tuple(layout.token_ids), ns, None, layout)
-        return PmlPrompt(self, tree, ns, recompute, layout)
+        return self.core.prompt_spec(prompt, use_cache=use_cache, namespace=namespace, recompute=recompute)
 
     def chat_ids(self, messages: list[dict]) -> list[int]:
         """Token ids of chat messages rendered with the tokenizer's chat template and a generation prompt."""
-        out = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        return list(out["input_ids"] if hasattr(out, "keys") else out)
-
+        return self.core.chat_ids(messages)
 
 def _is_batch(prompt) -> bool:
     """A list of prompts (a list of token ids or of chat messages is one prompt)."""

@@ -78,7 +78,7 @@ from pathlib import Path
 
 import torch
 
-from ..engine import Generation, PrefillResult, PromptCache
+from ..engine import Generation, PrefillResult, PromptCache, PromptSpec, TokenPrompt
 from ..engine.serving_core.chains import chained, stored_run
 from ..engine.prefill.plan import PrefillPlan, Segment
 from ..engine.prefill.recompute import check_recompute, check_selection, recompute_request
@@ -138,6 +138,7 @@ class DocumentStore:
         self._lock = threading.RLock()
         if self.folder is not None and self.folder.exists():
             self._open(reencode)
+        self.source = pc.core.planner.add_source(self)  # the name its prompts carry (held weakly there)
 
     @property
     def _suffix(self) -> tuple[int, ...]:
@@ -236,20 +237,24 @@ class DocumentStore:
         return layout
 
     def prompt(self, question: str, doc_ids: list[str], system: str | None = None, *,
-               recompute: float | str | None = None, prefix=None,
-               layout: PromptLayout | None = None) -> DocumentPrompt:
-        """The question over ``doc_ids`` as a request's prompt (checked now: unknown ids fail here).
-        ``prefix``: the ``PrefixCache`` of the engine that runs it (None: ``pc.engine()``'s);
-        ``layout``: ``self.layout(question, doc_ids, system)`` when the caller has it. An exact
-        store's prompt is planned from its layout, laid out once, here."""
+               recompute: float | str | None = None, layout: PromptLayout | None = None) -> PromptSpec:
+        """The question over ``doc_ids`` as a request's prompt, frozen data (checked now: unknown
+        ids fail here). A reuse store's is a ``DocumentPrompt``, planned at admission
+        (``plan_prompt``); an exact store's is a ``TokenPrompt`` of its layout (laid out once, here;
+        ``layout``: ``self.layout(question, doc_ids, system)`` when the caller has it) that reuses
+        the prefix chains of the engine that runs it."""
         if recompute is not None:
             check_recompute(recompute)
-        if not self.exact:  # planned at admission (``plan``)
+        if not self.exact:  # planned at admission (``plan_prompt``)
             self._order(doc_ids)
-            layout = None
-        elif layout is None:
+            return DocumentPrompt(self.source, question, tuple(doc_ids), system, recompute)
+        if layout is None:
             layout = self.layout(question, doc_ids, system)  # checks the ids too
-        return DocumentPrompt(self, question, tuple(doc_ids), system, recompute, prefix, layout)
+        return TokenPrompt(tuple(layout.token_ids), self.namespace, reuse=True, layout=layout)
+
+    def plan_prompt(self, spec: DocumentPrompt) -> PrefillPlan:
+        """The planner's call for this store's ``DocumentPrompt`` (``engine/planner.py``)."""
+        return self.plan(spec.question, list(spec.doc_ids), spec.system, recompute=spec.recompute)
 
     def generate(self, question: str | list[tuple[str, list[str]]], doc_ids: list[str] | None = None,
                  system: str | None = None, max_new_tokens: int = 64, *, recompute: float | str | None = None,
@@ -355,9 +360,9 @@ class DocumentStore:
         """A reuse (independent or hybrid) store's prompt as the serving scheduler runs it: the
         prefix, the stored chain and the documents read from stored states, the drifted tokens
         ``recompute`` chooses and the new text as the request's prefill rows in prompt order
-        (``engine/prefill/ordered.py``). An exact store's prompts are token chains (``DocumentPrompt``)."""
+        (``engine/prefill/ordered.py``). An exact store's prompts are token chains (``TokenPrompt``)."""
         if self.exact:
-            raise DocumentStoreError("an exact (chain) store's prompts are planned as token chains (DocumentPrompt)")
+            raise DocumentStoreError("an exact (chain) store's prompts are planned as token chains (TokenPrompt)")
         plan, req = self._independent_plan(question, self._order(doc_ids), system, self.pc.recompute_fraction(recompute))
         return plan if req is None else self.pc.runner.recompute_plan(plan, req)
 

@@ -81,7 +81,7 @@ def create_app(pc, *, api_keys: dict[str, str] | None = None, documents=None, ma
     if documents is not None and not isinstance(documents, dict):
         documents = {documents.namespace: documents}
     backend = Backend(pc, max_queue, config=serving, compute=compute or ComputeThread())
-    preparer = Preparer(pc, backend.prefix, documents, max_chars=limits.max_chars)
+    preparer = Preparer(pc, documents, max_chars=limits.max_chars)
     preparer.context = context
     metrics = Metrics(backend, backend.prefix, pc.store)
     backend.on_finish = lambda job, how: metrics.finished.labels(how).inc()

@@ -74,11 +74,11 @@ def test_a_token_chain_past_the_window_is_reused_exactly(pc):
     from promptcache.engine.decoding.sampling import SamplingParams
     from promptcache.engine.serving_core.scheduler import ServingScheduler
 
-    chains = PrefixCache(pc, 16)
-    sched = ServingScheduler(pc.runner, KVPool(pc.runner.spec, pc.device, 2048, 16), token_budget=256)
+    chains = PrefixCache(pc.store, pc.model_key, 16)
+    sched = ServingScheduler(pc.runner, KVPool(pc.runner.spec, pc.device, 2048, 16), token_budget=256, planner=pc.core.planner, chains=chains)
     first = pc.tokenizer(DOC.format(name="Skarvik", year=1702) * 6).input_ids
     for ids in (first, first + pc.tokenizer(" In short, the town is").input_ids[1:]):
-        req = Request(TokenPrompt(pc, tuple(ids), "ns", chains), SamplingParams(max_new_tokens=6, temperature=0.0),
+        req = Request(TokenPrompt(tuple(ids), "ns", reuse=True), SamplingParams(max_new_tokens=6, temperature=0.0),
                       pc.tokenizer)
         sched.add(req)
         while sched.has_work:

@@ -10,7 +10,7 @@ import torch
 
 from oracle import plain_logits
 from promptcache import PromptCache
-from promptcache.engine import PmlPrompt, PrefilledPrompt
+from promptcache.engine import PmlPrompt
 from promptcache.pml import PMLError, parse_prompt
 from promptcache.progress import bar_for
 from promptcache.rag import DocumentStore
@@ -127,14 +127,13 @@ def test_documents_are_batched_as_pairs(pc, exact):
         store.generate(pairs, ["d0"])
 
 
-def test_a_prefill_run_by_the_caller_is_decoded_on_the_core(pc):
-    res = pc.prefill(PROMPTS[0], keep_cache=True)
-    logits = res.logits.clone()
-    out = pc.generate(PrefilledPrompt(res), **GREEDY)
-    assert out.token_ids == pc.generate(PROMPTS[0], **GREEDY).token_ids
-    assert out.token_ids[0] == int(torch.argmax(logits))
-    with pytest.raises(ValueError, match="keep_cache"):
-        PrefilledPrompt(pc.prefill(PROMPTS[0]))
+def test_prefill_logits_are_the_first_token_generate_decodes(pc):
+    """``prefill`` (a private buffer, the logits alone) and ``generate`` (the pool) plan the same
+    prompt: the first generated token is the prefill's argmax (what the studies read from both)."""
+    res = pc.prefill(PROMPTS[0])
+    out = pc.generate(PROMPTS[0], **GREEDY)
+    assert out.token_ids[0] == int(torch.argmax(res.logits))
+    assert (out.cached_tokens, out.exact) == (res.cached_tokens, res.exact)
 
 
 def test_shared_module_states_are_read_in_place_by_every_request(pc):
@@ -142,7 +141,7 @@ def test_shared_module_states_are_read_in_place_by_every_request(pc):
     keeps them, and the pool holds only each request's own tokens (given back when they finish)."""
     engine = pc.engine()
     free = engine.pool.free_blocks
-    outs = pc.generate([PmlPrompt(pc, parse_prompt(PROMPTS[1]), recompute=0)] * 8, **GREEDY)
+    outs = pc.generate([PmlPrompt(parse_prompt(PROMPTS[1]), recompute=0)] * 8, **GREEDY)
     assert all(o.bytes_copied == 0 and o.cached_tokens > 0 for o in outs)
     assert len({tuple(o.token_ids) for o in outs}) == 1 and engine.pool.free_blocks == free
 
@@ -170,7 +169,7 @@ def test_a_queued_requests_ttft_counts_from_submission():
     pc = PromptCache(make_model("llama"), make_tokenizer())
     engine = pc.engine(ServingConfig(max_num_seqs=1))
     params = SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True)
-    reqs = [Request(TokenPrompt(pc, tuple(pc.tokenizer(text).input_ids), pc.config.namespace), params, pc.tokenizer)
+    reqs = [Request(TokenPrompt(tuple(pc.tokenizer(text).input_ids), pc.config.namespace), params, pc.tokenizer)
             for text in ("one plain prompt", "another plain prompt")]
     for r in reqs:
         engine.submit(r)

@@ -102,7 +102,7 @@ def test_a_token_chain_longer_than_the_window_is_exact_and_reused(tokenizer):
     """Prefix prompts (token chains in 8-token blocks) several windows long: a first request and a
     second that reuses its blocks both equal a plain forward (contiguous: by index is by position)."""
     pc = PromptCache(gemma3(6), tokenizer)
-    chains = PrefixCache(pc, 8)
+    chains = PrefixCache(pc.store, pc.model_key, 8)
     ids = pc.tokenizer("You are a travel planner. Plan a trip of three days to Paris, Tokyo or Rome. "
                        "Keep it cheap. Highlight the food.").input_ids
     assert len(ids) > 4 * 6
@@ -111,9 +111,9 @@ def test_a_token_chain_longer_than_the_window_is_exact_and_reused(tokenizer):
     from promptcache.engine.decoding.sampling import SamplingParams
     from promptcache.engine.serving_core.scheduler import ServingScheduler
 
-    sched = ServingScheduler(pc.runner, KVPool(pc.runner.spec, pc.device, 512, 8), token_budget=7)
+    sched = ServingScheduler(pc.runner, KVPool(pc.runner.spec, pc.device, 512, 8), token_budget=7, planner=pc.core.planner, chains=chains)
     for prompt_ids in (ids, ids + pc.tokenizer(" Answer in one short paragraph.").input_ids):
-        req = Request(TokenPrompt(pc, tuple(prompt_ids), "ns", chains), SamplingParams(max_new_tokens=6, temperature=0.0),
+        req = Request(TokenPrompt(tuple(prompt_ids), "ns", reuse=True), SamplingParams(max_new_tokens=6, temperature=0.0),
                       pc.tokenizer)
         sched.add(req)
         while sched.has_work:

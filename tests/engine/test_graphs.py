@@ -31,10 +31,10 @@ def tokenizer():
 
 def serve(pc, forward, budget: int, max_new: int = 6) -> tuple[list[Request], ServingScheduler]:
     pool = KVPool(pc.runner.spec, pc.device, 1024, 16)
-    sched = ServingScheduler(pc.runner, pool, token_budget=budget, forward=forward)
+    sched = ServingScheduler(pc.runner, pool, token_budget=budget, forward=forward, planner=pc.core.planner)
     reqs = []
     for p in PROMPTS:
-        reqs.append(Request(PmlPrompt(pc, parse_prompt(p), recompute=0),
+        reqs.append(Request(PmlPrompt(parse_prompt(p), recompute=0),
                             SamplingParams(max_new_tokens=max_new, temperature=0.0), pc.tokenizer))
         sched.add(reqs[-1])
     while sched.has_work:

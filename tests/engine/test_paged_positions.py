@@ -56,10 +56,12 @@ def mistral(window: int):
     return tiny(MistralConfig(**COMMON, num_key_value_heads=2, sliding_window=window))
 
 
-def run(pc, plans, budget, max_new, sched=None):
+def run(pc, plans, budget, max_new, sched=None, chains=None):
     """Serve prompt specs together (chunks of ``budget`` tokens, greedy) on ``sched`` (default: a
-    new scheduler over a pool of 8-token blocks); the finished requests and the scheduler."""
-    sched = sched or ServingScheduler(pc.runner, KVPool(pc.runner.spec, pc.device, 1024, 8), token_budget=budget)
+    new scheduler over a pool of 8-token blocks, token prompts reusing ``chains``); the finished
+    requests and the scheduler."""
+    sched = sched or ServingScheduler(pc.runner, KVPool(pc.runner.spec, pc.device, 1024, 8), token_budget=budget,
+                                      planner=pc.core.planner, chains=chains)
     reqs = [Request(p, SamplingParams(max_new_tokens=max_new, temperature=0.0), pc.tokenizer) for p in plans]
     for r in reqs:
         sched.add(r)
@@ -113,7 +115,7 @@ def test_a_sliding_window_smaller_than_the_prompt_is_measured_in_position_ids(to
     pc.add_schema(WINDOW_SCHEMA)
     schema = pc.schema("w").layout
     assert max(s.end for s in schema.spans) <= 26
-    reqs, sched = run(pc, [PmlPrompt(pc, parse_prompt(p), recompute=0) for p in WINDOW_PROMPTS], budget=5, max_new=10)
+    reqs, sched = run(pc, [PmlPrompt(parse_prompt(p), recompute=0) for p in WINDOW_PROMPTS], budget=5, max_new=10)
     for prompt, req in zip(WINDOW_PROMPTS, reqs):
         layout = pc.layout(prompt)
         assert max(layout.position_ids) - min(layout.position_ids) >= 26  # the window hides the first keys
@@ -132,13 +134,13 @@ def test_a_window_hides_whole_shared_blocks_of_a_token_chain(window, tokenizer):
     second turn reads the first turn's blocks (8 tokens each) from the pool, most of them wholly
     behind the window (skipped), and equals a plain forward of its tokens."""
     pc = PromptCache(mistral(window), tokenizer)
-    chains = PrefixCache(pc, 8)
+    chains = PrefixCache(pc.store, pc.model_key, 8)
     ids = pc.tokenizer("You are a travel planner. Plan a trip of three days to Paris, Tokyo or Rome.").input_ids
-    (first,), sched = run(pc, [TokenPrompt(pc, tuple(ids), "ns", chains)], budget=6, max_new=6)
+    (first,), sched = run(pc, [TokenPrompt(tuple(ids), "ns", reuse=True)], budget=6, max_new=6, chains=chains)
     assert torch.max(torch.abs(first.prefill.logits - plain_logits(pc.model, ids))).item() <= TOL
     second = ids + first.token_ids[:-1] + pc.tokenizer("Keep it cheap.").input_ids
-    (again, other), _ = run(pc, [TokenPrompt(pc, tuple(second), "ns", chains),
-                                 TokenPrompt(pc, tuple(ids[:9]), "ns", chains)], budget=7, max_new=6, sched=sched)
+    (again, other), _ = run(pc, [TokenPrompt(tuple(second), "ns", reuse=True),
+                                 TokenPrompt(tuple(ids[:9]), "ns", reuse=True)], budget=7, max_new=6, sched=sched)
     assert again.prefill.cached_tokens >= 16
     assert torch.max(torch.abs(again.prefill.logits - plain_logits(pc.model, second))).item() <= TOL
     tokens = pc.generate(second, max_new_tokens=6, temperature=0.0, use_cache=False)
@@ -153,8 +155,8 @@ def test_qwen2_windows_only_the_layers_its_config_names(tokenizer):
     assert paged.key_rule(pc.adapter).windows == (None, 5)
     assert paged.paged_refusal(pc.runner) is None
     ids = pc.tokenizer("Tokyo is a huge city in Japan with temples, food markets and fast trains.").input_ids
-    chains = PrefixCache(pc, 8)
-    (req,), _ = run(pc, [TokenPrompt(pc, tuple(ids), "ns", chains)], budget=6, max_new=1)
+    chains = PrefixCache(pc.store, pc.model_key, 8)
+    (req,), _ = run(pc, [TokenPrompt(tuple(ids), "ns", reuse=True)], budget=6, max_new=1, chains=chains)
     assert torch.max(torch.abs(req.prefill.logits - plain_logits(pc.model, ids))).item() <= TOL
 
 
@@ -172,9 +174,9 @@ def test_falcon_alibi_layouts_and_attention_implementations(config, attn, tokeni
     pc = PromptCache(model, tokenizer)
     assert pc.adapter.attn_implementation() == attn
     assert paged.paged_refusal(pc.runner) is None
-    chains = PrefixCache(pc, 8)
+    chains = PrefixCache(pc.store, pc.model_key, 8)
     ids = pc.tokenizer("Paris is the capital of France, famous for museums, cafes and the Eiffel Tower.").input_ids
-    (req,), _ = run(pc, [TokenPrompt(pc, tuple(ids), "ns", chains)], budget=6, max_new=4)
+    (req,), _ = run(pc, [TokenPrompt(tuple(ids), "ns", reuse=True)], budget=6, max_new=4, chains=chains)
     assert torch.max(torch.abs(req.prefill.logits - plain_logits(pc.model, ids))).item() <= TOL
     want = pc.generate(ids, max_new_tokens=4, temperature=0.0, use_cache=False)
     assert req.token_ids == want.token_ids
@@ -270,8 +272,8 @@ def test_a_paged_forward_swaps_one_configs_attention_and_restores_it(attn, token
     monkeypatch.setitem(paged.ALL_ATTENTION_FUNCTIONS, paged.ATTENTION_NAME,
                         lambda *a, **k: (seen.append(model.config._attn_implementation), real(*a, **k))[1])
     ids = pc.tokenizer("Oslo sits at the head of a fjord, with ferries, museums and forests around it.").input_ids
-    chains = PrefixCache(pc, 8)
-    (req,), _ = run(pc, [TokenPrompt(pc, tuple(ids), "ns", chains)], budget=6, max_new=3)
+    chains = PrefixCache(pc.store, pc.model_key, 8)
+    (req,), _ = run(pc, [TokenPrompt(tuple(ids), "ns", reuse=True)], budget=6, max_new=3, chains=chains)
     assert torch.max(torch.abs(req.prefill.logits - plain_logits(pc.model, ids))).item() <= TOL
     assert seen and set(seen) == {paged.ATTENTION_NAME} and walks == []
     assert pc.adapter.attn_implementation() == attn

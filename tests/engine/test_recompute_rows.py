@@ -62,7 +62,7 @@ def private_greedy(pc: PromptCache, res, n: int) -> list[int]:
 
 def serve(pc: PromptCache, specs, budget: int = 5) -> list[Request]:
     """``specs`` served together: chunks of at most ``budget`` tokens, batched with each other's rows."""
-    sched = ServingScheduler(pc.runner, KVPool(pc.runner.spec, pc.device, 2048, 16), token_budget=budget)
+    sched = ServingScheduler(pc.runner, KVPool(pc.runner.spec, pc.device, 2048, 16), token_budget=budget, planner=pc.core.planner)
     reqs = [Request(s, SamplingParams(max_new_tokens=NEW, temperature=0.0), pc.tokenizer) for s in specs]
     for r in reqs:
         sched.add(r)
@@ -88,7 +88,7 @@ def test_pml_recompute_rows_equal_the_private_prefill(family, selection, tokeniz
     pc = PromptCache(make_model(family), tokenizer, EngineConfig(recompute=RecomputeConfig(selection=selection)))
     pc.add_schema(SCHEMA)
     cases = [(p, r) for r in FRACTIONS for p in PROMPTS]
-    reqs = serve(pc, [PmlPrompt(pc, parse_prompt(p), recompute=r) for p, r in cases])
+    reqs = serve(pc, [PmlPrompt(parse_prompt(p), recompute=r) for p, r in cases])
     recomputed = 0
     for (p, r), got in zip(cases, reqs):
         want = pc.prefill(p, reserve=NEW + 1, keep_cache=True, recompute=r)
@@ -116,7 +116,7 @@ def test_key_limits_without_the_native_kernel_equal_it(tokenizer, monkeypatch):
     """The masked fallback of per-query key limits computes what the native ``attend_limits`` does."""
     pc = PromptCache(make_model("llama"), tokenizer, EngineConfig(recompute=RecomputeConfig(selection="qattn")))
     pc.add_schema(SCHEMA)
-    specs = [PmlPrompt(pc, parse_prompt(p), recompute=0.5) for p in PROMPTS]
+    specs = [PmlPrompt(parse_prompt(p), recompute=0.5) for p in PROMPTS]
     native = serve(pc, specs)
     monkeypatch.setattr(cpu_attention, "limits_kernel_for", lambda q, kv: None)
     masked = serve(pc, specs)
@@ -145,7 +145,7 @@ def test_documents_are_read_in_place_at_any_position(family, tokenizer):
     for k, v in DOCS.items():
         store.add(k, v)
     orders = [["paris", "tokyo", "rome"], ["rome", "paris", "tokyo"], ["tokyo", "rome", "paris"]]
-    sched = ServingScheduler(pc.runner, KVPool(pc.runner.spec, pc.device, 2048, 16), token_budget=512)
+    sched = ServingScheduler(pc.runner, KVPool(pc.runner.spec, pc.device, 2048, 16), token_budget=512, planner=pc.core.planner)
     reqs = [Request(store.prompt("Which city is old?", ids, recompute=r), SamplingParams(max_new_tokens=NEW, temperature=0.0),
                     tokenizer) for ids in orders for r in (0.0, "auto")]
     for r in reqs:
@@ -154,10 +154,10 @@ def test_documents_are_read_in_place_at_any_position(family, tokenizer):
     assert not sched.waiting
     stored = {pc.store.get(store.state_key(store.unit_ids(store.get(d))))[0].untyped_storage().data_ptr()
               for d in DOCS}
-    read = {view.untyped_storage().data_ptr() for r in reqs for _, view in r.shared}
+    read = {view.untyped_storage().data_ptr() for r in reqs for _, view in r.kv.shared}
     assert stored <= read and len(read - stored) == 1  # the documents themselves, and the prompts' prefix
-    assert sum(r.shared_shift is not None and any(r.shared_shift) for r in reqs) == len(reqs)  # read elsewhere
-    own = sum(len(r.blocks) for r in reqs)
+    assert sum(r.kv.shared_shift is not None and any(r.kv.shared_shift) for r in reqs) == len(reqs)  # read elsewhere
+    own = sum(len(r.kv.blocks) for r in reqs)
     assert sched.pool.num_blocks - sched.pool.free_blocks == own  # nothing else entered the pool
     while sched.has_work:
         sched.step()

@@ -40,7 +40,7 @@ def engine(family, tokenizer) -> PromptCache:
 def serve(pc, plans, max_new=8, budget=12, pool_tokens=1024, block=16, **kw) -> tuple[list[Request], ServingScheduler]:
     """Serve requests (prompt specs) together until all finish."""
     pool = KVPool(pc.runner.spec, pc.device, pool_tokens, block)
-    sched = ServingScheduler(pc.runner, pool, token_budget=budget, **kw)
+    sched = ServingScheduler(pc.runner, pool, token_budget=budget, **kw, planner=pc.core.planner)
     reqs = []
     for p in plans:
         params = SamplingParams(max_new_tokens=max_new, temperature=0.0)
@@ -62,12 +62,12 @@ PREFIX_PROMPT = '<prompt schema="prefix"><intro/><paris/> Highlight the food and
 
 def pml(pc, prompt, recompute=0):
     """A PML prompt at recompute=0: drifted prompts too are read in place (the oracle's definition)."""
-    return PmlPrompt(pc, parse_prompt(prompt), recompute=recompute)
+    return PmlPrompt(parse_prompt(prompt), recompute=recompute)
 
 
-def tokens(pc, chains: PrefixCache, ids) -> TokenPrompt:
-    """Token ids reusing and publishing chain blocks in namespace "ns"."""
-    return TokenPrompt(pc, tuple(ids), "ns", chains)
+def tokens(ids) -> TokenPrompt:
+    """Token ids reusing and publishing chain blocks in namespace "ns" (the scheduler's chains)."""
+    return TokenPrompt(tuple(ids), "ns", reuse=True)
 
 
 def plain(pc, ids, max_new: int) -> list[int]:
@@ -109,7 +109,7 @@ def test_a_drifted_prompt_under_auto_recomputes_rows_of_the_step(tokenizer):
     assert pc.plan(PROMPTS[0]).recomputed > 0 and pc.plan(PREFIX_PROMPT).new_order is None
     params = SamplingParams(max_new_tokens=6, temperature=0.0)
     pool = KVPool(pc.runner.spec, pc.device, 1024, 16)
-    sched = ServingScheduler(pc.runner, pool)
+    sched = ServingScheduler(pc.runner, pool, planner=pc.core.planner)
     reqs = [Request(pml(pc, p, recompute=None), params, pc.tokenizer) for p in (PROMPTS[0], PREFIX_PROMPT)]
     for r in reqs:
         sched.add(r)
@@ -134,13 +134,13 @@ def test_a_recompute_prompt_is_served_beside_pooled_ones(tokenizer):
 @pytest.mark.parametrize("family", ["llama", "gpt2"])
 def test_token_chains_are_exact_and_a_chat_reuses_its_answer(family, tokenizer):
     pc = PromptCache(make_model(family), tokenizer)
-    chains = PrefixCache(pc, 8)
+    chains = PrefixCache(pc.store, pc.model_key, 8)
     pool = KVPool(pc.runner.spec, pc.device, 1024, 8)
-    sched = ServingScheduler(pc.runner, pool, token_budget=20)
+    sched = ServingScheduler(pc.runner, pool, token_budget=20, planner=pc.core.planner, chains=chains)
     ids = pc.tokenizer("You are a travel planner. Plan a trip of three days to Paris, Tokyo or Rome.").input_ids
 
     def turn(prompt, max_new=10):
-        req = Request(tokens(pc, chains, prompt), SamplingParams(max_new_tokens=max_new, temperature=0.0),
+        req = Request(tokens(prompt), SamplingParams(max_new_tokens=max_new, temperature=0.0),
                       pc.tokenizer)
         sched.add(req)
         while sched.has_work:
@@ -162,14 +162,14 @@ def test_token_chains_are_exact_and_a_chat_reuses_its_answer(family, tokenizer):
 
 def test_evicted_chain_blocks_spill_to_the_store_and_come_back(tokenizer):
     pc = PromptCache(make_model("llama"), tokenizer)
-    chains = PrefixCache(pc, 8)
+    chains = PrefixCache(pc.store, pc.model_key, 8)
     pool = KVPool(pc.runner.spec, pc.device, 64, 8, spill=pc.store.put)  # 8 blocks
-    sched = ServingScheduler(pc.runner, pool, token_budget=64)
+    sched = ServingScheduler(pc.runner, pool, token_budget=64, planner=pc.core.planner, chains=chains)
     ids = pc.tokenizer("Paris is the capital of France, famous for museums, cafes and the Eiffel Tower.").input_ids
     assert 24 < len(ids) < 40
 
     def run(prompt):
-        req = Request(tokens(pc, chains, prompt), SamplingParams(max_new_tokens=2, temperature=0.0), pc.tokenizer)
+        req = Request(tokens(prompt), SamplingParams(max_new_tokens=2, temperature=0.0), pc.tokenizer)
         sched.add(req)
         while sched.has_work:
             sched.step()
@@ -187,7 +187,7 @@ def test_admission_waits_for_room_and_never_overcommits(tokenizer):
     pc = engine("llama", tokenizer)
     pool_tokens = 96  # room for two of these requests' own tokens at a time
     pool = KVPool(pc.runner.spec, pc.device, pool_tokens, 16)
-    sched = ServingScheduler(pc.runner, pool, token_budget=64)
+    sched = ServingScheduler(pc.runner, pool, token_budget=64, planner=pc.core.planner)
     reqs = [Request(pml(pc, p), SamplingParams(max_new_tokens=20, temperature=0.0), pc.tokenizer)
             for p in PROMPTS[:3]]
     for r in reqs:
@@ -211,7 +211,7 @@ def test_a_request_that_can_never_fit_fails_clearly(tokenizer):
 def test_cancelled_requests_free_their_blocks_at_the_next_step(tokenizer):
     pc = engine("llama", tokenizer)
     pool = KVPool(pc.runner.spec, pc.device, 1024, 16)
-    sched = ServingScheduler(pc.runner, pool, token_budget=4, max_running=2)  # prefills take several steps
+    sched = ServingScheduler(pc.runner, pool, token_budget=4, max_running=2, planner=pc.core.planner)  # prefills take several steps
     reqs = [Request(pml(pc, p), SamplingParams(max_new_tokens=50, temperature=0.0), pc.tokenizer)
             for p in PROMPTS[:3]]
     for r in reqs:
@@ -251,13 +251,13 @@ def test_pool_allocates_runs_and_evicts_idle_entries_least_recently_used(tokeniz
 
 def test_requests_arriving_together_behind_one_new_prompt_compute_it_once(tokenizer):
     pc = PromptCache(make_model("llama"), tokenizer)
-    chains = PrefixCache(pc, 8)
+    chains = PrefixCache(pc.store, pc.model_key, 8)
     shared = pc.tokenizer("You are a travel planner. Plan a trip of three days to Paris, Tokyo or Rome. "
                           "Keep it cheap and highlight the food.").input_ids
     prompts = [shared + pc.tokenizer(q).input_ids for q in ("Paris?", "Tokyo, please.", "Rome now.", "Any?")]
     pool = KVPool(pc.runner.spec, pc.device, 1024, 8)
-    sched = ServingScheduler(pc.runner, pool, token_budget=12)  # the shared prompt takes several steps
-    reqs = [Request(tokens(pc, chains, ids), SamplingParams(max_new_tokens=4, temperature=0.0), pc.tokenizer)
+    sched = ServingScheduler(pc.runner, pool, token_budget=12, planner=pc.core.planner, chains=chains)  # the shared prompt takes several steps
+    reqs = [Request(tokens(ids), SamplingParams(max_new_tokens=4, temperature=0.0), pc.tokenizer)
             for ids in prompts]
     for r in reqs:
         sched.add(r)
@@ -319,12 +319,12 @@ def test_a_decode_row_with_a_long_own_part_is_read_in_place_and_stays_exact(toke
     if not native_gather:
         monkeypatch.setattr(paged.cpu_attention, "gathers", lambda buf: False)
     pc = PromptCache(make_model("llama"), tokenizer)
-    chains = PrefixCache(pc, 8)
+    chains = PrefixCache(pc.store, pc.model_key, 8)
     long_ids = pc.tokenizer("Paris is the capital of France, famous for museums, cafes and the Eiffel Tower.").input_ids
     short_ids = long_ids[:5]
     pool = KVPool(pc.runner.spec, pc.device, 1024, 8)
-    sched = ServingScheduler(pc.runner, pool, token_budget=64)
-    reqs = [Request(tokens(pc, chains, ids), SamplingParams(max_new_tokens=6, temperature=0.0), pc.tokenizer)
+    sched = ServingScheduler(pc.runner, pool, token_budget=64, planner=pc.core.planner, chains=chains)
+    reqs = [Request(tokens(ids), SamplingParams(max_new_tokens=6, temperature=0.0), pc.tokenizer)
             for ids in (long_ids, short_ids)]
     for r in reqs:
         sched.add(r)
@@ -422,15 +422,15 @@ def test_a_prompt_stored_in_scattered_blocks_is_read_together_and_stays_exact(to
     monkeypatch.setattr(paged, "_group_segments",
                         lambda segs, dev: grouped.append((len(segs), len(out := group(segs, dev)))) or out)
     pc = PromptCache(make_model("llama"), tokenizer)
-    chains = PrefixCache(pc, 4)
+    chains = PrefixCache(pc.store, pc.model_key, 4)
     pool = KVPool(pc.runner.spec, pc.device, 64 * 4, 4)
     singles = [pool.allocate(1)[0] for _ in range(64)]
     pool.free(singles[::2])  # no two free blocks adjoin: a request's blocks are all apart
-    sched = ServingScheduler(pc.runner, pool, token_budget=64)
+    sched = ServingScheduler(pc.runner, pool, token_budget=64, planner=pc.core.planner, chains=chains)
     ids = pc.tokenizer("Paris is the capital of France, famous for museums, cafes and the Eiffel Tower.").input_ids
     outs = []
     for prompt in (ids, ids + ids[:3]):
-        req = Request(tokens(pc, chains, prompt), SamplingParams(max_new_tokens=4, temperature=0.0), pc.tokenizer)
+        req = Request(tokens(prompt), SamplingParams(max_new_tokens=4, temperature=0.0), pc.tokenizer)
         sched.add(req)
         while sched.has_work:
             sched.step()

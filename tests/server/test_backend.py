@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 
-from promptcache.engine import PmlPrompt, PromptSpec, SamplingParams
+from promptcache.engine import PmlPrompt, SamplingParams, SourcePrompt
 from promptcache.pml import parse_prompt
 from promptcache.server.core.backend import Backend
 from promptcache.server.core.events import Cancelled, Done, Event, Failed, Prefilled, Text
@@ -14,18 +14,16 @@ PROMPT = "<prompt><user>Tell me about bicycles and their wheels.</user></prompt>
 
 
 def prompt(pc) -> PmlPrompt:
-    return PmlPrompt(pc, parse_prompt(PROMPT))
+    return PmlPrompt(parse_prompt(PROMPT))
 
 
 def greedy(n: int) -> SamplingParams:
     return SamplingParams(max_new_tokens=n, temperature=0.0)
 
 
-class Broken(PromptSpec):
-    """A prompt whose planning fails (as a store that lost a state for good would)."""
-
-    def plan(self, pool):
-        raise RuntimeError("no such prompt")
+def broken() -> SourcePrompt:
+    """A prompt whose planning fails (its source, a store, is gone)."""
+    return SourcePrompt("no such prompt")
 
 
 async def drain(job) -> list[Event]:
@@ -46,14 +44,14 @@ def test_a_failing_request_gets_an_error_and_the_others_finish(pc):
 
     async def main():
         good = [backend.submit(prompt(pc), greedy(6)) for _ in range(3)]
-        bad = backend.submit(Broken(), greedy(6))
+        bad = backend.submit(broken(), greedy(6))
         return await asyncio.gather(*(drain(j) for j in [*good, bad]))
 
     try:
         *good, bad = asyncio.run(main())
     finally:
         backend.close()
-    assert isinstance(bad[-1], Failed) and "no such prompt" in str(bad[-1].error)
+    assert isinstance(bad[-1], Failed) and "'no such prompt' is gone" in str(bad[-1].error)
     expected = pc.generate(PROMPT, max_new_tokens=6, temperature=0.0)
     for events in good:
         assert isinstance(events[0], Prefilled) and isinstance(events[-1], Done)

@@ -40,7 +40,7 @@ def test_the_engine_of_a_backend_runs_on_the_compute_thread_it_was_given(pc):
         assert backend.compute is compute
 
         async def main():
-            job = backend.submit(PmlPrompt(pc, parse_prompt(PROMPT)), SamplingParams(max_new_tokens=5))
+            job = backend.submit(PmlPrompt(parse_prompt(PROMPT)), SamplingParams(max_new_tokens=5))
             events = []
             while not events or not events[-1].last:
                 events.append(await asyncio.wait_for(job.events.get(), 60))

@@ -79,13 +79,14 @@ def test_recompute_is_validated_then_passed_to_the_engine(oai, pc, monkeypatch):
         oai.chat.completions.create(model=MODEL, messages=MSGS, extra_body={"recompute": 1.5})
     assert e.value.body["param"] == "recompute"
     seen = []
-    real = type(pc).plan  # a served PML prompt is planned into the pool (recompute runs as rows of the step)
+    planner = pc.core.planner  # a served PML prompt is planned into the pool (recompute runs as rows of the step)
+    real = planner.pml_plan
 
-    def spy(self, *args, **kwargs):
+    def spy(*args, **kwargs):
         seen.append(kwargs.get("recompute"))
-        return real(self, *args, **kwargs)
+        return real(*args, **kwargs)
 
-    monkeypatch.setattr(type(pc), "plan", spy)
+    monkeypatch.setattr(planner, "pml_plan", spy)
     pml = '<prompt schema="travel"><trip days="3" travelers="two"/><tokyo/><user>Food?</user></prompt>'
     ok = oai.chat.completions.create(model=MODEL, messages=[], max_tokens=2, extra_body={"pml": pml, "recompute": 0.3})
     assert ok.usage.completion_tokens == 2 and seen and set(seen) == {0.3}

@@ -12,7 +12,7 @@ TEXT = " ".join(["The quick brown fox jumps over the lazy dog while the cat watc
 def prefill(pc, ids: list[int], namespace: str):
     """The engine's prefill of token ids (prefix blocks reused and shared): its PrefillResult."""
     engine = pc.engine()
-    req = Request(TokenPrompt(pc, tuple(ids), namespace, engine.prefix), SamplingParams(max_new_tokens=0),
+    req = Request(TokenPrompt(tuple(ids), namespace, reuse=True), SamplingParams(max_new_tokens=0),
                   pc.tokenizer)
     engine.run([req])
     assert req.error is None, req.error

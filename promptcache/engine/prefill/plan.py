@@ -1,7 +1,7 @@
 """``PrefillPlan``: what one prompt's prefill reads and runs, whoever planned it.
 
-Two planners produce it: PML schema prompts (``assemble.assemble``, through ``PromptCache.plan``)
-and token chains (the server's automatic prefix reuse and ``DocumentStore`` chains:
+One planner (``engine/planner.py``) produces it for every request: PML schema prompts
+(``assemble.assemble``) and token chains (the server's automatic prefix reuse and ``DocumentStore`` chains:
 ``chains.ChainPlanner``); a prompt that recomputes part of its stored states gets its plan in
 prompt order from ``ordered.ordered_plan``. The serving scheduler reads every plan from the pool
 and the store; ``PromptCache.prefill`` assembles the same plan in a private buffer
@@ -82,8 +82,6 @@ class PrefillPlan:
     # None: every new token sees every segment (the paper's splice).
     new_order: list[int] | None = None
     recomputed: int = 0  # of ``new_ids``, the cached tokens computed afresh (their stored copies are not read)
-    logits: torch.Tensor | None = None  # [V]: a prefill the caller already ran (``PrefilledPrompt``): no
-    # new token runs, decoding starts from these logits
 
     @property
     def cached_tokens(self) -> int:
@@ -91,7 +89,7 @@ class PrefillPlan:
         return sum(s.n for s in self.segments)
 
     def __post_init__(self):
-        if (not self.new_ids and self.logits is None) or len(self.new_ids) != len(self.new_pos):
+        if not self.new_ids or len(self.new_ids) != len(self.new_pos):
             raise ValueError(f"a plan runs at least one new token with a position each "
                              f"(got {len(self.new_ids)} ids, {len(self.new_pos)} positions)")
         if self.new_order is not None:
@@ -102,10 +100,7 @@ class PrefillPlan:
                 raise ValueError("a plan's new tokens run in prompt order (new_order ascending)")
 
 
+@dataclass(frozen=True, eq=False)
 class PromptSpec:
-    """What a request asks the engine to prefill, planned by the scheduler at admission
-    (``prompts.py`` has the kinds): ``plan(pool)`` -> a ``PrefillPlan`` read from the pool and the
-    store."""
-
-    def plan(self, pool) -> PrefillPlan:
-        raise NotImplementedError
+    """What a request asks the engine to prefill: frozen data (``serving_core/prompts.py`` has the
+    kinds), planned by the engine's planner (``engine/planner.py``) at admission."""

@@ -27,7 +27,7 @@ from ...layout import SchemaLayout, layout_schema
 from ...pml import PMLError, parse_schema
 from ...store.codec import CodecError, StateInfo, StatesFile
 
-# ``pc`` below is the engine's facade (``facade.PromptCache``), which calls this module with
+# ``core`` below is the engine's core (``engine/core.EngineCore``), which calls this module with
 # itself; it is not imported, even for type checking, so the two modules never import each other.
 
 log = logging.getLogger(__name__)
@@ -35,34 +35,34 @@ log = logging.getLogger(__name__)
 _FLOAT_DTYPES = ("float32", "bfloat16", "float16")  # stored dtypes convert=True converts between
 
 
-def kv_spec_record(pc: "PromptCache") -> dict:
+def kv_spec_record(core: "EngineCore") -> dict:
     """The stored states' shape and dtype (the engine's stored dtype, which kv_dtype sets)."""
-    spec = pc.runner.stored_spec
+    spec = core.runner.stored_spec
     return {"layers": spec.layers, "kv_heads": spec.kv_heads, "head_dim": spec.head_dim,
             "dtype": str(spec.dtype).removeprefix("torch.")}
 
 
-def compile_schema(pc: "PromptCache", schema, out_dir, progress=None, namespace=None, source_name=None) -> Path:
+def compile_schema(core: "EngineCore", schema, out_dir, progress=None, namespace=None, source_name=None) -> Path:
     text, files, source = schema_sources(schema)
-    entry = pc.add_schema(schema, progress, namespace)
-    portable = content_keys(entry.layout, pc.model_key, PORTABLE)
-    states = {i: (portable[i], pc.store.get(k)[0]) for i, k in entry.keys.items()}
+    entry = core.add_schema(schema, progress, namespace)
+    portable = content_keys(entry.layout, core.model_key, PORTABLE)
+    states = {i: (portable[i], core.store.get(k)[0]) for i, k in entry.keys.items()}
     for i, k in entry.keys.items():  # with a shared tier: every replica can use them (whatever its policy)
-        pc.store.publish(k, states[i][1])
+        core.store.publish(k, states[i][1])
     return write_artifact(out_dir, sources=(text, files, source_name or source), schema=entry.layout.schema,
-                          layout=entry.layout, states=states, model_fp=pc.model_fingerprint,
-                          model_digest=model_digest(pc.model_key), tokenizer_fp=pc.tokenizer_fingerprint,
-                          kv_spec=kv_spec_record(pc), model_name=getattr(pc.model, "name_or_path", None) or None)
+                          layout=entry.layout, states=states, model_fp=core.model_fingerprint,
+                          model_digest=model_digest(core.model_key), tokenizer_fp=core.tokenizer_fingerprint,
+                          kv_spec=kv_spec_record(core), model_name=getattr(core.model, "name_or_path", None) or None)
 
 
-def load_compiled(pc: "PromptCache", path, schema=None, recompile=False, namespace=None,
+def load_compiled(core: "EngineCore", path, schema=None, recompile=False, namespace=None,
                   verify=False, convert=False) -> "EncodedSchema":
     t0 = time.perf_counter()
     try:
         manifest, opened = read_manifest(path)
         digest = parse_schema(schema).digest if schema is not None else None
-        problems = mismatches(manifest, pc.model_fingerprint, pc.tokenizer_fingerprint, digest)
-        stored, now = manifest.get("kv_spec"), kv_spec_record(pc)
+        problems = mismatches(manifest, core.model_fingerprint, core.tokenizer_fingerprint, digest)
+        stored, now = manifest.get("kv_spec"), kv_spec_record(core)
         file_dtype = stored.get("dtype") if isinstance(stored, dict) else None
         only_dtype = isinstance(stored, dict) and stored != now and {**stored, "dtype": now["dtype"]} == now
         if only_dtype and file_dtype in _FLOAT_DTYPES:
@@ -71,12 +71,12 @@ def load_compiled(pc: "PromptCache", path, schema=None, recompile=False, namespa
                                 "(kv_dtype): load with convert=True to convert them, or recompile")
         elif stored != now:
             problems.append(f"KV shape or dtype differs (compiled: {manifest.get('kv_spec')}, "
-                            f"now: {kv_spec_record(pc)})")
+                            f"now: {kv_spec_record(core)})")
     except ArtifactError:
         if not (recompile and schema is not None):
             raise
         manifest, problems = None, ["no usable artifact"]
-    if manifest is not None and foreign(manifest, pc.model_fingerprint, pc.tokenizer_fingerprint):
+    if manifest is not None and foreign(manifest, core.model_fingerprint, core.tokenizer_fingerprint):
         raise ArtifactError(_foreign_advice(path, manifest, problems, recompile))
     if problems:
         if not recompile:
@@ -88,27 +88,27 @@ def load_compiled(pc: "PromptCache", path, schema=None, recompile=False, namespa
                                 "Pass the schema source to recompile it.")
         log.warning("recompiling %s: %s", path, "; ".join(problems))
         if schema is not None:
-            compile_schema(pc, schema, path, namespace=namespace)
+            compile_schema(core, schema, path, namespace=namespace)
         else:  # the schema text embedded in the manifest
             with materialized(manifest) as source:
-                compile_schema(pc, source, path, namespace=namespace, source_name=manifest["schema"]["source"])
-        return load_compiled(pc, path, schema, namespace=namespace, verify=verify)
-    layout = layout_schema(materialize_schema(manifest), pc.tok, max_positions=pc.adapter.max_positions)
+                compile_schema(core, source, path, namespace=namespace, source_name=manifest["schema"]["source"])
+        return load_compiled(core, path, schema, namespace=namespace, verify=verify)
+    layout = layout_schema(materialize_schema(manifest), core.tok, max_positions=core.adapter.max_positions)
     if layout_record(layout) != manifest["layout"]["spans"]:
         raise ArtifactError(f"compiled schema {path}: the tokenizer lays the schema out differently now")
-    ns = pc.config.namespace_for(namespace)
-    keys = content_keys(layout, pc.model_key, ns)
-    entries = _entries(pc, layout, keys, manifest, opened, file_dtype)
-    if file_dtype != kv_spec_record(pc)["dtype"]:  # convert=True (refused above otherwise)
-        _convert_into_store(pc, entries, opened)
+    ns = core.config.namespace_for(namespace)
+    keys = content_keys(layout, core.model_key, ns)
+    entries = _entries(core, layout, keys, manifest, opened, file_dtype)
+    if file_dtype != kv_spec_record(core)["dtype"]:  # convert=True (refused above otherwise)
+        _convert_into_store(core, entries, opened)
         log.info("compiled schema %s: converted %d states from %s to %s", path, len(entries), file_dtype,
-                 kv_spec_record(pc)["dtype"])
-        return pc.register_schema(layout, keys, ns, time.perf_counter() - t0)
-    pc.store.register_file(opened.path, entries, opened)
+                 kv_spec_record(core)["dtype"])
+        return core.register_schema(layout, keys, ns, time.perf_counter() - t0)
+    core.store.register_file(opened.path, entries, opened)
     if verify:
         for k in keys.values():
-            pc.store.get(k)
-    return pc.register_schema(layout, keys, ns, time.perf_counter() - t0, place=verify)
+            core.store.get(k)
+    return core.register_schema(layout, keys, ns, time.perf_counter() - t0, place=verify)
 
 
 def _foreign_advice(path, manifest: dict, problems: list[str], recompile: bool) -> str:
@@ -131,24 +131,24 @@ def _embedded_schema_intact(manifest: dict) -> bool:
         return False
 
 
-def _convert_into_store(pc: "PromptCache", entries: dict[str, tuple[str, StateInfo, int]],
+def _convert_into_store(core: "EngineCore", entries: dict[str, tuple[str, StateInfo, int]],
                         opened: StatesFile) -> None:
     """Read every state (checksummed), convert it to the engine's stored dtype, put it in the store."""
-    dtype = pc.runner.stored_spec.dtype
+    dtype = core.runner.stored_spec.dtype
     for key, (name, expect, _) in entries.items():
         try:
             kv = opened.read(name, expect)
         except CodecError as e:
             raise ArtifactError(f"compiled schema {opened.path.parent}: {e}") from None
-        pc.store.put(key, kv.to(dtype))
+        core.store.put(key, kv.to(dtype))
 
 
-def _entries(pc: "PromptCache", layout: SchemaLayout, keys: dict[int, str], manifest: dict,
+def _entries(core: "EngineCore", layout: SchemaLayout, keys: dict[int, str], manifest: dict,
              opened: StatesFile, dtype: str) -> dict[str, tuple[str, StateInfo, int]]:
     """Store key -> (tensor name, what it must be, bytes); refuses a state that is not that.
     ``dtype``: the dtype the artifact records for its states."""
-    portable = content_keys(layout, pc.model_key, PORTABLE)
-    sums, spec, digest = manifest["states"]["sha256"], pc.spec, model_digest(pc.model_key)
+    portable = content_keys(layout, core.model_key, PORTABLE)
+    sums, spec, digest = manifest["states"]["sha256"], core.spec, model_digest(core.model_key)
     entries = {}
     for i, key in keys.items():
         name = f"span_{i}"

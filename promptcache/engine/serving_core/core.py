@@ -1,6 +1,6 @@
 """``Engine``: the serving core in one object, driven in process by the library and by the server.
 
-    engine = pc.engine()                        # one per PromptCache, built on first use
+    engine = core.engine()                      # one per EngineCore (PromptCache.engine()), built on first use
     reqs = [Request(prompt, params, tokenizer) for prompt in specs]
     engine.run(reqs)                            # continuously batched until all have finished
     for out in engine.stream(req): ...          # or one request's StepOutputs as they come
@@ -47,23 +47,26 @@ __all__ = ["Engine"]
 
 
 class Engine:
-    def __init__(self, pc, config: ServingConfig | None = None):
-        """``pc``: the ``PromptCache`` whose model, store and schemas requests use."""
-        self.pc, self.config = pc, config or ServingConfig()
+    def __init__(self, core, config: ServingConfig | None = None):
+        """``core``: the ``EngineCore`` (``engine/core.py``) whose runner, store and planner requests
+        use."""
+        runner, store = core.runner, core.store
+        self.config, self.store = config or ServingConfig(), store
         c = self.config
-        self.prefix = PrefixCache(pc, c.block_size)
-        refusal = paged_refusal(pc.runner)
+        self.prefix = PrefixCache(store, core.model_key, c.block_size)
+        refusal = paged_refusal(runner)
         if refusal is not None:
-            raise UnsupportedModelError(f"{type(pc.model).__name__} cannot run on the KV pool: {refusal}")
-        pins = lambda key: pc.store.pins is not None and pc.store.pins.live(key)  # noqa: E731 - read per eviction
-        self.pool = KVPool(pc.runner.spec, pc.device, c.kv_pool_tokens, c.block_size, self.prefix.spill, pins)
+            raise UnsupportedModelError(f"{type(runner.model).__name__} cannot run on the KV pool: {refusal}")
+        pins = lambda key: store.pins is not None and store.pins.live(key)  # noqa: E731 - read per eviction
+        self.pool = KVPool(runner.spec, runner.device, c.kv_pool_tokens, c.block_size, self.prefix.spill, pins)
         self.compiled: CompiledSteps | None = None
-        if pc.config.runner.compile:
-            self.compiled = CompiledSteps(pc.runner)
+        if core.config.runner.compile:
+            self.compiled = CompiledSteps(runner)
             self.compiled.warm()  # a first start compiles; later ones load from inductor's disk cache
-        self.scheduler = ServingScheduler(pc.runner, self.pool, c.max_num_batched_tokens, c.max_num_seqs,
-                                          on_publish=_write_through(pc.store),
-                                          forward=self.compiled.forward if self.compiled else None)
+        self.scheduler = ServingScheduler(runner, self.pool, c.max_num_batched_tokens, c.max_num_seqs,
+                                          on_publish=_write_through(store),
+                                          forward=self.compiled.forward if self.compiled else None,
+                                          planner=core.planner, chains=self.prefix)
         self.lock = threading.RLock()  # held while a step runs: one thread steps at a time
         self._incoming: deque[Request] = deque()  # appended from any thread, drained by the stepping one
         self._live: list[Request] = []  # submitted, not seen finished (stepping thread)
@@ -82,7 +85,7 @@ class Engine:
         a ``TokenPrompt`` of them would reuse; at least one token is always left to run)."""
         n = 0
         for key in self.prefix.keys(ids[: max(len(ids) - 1, 0)], namespace):
-            if key not in self.pool and key not in self.pc.store:
+            if key not in self.pool and key not in self.store:
                 break
             n += 1
         return n * self.prefix.block_size

@@ -4,9 +4,10 @@ A request is data: what it asks for (``prompt``: a ``PromptSpec``, ``prompts.py`
 settings, per-request logits processors and how many log-probabilities to record. The scheduler
 asks the prompt for its ``PrefillPlan`` at admission (a prompt that recomputes part of its states
 included: its recomputed tokens are rows of its prefill); nothing about the route is decided by
-the caller. While it runs, the request also holds its serving state: the plan, the pool entries it
-reads, its own blocks and slots, the tokens whose states those slots hold, and how many of its
-blocks it has shared. One object from submission to the end: the scheduler keeps no other.
+the caller. While it runs, the request also holds its serving state in one ``PoolState`` (``kv``):
+the plan, the pool entries it reads, its own blocks and slots, the tokens whose states those
+slots hold, and how many of its blocks it has shared. One object from submission to the end: the
+scheduler keeps no other.
 
 ``paused``: the reader of its output stopped reading; the scheduler skips its decode steps until
 it is cleared. ``outputs`` collects what each step produced for it (``StepOutput``), for whoever
@@ -18,7 +19,7 @@ from __future__ import annotations
 import enum
 import itertools
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Sequence
 
 import torch
@@ -30,7 +31,7 @@ from ..decoding.text import TextStream
 if TYPE_CHECKING:
     from ..prefill.plan import PrefillPlan, PromptSpec
 
-__all__ = ["Request", "Status", "StepOutput"]
+__all__ = ["PoolState", "Request", "Status", "StepOutput"]
 
 _ids = itertools.count()
 
@@ -49,6 +50,28 @@ class StepOutput:
     finished: bool
     finish_reason: str | None  # "stop" | "length" | "cancelled" once finished
     logprob: TokenLogprob | None = None  # the token's log-probability, when its request records them
+
+
+@dataclass(eq=False, kw_only=True)
+class PoolState:
+    """A request's serving state in the KV pool, one object from admission to release: its plan,
+    the pool entries and views it reads, its own blocks and slots, the tokens whose states those
+    slots hold, and how many of its blocks it has shared."""
+
+    plan: "PrefillPlan"
+    entries: list  # pool entries it reads (released when it finishes)
+    shared: list[tuple[str, torch.Tensor]]  # (cascade key, view [L, 2, H, n, D]) in KV order
+    blocks: list[int]  # its own blocks, in token order (published ones included)
+    slots: torch.Tensor  # [len(blocks) * block_size] pool slot of each own token
+    bytes_copied: int = 0
+    shared_pos: list[torch.Tensor] = field(default_factory=list)  # position IDs of each ``shared`` view
+    shared_slots: list[torch.Tensor | None] = field(default_factory=list)  # pool slots of each view (None: not in the pool)
+    shared_order: list[torch.Tensor] | None = None  # prompt index of each ``shared`` key (a plan in prompt order)
+    shared_shift: list[int] | None = None  # positions each ``shared`` view's states lie behind where it is read
+    own_ids: list[int] = field(default_factory=list)  # tokens whose states are in its own slots, in order
+    own_pos: list[int] = field(default_factory=list)  # their positions
+    published: int = 0  # leading own blocks shared under chain keys (no longer freed by it)
+    publishing: bool = True  # False once a block's key was already shared by another request
 
 
 class Request:
@@ -73,33 +96,17 @@ class Request:
         self.paused = False
         self.error: BaseException | None = None  # set when a step failed for this request (it is finished then)
         self.outputs: deque[StepOutput] = deque()  # produced for it, not yet read
-        # serving state, set at admission (``serving.ServingScheduler``)
-        self.plan: PrefillPlan | None = None
-        self.entries: list = []  # pool entries it reads (released when it finishes)
-        self.shared: list[tuple[str, torch.Tensor]] = []  # (cascade key, view [L, 2, H, n, D]) in KV order
-        self.shared_pos: list[torch.Tensor] = []  # position IDs of each ``shared`` view
-        self.shared_slots: list[torch.Tensor | None] = []  # pool slots of each ``shared`` view (None: not in the pool)
-        self.shared_order: list[torch.Tensor] | None = None  # prompt index of each ``shared`` key (a plan in prompt order)
-        self.shared_shift: list[int] | None = None  # positions each ``shared`` view's states lie behind where it is read
-        self.blocks: list[int] = []  # its own blocks, in token order (published ones included)
-        self.slots: torch.Tensor | None = None  # [len(blocks) * block_size] pool slot of each own token
-        self.own_ids: list[int] = []  # tokens whose states are in its own slots, in order
-        self.own_pos: list[int] = []  # their positions
-        self.published = 0  # leading own blocks shared under chain keys (no longer freed by it)
-        self.publishing = True  # False once a block's key was already shared by another request
         self.submitted = 0.0  # perf_counter when it was submitted: its TTFT counts from there (queueing included)
-        self.bytes_copied = 0
+        self.kv: PoolState | None = None  # its place in the KV pool, from admission (``scheduler.ServingScheduler``)
 
     @property
     def prefilling(self) -> bool:
         """Admitted and some of its plan's new tokens have not run yet."""
-        return self.plan is not None and len(self.own_ids) < len(self.plan.new_ids)
+        return self.kv is not None and len(self.kv.own_ids) < len(self.kv.plan.new_ids)
 
-    def admit(self, plan: "PrefillPlan", entries: list, shared: list, blocks: list[int], slots: torch.Tensor,
-              bytes_copied: int = 0) -> None:
+    def admit(self, kv: "PoolState") -> None:
         """Record what the scheduler gave it at admission."""
-        self.plan, self.entries, self.shared, self.blocks, self.slots = plan, entries, shared, blocks, slots
-        self.bytes_copied = bytes_copied
+        self.kv = kv
 
     @property
     def finished(self) -> bool:

@@ -1,6 +1,6 @@
 """``ServingScheduler``: many requests over one ``KVPool``, one packed forward per step.
 
-    sched = ServingScheduler(runner, pool, token_budget=512)
+    sched = ServingScheduler(runner, pool, token_budget=512, planner=planner, chains=chains)
     sched.add(request)                 # Request(prompt spec, SamplingParams, tokenizer)
     while sched.has_work:
         for out in sched.step(): ...   # StepOutput: request id, token id, text piece, finished
@@ -25,10 +25,10 @@ nothing runs out of memory. Reserving the generation's blocks up front means a r
 never needs preemption. A request that could not fit even into an empty pool fails with
 ``PoolFull``. Prefill writes straight into the request's own blocks (no reserve-then-copy).
 
-Plans. At admission, on this thread (the pool is not thread-safe), the scheduler asks the
-request's prompt (``prompts.PromptSpec``) for its ``PrefillPlan`` (``plan.py``). Every prompt is
-planned this way: a prompt that recomputes part of its stored states (selective recompute,
-documents reused out of their context) runs the chosen tokens as its own prefill rows in prompt
+Plans. At admission, on this thread (the pool is not thread-safe), the scheduler asks the one
+planner (``engine/planner.py``) for the request's ``PrefillPlan`` (``plan.py``); the request's
+prompt (``prompts.PromptSpec``) is data. Every prompt is planned this way: a prompt that
+recomputes part of its stored states (selective recompute, documents reused out of their context) runs the chosen tokens as its own prefill rows in prompt
 order, each query seeing the stored keys before it (``PagedRow.shared_limits``, from the plan's
 ``new_order`` and each segment's ``order``), chunked and batched like any prefill. A chain request
 shares each of its own blocks (prompt, then answer) as soon as the block is full, so concurrent
@@ -50,8 +50,9 @@ from ...tunables import MIN_CHUNK
 from ...kernels import attention as cpu_attention
 from .kvpool import KVPool, PoolFull, SharedEntry
 from .paged import PagedRow, paged_forward
+from .prefix import PrefixCache
 from ..prefill.plan import PrefillPlan
-from .request import Request, Status, StepOutput
+from .request import PoolState, Request, Status, StepOutput
 from ..prefill.results import PrefillResult
 from ..prefill.runner import ModelRunner
 
@@ -83,13 +84,15 @@ class RequestQueue:
 
 class ServingScheduler(RequestQueue):
     def __init__(self, runner: ModelRunner, pool: KVPool, token_budget: int = 512, max_running: int = 256,
-                 on_publish=None, forward=None):
+                 on_publish=None, forward=None, *, planner, chains: PrefixCache | None = None):
         """``forward(pool, rows) -> logits``: the step's forward (default ``paged.paged_forward``;
-        ``graphs.CompiledSteps.forward`` compiles the small ones)."""
+        ``graphs.CompiledSteps.forward`` compiles the small ones). ``planner``: what plans each
+        request at admission (``engine/planner.Planner``: ``plan(spec, pool, chains)``); ``chains``:
+        the prefix chains token prompts that reuse are planned through (None: such prompts fail)."""
         if token_budget < 1 or max_running < 1:
             raise ValueError(f"token_budget and max_running must be >= 1, got {token_budget}, {max_running}")
         super().__init__()
-        self.runner, self.pool = runner, pool
+        self.runner, self.pool, self.planner, self.chains = runner, pool, planner, chains
         self.token_budget, self.max_running = token_budget, max_running
         self.on_publish = on_publish  # (key, kv view [L, 2, H, n, D]) for each block a request published
         self.forward = forward or (lambda pool, rows: paged_forward(runner, pool, rows))
@@ -146,21 +149,23 @@ class ServingScheduler(RequestQueue):
 
     def _row(self, r: Request, ids: list[int], pos: list[int], logits: bool,
              limits: list[torch.Tensor | None] | None = None) -> PagedRow:
-        done = len(r.own_ids)
-        r.own_ids.extend(ids)  # their states are written by this step's forward
-        r.own_pos.extend(pos)
-        return PagedRow(ids, pos, r.shared, r.slots[: done + len(ids)], logits=logits, shared_pos=r.shared_pos,
-                        shared_slots=r.shared_slots, own_pos=r.own_pos, shared_limits=limits,
-                        shared_shift=r.shared_shift)
+        kv = r.kv
+        done = len(kv.own_ids)
+        kv.own_ids.extend(ids)  # their states are written by this step's forward
+        kv.own_pos.extend(pos)
+        return PagedRow(ids, pos, kv.shared, kv.slots[: done + len(ids)], logits=logits, shared_pos=kv.shared_pos,
+                        shared_slots=kv.shared_slots, own_pos=kv.own_pos, shared_limits=limits,
+                        shared_shift=kv.shared_shift)
 
     def _chunk(self, r: Request, budget: int) -> PagedRow:
-        lo = len(r.own_ids)
-        hi = min(len(r.plan.new_ids), lo + budget)
+        kv, plan = r.kv, r.kv.plan
+        lo = len(kv.own_ids)
+        hi = min(len(plan.new_ids), lo + budget)
         limits = None
-        if r.shared_order is not None:  # a plan in prompt order: each query sees the shared keys before it
-            q = torch.tensor(r.plan.new_order[lo:hi], dtype=torch.long)
-            limits = [_limits(order, q) for order in r.shared_order]
-        return self._row(r, r.plan.new_ids[lo:hi], r.plan.new_pos[lo:hi], hi == len(r.plan.new_ids), limits)
+        if kv.shared_order is not None:  # a plan in prompt order: each query sees the shared keys before it
+            q = torch.tensor(plan.new_order[lo:hi], dtype=torch.long)
+            limits = [_limits(order, q) for order in kv.shared_order]
+        return self._row(r, plan.new_ids[lo:hi], plan.new_pos[lo:hi], hi == len(plan.new_ids), limits)
 
     # -- admission --------------------------------------------------------------------------------
     def _admit(self, reqs: list[Request], rows: list[PagedRow], budget: int) -> list[StepOutput]:
@@ -184,9 +189,6 @@ class ServingScheduler(RequestQueue):
                 self.waiting.appendleft(req)  # no room now: it waits for running requests to finish
                 break
             self.running.append(req)
-            if not req.prefilling:  # prefilled by the caller (``plan.logits``): its first token now
-                outs.append(self._guard(req, lambda: self._first_token(req, self._prefill_result(req, req.plan.logits))))
-                continue
             row = self._chunk(req, budget)
             budget -= len(row.ids)
             rows.append(row)
@@ -203,13 +205,13 @@ class ServingScheduler(RequestQueue):
 
     def _inflight_of(self, r: Request) -> set[str]:
         """Chain keys of the prompt blocks ``r`` has not shared yet (being computed, this step included)."""
-        if r.plan.publish is None or not r.publishing:
+        if r.kv.plan.publish is None or not r.kv.publishing:
             return set()
-        return set(r.plan.publish(r.plan.new_ids)[r.published :])
+        return set(r.kv.plan.publish(r.kv.plan.new_ids)[r.kv.published :])
 
     def _admit_one(self, req: Request, inflight: set[str]):
         """"admitted", "later" (its first block is being computed) or None (no room now)."""
-        plan = req.prompt.plan(self.pool)
+        plan = self.planner.plan(req.prompt, self.pool, self.chains)
         if plan.publish is not None and inflight:
             first = plan.publish(plan.new_ids[: self.pool.block_size])
             if first and first[0] in inflight and self.running:
@@ -223,14 +225,17 @@ class ServingScheduler(RequestQueue):
         # the views hold the segments' tokens in KV order: their positions, cut at the views' lengths
         positions = torch.cat([seg.positions.to("cpu", torch.long) for seg in plan.segments]) if shared else None
         lengths = [v.shape[3] for _, v, _, _ in shared]
-        req.admit(plan, entries, [(k, v) for k, v, _, _ in shared], blocks, self._slots_of(blocks), copied)
-        req.shared_pos = list(positions.split(lengths)) if shared else []
-        req.shared_slots = [slots for _, _, slots, _ in shared]
-        req.shared_shift = [shift for _, _, _, shift in shared] if any(seg.shift for seg in plan.segments) else None
+        order = None
         if plan.new_order is not None:  # the prompt index of every shared key, split as the views are
             order = torch.cat([torch.arange(seg.order, seg.order + seg.n) for seg in plan.segments]) if shared \
                 else torch.zeros(0, dtype=torch.long)
-            req.shared_order = list(order.split(lengths))
+            order = list(order.split(lengths))
+        req.admit(PoolState(
+            plan=plan, entries=entries, shared=[(k, v) for k, v, _, _ in shared], blocks=blocks,
+            slots=self._slots_of(blocks), bytes_copied=copied,
+            shared_pos=list(positions.split(lengths)) if shared else [],
+            shared_slots=[slots for _, _, slots, _ in shared], shared_order=order,
+            shared_shift=[shift for _, _, _, shift in shared] if any(seg.shift for seg in plan.segments) else None))
         return "admitted"
 
     def _slots_of(self, blocks: list[int]) -> torch.Tensor:
@@ -334,13 +339,13 @@ class ServingScheduler(RequestQueue):
         return outs
 
     def _prefill_result(self, req: Request, logits: torch.Tensor) -> PrefillResult:
-        plan = req.plan
+        plan = req.kv.plan
         if self.runner.device.type == "cuda":
             torch.cuda.synchronize(self.runner.device)
         return PrefillResult(logits=logits, ttft=time.perf_counter() - req.submitted,
                              cached_tokens=plan.cached_tokens + plan.recomputed,
                              new_tokens=len(plan.new_ids) - plan.recomputed, exact=plan.exact,
-                             bytes_copied=req.bytes_copied, hit_tiers=dict(plan.hit_tiers), layout=plan.layout,
+                             bytes_copied=req.kv.bytes_copied, hit_tiers=dict(plan.hit_tiers), layout=plan.layout,
                              next_position=plan.max_position + 1, recomputed_tokens=plan.recomputed)
 
     def _first_token(self, req: Request, res: PrefillResult) -> StepOutput:
@@ -372,29 +377,31 @@ class ServingScheduler(RequestQueue):
         (shared blocks stay, idle, for the next request that matches them)."""
         if req in self.running:
             self.running.remove(req)
-        self.pool.free(req.blocks[req.published :])
-        req.blocks = []
-        for e in req.entries:
+        if req.kv is None:  # never admitted: it holds nothing
+            return
+        self.pool.free(req.kv.blocks[req.kv.published :])
+        req.kv.blocks = []
+        for e in req.kv.entries:
             self.pool.release(e)
-        req.entries = []
+        req.kv.entries = []
 
     def _publish(self, req: Request) -> None:
         """Share the request's own blocks completed so far under their chain keys. Leading blocks
         only: a block whose key is already shared ends it (the request keeps the rest)."""
-        if req.plan.publish is None or not req.publishing:
+        if req.kv.plan.publish is None or not req.kv.publishing:
             return
-        keys = req.plan.publish(req.own_ids)
+        keys = req.kv.plan.publish(req.kv.own_ids)
         bs = self.pool.block_size
-        while req.published < len(keys):
-            j = req.published
-            pos = torch.tensor(req.own_pos[j * bs : (j + 1) * bs], dtype=torch.long)
-            entry = self.pool.publish(keys[j], [req.blocks[j]], bs, pos)
+        while req.kv.published < len(keys):
+            j = req.kv.published
+            pos = torch.tensor(req.kv.own_pos[j * bs : (j + 1) * bs], dtype=torch.long)
+            entry = self.pool.publish(keys[j], [req.kv.blocks[j]], bs, pos)
             if entry is None:  # another request shared the same block first: keep ours (and the rest) private
-                req.publishing = False
+                req.kv.publishing = False
                 return
             self.pool.acquire(keys[j])  # it still reads the block
-            req.entries.append(entry)
-            req.published += 1
+            req.kv.entries.append(entry)
+            req.kv.published += 1
             self.published_blocks += 1
             if self.on_publish is not None:
                 self.on_publish(keys[j], entry.views[0])

@@ -108,7 +108,7 @@ def _prepare(ctx: MessagesContext, request: Request, ns: str,
     req = _parse(request, ctx.model_name)
     prompt = _render(ctx, req)
     params = _sampling(req, len(prompt.ids), ctx.context)
-    sub = Submission(TokenPrompt(ctx.pc, tuple(prompt.ids), ns, ctx.prefix), len(prompt.ids), params,
+    sub = Submission(TokenPrompt(tuple(prompt.ids), ns, reuse=True), len(prompt.ids), params,
                      anthropic_tools.processors(req, ctx.pc))
     _pin(ctx, prompt, ns, block_bytes)
     return req, sub

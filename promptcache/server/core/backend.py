@@ -30,7 +30,6 @@ import asyncio
 import logging
 import threading
 import time
-from collections import deque
 from concurrent import futures
 from dataclasses import dataclass, field
 from typing import Callable
@@ -54,7 +53,6 @@ class Job:
     request: Request  # the engine request, stepped by the worker
     loop: asyncio.AbstractEventLoop | None = None
     events: asyncio.Queue | None = None
-    cancelled: bool = False
     submitted: float = field(default_factory=time.perf_counter)
     reported: bool = False  # Prefilled was sent
     paused_since: float | None = None
@@ -79,11 +77,10 @@ class Backend:
         self.compute = compute or ComputeThread()
         self.on_finish = on_finish or (lambda job, how: None)  # how: "done", "error", "cancelled"
         # built on the compute thread: it loads or compiles the native kernel and the compiled steps
-        self.engine: Engine = self.compute.call(Engine, pc, self.config)
+        self.engine: Engine = self.compute.call(Engine, pc.core, self.config)
         self.pool, self.prefix = self.engine.pool, self.engine.prefix
         self.scheduler = self.engine.scheduler
-        self._incoming: deque[Job] = deque()
-        self._jobs: dict[int, Job] = {}  # request id -> job, admitted and not finished (worker thread)
+        self._jobs: dict[int, Job] = {}  # request id -> job, submitted and not finished (added under _cv)
         self._in_flight = 0
         self._cv = threading.Condition()
         self._running = True
@@ -105,14 +102,14 @@ class Backend:
             if self._in_flight >= self.max_queue:
                 raise QueueFull(f"{self._in_flight} requests in flight, the queue holds {self.max_queue}")
             self._in_flight += 1
-            self._incoming.append(job)
+            self._jobs[job.request.id] = job
+            self.engine.submit(job.request)  # the one hand-off: the engine's incoming queue
             self._cv.notify()
         return job
 
     def cancel(self, job: Job) -> None:
         """The client went away: the scheduler stops the request at its next step and frees its cache."""
         with self._cv:
-            job.cancelled = True
             job.request.cancel()
             self._cv.notify()
 
@@ -145,41 +142,38 @@ class Backend:
     def _run(self) -> None:
         while True:
             with self._cv:
-                while self._running and not self._incoming and not self.engine.has_work:
+                while self._running and not self.engine.has_work:
                     if self._deadline is not None:
                         self._running = False
                         break
                     self._cv.wait()
                 if not self._running or (self._deadline is not None and time.monotonic() > self._deadline):
                     break
-                while self._incoming:
-                    job = self._incoming.popleft()
-                    self._jobs[job.request.id] = job
-                    self.engine.submit(job.request)
             if self._backpressure():  # every running request is paused: nothing to step
                 with self._cv:
                     self._cv.wait(0.05)
                 continue
             self._step()
-        with self._cv:
-            while self._incoming:
-                job = self._incoming.popleft()
-                self._jobs[job.request.id] = job
-                self.engine.submit(job.request)
-        for job in self._jobs.values():
+        for job in self._live():
             job.request.cancel()
         try:
             while self.engine.has_work:  # cancelled requests finish at once, freeing their caches
                 self._step()
         finally:
-            for job in list(self._jobs.values()):
+            for job in self._live():
                 self._finish(job, "cancelled")
+
+    def _live(self) -> list[Job]:
+        """The jobs submitted and not finished, a snapshot (``submit`` adds to them from the event loop)."""
+        with self._cv:
+            return list(self._jobs.values())
 
     def _backpressure(self) -> bool:
         """Pause jobs whose readers fell behind, cancel those paused too long; True when nothing
         but paused requests is left to step."""
         now, limit, active = time.monotonic(), self.config.max_unread, False
-        for job in self._jobs.values():
+        jobs = self._live()
+        for job in jobs:
             req = job.request
             req.paused = job.events.qsize() > limit
             if req.paused:
@@ -192,7 +186,7 @@ class Backend:
             else:
                 job.paused_since = None
                 active = active or not req.finished
-        return bool(self._jobs) and not active and not self.scheduler.waiting and not self.engine.has_incoming
+        return bool(jobs) and not active and not self.scheduler.waiting and not self.engine.has_incoming
 
     def _step(self) -> None:
         try:
@@ -218,7 +212,7 @@ class Backend:
 
     def _sweep(self) -> None:
         """After a failed step: report every request that finished in it (failed or cancelled)."""
-        for job in list(self._jobs.values()):
+        for job in self._live():
             if job.request.finished:
                 self._report(job)
 
@@ -243,8 +237,8 @@ class Backend:
         return self.pool.stats()
 
     def _finish(self, job: Job, how: str) -> None:
-        self._jobs.pop(job.request.id, None)
         with self._cv:
+            self._jobs.pop(job.request.id, None)
             self._in_flight -= 1
         if how == "cancelled":
             job.emit(Cancelled())

@@ -53,9 +53,9 @@ COMPLETION_DEFAULT_MAX_TOKENS = 16
 class Preparer:
     """Builds Submissions for one engine; ``documents`` maps namespace -> DocumentStore."""
 
-    def __init__(self, pc, prefix, documents: dict | None = None, max_chars: int = 2_000_000):
-        """``prefix``: the engine's ``PrefixCache`` (token prompts reuse its chains)."""
-        self.pc, self.prefix, self.documents, self.max_chars = pc, prefix, documents or {}, max_chars
+    def __init__(self, pc, documents: dict | None = None, max_chars: int = 2_000_000):
+        """Token prompts it makes reuse the prefix chains of the engine that runs them (``reuse=True``)."""
+        self.pc, self.documents, self.max_chars = pc, documents or {}, max_chars
         self.context = pc.adapter.context_limit  # the model's context, its sliding window if smaller
 
     def chat(self, req: ChatRequest, ns: str) -> Submission:
@@ -124,7 +124,7 @@ class Preparer:
     # -- the three paths -------------------------------------------------------------------------
     def _tokens(self, ids, req: BaseRequest, ns: str, max_tokens, default: int, param: str) -> Submission:
         sub = self._sampling(req, len(ids), max_tokens, default, param)
-        return replace(sub, prompt=TokenPrompt(self.pc, tuple(ids), ns, self.prefix))
+        return replace(sub, prompt=TokenPrompt(tuple(ids), ns, reuse=True))
 
     def _pml(self, req: BaseRequest, ns: str, max_tokens, default: int) -> Submission:
         self._check_size(len(req.pml), "pml")
@@ -139,7 +139,7 @@ class Preparer:
         except PMLError as e:
             raise APIError(400, f"bad PML prompt: {e}", "pml") from None
         sub = self._sampling(req, max(layout.position_ids) + 1, max_tokens, default, "pml")
-        return replace(sub, prompt=PmlPrompt(self.pc, tree, ns, req.recompute, layout),
+        return replace(sub, prompt=PmlPrompt(tree, ns, req.recompute, layout),
                        prompt_tokens=len(layout.token_ids))
 
     def _documents(self, req: ChatRequest, msgs: list[dict], ns: str, max_tokens) -> Submission:
@@ -158,8 +158,7 @@ class Preparer:
                            "documents", "document_not_found")
         layout = store.layout(question, ids, system)
         sub = self._sampling(req, max(layout.position_ids) + 1, max_tokens, CHAT_DEFAULT_MAX_TOKENS, "messages")
-        return replace(sub, prompt=store.prompt(question, ids, system, recompute=req.recompute, prefix=self.prefix,
-                                                layout=layout), prompt_tokens=len(layout.token_ids))
+        return replace(sub, prompt=store.prompt(question, ids, system, recompute=req.recompute, layout=layout), prompt_tokens=len(layout.token_ids))
 
     def _check_size(self, chars: int, param: str) -> None:
         if chars > self.max_chars:

@@ -212,7 +212,7 @@ class Studio:
         if context is not None and len(ids) + body.max_tokens > context:
             raise APIError(400, f"{len(ids)} prompt tokens + max_tokens {body.max_tokens} exceed the context "
                                 f"of {context}", "max_tokens")
-        sub = Submission(TokenPrompt(self.pc, tuple(ids), ns), len(ids),
+        sub = Submission(TokenPrompt(tuple(ids), ns), len(ids),
                          SamplingParams(max_new_tokens=body.max_tokens, temperature=0.0))
         return await self.ctx.lifecycle.serve(request, FullRun(sub))
 
