@@ -12,6 +12,11 @@ this file and are importable from every folder (``pythonpath`` in pyproject.toml
 Tests that need a system program (a C++ compiler and ninja for the native kernels, redis-server,
 chromium and its driver) carry ``@pytest.mark.programs(...)`` (``programs.py``): skipped, the
 package to install named, where one is absent; failed under ``CI=true``.
+
+Models and inputs are built on the test device: the CPU, or what ``PROMPTCACHE_TEST_DEVICE`` names
+(``cuda`` on a lent GPU, eval/cuda_checks.sh; the ``device`` fixture, ``tiny.DEVICE``). Tests of a
+CPU-only feature carry ``@pytest.mark.cpu_only(refusal=...)``: on another device they check its
+refusal there instead.
 """
 
 from __future__ import annotations
