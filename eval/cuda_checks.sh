@@ -102,4 +102,23 @@ part decode "${CUDA_DECODE_SECONDS:-60}" python3 -m eval.decode_step --model "$s
 part ttft "${CUDA_TTFT_SECONDS:-90}" python3 -m eval.ttft --model "$big" --device "$device" --dtype "$dtype" \
     $ttft_args --out "$out/ttft"
 cat "$out"/kernel_*.log
+# the issue's bars from the parts' CSVs (a part that did not finish says so)
+python3 - "$out" <<'PY'
+import csv, glob, sys
+out = sys.argv[1]
+def rows(pattern):
+    paths = sorted(glob.glob(f"{out}/{pattern}"))
+    return list(csv.DictReader(open(paths[0]))) if paths else []
+tests = open(f"{out}/tests.log").read().strip().splitlines()[-1:] if glob.glob(f"{out}/tests.log") else []
+print("tests:", tests[0] if tests else "no log")
+batch = [r for r in rows("batch/bench_batch*.csv") if r["how"] == "batch"]
+print("batch vs loop (bar >= 10x):", ", ".join(f"{r['mode']} {r['vs_loop']}x ({r['tok_s']} tok/s)" for r in batch) or "no CSV")
+decode = rows("decode/decode_step*.csv")
+print("decode step / weights' read (bar <= 2 at 48):", ", ".join(
+    f"B={r['batch']} {r['step_ms']} ms = {r['x_read']}x of {r['read_ms']} ms, {r['aten_calls']} aten calls, "
+    f"{r['launches']} launches" for r in decode) or "no CSV")
+ttft = [r for r in rows("ttft/ttft.csv") if r["method"] in ("pc_device", "pc_device_inplace", "pc_r0_inplace")]
+print("TTFT cached vs full (bar >= 8x at 8K, 99%):", ", ".join(
+    f"L={r['length']} f={r['fraction']} {r['method']} {r['ttft_s']} s = {r['speedup_vs_full']}x" for r in ttft) or "no CSV")
+PY
 echo "=== done: $out"
