@@ -10,11 +10,13 @@ ignored, and stepped until every request is decoding (its prompt prefilled). The
 are timed one at a time (the GPU synchronized after each): the median is the decode step at B. One
 more step runs under ``torch.profiler``: the aten calls it makes and the GPU kernels it launches.
 
-A decode step on a GPU cannot be faster than reading every weight once: ``weight_bytes`` (all
+A decode step on a GPU cannot be faster than reading every weight once: ``read_bytes`` (all
 parameters, less the input embedding where the output layer does not share it: a step reads B rows
 of it) over the memory bandwidth. The bandwidth is ``--bandwidth-tbs`` if given (an H200 is sold at
-4.8 TB/s, ~4.3 reachable), else measured here as eval/bench_compile.py measures it (a 1 GiB device
-copy on CUDA, read and write counted; a sum over 1 GiB on a CPU). ``x_read`` is the step over that floor (the issue's bar: <= 2 at B 48).
+4.8 TB/s, ~4.3 reachable), else the one measured here as eval/bench_compile.py measures it (a 1 GiB
+device copy on CUDA, read and write counted; a sum over 1 GiB on a CPU; reported either way).
+``x_read`` is the step over that floor (the issue's bar: <= 2 at batch 48). ``--compile``: the
+engine's compiled steps (CUDA graphs on a GPU) instead of eager ones.
 
 Writes decode_step{--tag}.csv and .png to ``--out`` (default eval/results/) and prints each row.
 """
