@@ -10,7 +10,8 @@ ignored, so every system generates the same number of tokens). For each document
 ``add`` and placed in any order, ``recompute="auto"``), on a fresh engine each:
 
 * ``loop``: one ``DocumentStore.generate(question, doc_ids)`` call per question, one after the other
-  (what a pipeline without a batch call writes);
+  (what a pipeline without a batch call writes); ``--loop-questions N`` times the first N only (each
+  question runs alone, so their tokens per second stand for the whole loop's);
 * ``batch``: one ``DocumentStore.generate([(question, doc_ids), ...])`` call: continuously batched
   on the serving core, the documents' states shared in place.
 
@@ -88,13 +89,15 @@ def run_cell(args, mode: str, how: str, texts, pairs) -> dict:
     before = rss_mb()
     t = time.perf_counter()
     if how == "loop":
+        pairs = pairs[: args.loop_questions or len(pairs)]  # each question alone: tok/s of a few is that of all
         outs = [store.generate(q, ids, SYSTEM, **kw) for q, ids in pairs]
     else:
         outs = store.generate(pairs, system=SYSTEM, progress=False, **kw)
     seconds = time.perf_counter() - t
     generated = sum(len(o.token_ids) for o in outs)
     prompts = [list(store.layout(q, ids, SYSTEM).token_ids) for q, ids in pairs]
-    return dict(system="promptcache", dtype=args.dtype, mode=mode, how=how, packed=args.packed, seconds=round(seconds, 2), generated=generated,
+    return dict(system="promptcache", dtype=args.dtype, mode=mode, how=how, questions=len(pairs), packed=args.packed,
+                seconds=round(seconds, 2), generated=generated,
                 tok_s=round(generated / seconds, 2), reused=sum(o.reused_tokens for o in outs),
                 prompt_tokens=sum(map(len, prompts)), rss_added_mb=round(rss_mb() - before, 1)), prompts
 
@@ -140,6 +143,9 @@ def main(argv=None) -> None:
     ap.add_argument("--doc-tokens", type=int, default=120)
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--modes", default="exact,reuse")
+    ap.add_argument("--loop-questions", type=int, default=None,
+                    help="time the loop over the first N questions only (default: all); its tok/s stands for all, "
+                         "each question running alone (a short lease on a GPU)")
     ap.add_argument("--packed", action=argparse.BooleanOptionalAction, default=None,
                     help="oneDNN packed linears (RunnerConfig.packed_linear; default: on for a CPU in float32 "
                          "and in bfloat16 where the CPU computes it natively, "

@@ -12,6 +12,11 @@ this file and are importable from every folder (``pythonpath`` in pyproject.toml
 Tests that need a system program (a C++ compiler and ninja for the native kernels, redis-server,
 chromium and its driver) carry ``@pytest.mark.programs(...)`` (``programs.py``): skipped, the
 package to install named, where one is absent; failed under ``CI=true``.
+
+Models and inputs are built on the test device: the CPU, or what ``PROMPTCACHE_TEST_DEVICE`` names
+(``cuda`` on a lent GPU, eval/cuda_checks.sh; the ``device`` fixture, ``tiny.DEVICE``). Tests of a
+CPU-only feature carry ``@pytest.mark.cpu_only(refusal=...)``: on another device they check its
+refusal there instead.
 """
 
 from __future__ import annotations
@@ -41,6 +46,39 @@ def pytest_configure(config):
     # a native kernel being built by another process (another test run beside this one) is waited
     # on here rather than left to torch's ops: the kernel tests assert it is used
     os.environ.setdefault("PROMPTCACHE_KERNEL_WAIT", "900")
+
+
+@pytest.fixture(scope="session")
+def device():
+    """The device tests build their models and inputs on: ``tiny.DEVICE`` as a ``torch.device``
+    (``PROMPTCACHE_TEST_DEVICE``, the CPU unless set; eval/cuda_checks.sh sets ``cuda``). Models from
+    tiny.py are on it; every tensor, pool or cache a test hands to one is built on it too."""
+    import torch
+
+    import tiny
+
+    return torch.device(tiny.DEVICE)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_pyfunc_call(pyfuncitem):
+    """``@pytest.mark.cpu_only(refusal=f)``: a test of a CPU-only feature (packed linears, the
+    native CPU kernels inside an engine). On the CPU it runs as written; on another test device its
+    body is not run and ``f()`` runs instead, checking that the feature refuses that device clearly
+    (or stands aside), so the test still asserts something there rather than being skipped."""
+    mark = pyfuncitem.get_closest_marker("cpu_only")
+    if mark is None:
+        return None
+    import tiny
+
+    if tiny.ON_CPU:
+        return None
+    refusal = mark.kwargs.get("refusal")
+    if refusal is None:
+        raise pytest.UsageError(f"{pyfuncitem.nodeid}: @pytest.mark.cpu_only needs refusal=, the check to run "
+                                f"on {tiny.DEVICE} instead")
+    refusal()
+    return True
 
 
 def pytest_runtest_setup(item):

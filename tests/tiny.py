@@ -19,6 +19,33 @@ ON_CPU = torch.device(DEVICE).type == "cpu"
 # which on the CPU is host memory.
 FIRST_TIER = "host" if ON_CPU else "device"
 
+
+def packed_refused():
+    """Off the CPU, the refusal ``@pytest.mark.cpu_only`` tests of packed linears check instead:
+    an engine asked for them refuses a model on DEVICE with a ConfigError naming the option and why."""
+    import pytest
+
+    from promptcache import EngineConfig, PromptCache, RunnerConfig
+    from promptcache.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=rf"packed_linear.*model is on {torch.device(DEVICE).type}; "
+                                          "packed linears are a CPU path"):
+        PromptCache(fresh_model("llama"), make_tokenizer(), EngineConfig(runner=RunnerConfig(packed_linear=True)))
+
+
+def native_kernels_stand_aside():
+    """Off the CPU, the check ``@pytest.mark.cpu_only`` tests of the native CPU kernels inside a
+    model or an engine run instead: no kernel is offered for tensors on DEVICE and no layer of a model
+    there is swapped, so the model's own (torch) forward runs."""
+    from promptcache.kernels import attention, fuse_mlps_and_rotary, fuse_rms_norms, ordered_attention
+
+    q = torch.zeros(2, 3, 1, 16, device=DEVICE)
+    assert attention.kernel_for(q[0]) is None and attention.limits_kernel_for(q[0], q[0]) is None
+    assert attention.gather_kernel_for(q, torch.zeros(1, device=DEVICE)) is None
+    assert not ordered_attention.covers(q.device)
+    model = fresh_model("llama")
+    assert fuse_mlps_and_rotary(model) == 0 and fuse_rms_norms(model) == 0
+
 CORPUS = [
     "You are a travel planner. Plan a trip of three days to Paris, Tokyo or Rome.",
     "Paris is the capital of France, famous for museums, cafes and the Eiffel Tower.",

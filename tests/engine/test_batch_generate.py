@@ -57,7 +57,7 @@ def test_a_token_prompt_matches_a_plain_forward_and_the_baseline(pc):
     assert again.cached_tokens >= 16 and again.exact
     base = pc.generate(ids + ids[:5], use_cache=False, **GREEDY)
     assert base.cached_tokens == 0 and base.token_ids == again.token_ids
-    ref = pc.model.generate(torch.tensor([ids + ids[:5]]), max_new_tokens=6, do_sample=False)[0, len(ids) + 5:]
+    ref = pc.model.generate(torch.tensor([ids + ids[:5]], device=pc.device), max_new_tokens=6, do_sample=False)[0, len(ids) + 5:]
     assert again.token_ids == ref.tolist()
 
 
@@ -119,7 +119,7 @@ def test_documents_are_batched_as_pairs(pc, exact):
         assert all(g.exact for g in many)
         for (q, ids), g in zip(pairs, many):
             layout = store.layout(q, ids)
-            want = pc.model.generate(torch.tensor([list(layout.token_ids)]), max_new_tokens=6, do_sample=False)
+            want = pc.model.generate(torch.tensor([list(layout.token_ids)], device=pc.device), max_new_tokens=6, do_sample=False)
             assert g.token_ids == want[0, len(layout.token_ids):].tolist()
     else:
         assert not many[1].exact and many[1].reused_tokens > 0

@@ -19,13 +19,12 @@ from oracle import definition_state, plain_logits
 from promptcache import EngineConfig, PromptCache, RunnerConfig
 from promptcache.models.loading import load_model
 from promptcache.models.native_dtype import ENV_SWITCH, auto_dtype, bf16_native, bf16_refusal, checkpoint_dtype
-from tiny import DEVICE, ON_CPU, fresh_model, make_model, make_tokenizer
+from tiny import fresh_model, make_model, make_tokenizer, packed_refused
 from trip import POOLED, PROMPTS, SCHEMA, serve_together
 
 NATIVE = bf16_native("cpu")
 needs_bf16 = pytest.mark.skipif(not NATIVE, reason=f"this CPU computes no bfloat16 natively: {bf16_refusal('cpu')}")
-needs_cpu = pytest.mark.skipif(not ON_CPU, reason=f"packed linears are a CPU path: pack_linears refuses a model "
-                                                  f"on {DEVICE} (PROMPTCACHE_TEST_DEVICE)")
+needs_cpu = pytest.mark.cpu_only(refusal=packed_refused)  # packed linears: off the CPU, their refusal
 
 PREFIX_SCHEMA = """<schema name="prefix"><system>You are a travel planner.</system>
   <user><module name="intro">Plan a trip of three days.</module>

@@ -111,6 +111,6 @@ def test_baseline_equals_model_generate(family, tokenizer):
     ids = pc.layout(prompt).token_ids
     out = pc.generate(prompt, max_new_tokens=16, use_cache=False)
     with torch.inference_mode():
-        ref = pc.model.generate(torch.tensor([ids]), max_new_tokens=16, do_sample=False, eos_token_id=3,
+        ref = pc.model.generate(torch.tensor([ids], device=pc.device), max_new_tokens=16, do_sample=False, eos_token_id=3,
                                 pad_token_id=1)
     assert out.token_ids == ref[0, len(ids):].tolist()

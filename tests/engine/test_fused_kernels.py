@@ -17,7 +17,8 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 from promptcache.kernels import FusedAttention, FusedMLP, fuse_mlps_and_rotary
 from promptcache.kernels import fused
 from programs import COMPILER, require
-from tiny import fresh_model
+from refusals import refused_in_child
+from tiny import fresh_model, native_kernels_stand_aside, packed_refused
 
 
 @pytest.fixture(scope="module")
@@ -25,6 +26,11 @@ def ops():
     require(*COMPILER)  # skipped, the packages named, without a compiler (failed under CI=true)
     assert fused.KERNELS.available(), fused.KERNELS.unavailable_reason()
     return fused.KERNELS.ops
+
+
+# the kernels' refusals run in a child process (tests/refusals.py): a crash fails the test, not the worker
+SETUP = ("import torch\nfrom promptcache.kernels import fused\n"
+         "assert fused.KERNELS.available(), fused.KERNELS.unavailable_reason()\nops = fused.KERNELS.ops\n")
 
 
 def packed_gate_up(n, width, dtype, seed):
@@ -52,10 +58,9 @@ def test_silu_mul_at_large_magnitudes_and_refusals(ops):
     u = torch.ones_like(g) * 2
     got, want = ops.silu_mul(g, u), F.silu(g) * u
     assert torch.allclose(got, want, rtol=1e-6, atol=1e-6, equal_nan=True)
-    with pytest.raises(RuntimeError, match="both float32 or both bfloat16"):
-        ops.silu_mul(g.bfloat16(), u)
-    with pytest.raises(RuntimeError, match="differ"):
-        ops.silu_mul(g, u[:, :8])
+    refused_in_child(SETUP + "g, u = torch.randn(1, 16), torch.ones(1, 16)", [
+        ("ops.silu_mul(g.bfloat16(), u)", "both float32 or both bfloat16"),
+        ("ops.silu_mul(g, u[:, :8])", "differ")])
 
 
 def qk_views(n, hq, hk, d, dtype, seed):
@@ -95,12 +100,13 @@ def test_rotary_broadcasts_cos_over_the_batch_and_refuses_mismatches(ops):
     got_q, got_k = ops.rotary(q2, k2, cos, sin)
     want_q, want_k = apply_rotary_pos_emb(q2, k2, cos, sin)
     assert torch.allclose(got_q, want_q, atol=1e-5) and torch.allclose(got_k, want_k, atol=1e-5)
-    with pytest.raises(RuntimeError, match="share one dtype"):
-        ops.rotary(q, k, cos.bfloat16(), sin)
-    with pytest.raises(RuntimeError, match="do not match"):
-        ops.rotary(q, k, cos[..., :16], sin[..., :16])
+    refused_in_child(SETUP + "q, k = torch.randn(1, 4, 6, 32), torch.randn(1, 2, 6, 32)\n"
+                             "cos, sin = torch.randn(1, 6, 32), torch.randn(1, 6, 32)", [
+        ("ops.rotary(q, k, cos.bfloat16(), sin)", "share one dtype"),
+        ("ops.rotary(q, k, cos[..., :16], sin[..., :16])", "do not match")])
 
 
+@pytest.mark.cpu_only(refusal=native_kernels_stand_aside)
 @pytest.mark.parametrize("family,mlps,attentions", [("llama", 2, 2), ("mistral", 2, 0), ("qwen2", 2, 0),
                                                     ("gpt_neox", 0, 0)])
 def test_only_llama_form_layers_are_swapped_and_the_model_still_computes_the_same(family, mlps, attentions):
@@ -116,6 +122,7 @@ def test_only_llama_form_layers_are_swapped_and_the_model_still_computes_the_sam
     assert fuse_mlps_and_rotary(model) == 0  # already swapped: nothing to do twice
 
 
+@pytest.mark.cpu_only(refusal=native_kernels_stand_aside)
 def test_bfloat16_model_agrees_with_its_stock_forward():
     model = fresh_model("llama").to(torch.bfloat16).eval()
     ids = torch.randint(4, 100, (1, 31), generator=torch.Generator().manual_seed(2))
@@ -126,6 +133,7 @@ def test_bfloat16_model_agrees_with_its_stock_forward():
     assert (got - want).abs().max().item() <= 0.05  # SiLU's exp may move a last bit
 
 
+@pytest.mark.cpu_only(refusal=native_kernels_stand_aside)
 def test_calls_the_kernels_do_not_cover_run_the_stock_forward():
     model = fresh_model("llama")
     with torch.no_grad():
@@ -155,6 +163,7 @@ def test_switched_off_by_the_environment(module, fuse):
     assert out.stdout.strip().splitlines()[-1] == f"0 turned off by {switch}"
 
 
+@pytest.mark.cpu_only(refusal=packed_refused)
 def test_the_cpu_fast_path_fuses_mlps_and_rotary():
     from promptcache import EngineConfig, PromptCache, RunnerConfig
     from tiny import make_tokenizer

@@ -39,7 +39,7 @@ def tokenizer():
 def stock_at(model, ids, pos):
     """The stock forward of ``ids`` at ``pos`` from nothing, windows by position: logits [T, V]."""
     with torch.inference_mode():
-        out = model(input_ids=torch.tensor([ids]), position_ids=torch.tensor([pos]),
+        out = model(input_ids=torch.tensor([ids], device=model.device), position_ids=torch.tensor([pos], device=model.device),
                     attention_mask=windowed_masks(model.config, [], pos, model.device), use_cache=False)
     return out.logits[0]
 
@@ -67,12 +67,14 @@ def test_a_gapped_sequence_longer_than_the_window_equals_the_stock_forward_by_po
     pos = list(range(6)) + list(range(6 + 9, len(ids) + 9))
     want = stock_at(model, ids, pos)[-1]
     adapter = get_adapter(model)
-    cache = SpliceCache(adapter.kv_spec(), len(ids))
+    device = model.device
+    cache = SpliceCache(adapter.kv_spec(), len(ids), device=device)
     cut = len(ids) // 2
-    adapter.forward(torch.tensor([ids[:cut]]), torch.tensor([pos[:cut]]), cache)
-    got = adapter.forward(torch.tensor([ids[cut:]]), torch.tensor([pos[cut:]]), cache)[0]
+    adapter.forward(torch.tensor([ids[:cut]], device=device), torch.tensor([pos[:cut]], device=device), cache)
+    got = adapter.forward(torch.tensor([ids[cut:]], device=device), torch.tensor([pos[cut:]], device=device), cache)[0]
     assert torch.max(torch.abs(got - want)).item() <= TOL
-    index_windowed = model(input_ids=torch.tensor([ids]), position_ids=torch.tensor([pos])).logits[0, -1]
+    index_windowed = model(input_ids=torch.tensor([ids], device=device),
+                           position_ids=torch.tensor([pos], device=device)).logits[0, -1]
     assert torch.max(torch.abs(index_windowed - want)).item() > 1e-3  # the gap does count: by index it differs
 
 

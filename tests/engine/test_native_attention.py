@@ -1,5 +1,6 @@
 """The native CPU attention kernel (kernels/attention.py, kernels/attention.cpp) against
-attention computed in float64, and the engine's use of it."""
+attention computed in float64, and the engine's use of it. Its refusals of bad input run in a child
+process (tests/refusals.py): a crash there fails the test naming the signal, not the worker."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ import torch
 
 from programs import COMPILER, require
 from promptcache.kernels import attention as cpu_attention
+from refusals import refused_in_child
+from tiny import native_kernels_stand_aside
 
 
 @pytest.fixture(scope="module")
@@ -258,27 +261,24 @@ def test_limits_give_each_row_its_prefix(x, m, n, d, order):
     assert (out.double() - ro).abs().max().item() < 2 ** -8 * vb.float().abs().max().item()
 
 
-def test_limits_are_checked():
-    op = cpu_attention.limits_kernel_for(torch.zeros(1, 1, 16), torch.zeros(1, 1, 16))
-    q, k = torch.randn(1, 3, 16), torch.randn(1, 10, 16)
-    with pytest.raises(RuntimeError, match="row 1 sees 0 keys"):
-        op(q, k, k, 1.0, torch.tensor([1, 0, 2]))
-    with pytest.raises(RuntimeError, match="row 2 sees 11 keys"):
-        op(q, k, k, 1.0, torch.tensor([1, 2, 11]))
-    with pytest.raises(RuntimeError, match=r"limits must be int64 \[3\]"):
-        op(q, k, k, 1.0, torch.tensor([1, 2]))
-    with pytest.raises(RuntimeError, match=r"limits must be int64 \[3\]"):
-        op(q, k, k, 1.0, torch.tensor([1, 2, 3], dtype=torch.int32))
+SETUP = "import torch\nfrom promptcache.kernels import attention as c\n"
 
 
-def test_gather_refuses_slots_outside_the_pool():
-    gather = cpu_attention.gather_kernel_for(torch.zeros(1, 1, 1, 16), torch.zeros(1))
-    q, k = torch.randn(1, 2, 1, 16), torch.randn(1, 10, 16)
-    slots, lengths = torch.tensor([[0, 1], [9, 10]]), torch.tensor([2, 2])
-    with pytest.raises(RuntimeError, match="row 1 slot 10 is outside the 10 slots"):
-        gather(q, k, k, slots, lengths, 1.0)
-    with pytest.raises(RuntimeError, match="row 0 has length 3"):
-        gather(q, k, k, slots, torch.tensor([3, 1]), 1.0)
+def test_limits_are_checked(op):
+    refused_in_child(SETUP + "op = c.limits_kernel_for(torch.zeros(1, 1, 16), torch.zeros(1, 1, 16))\n"
+                             "q, k = torch.randn(1, 3, 16), torch.randn(1, 10, 16)", [
+        ("op(q, k, k, 1.0, torch.tensor([1, 0, 2]))", "row 1 sees 0 keys"),
+        ("op(q, k, k, 1.0, torch.tensor([1, 2, 11]))", "row 2 sees 11 keys"),
+        ("op(q, k, k, 1.0, torch.tensor([1, 2]))", r"limits must be int64 \[3\]"),
+        ("op(q, k, k, 1.0, torch.tensor([1, 2, 3], dtype=torch.int32))", r"limits must be int64 \[3\]")])
+
+
+def test_gather_refuses_slots_outside_the_pool(op):
+    refused_in_child(SETUP + "gather = c.gather_kernel_for(torch.zeros(1, 1, 1, 16), torch.zeros(1))\n"
+                             "q, k = torch.randn(1, 2, 1, 16), torch.randn(1, 10, 16)\n"
+                             "slots, lengths = torch.tensor([[0, 1], [9, 10]]), torch.tensor([2, 2])", [
+        ("gather(q, k, k, slots, lengths, 1.0)", "row 1 slot 10 is outside the 10 slots"),
+        ("gather(q, k, k, slots, torch.tensor([3, 1]), 1.0)", "row 0 has length 3")])
 
 
 def test_extreme_scores_stay_finite(op):
@@ -292,14 +292,12 @@ def test_extreme_scores_stay_finite(op):
 
 
 def test_bad_input_is_refused_with_its_shapes(op):
-    with pytest.raises(RuntimeError, match="do not match"):
-        op(torch.randn(2, 4, 16), torch.randn(3, 5, 16), torch.randn(3, 5, 16), 1.0, 0)
-    with pytest.raises(RuntimeError, match="float32"):
-        op(torch.randn(1, 4, 16).double(), torch.randn(1, 5, 16), torch.randn(1, 5, 16), 1.0, 0)
-    with pytest.raises(RuntimeError, match="both float32 or both bfloat16"):
-        op(torch.randn(1, 4, 16), torch.randn(1, 5, 16).bfloat16(), torch.randn(1, 5, 16), 1.0, 0)
-    with pytest.raises(RuntimeError, match="causal_t"):
-        op(torch.randn(1, 4, 16), torch.randn(1, 5, 16), torch.randn(1, 5, 16), 1.0, 3)
+    refused_in_child(SETUP + "op = c.kernel_for(torch.zeros(1, 1, 16))", [
+        ("op(torch.randn(2, 4, 16), torch.randn(3, 5, 16), torch.randn(3, 5, 16), 1.0, 0)", "do not match"),
+        ("op(torch.randn(1, 4, 16).double(), torch.randn(1, 5, 16), torch.randn(1, 5, 16), 1.0, 0)", "float32"),
+        ("op(torch.randn(1, 4, 16), torch.randn(1, 5, 16).bfloat16(), torch.randn(1, 5, 16), 1.0, 0)",
+         "both float32 or both bfloat16"),
+        ("op(torch.randn(1, 4, 16), torch.randn(1, 5, 16), torch.randn(1, 5, 16), 1.0, 3)", "causal_t")])
 
 
 def test_shapes_it_does_not_cover_go_to_torch():
@@ -319,6 +317,7 @@ def test_switched_off_by_the_environment():
     assert out.stdout.strip() == f"None turned off by {cpu_attention.ENV_SWITCH}"
 
 
+@pytest.mark.cpu_only(refusal=native_kernels_stand_aside)
 def test_the_serving_engine_attends_through_it_and_stays_exact(op, monkeypatch):
     """Requests served together (chunked prefill, batched decode) call the native kernel, and their
     logits and greedy tokens still equal the oracle's (test_serving holds every family to it)."""

@@ -10,11 +10,10 @@ from oracle import plain_logits
 from promptcache import EngineConfig, PromptCache, RecomputeConfig, RunnerConfig
 from promptcache.errors import ConfigError
 from promptcache.models.packed import PackedLinear, pack_linears
-from tiny import DEVICE, FAMILIES, ON_CPU, fresh_model, make_tokenizer
+from tiny import FAMILIES, fresh_model, make_tokenizer, packed_refused
 
-# every test here packs a model's linears, which is refused off the CPU by design (packed_refusal)
-pytestmark = pytest.mark.skipif(not ON_CPU, reason=f"packed linears are a CPU path: pack_linears refuses a "
-                                                   f"model on {DEVICE} (PROMPTCACHE_TEST_DEVICE)")
+# every test here packs a model's linears, a CPU path: off the CPU each checks the refusal instead
+pytestmark = pytest.mark.cpu_only(refusal=packed_refused)
 
 TOL = 1e-4
 SCHEMA = """<schema name="trip"><system>You are a travel planner.</system>

@@ -27,7 +27,7 @@ from promptcache.engine.decoding.sampling import SamplingParams
 from promptcache.engine.serving_core.scheduler import ServingScheduler
 from promptcache.models import get_adapter
 from promptcache.pml import parse_prompt
-from tiny import VOCAB, fresh_model, make_tokenizer
+from tiny import DEVICE, VOCAB, fresh_model, make_tokenizer
 
 TOL = 1e-4
 COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -49,7 +49,7 @@ def tiny(config, attn: str | None = None):
         for p in model.parameters():
             if p.dim() > 1:
                 p.normal_(0, 0.2)
-    return model.eval()
+    return model.to(DEVICE).eval()  # on the test device, as tests/tiny.py's models
 
 
 def mistral(window: int):
@@ -245,11 +245,11 @@ def test_a_segment_wholly_behind_the_window_is_not_read(tokenizer):
     pool.buf.normal_()
     pool.buf[:, :, :, seg_blocks[0] * 8 : seg_blocks[0] * 8 + 8] = float("nan")  # read it and the answer is NaN
     own = pool.slots(own_blocks, 0, 6)
-    row = paged.PagedRow([5], [40], [("s", pool.views(seg_blocks, 8)[0])], own, shared_pos=[torch.arange(8)],
+    row = paged.PagedRow([5], [40], [("s", pool.views(seg_blocks, 8)[0])], own, shared_pos=[torch.arange(8, device=pc.device)],
                          own_pos=[30, 31, 37, 38, 39, 40])
     plan = paged.build_plan(pool, [row], keys=paged.key_rule(pc.adapter))
     hq, d = 4, spec.head_dim
-    query = torch.randn(1, hq, 1, d)
+    query = torch.randn(1, hq, 1, d, device=pc.device)
     got = paged.attend(plan, 0, query)  # [1, 1, Hq, D]
     assert plan.memo[(-1, 0, 4)] == (False, None)  # the segment: skipped
     keys, values = pool.buf[0, 0][:, own[2:]], pool.buf[0, 1][:, own[2:]]  # positions 37..40: inside the window

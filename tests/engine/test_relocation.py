@@ -16,7 +16,7 @@ import torch
 from promptcache.models.splice import SpliceCache
 from promptcache.models import UnsupportedModelError, get_adapter
 from promptcache.models.relocate import can_relocate, relocate, rope_spec
-from tiny import FAMILIES, VOCAB, make_model
+from tiny import DEVICE, FAMILIES, VOCAB, make_model
 
 LOGITS_TOL = 1e-3
 KEYS_TOL = 1e-4
@@ -79,7 +79,7 @@ def _model(name: str):
         for p in model.parameters():
             if p.dim() > 1:
                 p.normal_(0, 0.2)
-    return model.eval()
+    return model.to(DEVICE).eval()
 
 
 # -- helpers ----------------------------------------------------------------------------------------

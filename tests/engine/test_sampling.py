@@ -63,7 +63,7 @@ def test_processors_follow_the_settings():
 
 def _reference(pc, ids, **kw):
     with torch.inference_mode():
-        return pc.model.generate(torch.tensor([ids]), eos_token_id=3, pad_token_id=1, **kw)
+        return pc.model.generate(torch.tensor([ids], device=pc.device), eos_token_id=3, pad_token_id=1, **kw)
 
 
 @pytest.mark.parametrize("prompt", [PREFIX_PROMPT, GAPPED_PROMPT])
@@ -79,7 +79,7 @@ def test_greedy_with_repetition_penalty_equals_model_generate(pc, prompt):
         assert pc.generate(prompt, params).token_ids == ref
     gc = params.generation_config()
     with torch.inference_mode():
-        via_config = pc.model.generate(torch.tensor([ids]), generation_config=gc, eos_token_id=3, pad_token_id=1)
+        via_config = pc.model.generate(torch.tensor([ids], device=pc.device), generation_config=gc, eos_token_id=3, pad_token_id=1)
     assert via_config[0, len(ids):].tolist() == ref
 
 
@@ -89,7 +89,7 @@ def test_sampled_step_draws_from_the_distribution_generate_draws_from(pc):
     ids = pc.layout(PREFIX_PROMPT).token_ids
     torch.manual_seed(0)
     with torch.inference_mode():
-        out = pc.model.generate(torch.tensor([ids]), max_new_tokens=6, do_sample=True, temperature=0.7, top_k=20,
+        out = pc.model.generate(torch.tensor([ids], device=pc.device), max_new_tokens=6, do_sample=True, temperature=0.7, top_k=20,
                                 top_p=0.9, repetition_penalty=1.3, eos_token_id=3, pad_token_id=1,
                                 output_scores=True, output_logits=True, return_dict_in_generate=True)
     seq = out.sequences[0].tolist()

@@ -455,7 +455,7 @@ def test_chain_keys_hash_each_block_once_and_start_over_on_other_tokens():
 
 @pytest.mark.parametrize("segments", [0, 1, 2, 5])
 @pytest.mark.parametrize("kernel", ["fused", "own-by-matmul", "no-fused-kernel"])
-def test_a_decode_only_step_attends_as_plain_attention_over_the_concatenated_keys(segments, kernel, monkeypatch):
+def test_a_decode_only_step_attends_as_plain_attention_over_the_concatenated_keys(segments, kernel, monkeypatch, device):
     """The decode-only attention (interpolated merges, no step-wide scatter; the rows' own tokens
     through the fused kernel or matrix products) equals softmax attention over each row's
     segments followed by its own tokens, and the general path."""
@@ -468,7 +468,7 @@ def test_a_decode_only_step_attends_as_plain_attention_over_the_concatenated_key
         monkeypatch.setattr(paged, "_CPU_FLASH", None)
     g = torch.Generator().manual_seed(segments)
     spec = cache.KVSpec(layers=2, kv_heads=2, head_dim=8, dtype=torch.float32)
-    pool = KVPool(spec, torch.device("cpu"), tokens=512, block_size=4)
+    pool = KVPool(spec, device, tokens=512, block_size=4)
     pool.buf.copy_(torch.randn(pool.buf.shape, generator=g))
     views = [pool.views(pool.allocate(2), 5 + i)[0] for i in range(segments)]  # 5, 6, ... tokens each
     shared = [(f"s{i}", v) for i, v in enumerate(views)]
@@ -476,7 +476,7 @@ def test_a_decode_only_step_attends_as_plain_attention_over_the_concatenated_key
     rows = [paged.PagedRow([0], [0], shared, own) for own in owns]
     plan = paged.build_plan(pool, rows)
     assert plan.decodes_only
-    query = torch.randn((1, 6, len(rows), 8), generator=g)  # 6 query heads over 2 kv heads
+    query = torch.randn((1, 6, len(rows), 8), generator=g).to(device)  # 6 query heads over 2 kv heads
     got = paged.attend(plan, 1, query)  # [1, B, Hq, D]
     plan.decodes_only = False
     general = paged.attend(plan, 1, query)
@@ -489,12 +489,12 @@ def test_a_decode_only_step_attends_as_plain_attention_over_the_concatenated_key
         assert torch.allclose(general[0, b], want.reshape(6, 8), atol=1e-5, rtol=0)
 
 
-def test_a_step_with_a_chunk_or_a_segment_some_rows_skip_takes_the_general_path():
+def test_a_step_with_a_chunk_or_a_segment_some_rows_skip_takes_the_general_path(device):
     import promptcache.models.splice as cache
     import promptcache.engine.serving_core.paged as paged
 
     spec = cache.KVSpec(layers=1, kv_heads=1, head_dim=4, dtype=torch.float32)
-    pool = KVPool(spec, torch.device("cpu"), tokens=64, block_size=4)
+    pool = KVPool(spec, device, tokens=64, block_size=4)
     seg = [("s", pool.views(pool.allocate(1), 4)[0])]
     a, b = pool.slots(pool.allocate(1), 0, 2), pool.slots(pool.allocate(1), 0, 2)
     assert not paged.build_plan(pool, [paged.PagedRow([0], [0], seg, a), paged.PagedRow([0], [0], [], b)]).decodes_only
@@ -503,7 +503,7 @@ def test_a_step_with_a_chunk_or_a_segment_some_rows_skip_takes_the_general_path(
 
 @pytest.mark.parametrize("runs", [1, 3, 6])
 @pytest.mark.parametrize("head_dim", [8, 16])
-def test_a_chunk_whose_earlier_tokens_lie_in_pieces_attends_as_plain_causal_attention(runs, head_dim):
+def test_a_chunk_whose_earlier_tokens_lie_in_pieces_attends_as_plain_causal_attention(runs, head_dim, device):
     """A prefill chunk whose row's earlier own tokens lie in several pool runs (a reused prefix's
     blocks, then blocks of its own) reads each run in place, or all of them gathered past
     SEGMENTS_MAX runs; either way it equals causal softmax attention over the row's tokens in order."""
@@ -512,7 +512,7 @@ def test_a_chunk_whose_earlier_tokens_lie_in_pieces_attends_as_plain_causal_atte
 
     g = torch.Generator().manual_seed(runs * head_dim)
     spec = cache.KVSpec(layers=2, kv_heads=2, head_dim=head_dim, dtype=torch.float32)
-    pool = KVPool(spec, torch.device("cpu"), tokens=512, block_size=4)
+    pool = KVPool(spec, device, tokens=512, block_size=4)
     pool.buf.copy_(torch.randn(pool.buf.shape, generator=g))
     pieces = []
     for _ in range(runs + 1):  # a block between pieces, so each piece is a run of its own
@@ -526,7 +526,7 @@ def test_a_chunk_whose_earlier_tokens_lie_in_pieces_attends_as_plain_causal_atte
     assert isinstance(new_part, slice)
     assert len(parts) == (runs if runs <= paged.SEGMENTS_MAX else 1)
     assert all(isinstance(p, slice) for p in parts) == (runs <= paged.SEGMENTS_MAX)
-    query = torch.randn((1, 6, 5, head_dim), generator=g)  # 6 query heads over 2 kv heads
+    query = torch.randn((1, 6, 5, head_dim), generator=g).to(device)  # 6 query heads over 2 kv heads
     got = paged.attend(plan, 1, query)  # [1, 5, Hq, D]
     k, v = pool.buf[1, 0][:, own], pool.buf[1, 1][:, own]  # [Hk, n, D]
     n = own.numel()

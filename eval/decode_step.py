@@ -1,0 +1,176 @@
+"""The serving core's decode step against the time to read the weights once.
+
+    python -m eval.decode_step --model embedded:1b --device cuda --dtype bfloat16 [--batches 1 16 48]
+                               [--prompt-tokens 64] [--steps 32] [--bandwidth-tbs TB/S] [--compile] [--out DIR] [--tag T]
+    python -m eval.decode_step --quick      # seconds on a CPU: the demo model, batches 1 and 4
+
+For each batch size B, B token prompts (``--prompt-tokens`` random tokens each, none shared) are
+submitted together to the engine ``generate`` runs on (``PromptCache.engine()``), greedy with EOS
+ignored, and stepped until every request is decoding (its prompt prefilled). Then ``--steps`` steps
+are timed one at a time (the GPU synchronized after each): the median is the decode step at B. One
+more step runs under ``torch.profiler``: the aten calls it makes and the GPU kernels it launches.
+
+A decode step on a GPU cannot be faster than reading every weight once: ``read_bytes`` (all
+parameters, less the input embedding where the output layer does not share it: a step reads B rows
+of it) over the memory bandwidth. The bandwidth is ``--bandwidth-tbs`` if given (an H200 is sold at
+4.8 TB/s, ~4.3 reachable), else the one measured here as eval/bench_compile.py measures it (a 1 GiB
+device copy on CUDA, read and write counted; a sum over 1 GiB on a CPU; reported either way).
+``x_read`` is the step over that floor (the issue's bar: <= 2 at batch 48). ``--compile``: the
+engine's compiled steps (CUDA graphs on a GPU) instead of eager ones.
+
+Writes decode_step{--tag}.csv and .png to ``--out`` (default eval/results/) and prints each row.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import time
+
+import torch
+
+from .bench_compile import bandwidth as measured_bandwidth, weight_bytes
+from .common import RESULTS, add_model_args, pyplot, save_figure, save_table
+
+QUICK = dict(model="embedded", batches=[1, 4], prompt_tokens=16, steps=4)
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def read_bytes(model) -> int:
+    """Bytes of weights a decode step reads: every parameter once (a tied matrix counted once, as
+    bench_compile's limit counts them), less an input embedding the output layer does not share (a
+    step gathers only its B rows)."""
+    embed = model.get_input_embeddings().weight
+    out = model.get_output_embeddings()
+    tied = out is not None and out.weight.data_ptr() == embed.data_ptr()
+    return weight_bytes(model) - (0 if tied else embed.numel() * embed.element_size())
+
+
+def profiled(step, device: torch.device) -> dict:
+    """aten calls and kernel launches (CUDA) of one call of ``step`` (None where the profiler fails:
+    the step still runs, the timings stand)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    try:
+        with profile(activities=acts) as prof:
+            step()
+            sync(device)
+    except RuntimeError as e:  # a build or driver without the profiler's pieces (CUPTI)
+        print(f"note: torch.profiler failed ({e}): no call counts")
+        step()
+        return dict(aten_calls=None, launches=None)
+    names = [e.name for e in prof.events()]
+    return dict(aten_calls=sum(n.startswith("aten::") for n in names),
+                launches=sum("LaunchKernel" in n or n == "cudaGraphLaunch" for n in names))
+
+
+def measure(pc, batch: int, args, seed: int) -> dict:
+    """Median decode step at ``batch`` rows, and one profiled step."""
+    from promptcache import SamplingParams
+    from promptcache.engine.serving_core.request import Request
+
+    engine = pc.engine()
+    rng = random.Random(seed)
+    vocab = min(len(pc.tokenizer), pc.model.config.vocab_size)
+    warm = args.steps + 8  # steps after the prefill: timed ones, the profiled one and a margin
+    params = SamplingParams(max_new_tokens=warm + 8, temperature=0.0, ignore_eos=True)
+    reqs = [Request(pc.prompt_spec([rng.randrange(8, vocab) for _ in range(args.prompt_tokens)]), params, pc.tokenizer)
+            for _ in range(batch)]
+    for r in reqs:
+        engine.submit(r)
+    while engine.has_incoming or any(r.prefilling or not r.token_ids for r in reqs):
+        engine.step()
+    for _ in range(2):  # the first decode steps of a new batch size (allocations, autotuning)
+        engine.step()
+    times = []
+    for _ in range(args.steps):
+        sync(pc.device)
+        t = time.perf_counter()
+        engine.step()
+        sync(pc.device)
+        times.append(time.perf_counter() - t)
+    if any(r.finished for r in reqs):
+        raise RuntimeError("a request finished during the timed steps: raise max_new_tokens")
+    counts = profiled(engine.step, pc.device)
+    for r in reqs:
+        r.cancel()
+    while engine.has_work:
+        engine.step()
+    return dict(batch=batch, step_ms=round(1e3 * statistics.median(times), 3),
+                step_ms_min=round(1e3 * min(times), 3), tok_s=round(batch / statistics.median(times), 1), **counts)
+
+
+def plot(rows, path) -> None:
+    plt = pyplot()
+    if plt is None:
+        return
+    fig, ax = plt.subplots(figsize=(5.5, 3.8))
+    xs = [r["batch"] for r in rows]
+    ax.plot(xs, [r["step_ms"] for r in rows], "o-", label="decode step (median)")
+    ax.axhline(rows[0]["read_ms"], color="C3", ls="--", label="weights read once at the bandwidth")
+    ax.set_xlabel("batch (decoding requests)")
+    ax.set_ylabel("ms per step")
+    ax.set_title(f"{rows[0]['model']} {rows[0]['dtype']} on {rows[0]['device_name']}", fontsize=9)
+    ax.set_ylim(bottom=0)
+    ax.legend(fontsize=8)
+    save_figure(fig, path)
+
+
+def main(argv=None) -> list[dict]:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    add_model_args(ap, "embedded:1b")
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 16, 48])
+    ap.add_argument("--prompt-tokens", type=int, default=64)
+    ap.add_argument("--steps", type=int, default=32, help="timed decode steps per batch size")
+    ap.add_argument("--bandwidth-tbs", type=float, default=None,
+                    help="memory bandwidth in TB/s for the weights' read time (default: measured here)")
+    ap.add_argument("--compile", action="store_true",
+                    help="compiled steps (RunnerConfig.compile: CUDA graphs on a GPU; compiling takes minutes at first)")
+    ap.add_argument("--quick", action="store_true", help="the demo model, batches 1 and 4, a few steps (CPU dry run)")
+    ap.add_argument("--out", default=str(RESULTS))
+    ap.add_argument("--tag", default="")
+    args = ap.parse_args(argv)
+    if args.quick:  # quick values become the defaults; flags given explicitly still win
+        ap.set_defaults(**QUICK)
+        args = ap.parse_args(argv)
+
+    from promptcache import EngineConfig, PromptCache, RunnerConfig
+    from promptcache.models.loading import load_model
+
+    model, tok = load_model(args.model, device=args.device, dtype=args.dtype)
+    pc = PromptCache(model, tok, EngineConfig(runner=RunnerConfig(compile=args.compile)))
+    device = pc.device
+    measured = measured_bandwidth(device)
+    bandwidth = measured if args.bandwidth_tbs is None else args.bandwidth_tbs * 1e12
+    wbytes = read_bytes(model)
+    read_ms = 1e3 * wbytes / bandwidth
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    print(f"{name}: weights {wbytes / 1e9:.2f} GB, bandwidth {bandwidth / 1e12:.2f} TB/s "
+          f"({'measured' if args.bandwidth_tbs is None else 'given'}; measured {measured / 1e12:.2f}): "
+          f"{read_ms:.3f} ms to read them once", flush=True)
+    rows = []
+    for i, batch in enumerate(args.batches):
+        row = dict(model=args.model, dtype=args.dtype, device_name=name, compiled=args.compile,
+                   **measure(pc, batch, args, seed=i),
+                   weight_gb=round(wbytes / 1e9, 3), bandwidth_tbs=round(bandwidth / 1e12, 3),
+                   measured_tbs=round(measured / 1e12, 3), read_ms=round(read_ms, 3))
+        row["x_read"] = round(row["step_ms"] / read_ms, 2)
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    print(f"{'batch':>6}{'step ms':>10}{'tok/s':>10}{'x read':>8}{'aten':>8}{'launches':>10}")
+    for r in rows:
+        print(f"{r['batch']:>6}{r['step_ms']:>10}{r['tok_s']:>10}{r['x_read']:>8}{str(r['aten_calls']):>8}{str(r['launches']):>10}")
+    save_table(f"decode_step{args.tag}", rows, args.out, plot)
+    return rows
+
+
+if __name__ == "__main__":
+    sys.exit(main() and None)
