@@ -92,56 +92,65 @@ def dense_step(rows: list, segments: list[list[tuple[torch.Tensor, int, torch.Te
     per-part path)."""
     b = len(rows)
     ts = [len(r.ids) for r in rows]
-    keys = [torch.cat([*(s for s, _, _ in segs), r.own.to("cpu", torch.long)]) for r, segs in zip(rows, segments)]
-    lens = torch.tensor([len(k) for k in keys], dtype=torch.long)
-    t, w = max(ts), int(lens.max())
+    # sizes as Python ints (``shape[0]``: ``len`` of a tensor costs a Python call)
+    sizes = [[s.shape[0] for s, _, _ in segs] for segs in segments]
+    owns = [r.own.shape[0] for r in rows]
+    n_shared = [sum(x) for x in sizes]
+    lens = [n + o for n, o in zip(n_shared, owns)]
+    t, w = max(ts), max(lens)
     size = kv_heads * b * t * w
     if size > most:
         log.info("a step of %d rows (%d queries, %d keys at most a row) would pad %d scores a layer (more than %d): "
                  "its attention runs part by part", b, t, w, size, most)
         return None
-    slots = torch.nn.utils.rnn.pad_sequence(keys, batch_first=True)  # [B, W], 0 at padding
-    shared = torch.tensor([sum(len(s) for s, _, _ in segs) for segs in segments], dtype=torch.long)
-    done = torch.tensor([len(r.own) for r in rows], dtype=torch.long) - torch.tensor(ts)
-    # the first query index of its row that sees each key: 0 for shared keys, done + i sees own key i
-    j = torch.arange(w)[None, :]
-    first = torch.where(j < shared[:, None], 0, (j - shared[:, None] - done[:, None]).clamp(min=0))
-    first = first.masked_fill(j >= lens[:, None], t)  # padding: no query
-    sees = torch.arange(t)[None, :, None] >= first[:, None, :]  # [B, T, W]
+    # one concatenation of every row's slots and its padding (slot 0, masked), on the pool's device
+    pad = torch.zeros(w, dtype=torch.long, device=dev)
+    pieces = []
+    for r, segs, n in zip(rows, segments, lens):
+        pieces += [s for s, _, _ in segs]
+        pieces += [r.own, pad[: w - n]]
+    slots = torch.cat([x if x.device == pad.device else x.to(dev) for x in pieces])  # [B * W]
+    # the first query index of its row that sees each key: 0 for shared keys, done + i sees own key i;
+    # nobody (t) sees padding
+    shared, done, length = torch.tensor([n_shared, [o - n for o, n in zip(owns, ts)], lens],
+                                        dtype=torch.long).to(dev)[:, :, None]
+    j = torch.arange(w, device=dev)[None, :]
+    first = torch.where(j < shared, 0, (j - shared - done).clamp(min=0)).masked_fill_(j >= length, t)
+    sees = torch.arange(t, device=dev)[None, :, None] >= first[:, None, :]  # [B, T, W]
     for r, segs in enumerate(segments):
         at = 0
-        for s, _, limits in segs:
+        for (s, _, limits), n in zip(segs, sizes[r]):
             if limits is not None:  # query i sees the segment's first limits[i] keys
-                n = len(s)
-                lim = limits.to("cpu", torch.long)
-                if bool((lim < 0).any()) or bool((lim > n).any()):
+                lim = limits.to(dev, torch.long)
+                if bool(((lim < 0) | (lim > n)).any()):
                     raise ValueError(f"key limits of a shared segment of {n} tokens must lie in 0..{n}, "
                                      f"got {lim.tolist()}")
-                sees[r, : ts[r], at : at + n] = torch.arange(n)[None, :] < lim[:, None]
-            at += len(s)
-    mask = torch.zeros((b, 1, t, w), dtype=torch.float32).masked_fill_(~sees[:, None], float("-inf")).to(dev)
+                sees[r, : ts[r], at : at + n] = torch.arange(n, device=dev)[None, :] < lim[:, None]
+            at += n
+    mask = torch.zeros((b, 1, t, w), dtype=torch.float32, device=dev).masked_fill_(~sees[:, None], float("-inf"))
     qidx = back = None
     if t > 1:
-        off = torch.tensor([0] + ts[:-1]).cumsum(0)
-        i = torch.arange(t)[None, :]
-        qidx = (off[:, None] + torch.minimum(i, torch.tensor(ts)[:, None] - 1)).view(-1).to(dev)
-        back = torch.cat([torch.arange(r * t, r * t + n) for r, n in enumerate(ts)]).to(dev)
+        starts = [0]
+        for n in ts[:-1]:
+            starts.append(starts[-1] + n)
+        qidx = torch.tensor([a + min(i, n - 1) for a, n in zip(starts, ts) for i in range(t)], device=dev)
+        back = torch.tensor([r * t + i for r, n in enumerate(ts) for i in range(n)], device=dev)
     cos = sin = swap = None
     if rope is not None and any(sh for segs in segments for _, sh, _ in segs):
         counts, shifts = [], []
-        for segs, k in zip(segments, keys):
-            for s, sh, _ in segs:
-                counts.append(len(s))
-                shifts.append(sh)
-            counts.append(w - sum(len(s) for s, _, _ in segs))  # own tokens and padding: not rotated
+        for segs, seg_sizes, n in zip(segments, sizes, n_shared):
+            counts += seg_sizes
+            shifts += [sh for _, sh, _ in segs]
+            counts.append(w - n)  # own tokens and padding: not rotated
             shifts.append(0)
-        per_key = torch.repeat_interleave(torch.tensor(shifts, dtype=torch.float64), torch.tensor(counts))
-        cos, sin = _rotation(per_key, rope)
-        cos, sin = cos.to(dev), sin.to(dev)
-        r, d = cos.shape[1], head_dim
-        if r == d:
+        cos, sin = _rotation(torch.tensor(shifts, dtype=torch.float64), rope)  # a row per part, not per key
+        counts = torch.tensor(counts, device=dev)
+        cos = cos.to(dev).repeat_interleave(counts, dim=0, output_size=b * w)
+        sin = sin.to(dev).repeat_interleave(counts, dim=0, output_size=b * w)
+        r = cos.shape[1]
+        if r == head_dim:
             swap = torch.cat([torch.arange(r // 2, r), torch.arange(r // 2)]).to(dev)
-    return DenseStep(b, t, w, slots.view(-1).to(dev), mask, qidx, back, cos, sin, swap)
+    return DenseStep(b, t, w, slots, mask, qidx, back, cos, sin, swap)
 
 
 def _rotation(shift: torch.Tensor, rope: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

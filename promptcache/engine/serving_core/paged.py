@@ -244,7 +244,7 @@ def _build_dense(pool: KVPool, rows: list[PagedRow], scale: float | None, rope: 
         for (key, view), slots, limits, shift in zip(row.shared, given, row.limits(), row.shifts()):
             slots = slots if slots is not None else pool_slots(pool.buf, view)
             if slots is not None:
-                mine.append((slots.to("cpu", torch.long), shift, limits))
+                mine.append((slots, shift, limits))
             elif limits is not None:
                 _add_limited(plan, view, off, limits, None, shift)
             else:
