@@ -16,14 +16,17 @@ then its own ``--question`` tokens. Two steps are measured per batch size B:
 For each (native kernel, step, B):
 
 * ``aten_forward``: ``aten::`` events in one step under ``torch.profiler`` (nested calls counted,
-  as the profiler records them); ``aten_layer``: that over the model's layers;
-  ``attn_layer``: the ``aten::`` events inside the attention function per layer (the part this
-  issue rewrites; the rest is the model's own linears, norms and rotary);
+  as the profiler records them: a view op's ``as_strided``, a fused attention's own transposes);
+  ``aten_layer``: that over the model's layers (the step's plan, built once, included);
+  ``attn_layer``: the ``aten::`` events inside the attention function per layer, and
+  ``attn_calls_layer``: those called from it directly (not from another aten op: the calls the
+  engine makes); the rest is the model's own linears, norms and rotary;
 * ``wall_ms``: the step's wall time (plan built, forward run, logits back), median of ``--repeats``
   unprofiled runs (each after a warm-up run);
-* ``kernel_ms``: the time inside the step's compute kernels: the self CPU time of every leaf
-  ``aten::`` (or native kernel) event in the profiled step: an op that calls no other op, the
-  one that does the arithmetic (on a GPU: a launched kernel);
+* ``kernel_ms``: the time inside the step's compute kernels: on a CPU the self CPU time of every
+  leaf ``aten::`` (or native kernel) event in the profiled step, an op that calls no other op, the
+  one that does the arithmetic; on a GPU (``--device cuda``) the device time of the step's CUDA
+  kernels;
 * ``host_ms``: ``wall_ms - kernel_ms``: everything else: Python (the plan, the model's modules),
   the dispatcher above the leaves, allocations. On a GPU this is the time the host needs to
   issue a step, which bounds the step when it exceeds the kernels' device time.
@@ -122,11 +125,14 @@ def rows_for(args, runner, pool, docs, system, vocab, batch: int, step: str):
     return rows, owned
 
 
-def profile_step(step, layers: int) -> dict:
-    """aten calls of one step (all, and inside the attention function) and its leaf kernels' self time."""
+def profile_step(step, layers: int, cuda: bool = False) -> dict:
+    """aten calls of one step (all, and inside the attention function) and its kernels' time: the
+    leaf ops' self CPU time, or on a GPU (``cuda``) the device time of its CUDA kernels."""
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
         step()
     events = prof.events()
     aten = [e for e in events if e.name.startswith("aten::")]
@@ -141,9 +147,14 @@ def profile_step(step, layers: int) -> dict:
 
     leaves = [e for e in events if e.name.startswith(LEAF_PREFIXES)
               and not any(c.name.startswith(LEAF_PREFIXES) for c in e.cpu_children)]
-    kernel_us = sum(e.self_cpu_time_total for e in leaves)
-    attn = sum(1 for e in aten if inside_attention(e))
-    return dict(aten_forward=len(aten), aten_layer=round(len(aten) / layers, 1), attn_layer=round(attn / layers, 1),
+    if cuda:
+        kernel_us = sum(getattr(e, "self_device_time_total", 0) for e in events if e.device_type == DeviceType.CUDA)
+    else:
+        kernel_us = sum(e.self_cpu_time_total for e in leaves)
+    attn = [e for e in aten if inside_attention(e)]
+    calls = sum(1 for e in attn if not e.cpu_parent.name.startswith(LEAF_PREFIXES))
+    return dict(aten_forward=len(aten), aten_layer=round(len(aten) / layers, 1), attn_layer=round(len(attn) / layers, 1),
+                attn_calls_layer=round(calls / layers, 1),
                 kernel_ms=round(kernel_us / 1000, 3))
 
 
@@ -182,7 +193,7 @@ def measure(args) -> list[dict]:
                 t0 = time.perf_counter()
                 run()
                 walls.append((time.perf_counter() - t0) * 1000)
-            prof = profile_step(run, layers)
+            prof = profile_step(run, layers, cuda=runner.device.type == "cuda")
             wall = statistics.median(walls)
             out.append(dict(native=native, step=step, batch=batch, tokens=sum(len(r.ids) for r in rows),
                             **prof, wall_ms=round(wall, 3), host_ms=round(wall - prof["kernel_ms"], 3)))
@@ -251,7 +262,7 @@ def main(argv=None) -> None:
         rows += got
     for r in rows:
         print(f"native {r['native']:3} {r['step']:7} B={r['batch']:3}  aten/forward {r['aten_forward']:6}  "
-              f"aten/layer {r['aten_layer']:7}  attention aten/layer {r['attn_layer']:6}  wall {r['wall_ms']:8.2f} ms  "
+              f"aten/layer {r['aten_layer']:7}  attention aten/layer {r['attn_layer']:6} ({r['attn_calls_layer']} calls)  wall {r['wall_ms']:8.2f} ms  "
               f"kernels {r['kernel_ms']:8.2f} ms  host {r['host_ms']:8.2f} ms")
     save_table(f"host_overhead{args.tag}", rows, args.out, plot)
 
