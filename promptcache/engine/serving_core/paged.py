@@ -16,6 +16,11 @@ queries to:
     per request) are gathered into one padded tensor, the only copy on the hot path (none with
     the native CPU kernel, which reads them by slot).
 
+Without the native CPU kernel (turned off, or a GPU: the path where every op is a kernel launch)
+a step of rotary or learned-position rows is attended in ONE call a layer instead (``dense.py``:
+each row's pool-held segments and own tokens gathered by slot, one mask built once a step);
+segments outside the pool are merged into it as below.
+
 Partial results are merged by log-sum-exp in float32, which is exact algebra: the result equals
 attention over the concatenated keys up to float rounding. A step of decode rows only (the steady
 state of serving) takes a shorter path with the same algebra (``_attend_decodes``). On a CPU the
