@@ -23,13 +23,15 @@ For each (native kernel, step, B):
   engine makes); the rest is the model's own linears, norms and rotary;
 * ``wall_ms``: the step's wall time (plan built, forward run, logits back), median of ``--repeats``
   unprofiled runs (each after a warm-up run);
-* ``kernel_ms``: the time inside the step's compute kernels: on a CPU the self CPU time of every
-  leaf ``aten::`` (or native kernel) event in the profiled step, an op that calls no other op, the
-  one that does the arithmetic; on a GPU (``--device cuda``) the device time of the step's CUDA
-  kernels;
+* ``kernel_ms``: the time inside the step's compute kernels: on a CPU the self CPU time (its own,
+  not its callees') of every ``aten::`` (or native kernel) event in the profiled step that
+  computes, i.e. is not a view, an allocation or metadata (``NO_COMPUTE``: the ops that launch
+  nothing on a GPU); on a GPU (``--device cuda``) the device time of the step's CUDA kernels;
 * ``host_ms``: ``wall_ms - kernel_ms``: everything else: Python (the plan, the model's modules),
-  the dispatcher above the leaves, allocations. On a GPU this is the time the host needs to
-  issue a step, which bounds the step when it exceeds the kernels' device time.
+  the dispatcher between ops, views and allocations. On a GPU this is the time the host needs to
+  issue a step, which bounds the step when it exceeds the kernels' device time;
+* ``plan_ms``: of that, the step's inputs and attention plan alone (``step_inputs``,
+  ``build_plan``: once a step), median of ``--repeats``.
 
 The native kernel is switched in a subprocess per setting (``PROMPTCACHE_NATIVE_ATTENTION``:
 read once, when the kernel first loads): ``off`` is the path a GPU takes. Writes
@@ -52,7 +54,14 @@ from pathlib import Path
 from .common import add_model_args, pyplot, save_figure, save_table
 
 FIGURES = Path(__file__).resolve().parent / "figures"
-LEAF_PREFIXES = ("aten::", "promptcache_native::", "promptcache_ordered::")
+OP_PREFIXES = ("aten::", "promptcache_native::", "promptcache_ordered::")
+# ops that compute nothing: views, allocations, metadata (on a GPU: no kernel launched); every other
+# op's self time is kernel time
+NO_COMPUTE = {f"aten::{n}" for n in (
+    "view", "_unsafe_view", "_reshape_alias", "reshape", "as_strided", "transpose", "t", "permute", "expand",
+    "slice", "select", "narrow", "unsqueeze", "squeeze", "alias", "unbind", "split", "chunk", "detach", "detach_",
+    "lift_fresh", "empty", "empty_like", "empty_strided", "resolve_conj", "resolve_neg", "to", "result_type",
+    "item", "_local_scalar_dense", "contiguous", "expand_as", "view_as", "flatten", "unflatten")}
 ATTENTION_RANGE = "promptcache::attention"
 
 
@@ -145,15 +154,15 @@ def profile_step(step, layers: int, cuda: bool = False) -> dict:
             p = p.cpu_parent
         return False
 
-    leaves = [e for e in events if e.name.startswith(LEAF_PREFIXES)
-              and not any(c.name.startswith(LEAF_PREFIXES) for c in e.cpu_children)]
+    compute = [e for e in events if e.name.startswith(OP_PREFIXES) and e.name not in NO_COMPUTE]
     if cuda:
         kernel_us = sum(getattr(e, "self_device_time_total", 0) for e in events if e.device_type == DeviceType.CUDA)
     else:
-        kernel_us = sum(e.self_cpu_time_total for e in leaves)
+        kernel_us = sum(e.self_cpu_time_total for e in compute)
     attn = [e for e in aten if inside_attention(e)]
-    calls = sum(1 for e in attn if not e.cpu_parent.name.startswith(LEAF_PREFIXES))
-    return dict(aten_forward=len(aten), aten_layer=round(len(aten) / layers, 1), attn_layer=round(len(attn) / layers, 1),
+    calls = sum(1 for e in attn if not e.cpu_parent.name.startswith(OP_PREFIXES))
+    return dict(aten_forward=len(aten), aten_layer=round(len(aten) / layers, 1),
+                attn_layer=round(len(attn) / layers, 1),
                 attn_calls_layer=round(calls / layers, 1),
                 kernel_ms=round(kernel_us / 1000, 3))
 
@@ -195,8 +204,16 @@ def measure(args) -> list[dict]:
                 walls.append((time.perf_counter() - t0) * 1000)
             prof = profile_step(run, layers, cuda=runner.device.type == "cuda")
             wall = statistics.median(walls)
+            plans = []
+            for _ in range(args.repeats):  # the step's inputs and plan alone (once a step, before the forward)
+                t0 = time.perf_counter()
+                paged.step_inputs(pool, rows)
+                paged.build_plan(pool, rows, keys=paged.key_rule(runner.adapter),
+                                 rope=paged.query_rope(runner.adapter, rows))
+                plans.append((time.perf_counter() - t0) * 1000)
             out.append(dict(native=native, step=step, batch=batch, tokens=sum(len(r.ids) for r in rows),
-                            **prof, wall_ms=round(wall, 3), host_ms=round(wall - prof["kernel_ms"], 3)))
+                            **prof, wall_ms=round(wall, 3), host_ms=round(wall - prof["kernel_ms"], 3),
+                            plan_ms=round(statistics.median(plans), 3)))
             print(json.dumps(out[-1]), file=sys.stderr, flush=True)
             for blocks in owned:  # the next cell's rows get fresh blocks
                 pool.free(blocks)
@@ -262,8 +279,9 @@ def main(argv=None) -> None:
         rows += got
     for r in rows:
         print(f"native {r['native']:3} {r['step']:7} B={r['batch']:3}  aten/forward {r['aten_forward']:6}  "
-              f"aten/layer {r['aten_layer']:7}  attention aten/layer {r['attn_layer']:6} ({r['attn_calls_layer']} calls)  wall {r['wall_ms']:8.2f} ms  "
-              f"kernels {r['kernel_ms']:8.2f} ms  host {r['host_ms']:8.2f} ms")
+              f"aten/layer {r['aten_layer']:7}  attention aten/layer {r['attn_layer']:6} "
+              f"({r['attn_calls_layer']} calls)  wall {r['wall_ms']:8.2f} ms  kernels {r['kernel_ms']:8.2f} ms  "
+              f"host {r['host_ms']:8.2f} ms (plan {r.get('plan_ms', 0):.2f} ms)")
     save_table(f"host_overhead{args.tag}", rows, args.out, plot)
 
 

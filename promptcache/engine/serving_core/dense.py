@@ -178,8 +178,9 @@ def attend_dense(step: DenseStep, q: torch.Tensor, kbuf: torch.Tensor, vbuf: tor
                  lse: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Queries q [Hk, G, N, D] (float32) over the step's keys in one layer's pool buffers
     [Hk, S, D]: (out, log-sum-exp [Hk, G, N] or None), float32; ``out`` is [Hk, G, N, D], or, for a
-    step of decode rows without ``lse``, [N, Hk * G, D] (the layout the model reads back). Without ``lse``: torch's fused attention (one call; on a GPU its memory-efficient
-    kernel, which takes the bias); with it: the same softmax as matrix products."""
+    step of decode rows without ``lse``, [N, Hk * G, D] (the layout the model reads back).
+    Without ``lse``: torch's fused attention (one call; on a GPU its memory-efficient kernel, which
+    takes the bias); with it: the same softmax as matrix products."""
     hk, g, n, d = q.shape
     b, t, w = step.rows, step.queries, step.width
     k = kbuf[:, step.slots]  # [Hk, B * W, D] (indexing: twice index_select's speed here on the CPU)
@@ -201,7 +202,8 @@ def attend_dense(step: DenseStep, q: torch.Tensor, kbuf: torch.Tensor, vbuf: tor
             q, k.view(hk, b, w, d), v.view(hk, b, w, d), attn_mask=step.bias(hk, g), scale=scale)
     else:
         q = q.reshape(hk * b, g * t, d)
-        s = torch.baddbmm(step.batched_bias(hk, g), q, k.view(hk * b, w, d).transpose(1, 2), alpha=scale)  # [Hk*B, G*T, W]
+        s = torch.baddbmm(step.batched_bias(hk, g), q, k.view(hk * b, w, d).transpose(1, 2),
+                          alpha=scale)  # [Hk * B, G * T, W]
         top = s.amax(dim=-1, keepdim=True)
         p = s.sub_(top).exp_()
         total = p.sum(dim=-1, keepdim=True)
