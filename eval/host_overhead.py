@@ -27,8 +27,11 @@ For each (native kernel, step, B):
   not its callees') of every ``aten::`` (or native kernel) event in the profiled step that
   computes, i.e. is not a view, an allocation or metadata (``NO_COMPUTE``: the ops that launch
   nothing on a GPU); on a GPU (``--device cuda``) the device time of the step's CUDA kernels;
-* ``host_ms``: ``wall_ms - kernel_ms``: everything else: Python (the plan, the model's modules),
-  the dispatcher between ops, views and allocations. On a GPU this is the time the host needs to
+* ``host_ms``: the profiled step's wall time minus ``kernel_ms``: everything else: Python (the
+  plan, the model's modules), the dispatcher between ops, views and allocations. Both sides are
+  of the one profiled run (the profiler's own cost, a few microseconds an op, lands mostly inside
+  the ops' self times, so this is a lower bound; subtracting from the unprofiled ``wall_ms`` went
+  below zero on steps of thousands of small ops). On a GPU this is the time the host needs to
   issue a step, which bounds the step when it exceeds the kernels' device time;
 * ``plan_ms``: of that, the step's inputs and attention plan alone (``step_inputs``,
   ``build_plan``: once a step), median of ``--repeats``.
@@ -142,7 +145,9 @@ def profile_step(step, layers: int, cuda: bool = False) -> dict:
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     with profile(activities=activities) as prof:
+        t0 = time.perf_counter()
         step()
+        profiled_ms = (time.perf_counter() - t0) * 1000
     events = prof.events()
     aten = [e for e in events if e.name.startswith("aten::")]
 
@@ -164,7 +169,7 @@ def profile_step(step, layers: int, cuda: bool = False) -> dict:
     return dict(aten_forward=len(aten), aten_layer=round(len(aten) / layers, 1),
                 attn_layer=round(len(attn) / layers, 1),
                 attn_calls_layer=round(calls / layers, 1),
-                kernel_ms=round(kernel_us / 1000, 3))
+                kernel_ms=round(kernel_us / 1000, 3), host_ms=round(profiled_ms - kernel_us / 1000, 3))
 
 
 def measure(args) -> list[dict]:
@@ -212,7 +217,7 @@ def measure(args) -> list[dict]:
                                  rope=paged.query_rope(runner.adapter, rows))
                 plans.append((time.perf_counter() - t0) * 1000)
             out.append(dict(native=native, step=step, batch=batch, tokens=sum(len(r.ids) for r in rows),
-                            **prof, wall_ms=round(wall, 3), host_ms=round(wall - prof["kernel_ms"], 3),
+                            **prof, wall_ms=round(wall, 3),
                             plan_ms=round(statistics.median(plans), 3)))
             print(json.dumps(out[-1]), file=sys.stderr, flush=True)
             for blocks in owned:  # the next cell's rows get fresh blocks
