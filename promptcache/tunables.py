@@ -52,6 +52,13 @@ DECODE_MATMUL_ROWS = 8
 # 256 one-block segments of a 4K prompt were 256 calls and merges a layer, several times the step
 # of the same prompt in one run (eval/results/design_figures.md).
 SEGMENTS_MAX = 4
+# Without the native CPU kernel (the path a GPU takes), a step's rows are attended in one call a layer
+# over their keys gathered from the pool by slot (engine/serving_core/dense.py): queries padded to the
+# step's longest row, keys to its longest key list. A step whose padded scores would hold more than
+# this many elements for one query head a KV head (KV heads x rows x queries x keys; the float32 scores
+# and the bias are that times the query heads a KV head: 64 MB each at 4) keeps the per-part calls and
+# their merges (logged).
+DENSE_MAX = 1 << 22
 # Compiled steps (RunnerConfig.compile) of at most the last size's tokens are compiled; with CUDA
 # graphs a step's tokens and logits rows are padded up to one of these sizes, each pair one graph,
 # compiled once (lazily: only the pairs that occur). Steps larger than the last run eagerly: they

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from oracle import definition_greedy, definition_state, plain_logits, plain_logits_at
-from promptcache import PromptCache
+from promptcache import PromptCache, tunables
 from promptcache.engine import PmlPrompt, TokenPrompt
 from promptcache.engine.serving_core.prefix import PrefixCache
 from promptcache.engine.serving_core.kvpool import KVPool, PoolFull
@@ -350,7 +350,13 @@ def test_decode_rows_of_any_own_length_share_one_gather_where_the_native_op_read
         if native:
             assert plan.decode_q.tolist() == [0, 1, 2] and not plan.prefills and plan.decodes_only
             assert plan.decode_lengths.tolist() == [20, 5, 40]
-        else:
+        else:  # one padded call a layer over every row's keys (dense.py) ...
+            assert plan.decode_q is None and not plan.prefills and (plan.dense.rows, plan.dense.width) == (3, 40)
+            monkeypatch.setattr(tunables, "DENSE_MAX", 0)  # ... or, past its size, part by part
+            plan = paged.build_plan(pool, rows)
+            monkeypatch.undo()
+            monkeypatch.setattr(paged, "GATHER_MAX", 8)
+            assert plan.dense is None
             assert plan.decode_q.tolist() == [1] and [p[:2] for p in plan.prefills] == [(0, 1), (2, 3)]
 
 
@@ -417,6 +423,7 @@ def test_a_prompt_stored_in_scattered_blocks_is_read_together_and_stays_exact(to
     are attended as one (concatenated a layer at a time), with the same answer as a plain prefill."""
     import promptcache.engine.serving_core.paged as paged
 
+    monkeypatch.setattr(tunables, "DENSE_MAX", 0)  # the per-part path (dense.py reads every pool run by slot)
     grouped = []
     group = paged._group_segments
     monkeypatch.setattr(paged, "_group_segments",
@@ -454,13 +461,16 @@ def test_chain_keys_hash_each_block_once_and_start_over_on_other_tokens():
 
 
 @pytest.mark.parametrize("segments", [0, 1, 2, 5])
-@pytest.mark.parametrize("kernel", ["fused", "own-by-matmul", "no-fused-kernel"])
+@pytest.mark.parametrize("kernel", ["fused", "own-by-matmul", "no-fused-kernel", "dense"])
 def test_a_decode_only_step_attends_as_plain_attention_over_the_concatenated_keys(segments, kernel, monkeypatch, device):
     """The decode-only attention (interpolated merges, no step-wide scatter; the rows' own tokens
     through the fused kernel or matrix products) equals softmax attention over each row's
-    segments followed by its own tokens, and the general path."""
+    segments followed by its own tokens, and the general path; so does one padded call over the
+    keys gathered by slot (``dense``: the path without the native kernel)."""
     import promptcache.models.splice as cache
     import promptcache.engine.serving_core.paged as paged
+
+    monkeypatch.setattr(tunables, "DENSE_MAX", 1 << 22 if kernel == "dense" else 0)
 
     if kernel == "own-by-matmul":
         monkeypatch.setattr(paged, "DECODE_MATMUL_ROWS", 1)
@@ -475,7 +485,7 @@ def test_a_decode_only_step_attends_as_plain_attention_over_the_concatenated_key
     owns = [pool.slots(pool.allocate(2), 0, n) for n in (1, 3, 7)]  # own tokens so far, this one included
     rows = [paged.PagedRow([0], [0], shared, own) for own in owns]
     plan = paged.build_plan(pool, rows)
-    assert plan.decodes_only
+    assert plan.decodes_only or (kernel == "dense" and plan.dense is not None and not plan.segments)
     query = torch.randn((1, 6, len(rows), 8), generator=g).to(device)  # 6 query heads over 2 kv heads
     got = paged.attend(plan, 1, query)  # [1, B, Hq, D]
     plan.decodes_only = False
@@ -489,9 +499,11 @@ def test_a_decode_only_step_attends_as_plain_attention_over_the_concatenated_key
         assert torch.allclose(general[0, b], want.reshape(6, 8), atol=1e-5, rtol=0)
 
 
-def test_a_step_with_a_chunk_or_a_segment_some_rows_skip_takes_the_general_path(device):
+def test_a_step_with_a_chunk_or_a_segment_some_rows_skip_takes_the_general_path(monkeypatch, device):
     import promptcache.models.splice as cache
     import promptcache.engine.serving_core.paged as paged
+
+    monkeypatch.setattr(tunables, "DENSE_MAX", 0)  # the per-part path (without it, no native kernel: dense.py)
 
     spec = cache.KVSpec(layers=1, kv_heads=1, head_dim=4, dtype=torch.float32)
     pool = KVPool(spec, device, tokens=64, block_size=4)
@@ -503,12 +515,14 @@ def test_a_step_with_a_chunk_or_a_segment_some_rows_skip_takes_the_general_path(
 
 @pytest.mark.parametrize("runs", [1, 3, 6])
 @pytest.mark.parametrize("head_dim", [8, 16])
-def test_a_chunk_whose_earlier_tokens_lie_in_pieces_attends_as_plain_causal_attention(runs, head_dim, device):
+def test_a_chunk_whose_earlier_tokens_lie_in_pieces_attends_as_plain_causal_attention(runs, head_dim, monkeypatch, device):
     """A prefill chunk whose row's earlier own tokens lie in several pool runs (a reused prefix's
     blocks, then blocks of its own) reads each run in place, or all of them gathered past
     SEGMENTS_MAX runs; either way it equals causal softmax attention over the row's tokens in order."""
     import promptcache.models.splice as cache
     import promptcache.engine.serving_core.paged as paged
+
+    monkeypatch.setattr(tunables, "DENSE_MAX", 0)  # the per-part path (dense.py: test_dense_attention.py)
 
     g = torch.Generator().manual_seed(runs * head_dim)
     spec = cache.KVSpec(layers=2, kv_heads=2, head_dim=head_dim, dtype=torch.float32)

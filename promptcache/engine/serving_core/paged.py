@@ -16,6 +16,11 @@ queries to:
     per request) are gathered into one padded tensor, the only copy on the hot path (none with
     the native CPU kernel, which reads them by slot).
 
+Without the native CPU kernel (turned off, or a GPU: the path where every op is a kernel launch)
+a step of rotary or learned-position rows is attended in ONE call a layer instead (``dense.py``:
+each row's pool-held segments and own tokens gathered by slot, one mask built once a step);
+segments outside the pool are merged into it as below.
+
 Partial results are merged by log-sum-exp in float32, which is exact algebra: the result equals
 attention over the concatenated keys up to float rounding. A step of decode rows only (the steady
 state of serving) takes a shorter path with the same algebra (``_attend_decodes``). On a CPU the
@@ -56,8 +61,10 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from ...models.relocate import rope_spec
 from ...models.splice import SpliceCache
+from ... import tunables
 from ...tunables import DECODE_MATMUL_ROWS, FOLD_SHARED, GATHER_MAX, SEGMENTS_MAX  # read at call time (tests set them here)
 from ...kernels import attention as cpu_attention
+from .dense import DenseStep, attend_dense, dense_step, pool_slots
 from .kvpool import KVPool
 
 __all__ = ["KeyRule", "PagedRow", "StepPlan", "attend", "attention_swapped", "build_plan", "key_rule", "paged_forward",
@@ -157,6 +164,9 @@ class StepPlan:
     rope: torch.Tensor | None = None
     segment_shift: list[torch.Tensor | None] = field(default_factory=list)
     limited_shift: list[torch.Tensor | None] = field(default_factory=list)
+    # without the native kernel: every row's keys held in the pool in one call a layer (``dense.py``);
+    # ``segments`` and ``limited`` then hold only segments outside the pool, merged in after it
+    dense: DenseStep | None = None
     # built at the first layer, read by the others: (partial, window) -> (bias, dead queries);
     # ("rows", segment) -> the segment's queries as a slice or an index tensor
     memo: dict = field(default_factory=dict)
@@ -172,6 +182,10 @@ def build_plan(pool: KVPool, rows: list[PagedRow], scale: float | None = None, k
         keys = None
     if keys is not None:
         return _shifted(_build_keyed(pool, rows, scale, keys), rope)
+    if not cpu_attention.gathers(pool.buf):  # no native kernel (a GPU): one attention call a layer
+        plan = _build_dense(pool, rows, scale, rope)
+        if plan is not None:
+            return plan
     plan, dev = StepPlan(pool, scale), pool.buf.device
     by_key: dict[tuple, tuple[torch.Tensor, list[int], list[int]]] = {}
     decodes, off = [], 0
@@ -217,6 +231,39 @@ def build_plan(pool: KVPool, rows: list[PagedRow], scale: float | None = None, k
             plan.decode_bias = _bias(valid[None, :, None, :].expand(hk, b, 1, width).reshape(hk * b, 1, width))
         plan.decodes_only = not plan.prefills and all(idx.numel() == off for _, idx in plan.segments) \
             and all(sh is None for sh in plan.segment_shift)
+    return _shifted(plan, rope)
+
+
+def _build_dense(pool: KVPool, rows: list[PagedRow], scale: float | None, rope: torch.Tensor | None
+                 ) -> StepPlan | None:
+    """The plan of ``_attend_pooled``: each row's shared segments held in the pool and its own
+    tokens as one ``DenseStep``; segments outside the pool (a store tier's tensors) stay cascade
+    segments merged in after it. None where the step is too large to pad (``tunables.DENSE_MAX``)."""
+    plan, dev = StepPlan(pool, scale), pool.buf.device
+    by_key: dict[str, tuple[torch.Tensor, list[int], list[int]]] = {}
+    in_pool, off = [], 0
+    for row in rows:
+        t = len(row.ids)
+        given = row.shared_slots if row.shared_slots is not None else [None] * len(row.shared)
+        mine = []
+        for (key, view), slots, limits, shift in zip(row.shared, given, row.limits(), row.shifts()):
+            slots = slots if slots is not None else pool_slots(pool.buf, view)
+            if slots is not None:
+                mine.append((slots, shift, limits))
+            elif limits is not None:
+                _add_limited(plan, view, off, limits, None, shift)
+            else:
+                entry = by_key.setdefault(key, (view, [], []))
+                entry[1].extend(range(off, off + t))
+                entry[2].extend([shift] * t)
+        in_pool.append(mine)
+        off += t
+    plan.dense = dense_step(rows, in_pool, pool.buf.shape[2], pool.buf.shape[4], rope, dev, tunables.DENSE_MAX)
+    if plan.dense is None:
+        return None
+    grouped = _group_segments([(v, q, None, sh) for v, q, sh in by_key.values()], dev)
+    plan.segments = [(views, idx) for views, idx, _, _ in grouped]
+    plan.segment_shift = [sh for _, _, _, sh in grouped]
     return _shifted(plan, rope)
 
 
@@ -457,6 +504,8 @@ def attend(plan: StepPlan, layer: int, query: torch.Tensor, scaling: float | Non
     scale = plan.scale if plan.scale is not None else (scaling if scaling is not None else 1 / math.sqrt(d))
     if plan.keys is not None:
         return _attend_keyed(plan, layer, query, scale)
+    if plan.dense is not None:
+        return _attend_pooled(plan, layer, query, scale)
     if plan.decodes_only:
         return _attend_decodes(plan, layer, query, scale)
     kbuf, vbuf = plan.pool.buf[layer, 0], plan.pool.buf[layer, 1]  # [Hk, S, D]
@@ -481,6 +530,16 @@ def attend(plan: StepPlan, layer: int, query: torch.Tensor, scaling: float | Non
         for part in earlier:
             o, l = _attend(q[:, :, rows].reshape(hk, g * t, d), *_read(kbuf, vbuf, part), None, qs)
             _merge(out, lse, rows, o.view(hk, g, t, d), l.view(hk, g, t))
+    _merge_segments(plan, layer, q, qs, out, lse)
+    return out.view(hq, n, d).transpose(0, 1)[None].to(query.dtype)
+
+
+def _merge_segments(plan: StepPlan, layer: int, q: torch.Tensor, qs: float, out: torch.Tensor, lse: torch.Tensor
+                    ) -> None:
+    """Merge the plan's shared segments (cascade: each read once for every query that needs it)
+    and key-limited segments into the running (out [Hk, G, N, D], lse [Hk, G, N]) of queries
+    q [Hk, G, N, D] (scores still to scale by ``qs``)."""
+    hk, g, n, d = q.shape
     for i, (views, idx) in enumerate(plan.segments):  # shared segments: read once for every query that needs them
         ks, vs = _layer_kv(views, layer)
         shift = plan.segment_shift[i] if plan.segment_shift else None
@@ -498,7 +557,23 @@ def attend(plan: StepPlan, layer: int, query: torch.Tensor, scaling: float | Non
         qr = _rotated(plan, ("limited", j), q[:, :, rows], plan.limited_shift[j])
         o, l = _attend_limited(plan, j, qr.reshape(hk, g * m, d), view[layer, 0], view[layer, 1], limits, qs)
         _merge(out, lse, rows, o.view(hk, g, m, d), l.view(hk, g, m))
-    return out.view(hq, n, d).transpose(0, 1)[None].to(query.dtype)
+
+
+def _attend_pooled(plan: StepPlan, layer: int, query: torch.Tensor, scale: float) -> torch.Tensor:
+    """``attend`` without the native kernel: every row's keys held in the pool in one call
+    (``attend_dense``), then segments outside the pool merged in (``_merge_segments``)."""
+    _, hq, n, d = query.shape
+    kbuf, vbuf = plan.pool.layer_kv[layer]
+    hk = kbuf.shape[0]
+    q = query.view(hk, hq // hk, n, d)  # splitting the heads: a view whatever the strides
+    if q.dtype != torch.float32:
+        q = q.float()
+    rest = bool(plan.segments or plan.limited)
+    out, lse = attend_dense(plan.dense, q, kbuf, vbuf, scale, lse=rest)
+    if rest:
+        _merge_segments(plan, layer, q * scale, 1.0, out, lse)
+    out = out.unsqueeze(0) if out.dim() == 3 else out.reshape(hq, n, d).transpose(0, 1).unsqueeze(0)
+    return out if out.dtype == query.dtype else out.to(query.dtype)
 
 
 def _rotated(plan: StepPlan, memo_key, q: torch.Tensor, shift: torch.Tensor | None) -> torch.Tensor:
@@ -753,9 +828,9 @@ AttentionInterface.register(ATTENTION_NAME, paged_attention)
 
 def write_kv(pool: KVPool, layer: int, slots: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
     """A step's new keys/values [1, H, N, D] of one layer into pool slots [N]."""
-    buf = pool.buf
-    buf[layer, 0].index_copy_(1, slots, key[0].to(buf.dtype))
-    buf[layer, 1].index_copy_(1, slots, value[0].to(buf.dtype))
+    kbuf, vbuf = pool.layer_kv[layer]
+    kbuf.index_copy_(1, slots, key[0] if key.dtype == kbuf.dtype else key[0].to(kbuf.dtype))
+    vbuf.index_copy_(1, slots, value[0] if value.dtype == vbuf.dtype else value[0].to(vbuf.dtype))
 
 
 class _PagedLayer(CacheLayerMixin):

@@ -1,0 +1,294 @@
+"""Host overhead of the serving core's step: aten calls per forward and host time per step.
+
+    nice -n 10 python -m eval.host_overhead [--model embedded] [--batches 1,16,48] [--native on,off]
+                                            [--device cpu] [--dtype float32] [--repeats 5]
+
+A RAG-like batch on the KV pool, driven through ``paged_forward`` (the serving core's step, without
+the scheduler): ``--docs`` documents of ``--doc-len`` tokens, each encoded once at positions 0..
+(as ``DocumentStore`` encodes them) and held in the pool, and a shared system prompt of
+``--system`` tokens; each of B rows reads the system prompt and ``--k`` of the documents (a
+seeded random choice and order) in place, each document read shifted to where the row places it,
+then its own ``--question`` tokens. Two steps are measured per batch size B:
+
+* ``prefill``: every row's question tokens in one step (B chunks of ``--question`` tokens);
+* ``decode``: one new token per row after ``--generated`` generated tokens.
+
+For each (native kernel, step, B):
+
+* ``aten_forward``: ``aten::`` events in one step under ``torch.profiler`` (nested calls counted,
+  as the profiler records them: a view op's ``as_strided``, a fused attention's own transposes);
+  ``aten_layer``: that over the model's layers (the step's plan, built once, included);
+  ``attn_layer``: the ``aten::`` events inside the attention function per layer, and
+  ``attn_calls_layer``: those called from it directly (not from another aten op: the calls the
+  engine makes); the rest is the model's own linears, norms and rotary;
+* ``wall_ms``: the step's wall time (plan built, forward run, logits back), median of ``--repeats``
+  unprofiled runs (each after a warm-up run);
+* ``kernel_ms``: the time inside the step's compute kernels: on a CPU the self CPU time (its own,
+  not its callees') of every ``aten::`` (or native kernel) event in the profiled step that
+  computes, i.e. is not a view, an allocation or metadata (``NO_COMPUTE``: the ops that launch
+  nothing on a GPU); on a GPU (``--device cuda``) the device time of the step's CUDA kernels;
+* ``host_ms``: the profiled step's wall time minus ``kernel_ms``: everything else: Python (the
+  plan, the model's modules), the dispatcher between ops, views and allocations. Both sides are
+  of the one profiled run (the profiler's own cost, a few microseconds an op, lands mostly inside
+  the ops' self times, so this is a lower bound; subtracting from the unprofiled ``wall_ms`` went
+  below zero on steps of thousands of small ops). On a GPU this is the time the host needs to
+  issue a step, which bounds the step when it exceeds the kernels' device time;
+* ``plan_ms``: of that, the step's inputs and attention plan alone (``step_inputs``,
+  ``build_plan``: once a step), median of ``--repeats``.
+
+The native kernel is switched in a subprocess per setting (``PROMPTCACHE_NATIVE_ATTENTION``:
+read once, when the kernel first loads): ``off`` is the path a GPU takes. Writes
+``host_overhead{--tag}.csv`` and ``.png`` (aten calls per layer and host ms per step against B)
+in ``--out`` (default eval/figures).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from .common import add_model_args, pyplot, save_figure, save_table
+
+FIGURES = Path(__file__).resolve().parent / "figures"
+OP_PREFIXES = ("aten::", "promptcache_native::", "promptcache_ordered::")
+# ops that compute nothing: views, allocations, metadata (on a GPU: no kernel launched); every other
+# op's self time is kernel time
+NO_COMPUTE = {f"aten::{n}" for n in (
+    "view", "_unsafe_view", "_reshape_alias", "reshape", "as_strided", "transpose", "t", "permute", "expand",
+    "slice", "select", "narrow", "unsqueeze", "squeeze", "alias", "unbind", "split", "chunk", "detach", "detach_",
+    "lift_fresh", "empty", "empty_like", "empty_strided", "resolve_conj", "resolve_neg", "to", "result_type",
+    "item", "_local_scalar_dense", "contiguous", "expand_as", "view_as", "flatten", "unflatten")}
+ATTENTION_RANGE = "promptcache::attention"
+
+
+def build(args):
+    """(runner, pool, documents' blocks, system prompt's blocks) with every document's states in the pool."""
+    import torch
+
+    from promptcache.engine.prefill.runner import ModelRunner
+    from promptcache.engine.serving_core.kvpool import KVPool
+    from promptcache.engine.serving_core.paged import PagedRow, paged_forward
+    from promptcache.models.embedded import embedded_model, is_embedded
+    from promptcache.models.loading import load_model
+
+    dtype = getattr(torch, args.dtype)
+    if is_embedded(args.model):
+        model, tok = embedded_model(args.model, dtype=dtype, device=args.device)
+    else:
+        model, tok = load_model(args.model, torch_dtype=dtype, device=args.device)
+    runner = ModelRunner(model, tok, torch.device(args.device))
+    batch = max(args.batches)
+    own = args.question + args.generated + 1
+    tokens = (args.docs * args.doc_len + args.system + batch * own) * 2 + 1024
+    pool = KVPool(runner.spec, runner.device, tokens, block_size=16)
+    vocab = model.get_input_embeddings().num_embeddings
+    rng = random.Random(args.seed)
+
+    def encoded(n: int, start: int):
+        blocks = pool.allocate(pool.blocks_for(n))
+        ids = [rng.randrange(4, vocab) for _ in range(n)]
+        paged_forward(runner, pool, [PagedRow(ids, list(range(start, start + n)), [], pool.slots(blocks, 0, n),
+                                              logits=False)])
+        return blocks
+
+    system = encoded(args.system, 0)
+    docs = [encoded(args.doc_len, 0) for _ in range(args.docs)]
+    return runner, pool, docs, system, vocab
+
+
+def rows_for(args, runner, pool, docs, system, vocab, batch: int, step: str):
+    """The step's rows: each reads the system prompt and ``k`` documents (shifted), then its own tokens."""
+    from promptcache.engine.serving_core.paged import PagedRow
+
+    import torch
+
+    rng = random.Random(args.seed + batch)
+    rows, owned = [], []
+    for r in range(batch):
+        chosen = rng.sample(range(len(docs)), args.k)
+        shared = [("system", pool.views(system, args.system)[0])]
+        shared_pos, shared_slots, shifts = [list(range(args.system))], [pool.slots(system, 0, args.system)], [0]
+        at = args.system
+        for d in chosen:
+            views = pool.views(docs[d], args.doc_len)
+            if len(views) != 1:
+                raise RuntimeError("a document's blocks are not one run (the pool is fragmented)")
+            shared.append((f"doc{d}", views[0]))
+            shared_pos.append(list(range(at, at + args.doc_len)))
+            shared_slots.append(pool.slots(docs[d], 0, args.doc_len))
+            shifts.append(at)  # stored at 0.., read at ``at``..
+            at += args.doc_len
+        n_own = args.question if step == "prefill" else args.question + args.generated + 1
+        own_blocks = pool.allocate(pool.blocks_for(n_own))
+        owned.append(own_blocks)
+        own_pos = list(range(at, at + n_own))
+        t = args.question if step == "prefill" else 1
+        ids = [rng.randrange(4, vocab) for _ in range(t)]
+        rows.append(PagedRow(ids, own_pos[n_own - t:], shared, pool.slots(own_blocks, 0, n_own),
+                             shared_pos=[torch.tensor(p) for p in shared_pos], own_pos=own_pos,
+                             shared_slots=shared_slots, shared_shift=shifts))
+    return rows, owned
+
+
+def profile_step(step, layers: int, cuda: bool = False) -> dict:
+    """aten calls of one step (all, and inside the attention function) and its kernels' time: the
+    leaf ops' self CPU time, or on a GPU (``cuda``) the device time of its CUDA kernels."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
+        t0 = time.perf_counter()
+        step()
+        profiled_ms = (time.perf_counter() - t0) * 1000
+    events = prof.events()
+    aten = [e for e in events if e.name.startswith("aten::")]
+
+    def inside_attention(e) -> bool:
+        p = e.cpu_parent
+        while p is not None:
+            if p.name == ATTENTION_RANGE:
+                return True
+            p = p.cpu_parent
+        return False
+
+    compute = [e for e in events if e.name.startswith(OP_PREFIXES) and e.name not in NO_COMPUTE]
+    if cuda:
+        kernel_us = sum(getattr(e, "self_device_time_total", 0) for e in events if e.device_type == DeviceType.CUDA)
+    else:
+        kernel_us = sum(e.self_cpu_time_total for e in compute)
+    attn = [e for e in aten if inside_attention(e)]
+    calls = sum(1 for e in attn if not e.cpu_parent.name.startswith(OP_PREFIXES))
+    return dict(aten_forward=len(aten), aten_layer=round(len(aten) / layers, 1),
+                attn_layer=round(len(attn) / layers, 1),
+                attn_calls_layer=round(calls / layers, 1),
+                kernel_ms=round(kernel_us / 1000, 3), host_ms=round(profiled_ms - kernel_us / 1000, 3))
+
+
+def measure(args) -> list[dict]:
+    """The child: every (step, batch) with this process's kernel setting."""
+    import torch
+
+    from promptcache.engine.serving_core import paged
+    from promptcache.kernels import attention as cpu_attention
+
+    torch.set_num_threads(args.threads)
+    original = paged.attend
+
+    def attend(*a, **kw):  # marks the attention function's range for the profiler
+        with torch.profiler.record_function(ATTENTION_RANGE):
+            return original(*a, **kw)
+
+    paged.attend = attend
+    runner, pool, docs, system, vocab = build(args)
+    native = "on" if cpu_attention.available() else "off"
+    layers = runner.spec.layers
+    out = []
+    for step in ("prefill", "decode"):
+        for batch in args.batches:
+            rows, owned = rows_for(args, runner, pool, docs, system, vocab, batch, step)
+
+            def run():
+                logits = paged.paged_forward(runner, pool, rows)
+                if logits.device.type == "cuda":
+                    torch.cuda.synchronize()
+                return logits
+
+            run()  # warm-up
+            walls = []
+            for _ in range(args.repeats):
+                t0 = time.perf_counter()
+                run()
+                walls.append((time.perf_counter() - t0) * 1000)
+            prof = profile_step(run, layers, cuda=runner.device.type == "cuda")
+            wall = statistics.median(walls)
+            plans = []
+            for _ in range(args.repeats):  # the step's inputs and plan alone (once a step, before the forward)
+                t0 = time.perf_counter()
+                paged.step_inputs(pool, rows)
+                paged.build_plan(pool, rows, keys=paged.key_rule(runner.adapter),
+                                 rope=paged.query_rope(runner.adapter, rows))
+                plans.append((time.perf_counter() - t0) * 1000)
+            out.append(dict(native=native, step=step, batch=batch, tokens=sum(len(r.ids) for r in rows),
+                            **prof, wall_ms=round(wall, 3),
+                            plan_ms=round(statistics.median(plans), 3)))
+            print(json.dumps(out[-1]), file=sys.stderr, flush=True)
+            for blocks in owned:  # the next cell's rows get fresh blocks
+                pool.free(blocks)
+    return out
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    plt = pyplot()
+    if plt is None:
+        return
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for native in sorted({r["native"] for r in rows}):
+        for step, style in (("prefill", "--"), ("decode", "-")):
+            cell = sorted((r for r in rows if r["native"] == native and r["step"] == step), key=lambda r: r["batch"])
+            if not cell:
+                continue
+            label = f"{step}, native {native}"
+            axes[0].plot([r["batch"] for r in cell], [r["aten_layer"] for r in cell], style, marker="o", label=label)
+            axes[1].plot([r["batch"] for r in cell], [r["host_ms"] for r in cell], style, marker="o", label=label)
+    axes[0].set(xlabel="batch (rows a step)", ylabel="aten calls per layer", title="aten calls per layer a step")
+    axes[1].set(xlabel="batch (rows a step)", ylabel="host ms per step", title="host time per step (wall - kernels)")
+    for ax in axes:
+        ax.legend(fontsize=8)
+        ax.grid(alpha=0.3)
+    save_figure(fig, path)
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_model_args(ap, model="embedded")
+    ap.add_argument("--batches", default="1,16,48")
+    ap.add_argument("--native", default="on,off", help="native CPU attention kernel settings to run: on, off")
+    ap.add_argument("--docs", type=int, default=16)
+    ap.add_argument("--doc-len", type=int, default=64)
+    ap.add_argument("--k", type=int, default=4, help="documents a row reads")
+    ap.add_argument("--system", type=int, default=16, help="system prompt tokens (shared by every row)")
+    ap.add_argument("--question", type=int, default=12, help="own tokens a row prefills")
+    ap.add_argument("--generated", type=int, default=8, help="tokens a decode row generated before the step")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--tag", default="")
+    ap.add_argument("--out", default=str(FIGURES))
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    args.batches = [int(b) for b in args.batches.split(",")]
+    if args.child:
+        print(json.dumps(measure(args)))
+        return
+    rows = []
+    for native in args.native.split(","):
+        if native not in ("on", "off"):
+            raise SystemExit(f"--native takes on and/or off, got {native!r}")
+        env = dict(os.environ, PROMPTCACHE_NATIVE_ATTENTION="1" if native == "on" else "0")
+        argv_child = [a for a in (argv if argv is not None else sys.argv[1:])]
+        done = subprocess.run([sys.executable, "-m", "eval.host_overhead", *argv_child, "--child"], env=env,
+                              capture_output=True, text=True, cwd=Path(__file__).resolve().parent.parent)
+        if done.returncode != 0:
+            raise SystemExit(f"the native={native} run failed:\n{done.stderr[-3000:]}")
+        got = json.loads(done.stdout.strip().splitlines()[-1])
+        if native == "on" and got and got[0]["native"] != "on":
+            print("note: the native kernel is unavailable here: the 'on' rows ran without it")
+        rows += got
+    for r in rows:
+        print(f"native {r['native']:3} {r['step']:7} B={r['batch']:3}  aten/forward {r['aten_forward']:6}  "
+              f"aten/layer {r['aten_layer']:7}  attention aten/layer {r['attn_layer']:6} "
+              f"({r['attn_calls_layer']} calls)  wall {r['wall_ms']:8.2f} ms  kernels {r['kernel_ms']:8.2f} ms  "
+              f"host {r['host_ms']:8.2f} ms (plan {r.get('plan_ms', 0):.2f} ms)")
+    save_table(f"host_overhead{args.tag}", rows, args.out, plot)
+
+
+if __name__ == "__main__":
+    main()

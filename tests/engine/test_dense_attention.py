@@ -1,0 +1,135 @@
+"""One attention call a layer over keys gathered from the pool by slot (serving_core/dense.py).
+
+Without the native CPU kernel (the path a GPU takes) a step's rows are attended in one padded call
+a layer. It must compute what the per-part path computes (each shared segment, each earlier part
+and the causal chunk as separate calls merged by log-sum-exp, itself held to plain softmax
+attention in test_serving.py): decode rows and chunks of different lengths in one step, segments
+read shifted (rotary), segments some queries see a prefix of (selective recompute's rows), and a
+store tensor outside the pool merged in afterwards.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from promptcache import tunables
+from promptcache.engine.serving_core import paged
+from promptcache.engine.serving_core.dense import pool_slots
+from promptcache.engine.serving_core.kvpool import KVPool
+from promptcache.models.splice import KVSpec
+
+
+def make_pool(seed: int, head_dim: int = 16) -> KVPool:
+    g = torch.Generator().manual_seed(seed)
+    pool = KVPool(KVSpec(layers=2, kv_heads=2, head_dim=head_dim, dtype=torch.float32), torch.device("cpu"),
+                  tokens=1024, block_size=4)
+    pool.buf.copy_(torch.randn(pool.buf.shape, generator=g))
+    return pool
+
+
+def both(pool, rows, query, monkeypatch, rope=None):
+    """(dense result, per-part result) of layer 1 for ``rows``, and the dense plan."""
+    monkeypatch.setattr(paged.cpu_attention, "gathers", lambda buf: False)
+    plan = paged.build_plan(pool, rows, rope=rope)
+    assert plan.dense is not None
+    got = paged.attend(plan, 1, query)
+    monkeypatch.setattr(tunables, "DENSE_MAX", 0)
+    per_part = paged.build_plan(pool, rows, rope=rope)
+    assert per_part.dense is None
+    return got, paged.attend(per_part, 1, query), plan
+
+
+def rows_of(pool, shifts=(0, 0), limits=False, store=None):
+    """Two shared pool segments (and ``store``, a tensor of its own, after them), then: a decode row,
+    a chunk of 5 with earlier tokens, a chunk of 3. ``limits``: the chunks' query i sees the first
+    1 + i keys of the first segment (of ``store`` where given)."""
+    segs = [pool.views(pool.allocate(2), n)[0] for n in (6, 5)]
+    shared = [(f"s{i}", v) for i, v in enumerate(segs)]
+    if store is not None:
+        shared.append(("store", store))
+    own = [pool.slots(pool.allocate(3), 0, n) for n in (4, 9, 3)]
+    out = []
+    for own_slots, t in zip(own, (1, 5, 3)):
+        lim = None
+        if limits and t > 1:  # query i sees the first segment's first 1 + i keys (prompt order)
+            seen = torch.arange(1, t + 1).clamp(max=4)
+            lim = [None, None, seen] if store is not None else [seen, None]
+        out.append(paged.PagedRow([0] * t, list(range(t)), shared, own_slots, shared_limits=lim,
+                                  shared_shift=list(shifts) + ([0] if store is not None else [])))
+    return out
+
+
+@pytest.mark.parametrize("case", ["plain", "shifted", "limits", "store-tensor", "store-limited"])
+def test_one_padded_call_equals_the_per_part_path(case, monkeypatch):
+    pool = make_pool(seed=len(case))
+    g = torch.Generator().manual_seed(7)
+    store = torch.randn((2, 2, 2, 4, 16), generator=g) if case.startswith("store") else None
+    rows = rows_of(pool, shifts=(3, 11) if case == "shifted" else (0, 0),
+                   limits=case in ("limits", "store-limited"), store=store)
+    rope = 1.0 / (10000 ** (torch.arange(0, 16, 2, dtype=torch.float32) / 16)) if case == "shifted" else None
+    query = torch.randn((1, 6, 9, 16), generator=g)  # 6 query heads over 2 KV heads, 1 + 5 + 3 queries
+    got, want, plan = both(pool, rows, query, monkeypatch, rope)
+    assert (plan.dense.rows, plan.dense.queries) == (3, 5)
+    # the store tensor (outside the pool) stays a cascade segment merged in afterwards
+    assert bool(plan.segments) == case.startswith("store") and bool(plan.limited) == (case == "store-limited")
+    assert got.shape == want.shape == (1, 9, 6, 16)
+    assert torch.allclose(got, want, atol=1e-5, rtol=0), (got - want).abs().max()
+
+
+def test_one_padded_call_is_causal_attention_over_segments_then_own_tokens(monkeypatch):
+    """Against softmax attention written out: query i of a chunk sees every shared key, its row's
+    earlier tokens and its chunk's tokens 0..i; a decode row sees its segments and own tokens."""
+    pool = make_pool(seed=3)
+    rows = rows_of(pool)
+    g = torch.Generator().manual_seed(5)
+    query = torch.randn((1, 6, 9, 16), generator=g)
+    monkeypatch.setattr(paged.cpu_attention, "gathers", lambda buf: False)
+    got = paged.attend(paged.build_plan(pool, rows), 1, query)
+    k_all, v_all = pool.buf[1, 0], pool.buf[1, 1]
+    off = 0
+    for row in rows:
+        t = len(row.ids)
+        seg_k = torch.cat([v[1, 0] for _, v in row.shared], dim=1)
+        seg_v = torch.cat([v[1, 1] for _, v in row.shared], dim=1)
+        done = len(row.own) - t
+        for i in range(t):
+            own = row.own[: done + i + 1]
+            k = torch.cat([seg_k, k_all[:, own]], dim=1)
+            v = torch.cat([seg_v, v_all[:, own]], dim=1)
+            q = query[0, :, off + i].view(2, 3, 16)
+            want = torch.softmax(q @ k.transpose(1, 2) / 4, dim=-1) @ v
+            assert torch.allclose(got[0, off + i], want.reshape(6, 16), atol=1e-5, rtol=0)
+        off += t
+
+
+def test_a_step_too_large_to_pad_keeps_the_per_part_path(monkeypatch, caplog):
+    pool = make_pool(seed=1)
+    rows = rows_of(pool)
+    monkeypatch.setattr(paged.cpu_attention, "gathers", lambda buf: False)
+    monkeypatch.setattr(tunables, "DENSE_MAX", 2 * 3 * 5 * 20 - 1)  # KV heads x rows x queries x keys, less one
+    with caplog.at_level(logging.INFO, logger="promptcache.engine.serving_core.dense"):
+        plan = paged.build_plan(pool, rows)
+    assert plan.dense is None and plan.prefills and "part by part" in caplog.text
+    monkeypatch.setattr(tunables, "DENSE_MAX", 2 * 3 * 5 * 20)
+    assert paged.build_plan(pool, rows).dense is not None
+
+
+def test_pool_slots_of_a_view_and_of_a_tensor_of_its_own():
+    pool = make_pool(seed=2)
+    blocks = pool.allocate(3)
+    view = pool.views(blocks, 10)[0]
+    assert pool_slots(pool.buf, view).tolist() == pool.slots(blocks, 0, 10).tolist()
+    assert pool_slots(pool.buf, view.clone()) is None
+    assert pool_slots(pool.buf, pool.buf[:, :, :1, 0:4]) is None  # not every head: not a run of slots
+
+
+def test_bad_key_limits_are_refused_with_what_is_wrong(monkeypatch):
+    pool = make_pool(seed=4)
+    rows = rows_of(pool, limits=True)
+    rows[1].shared_limits[0] = torch.tensor([1, 2, 3, 4, 9])  # the segment holds 6 tokens
+    monkeypatch.setattr(paged.cpu_attention, "gathers", lambda buf: False)
+    with pytest.raises(ValueError, match=r"key limits of a shared segment of 6 tokens must lie in 0..6"):
+        paged.build_plan(pool, rows)
