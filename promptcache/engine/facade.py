@@ -51,6 +51,7 @@ from .prefill.recompute import RecomputeRequest, check_recompute, fraction_of, r
 from .schemas.registry import EncodedSchema, SchemaRegistry
 from .serving_core.request import Request
 from .prefill.results import Generation, PrefillResult
+from .prefill.window_reads import whole_segment, with_whole_states
 from .prefill.runner import ModelRunner
 from .decoding.sampling import SamplingParams, sampling_params
 from .stream import GenerationStream
@@ -213,6 +214,7 @@ class PromptCache:
         if r > 0 and not plan.exact:  # exact plans (and r = 0) skip this walk over the layout
             req = recompute_request(layout, leading_exact(layout, entry), r, self.config.recompute.selection,
                                     moves_last(layout))
+        plan = self._readable(plan, entry, req)
         return self.runner.prefill_spliced(plan, t0, reserve, keep_cache, recompute=req)
 
     def plan(self, prompt: str | Path | Prompt, namespace: str | None = None, *,
@@ -229,8 +231,8 @@ class PromptCache:
         if r > 0 and not plan.exact:  # exact plans (and r = 0) skip the walk over the layout
             req = recompute_request(layout, leading_exact(layout, entry), r, self.config.recompute.selection,
                                     moves_last(layout))
-            plan = self.runner.recompute_plan(plan, req)
-        return plan
+            return self.runner.recompute_plan(self._readable(plan, entry, req), req)
+        return self._readable(plan, entry)
 
     def _assemble(self, layout: PromptLayout, entry: EncodedSchema | None) -> PrefillPlan:
         """``assemble.assemble``; a stored state that vanished (shared tier down or evicted) or
@@ -243,6 +245,22 @@ class PromptCache:
             log.warning("schema '%s': a stored state cannot be used (%s); re-encoding what is missing", entry.name, e)
             self._ensure_states(entry.layout, entry.keys, fetch=True)
             return assemble(layout, entry, self.store)
+
+    def _readable(self, plan: PrefillPlan, entry: EncodedSchema | None, req: RecomputeRequest | None = None):
+        """``plan`` with the stored states its readers need more of than a trimming tier kept
+        (window-aware storage: a reader before a module, a recomputed token inside one) encoded
+        again, so the prompt reads what whole states give (``prefill/window_reads.py``)."""
+        if entry is None or self.store.windows is None:
+            return plan
+        fresh: dict[int, torch.Tensor] = {}
+        index = {k: i for i, k in entry.keys.items()}
+
+        def whole(seg: Segment) -> Segment:
+            if not fresh:  # one encode of the schema gives every span
+                fresh.update(self.encoder.encode(entry.layout))
+            return whole_segment(seg, fresh[index[seg.key.removesuffix("[:-1]")]][:, :, :, :seg.n])
+
+        return with_whole_states(plan, self.store.windows, whole, req)
 
     def recompute_fraction(self, recompute: float | str | None) -> float:
         """The fraction a call uses: ``None`` means ``config.recompute.fraction``; else checked to be
