@@ -164,6 +164,24 @@ def test_documents_relocated_past_the_window_equal_their_definition():
         assert res.cached_tokens > 6
 
 
+@pytest.mark.parametrize("window", [4, 7])
+def test_the_recompute_reference_runs_gemma3_and_recomputing_everything_is_a_plain_forward(window):
+    """``eval/recompute_reference.py`` (the fidelity study's CacheBlend path) runs each layer with
+    its own rope base, q/k norms, Gemma's four norms and the window by position: recomputing every
+    cached token of a prompt 30 tokens long (documents crossing the window) equals the stock
+    forward; recomputing none does not (the documents were encoded apart)."""
+    from eval.recompute_reference import Prompt, blend, check_exact, independent_kv
+
+    model = gemma3(window)
+    torch.manual_seed(window)
+    p = Prompt(torch.randint(4, VOCAB, (30,)), [(3, 12), (12, 22)])
+    assert check_exact(model, p) <= TOL
+    with torch.inference_mode():
+        none, _ = blend(model, p, independent_kv(model, p), torch.tensor([], dtype=torch.long))
+        plain = model(p.ids[None]).logits[0, -1:]
+    assert torch.max(torch.abs(none - plain)).item() > 1e-2
+
+
 @pytest.mark.parametrize("setting", [dict(attn_logit_softcapping=50.0), dict(use_bidirectional_attention=True)])
 def test_settings_the_engine_does_not_reproduce_are_refused(setting):
     config = gemma3_config(5)
