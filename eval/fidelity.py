@@ -42,7 +42,8 @@ Budget ``b``: ``round(b * C)`` of the prompt's ``C`` reused document tokens are 
 is a plain prefill in prompt order: those are run once a prompt (methods ``splice`` and
 ``full_recompute``) and drawn at the ends of every line. ``--calibrate N``: full prefill in
 bfloat16 against float32 on the first N samples (method ``bf16_full``): how many answers a change
-that is not reuse moves.
+that is not reuse moves. ``--full-only``: full prefill's answers alone (method ``full_prefill``), a
+model's accuracy on the tasks (``eval/results/gemma3.md``: Gemma 3 270M beside SmolLM2).
 
 Writes ``fidelity{tag}.csv`` (a row per prompt, order, method, budget), ``fidelity{tag}_summary.csv``,
 ``fidelity{tag}_summary.png`` (agreement against budget, one line per method, per task and order)
@@ -266,7 +267,8 @@ def evaluate_prompt(p: Prompt, runs, eos, max_new: int, bf16=None) -> list[dict]
     full_logits, full_ids, text, full_ttft = full_greedy(p.pc.model, tok, ids, eos, max_new)
     full = answer_text(text)
     ref = Reference(p, eos) if any(sel == "reference" for _, _, sel in runs) else None
-    answers = []
+    answers = [] if runs else [("full_prefill", 1.0, dict(logits=full_logits, text=full, ttft=full_ttft, exact=True,
+                                                          recomputed=0.0, cached=0))]  # --full-only: its own row
     for label, b, sel in runs:
         a = ref.answer(b, max_new) if sel == "reference" else engine_answer(p, sel, b, max_new, (full_ids, full))
         answers.append((label, b, a))
@@ -457,6 +459,8 @@ def parse_args(argv):
     ap.add_argument("--doc-tokens", type=int, default=1000, help="about this many document tokens a prompt")
     ap.add_argument("--answer-tokens", type=int, default=ANSWER_TOKENS)
     ap.add_argument("--calibrate", type=int, default=0, help="bfloat16 full prefill on the first N samples a task")
+    ap.add_argument("--full-only", action="store_true",
+                    help="full prefill's answers alone (a row per prompt, method full_prefill): a model's accuracy")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--combine", nargs="+", type=Path, help="summarize these per-prompt CSVs only")
     ap.add_argument("--out", type=Path, default=RESULTS)
@@ -515,7 +519,7 @@ def run(args, save) -> list[dict]:
     pc = PromptCache.from_pretrained(args.model)
     eos = frozenset(pc.runner.eos_ids)
     bf16 = load_model(args.model, dtype="bfloat16")[0] if args.calibrate else None
-    runs, rows = runs_for(args.methods, args.budgets), []
+    runs, rows = ([] if args.full_only else runs_for(args.methods, args.budgets)), []
     tasks = {t: fidelity_tasks.samples(t, args.first + args.n, doc_tokens=args.doc_tokens) for t in args.tasks}
     for k in range(args.first, args.first + args.n):  # task by task within a sample: a run stopped early has both
         for task in args.tasks:

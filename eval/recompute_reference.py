@@ -1,4 +1,5 @@
-"""Reference selective recompute on a stock Hugging Face Llama-family model (outside the engine).
+"""Reference selective recompute on a stock Hugging Face model (outside the engine): the
+Llama family (SmolLM2) and Gemma 3 (``gemma3_text``).
 
 The prompt is ``prefix + module_1 + ... + module_m + suffix`` as token IDs at contiguous
 positions ``0..N-1`` (no gap before the suffix). States:
@@ -11,8 +12,11 @@ positions ``0..N-1`` (no gap before the suffix). States:
   cached (independent) one. ``recompute`` = the whole prompt is exactly a plain forward (checked
   by ``check_exact``). A selection may narrow its set after a layer (CacheBlend proper).
 
-Layers are run by hand (``run_layers``): per layer RMSNorm, q/k/v, RoPE at the given positions,
-attention over the slot-merged keys with an explicit boolean mask, o_proj, MLP. Shapes: one
+Layers are run by hand (``run_layers``): per layer RMSNorm, q/k/v (and their RMSNorm where the
+family has one: Gemma 3, Qwen3), RoPE at the given positions with the layer's own frequencies
+(the engine's adapter: ``RopeSpec.inv_freq``, one base per layer type on Gemma 3), attention over
+the slot-merged keys with an explicit boolean mask (and the layer's sliding window, by position),
+o_proj, MLP (Gemma's norms around attention and MLP where the layer has them). Shapes: one
 sequence, keys ``[1, kv_heads, N, head_dim]`` per layer.
 """
 
@@ -23,6 +27,8 @@ from typing import Callable
 
 import torch
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb, repeat_kv
+
+from promptcache.models import get_adapter
 
 KV = list[tuple[torch.Tensor, torch.Tensor]]  # per layer (K, V), each [1, kv_heads, N, head_dim]
 # narrow(layer, active [A], fresh (K, V) of the active slots at this layer) -> keep mask [A] (bool)
@@ -87,16 +93,20 @@ def run_layers(model, ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor, 
     """
     lm = model.model
     n = ids.numel()
-    h = lm.embed_tokens(ids[active])[None]  # [1, A, D]
-    cos, sin = lm.rotary_emb(h, pos[active][None])
+    h = lm.embed_tokens(ids[active])[None]  # [1, A, D] (Gemma's embedding scales its own output)
+    ropes, windows = _layer_ropes(model), get_adapter(model).sliding_windows() or [None] * len(lm.layers)
+    cos_sin = {id(f): _cos_sin(f, pos[active], h.dtype) for f in {id(f): f for f in ropes}.values()}
     kv: KV = []
     for li, layer in enumerate(lm.layers):
         at = layer.self_attn
+        cos, sin = cos_sin[id(ropes[li])]
         x = layer.input_layernorm(h)
         shape = (1, x.shape[1], -1, at.head_dim)
         q = at.q_proj(x).view(shape).transpose(1, 2)
         k = at.k_proj(x).view(shape).transpose(1, 2)
         v = at.v_proj(x).view(shape).transpose(1, 2)
+        if hasattr(at, "q_norm"):  # Gemma 3, Qwen3: q and k RMS-normalised per head before RoPE
+            q, k = at.q_norm(q), at.k_norm(k)
         q, k = apply_rotary_pos_emb(q, k, cos, sin)
         if base is None:
             assert active.numel() == n, "without base states every slot must be active"
@@ -105,23 +115,55 @@ def run_layers(model, ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor, 
             K, V = base[li][0].clone(), base[li][1].clone()
             K[:, :, active], V[:, :, active] = k, v
         kv.append((K, V))
+        seen = mask[active]
+        if windows[li] is not None:  # a sliding layer: keys at positions <= query - window are hidden
+            seen = seen & (pos[active][:, None] - pos[None, :] < windows[li])
         scores = torch.matmul(q, repeat_kv(K, at.num_key_value_groups).transpose(2, 3)) * at.scaling
-        scores = scores.masked_fill(~mask[active][None, None], float("-inf"))
+        scores = scores.masked_fill(~seen[None, None], float("-inf"))
         probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)  # [1, H, A, N]
         if attn_out is not None:
             attn_out.append(probs)
-        o = torch.matmul(probs, repeat_kv(V, at.num_key_value_groups)).transpose(1, 2).reshape(1, x.shape[1], -1)
-        h = h + at.o_proj(o)
-        h = h + layer.mlp(layer.post_attention_layernorm(h))
+        o = at.o_proj(torch.matmul(probs, repeat_kv(V, at.num_key_value_groups)).transpose(1, 2).reshape(1, x.shape[1], -1))
+        if hasattr(layer, "pre_feedforward_layernorm"):  # Gemma: norms after attention and around the MLP
+            h = h + layer.post_attention_layernorm(o)
+            h = h + layer.post_feedforward_layernorm(layer.mlp(layer.pre_feedforward_layernorm(h)))
+        else:
+            h = h + o
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
         if narrow is not None and li < len(lm.layers) - 1:
             keep = narrow(li, active, (k, v))
             if not bool(keep.all()):
                 h, active = h[:, keep], active[keep]
-                cos, sin = cos[:, keep], sin[:, keep]
+                cos_sin = {f: (c[:, keep], s_[:, keep]) for f, (c, s_) in cos_sin.items()}
                 if attn_out is not None:
                     attn_out.clear()
     logits = model.lm_head(lm.norm(h[0, -last:]))
+    cap = getattr(model.config, "final_logit_softcapping", None)
+    if cap:  # Gemma: logits soft-capped by the model's head
+        logits = torch.tanh(logits / cap) * cap
     return logits, kv, active
+
+
+def _layer_ropes(model) -> list[torch.Tensor]:
+    """Each layer's rotary frequencies [head_dim // 2] (float32, as the model computes them): the
+    adapter's ``RopeSpec`` (one row a layer where layer types have their own base)."""
+    spec = get_adapter(model).rope_spec()
+    head_dim = model.model.layers[0].self_attn.head_dim
+    if spec.rotary_dim != head_dim:
+        raise NotImplementedError(f"the reference rotates whole heads; this model rotates {spec.rotary_dim} of "
+                                  f"{head_dim} channels")
+    rows = spec.inv_freq.float()
+    if rows.dim() == 1:
+        return [rows] * len(model.model.layers)
+    distinct = {}  # one tensor per distinct row, so cos/sin are computed once a layer type
+    return [distinct.setdefault(tuple(r.tolist()), r) for r in rows]
+
+
+def _cos_sin(inv_freq: torch.Tensor, pos: torch.Tensor, dtype: torch.dtype):
+    """cos, sin [1, A, head_dim] at positions ``pos`` [A], as the models' rotary modules compute them."""
+    freqs = (inv_freq[None, :, None].float() @ pos[None, None, :].float()).transpose(1, 2)  # [1, A, d/2]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
 def from_layout(layout) -> Prompt:

@@ -22,6 +22,7 @@ from .common import RESULTS, add_model_args, pyplot, save_figure, save_table, te
 
 def measure(pc, n: int) -> dict:
     from promptcache.store import codec
+    from promptcache.store.codec import kept_tokens
 
     windows = pc.adapter.sliding_windows()
     ids = pc.tokenizer(text_of_tokens(pc.tokenizer, n, seed=n), add_special_tokens=False).input_ids[:n]
@@ -29,7 +30,7 @@ def measure(pc, n: int) -> dict:
     whole, _ = codec.encode({"kv": ("doc", kv)})
     trimmed, _ = codec.encode({"kv": ("doc", kv)}, windows=windows)
     back = codec.decode(trimmed, "kv", codec.StateInfo("doc"))
-    t = codec.kept_tokens(windows, len(ids))
+    t = kept_tokens(windows, len(ids))
     if t is not None:  # every kept entry as stored whole
         for layer, k in enumerate(t.kept):
             assert torch.equal(back[layer, :, :, len(ids) - k:], kv[layer, :, :, len(ids) - k:].cpu())

@@ -27,14 +27,17 @@ import logging
 import weakref
 from typing import Protocol
 
+import torch
+
 from ..layout import PromptLayout, SchemaLayout, layout_prompt
 from ..pml import parse_prompt
 from ..pml.nodes import Prompt
 from ..store import StoreError
 from .prefill.config import EngineConfig
-from .prefill.plan import PrefillPlan, PromptSpec
-from .prefill.recompute import check_recompute, fraction_of, recompute_request
+from .prefill.plan import PrefillPlan, PromptSpec, Segment
+from .prefill.recompute import RecomputeRequest, check_recompute, fraction_of, recompute_request
 from .prefill.runner import ModelRunner
+from .prefill.window_reads import whole_segment, with_whole_states
 from .schemas.assemble import assemble, leading_exact, moves_last
 from .schemas.encoder import Progress, SchemaEncoder
 from .schemas.registry import EncodedSchema, SchemaRegistry
@@ -130,9 +133,27 @@ class Planner:
         entry = self.schema(layout.schema.name, namespace) if layout.schema is not None else None
         plan = self.assemble(layout, entry)
         if r <= 0 or plan.exact:  # exact plans (and r = 0) skip the walk over the layout
-            return plan, None
-        return plan, recompute_request(layout, leading_exact(layout, entry), r, self.config.recompute.selection,
-                                       moves_last(layout))
+            return self.readable(plan, entry), None
+        req = recompute_request(layout, leading_exact(layout, entry), r, self.config.recompute.selection,
+                                moves_last(layout))
+        return self.readable(plan, entry, req), req
+
+    def readable(self, plan: PrefillPlan, entry: EncodedSchema | None, req: RecomputeRequest | None = None
+                 ) -> PrefillPlan:
+        """``plan`` with the stored states its readers need more of than a trimming tier kept
+        (window-aware storage: a reader before a module, a recomputed token inside one) encoded
+        again, so the prompt reads what whole states give (``prefill/window_reads.py``)."""
+        if entry is None or self.store.windows is None:
+            return plan
+        fresh: dict[int, torch.Tensor] = {}
+        index = {k: i for i, k in entry.keys.items()}
+
+        def whole(seg: Segment) -> Segment:
+            if not fresh:  # one encode of the schema gives every span
+                fresh.update(self.encoder.encode(entry.layout))
+            return whole_segment(seg, fresh[index[seg.key.removesuffix("[:-1]")]][:, :, :, :seg.n])
+
+        return with_whole_states(plan, self.store.windows, whole, req)
 
     def assemble(self, layout: PromptLayout, entry: EncodedSchema | None) -> PrefillPlan:
         """``assemble.assemble``; a stored state that vanished or failed verification is re-encoded

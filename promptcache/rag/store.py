@@ -82,6 +82,7 @@ from ..engine import Generation, PrefillResult, PromptCache, PromptSpec, TokenPr
 from ..engine.serving_core.chains import chained, stored_run
 from ..engine.prefill.plan import PrefillPlan, Segment
 from ..engine.prefill.recompute import check_recompute, check_selection, recompute_request
+from ..engine.prefill.window_reads import whole_segment, with_whole_states
 from ..keys import alone_key, chain_root, token_digest
 from ..layout import PromptLayout, Span
 from ..models.relocate import check_relocatable, relocate
@@ -397,7 +398,17 @@ class DocumentStore:
         plan = PrefillPlan(segments=cached, new_ids=[t for s in new for t in s.token_ids],
                            new_pos=[p for s in new for p in s.position_ids], max_position=max(layout.position_ids),
                            exact=not drifted, layout=layout, hit_tiers=hits)
-        return plan, req
+        return with_whole_states(plan, self.pc.store.windows, functools.partial(self._whole, docs), req), req
+
+    def _whole(self, docs: list[Document], seg: Segment) -> Segment:
+        """A document's segment read from its states encoded again (window-aware storage kept less
+        of them than a recomputed token inside it reads: ``prefill/window_reads.py``)."""
+        at = len(self.encode_prefix)
+        doc = next((d for d in docs if seg.key == f"{self.state_key(self.unit_ids(d))}@{at}"), None)
+        if doc is None:  # the prefix and chained documents are read only after their last token
+            raise DocumentStoreError(f"stored states {seg.key[:16]}... are read before their last token")
+        kv = self._encode(self.unit_ids(doc)).to(device=seg.kv.device, dtype=seg.kv.dtype)
+        return whole_segment(seg, kv, functools.partial(relocate, self.pc.adapter, kv, seg.shift) if seg.shift else None)
 
     def _independent_states(self, layout: PromptLayout, skip: int):
         """(stored segments, tier hits): each document after the first ``skip``

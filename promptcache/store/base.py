@@ -45,7 +45,8 @@ class Tier(ABC):
     io: bool = False
     shared: bool = False
     # the model's sliding window per layer, set (``build_store``) on tiers that serialize states when
-    # ``StoreConfig.window_aware``: they then write only what a later position can see (store/window.py)
+    # ``StoreConfig.window_aware``: they then write only what a reader after a state can see
+    # (store/codec.py, window-aware storage)
     windows: tuple[int | None, ...] | None = None
 
     @abstractmethod

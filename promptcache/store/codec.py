@@ -72,7 +72,7 @@ def st_dtype(t: torch.dtype | str) -> str:
 
 
 def describe(name: str, dtype: str, shape, key: str, model: str, window: dict | None = None) -> bytes:
-    """What a checksum covers besides the data; ``window``: a trimmed state's ``window.Trim``
+    """What a checksum covers besides the data; ``window``: a trimmed state's ``Trim``
     (JSON), only then part of it (an untrimmed state's description is unchanged)."""
     d = {"format": FORMAT, "name": name, "dtype": dtype, "shape": list(shape), "key": key, "model": model}
     if window is not None:
@@ -96,7 +96,7 @@ def encode(states: dict[str, tuple[str, torch.Tensor]], model: str = "",
     """(safetensors bytes, {name: checksum}) of ``states``: name -> (content key, kv).
     ``windows``: the model's sliding window per layer (None entries: global layers); states
     [L, 2, H, n, D] longer than a window are stored trimmed to what a later position can see
-    (``store/window.py``; the record says what was kept) and read back whole."""
+    (the window-aware storage section below; the record says what was kept) and read back whole."""
     tensors, records = {}, {}
     for name, (key, kv) in states.items():
         t = kept_tokens(windows, kv.shape[3]) if windows and kv.dim() == 5 else None
@@ -379,20 +379,30 @@ def write_file(path: Path, states: dict[str, tuple[str, torch.Tensor]], model: s
     return sums
 
 
-
 # -- window-aware storage ----------------------------------------------------------------------------
-# Keep, of a stored state, only what a later position can see (``encode(..., windows=...)``).
-# In a sliding-window layer (Gemma 3's local layers) a query at position p sees keys at positions
-# > p - window. A query at or after a span's last token (the prompt's next tokens, decoding, the
-# last cached token run again when a prompt has no new tokens) therefore reads, of a span of n
-# tokens, only the last ``min(n, window)`` in that layer; global layers keep all n. ``trim`` packs
-# what is kept ([2, H, sum(kept), D], layer after layer), ``untrim`` restores [L, 2, H, n, D] with
-# the dropped entries zero; the record (``Trim``: the span's tokens and those kept per layer, the
-# last ones) is covered by the checksum. Exact where every reader of a state sits after it: token
-# chains, documents and modules read by the text after them. Not where a reader sits before a
-# state's end: a parameter's argument or a recomputed token reads later or enclosing modules from
-# inside or before them (Prompt Cache's new tokens attend to every imported module), so the
-# option is off by default (``StoreConfig.window_aware``).
+# Window-aware storage: what a stored state keeps in sliding-window layers, and whether a reader
+# finds what it needs in it.
+#
+# In a sliding-window layer (Gemma 3's local layers) a query at position q sees keys at positions
+# p > q - window, wherever they sit (a prompt's new tokens attend to every state it imports, so a
+# reader may sit before a state too: free text before the first module reference, a parameter's
+# argument, a recomputed token inside or before the state). What any reader can see is a suffix of
+# the state in each sliding layer: the part past ``first reader - window``.
+#
+# Storing (``codec.encode(..., windows=...)``, the disk and Redis tiers with
+# ``StoreConfig.window_aware``) keeps, of a span of n tokens, the last ``min(n, window)`` in each
+# sliding layer: what a reader at or after the span's last token sees (the prompt's next tokens,
+# decoding, the last cached token run again when a prompt has no new tokens); global layers keep
+# all n. ``trim`` packs what is kept ([2, H, sum(kept), D], layer after layer), ``untrim`` restores
+# [L, 2, H, n, D] with the dropped entries zero; the record (``Trim``) is covered by the codec's
+# checksum.
+#
+# Reading: a dropped entry is zero in every head and dimension of its key, which a computed key
+# never is, so whether a reader finds what it needs is read off the state itself, wherever it has
+# been since (promoted to memory, copied into a buffer): ``readable`` looks at the one entry per
+# sliding layer that the earliest reader needs first. A state a reader cannot use is encoded again
+# by the engine (``engine/prefill/window_reads.py``), so every prompt stays exact; a key that happens
+# to be zero only costs that encode, never a wrong read.
 
 
 @dataclass(frozen=True)
@@ -445,3 +455,18 @@ def untrim(packed: torch.Tensor, t: Trim) -> torch.Tensor:
         kv[l, :, :, t.tokens - k:] = packed[:, :, at : at + k]
         at += k
     return kv
+
+
+def readable(kv: torch.Tensor, windows, start: int, first_reader: int) -> bool:
+    """Whether every entry of ``kv`` [L, 2, H, n, D] (a span at positions start..start+n-1) that a
+    query at ``first_reader`` or later can see in a sliding layer was kept. Only entries a trim
+    may have dropped are looked at (before the last ``window`` of a layer), in one read."""
+    n = kv.shape[3]
+    rows = []
+    for layer, w in enumerate(windows or ()):
+        if w is None or n <= w:
+            continue  # a global layer, or a span no longer than the window: kept whole
+        first = max(0, first_reader - w + 1 - start)  # the first entry a reader at first_reader sees
+        if first < n - w:  # before the kept suffix: it may have been dropped
+            rows.append(kv[layer, 0, :, first])
+    return not rows or bool(torch.stack(rows).flatten(1).any(dim=1).all())

@@ -52,9 +52,10 @@ class StoreConfig:
         DEFAULT_LAG, "Write-behind: seconds a new state may wait for the disk; beyond it new states wait for the "
                      "writer (the most a kill loses).")
     window_aware: bool = setting(
-        False, "Disk and --remote keep of each state, in sliding-window layers (Gemma 3's local ones), only the "
-               "tokens a later position can see: exact where every reader of a module sits after it (no parameter "
-               "argument before it, nothing recomputed inside it).")
+        True, "Disk and --remote keep of each state, in sliding-window layers (Gemma 3's local ones), only the "
+              "tokens a reader after it can see (models without such layers: no effect). A prompt with a reader "
+              "before a module (text before the first reference, a parameter argument, a recomputed token) "
+              "encodes the states it needs again: always exact.")
     pin_budget: int = setting(
         DEFAULT_PIN_BUDGET, "Memory that the server's cache_control breakpoints may pin at once (a size); a "
                             "request that would pin more is refused with a 400.")

@@ -52,7 +52,7 @@ def build_store(device: torch.device | str, config: StoreConfig | None = None, w
     """The default tiers: device memory (not on CPU), host memory, disk (all write-back), then the
     shared Redis tier when ``config.remote`` is set. ``windows``: the model's sliding window per
     layer; with ``config.window_aware`` the disk and Redis tiers write only what a later position
-    can see of each state (``store/window.py``)."""
+    can see of each state (``store/codec.py``, window-aware storage)."""
     config, device = config or StoreConfig(), torch.device(device)
     tiers: list[Tier] = []
     if device.type != "cpu":
@@ -119,6 +119,12 @@ class TieredStore:
                 if not self.tiers[j].shared:
                     self._fit(j)
         self._flush()
+
+    @property
+    def windows(self) -> tuple[int | None, ...] | None:
+        """The sliding window per layer by which a tier trims what it writes
+        (``StoreConfig.window_aware``; None: every tier keeps states whole)."""
+        return next((t.windows for t in self.tiers if t.windows is not None), None)
 
     @property
     def keeps_new(self) -> bool:

@@ -166,6 +166,68 @@ def test_documents_relocated_past_the_window_equal_their_definition():
         assert res.cached_tokens > 6
 
 
+@pytest.mark.parametrize("window", [4, 7])
+def test_the_recompute_reference_runs_gemma3_and_recomputing_everything_is_a_plain_forward(window):
+    """``eval/recompute_reference.py`` (the fidelity study's CacheBlend path) runs each layer with
+    its own rope base, q/k norms, Gemma's four norms and the window by position: recomputing every
+    cached token of a prompt 30 tokens long (documents crossing the window) equals the stock
+    forward; recomputing none does not (the documents were encoded apart)."""
+    from eval.recompute_reference import Prompt, blend, check_exact, independent_kv
+
+    model = gemma3(window)
+    torch.manual_seed(window)
+    p = Prompt(torch.randint(4, VOCAB, (30,)), [(3, 12), (12, 22)])
+    assert check_exact(model, p) <= TOL
+    with torch.inference_mode():
+        none, _ = blend(model, p, independent_kv(model, p), torch.tensor([], dtype=torch.long))
+        plain = model(p.ids[None]).logits[0, -1:]
+    assert torch.max(torch.abs(none - plain)).item() > 1e-2
+
+
+def test_documents_read_in_place_at_an_offset_rotate_queries_by_each_layers_base(tokenizer):
+    """Served documents are read where they are stored, each query rotated back by the document's
+    shift with its own layer's rope base (local 10K-like, global 1M-like): the requests equal the
+    private prefill, which moves the states instead (``relocate``), with and without recompute."""
+    from promptcache.engine.decoding.sampling import SamplingParams
+    from promptcache.engine.serving_core.kvpool import KVPool
+    from promptcache.engine.serving_core.request import Request
+    from promptcache.engine.serving_core.scheduler import ServingScheduler
+    from promptcache.rag import DocumentStore
+
+    pc = PromptCache(gemma3(6), tokenizer)
+    assert get_adapter(pc.model).rope_spec().inv_freq.dim() == 2  # a base per layer type
+    store = DocumentStore(pc, None, independent=True)
+    docs = {"paris": "Paris is the capital of France, famous for museums and cafes.",
+            "tokyo": "Tokyo is a huge city in Japan with temples, food markets and fast trains.",
+            "rome": "Rome is an old city with a famous tower and quiet gardens."}
+    for k, v in docs.items():
+        store.add(k, v)
+    cases = [(ids, r) for ids in (["rome", "paris", "tokyo"], ["tokyo", "rome"]) for r in (0.0, 0.5)]
+    sched = ServingScheduler(pc.runner, KVPool(pc.runner.spec, pc.device, 2048, 16), token_budget=9, planner=pc.core.planner)
+    reqs = [Request(store.prompt("Which city is old?", ids, recompute=r), SamplingParams(max_new_tokens=5, temperature=0.0),
+                    tokenizer) for ids, r in cases]
+    for req in reqs:
+        sched.add(req)
+    shifted = set()
+    while sched.has_work:
+        sched.step()
+        shifted |= {i for i, req in enumerate(reqs) if req.kv is not None and req.kv.shared_shift is not None and any(req.kv.shared_shift)}
+    assert shifted == set(range(len(reqs)))  # every request read a document where it was not stored
+    for (ids, r), got in zip(cases, reqs):
+        assert got.error is None, got.error
+        want = store.prefill("Which city is old?", ids, reserve=6, keep_cache=True, recompute=r)
+        assert torch.max(torch.abs(got.prefill.logits - want.logits)).item() <= TOL, (ids, r)
+        tokens, logits, pos = [], want.logits, want.next_position
+        for _ in range(5):
+            tokens.append(int(logits.argmax()))
+            if tokens[-1] in pc.runner.eos_ids:
+                break
+            logits = pc.runner.forward(torch.tensor([[tokens[-1]]]), torch.tensor([[pos]]), want.cache)[0]
+            pos += 1
+        pc.release(want)
+        assert got.token_ids == tokens, (ids, r)
+
+
 @pytest.mark.parametrize("setting", [dict(attn_logit_softcapping=50.0), dict(use_bidirectional_attention=True)])
 def test_settings_the_engine_does_not_reproduce_are_refused(setting):
     config = gemma3_config(5)

@@ -1,6 +1,9 @@
-"""Window-aware storage (``StoreConfig.window_aware``): disk and Redis keep, in sliding-window
-layers, only the last ``window`` tokens of a state (what a later position can see), say so in
-the record, and read the state back whole; prompts served from such states stay exact."""
+"""Window-aware storage (``StoreConfig.window_aware``, on by default): disk and Redis keep, in
+sliding-window layers, only the last ``window`` tokens of a state (what a reader after it can see),
+say so in the record, and read the state back whole with the dropped entries zero; a prompt whose
+readers sit earlier (text before the first reference, a parameter argument before a module, a
+recomputed token inside a module or document) gets those states encoded again, so every prompt
+served from trimmed states equals one served from whole states."""
 
 from __future__ import annotations
 
@@ -9,7 +12,7 @@ import torch
 
 from promptcache import EngineConfig, PromptCache
 from promptcache.store import StoreConfig, build_store, codec
-from promptcache.store.codec import Trim, kept_tokens, trim, untrim
+from promptcache.store.codec import Trim, kept_tokens, readable, trim, untrim
 
 WINDOWS = (4, None, 4)
 
@@ -53,11 +56,25 @@ def test_the_codec_stores_the_trim_proves_it_and_reads_the_state_back_whole(tmp_
         codec.decode(bytes(forged), "kv", expect)
 
 
+def test_a_reader_finds_what_it_needs_only_where_the_trim_kept_it():
+    """``readable``: a reader at or after the span's last token always; an earlier one only where
+    the entries its window reaches were kept (the span sits at positions 20..29, window 4)."""
+    kv = states(10)
+    back = untrim(trim(kv, kept_tokens(WINDOWS, 10)), kept_tokens(WINDOWS, 10))
+    for first in (29, 30, 100):  # the last cached token run again, the next tokens, decoding
+        assert readable(back, WINDOWS, 20, first)
+    for first in (28, 20, 3):  # sees 25.. (25 was dropped), a reader inside, a reader before the span
+        assert not readable(back, WINDOWS, 20, first)
+        assert readable(kv, WINDOWS, 20, first)  # whole states: every entry is there
+    assert readable(back[:, :, :, 6:], WINDOWS, 26, 0)  # no longer than the window: never trimmed
+
+
 def test_only_the_tiers_that_serialize_trim_and_only_when_asked(tmp_path):
-    off = build_store("cpu", StoreConfig(spill_dir=str(tmp_path / "a")), WINDOWS)
-    on = build_store("cpu", StoreConfig(spill_dir=str(tmp_path / "b"), window_aware=True), WINDOWS)
-    assert all(t.windows is None for t in off.tiers)
-    assert [t.windows for t in on.tiers] == [None, WINDOWS]  # host memory whole, disk trimmed
+    off = build_store("cpu", StoreConfig(spill_dir=str(tmp_path / "a"), window_aware=False), WINDOWS)
+    on = build_store("cpu", StoreConfig(spill_dir=str(tmp_path / "b")), WINDOWS)  # on by default
+    assert all(t.windows is None for t in off.tiers) and off.windows is None
+    assert [t.windows for t in on.tiers] == [None, WINDOWS] and on.windows == WINDOWS  # host whole, disk trimmed
+    assert build_store("cpu", StoreConfig(), (None, None)).windows is None  # a model without sliding layers
     kv = states(10)
     for store in (off, on):
         disk = store.tiers[-1]
@@ -71,29 +88,97 @@ def test_only_the_tiers_that_serialize_trim_and_only_when_asked(tmp_path):
 READ_AFTER = ['<prompt schema="trip"><tokyo/><cheap/> Highlight the food and keep it short.</prompt>',
               '<prompt schema="trip"><paris/><cheap/><note/> Now.</prompt>',  # an uncached module between
               '<prompt schema="trip"><paris/><cheap/></prompt>']  # no new tokens: the last cached one runs
+READ_BEFORE = ['<prompt schema="trip"><plan days="2"/><tokyo/><who name="Ann"/> Go.</prompt>',  # arguments before
+               '<prompt schema="trip">Quick, please: <paris/><cheap/> Go.</prompt>',  # text before the first module
+               '<prompt schema="trip"><plan days="5"/><cheap/> Now.</prompt>']  # a gap (no union member), an argument
+
+
+def trimmed_engine(tmp_path, window_aware=True):
+    """A tiny Gemma 3 (4-position windows) whose travel modules all went to disk (no memory
+    budget), trimmed by default."""
+    from tiny import gemma3_model as gemma3, make_tokenizer
+    from trip import SCHEMA
+
+    config = EngineConfig(store=StoreConfig(host_budget=0, spill_dir=str(tmp_path), window_aware=window_aware))
+    pc = PromptCache(gemma3(4), make_tokenizer(), config)
+    pc.add_schema(SCHEMA)
+    return pc
 
 
 def test_prompts_served_from_trimmed_states_on_disk_equal_the_definition(tmp_path):
-    """A tiny Gemma 3 with a 4-position window whose modules all went to disk trimmed (no memory
-    budget): travel prompts that read every module from after it (no parameter argument before a
-    module: see codec's note) at recompute=0 equal the definition windowed by position."""
+    """Travel prompts at recompute=0 from trimmed states on disk equal the definition windowed by
+    position, served together and prefilled alone: those read after every module from the trimmed
+    states (union members of two lengths, an uncached module, no new token), those with a reader
+    before a module (parameter arguments, text before the first reference, a gap) from the states
+    they need encoded again."""
     from oracle import definition_greedy, definition_state
-    from tiny import gemma3_model as gemma3, make_tokenizer
-    from trip import SCHEMA, serve_together
+    from trip import serve_together
 
-    config = EngineConfig(store=StoreConfig(host_budget=0, spill_dir=str(tmp_path), window_aware=True))
-    pc = PromptCache(gemma3(4), make_tokenizer(), config)
-    pc.add_schema(SCHEMA)
+    pc = trimmed_engine(tmp_path / "states")
     schema = pc.schema("trip").layout
     disk = pc.store.tiers[-1]
     assert disk.windows == (4, None, 4) and disk.bytes_used > 0
     full = sum(pc.runner.stored_spec.bytes_per_token * len(s.token_ids) for s in schema.spans)
     assert disk.bytes_used < full  # what the modules of more than 4 tokens dropped
-    reqs = serve_together(pc, READ_AFTER, max_new=6, budget=5)
-    for prompt, req in zip(READ_AFTER, reqs):
-        assert req.error is None, (prompt, req.error)
-        layout = pc.layout(prompt)
-        ref, _, _ = definition_state(pc.model, schema, layout)
-        assert torch.max(torch.abs(req.prefill.logits - ref)).item() <= 1e-4, prompt
-        assert req.token_ids == definition_greedy(pc.model, schema, layout, 6, eos=3), prompt
-        assert req.prefill.hit_tiers.get("disk", 0) > 0
+    for prompts, again in ((READ_AFTER, False), (READ_BEFORE, True)):
+        for prompt in prompts:  # which plans read states encoded again: only those with an earlier reader
+            assert any(s.key.endswith("[whole]") for s in pc.plan(prompt, recompute=0).segments) == again, prompt
+        reqs = serve_together(pc, prompts, max_new=6, budget=5)
+        for prompt, req in zip(prompts, reqs):
+            assert req.error is None, (prompt, req.error)
+            layout = pc.layout(prompt)
+            ref, _, _ = definition_state(pc.model, schema, layout)
+            assert torch.max(torch.abs(req.prefill.logits - ref)).item() <= 1e-4, prompt
+            assert torch.max(torch.abs(pc.prefill(prompt, recompute=0).logits - ref)).item() <= 1e-4, prompt
+            assert req.token_ids == definition_greedy(pc.model, schema, layout, 6, eos=3), prompt
+            assert req.prefill.hit_tiers.get("disk", 0) > 0
+
+
+@pytest.mark.parametrize("recompute", [0.5])
+def test_recomputed_prompts_from_trimmed_states_equal_those_from_whole_states(tmp_path, recompute):
+    """Recomputed tokens read the modules they sit in: a drifted prompt recomputing from trimmed
+    states gives the logits it gives from whole states (the option off)."""
+    trimmed, whole = trimmed_engine(tmp_path / "a"), trimmed_engine(tmp_path / "b", window_aware=False)
+    assert whole.store.windows is None
+    for prompt in READ_AFTER + READ_BEFORE:
+        got = trimmed.prefill(prompt, recompute=recompute)
+        want = whole.prefill(prompt, recompute=recompute)
+        assert got.recomputed_tokens == want.recomputed_tokens
+        assert torch.max(torch.abs(got.logits - want.logits)).item() <= 1e-4, prompt
+
+
+def test_recomputed_documents_from_trimmed_states_equal_those_from_whole_states(tmp_path):
+    """Independent RAG documents longer than the window, on disk trimmed: at recompute=0 the
+    question (after them) reads the trimmed states and equals the documents' definition; recomputed
+    tokens inside a document read it from its states encoded again and equal whole states."""
+    import importlib.util
+    import pathlib
+
+    from promptcache.rag import DocumentStore
+    from tiny import gemma3_model as gemma3, make_tokenizer
+
+    spec = importlib.util.spec_from_file_location("rag_defs", pathlib.Path(__file__).parents[1] / "rag" / "test_rag.py")
+    rag = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(rag)
+    stores = []
+    for name, on in (("trimmed", True), ("whole", False)):
+        config = EngineConfig(store=StoreConfig(host_budget=0, spill_dir=str(tmp_path / name), window_aware=on))
+        store = DocumentStore(PromptCache(gemma3(4), make_tokenizer(), config), None, independent=True)
+        for k, v in rag.DOCS.items():
+            store.add(k, v)
+        stores.append(store)
+    trimmed, whole = stores
+    assert trimmed.pc.store.tiers[-1].bytes_used < whole.pc.store.tiers[-1].bytes_used
+    question, system = "What is famous there?", "Answer briefly."
+    for doc_ids, again in ((["rome"], False), (["tokyo", "paris"], True)):
+        # one document: every reader comes after it; two: the separator after the first is new text
+        # that reads the second from before it (the paper's splice), which is then encoded again
+        plan = trimmed.plan(question, doc_ids, system, recompute=0)
+        assert any(s.key.endswith("[whole]") for s in plan.segments) == again, doc_ids
+        res = trimmed.prefill(question, doc_ids, system, recompute=0)
+        ref = rag.definition_logits(trimmed, question, doc_ids, system)
+        assert torch.max(torch.abs(res.logits - ref)).item() <= 1e-4, doc_ids
+        got = trimmed.prefill(question, doc_ids, system, recompute=0.5)
+        want = whole.prefill(question, doc_ids, system, recompute=0.5)
+        assert got.recomputed_tokens == want.recomputed_tokens > 0
+        assert torch.max(torch.abs(got.logits - want.logits)).item() <= 1e-4, doc_ids

@@ -544,17 +544,17 @@ def _merge_segments(plan: StepPlan, layer: int, q: torch.Tensor, qs: float, out:
         ks, vs = _layer_kv(views, layer)
         shift = plan.segment_shift[i] if plan.segment_shift else None
         if idx.numel() == n:  # every query of the step reads it (one request, or one shared prompt)
-            o, l = _attend(_rotated(plan, ("segment", i), q, shift).reshape(hk, g * n, d), ks, vs, None, qs)
+            o, l = _attend(_rotated(plan, ("segment", i), q, shift, layer).reshape(hk, g * n, d), ks, vs, None, qs)
             _merge_all(out, lse, o.view(hk, g, n, d), l.view(hk, g, n))
         else:
             rows = _query_rows(plan, i, idx)
-            qr = _rotated(plan, ("segment", i), q[:, :, rows], shift)
+            qr = _rotated(plan, ("segment", i), q[:, :, rows], shift, layer)
             o, l = _attend(qr.reshape(hk, -1, d), ks, vs, None, qs)
             _merge(out, lse, rows, o.view(hk, g, -1, d), l.view(hk, g, -1))
     for j, (view, idx, limits) in enumerate(plan.limited):  # prefixes of segments, per query
         rows = _query_rows(plan, ("limited", j), idx)
         m = len(limits)
-        qr = _rotated(plan, ("limited", j), q[:, :, rows], plan.limited_shift[j])
+        qr = _rotated(plan, ("limited", j), q[:, :, rows], plan.limited_shift[j], layer)
         o, l = _attend_limited(plan, j, qr.reshape(hk, g * m, d), view[layer, 0], view[layer, 1], limits, qs)
         _merge(out, lse, rows, o.view(hk, g, m, d), l.view(hk, g, m))
 
@@ -576,18 +576,20 @@ def _attend_pooled(plan: StepPlan, layer: int, query: torch.Tensor, scale: float
     return out if out.dtype == query.dtype else out.to(query.dtype)
 
 
-def _rotated(plan: StepPlan, memo_key, q: torch.Tensor, shift: torch.Tensor | None) -> torch.Tensor:
+def _rotated(plan: StepPlan, memo_key, q: torch.Tensor, shift: torch.Tensor | None, layer: int) -> torch.Tensor:
     """Queries q [Hk, G, m, D] (rotated at their positions p) as rotated at p - shift for a
     segment whose stored keys lie ``shift`` [m] positions behind where it is read: rotary scores
     depend on q and k's positions only through their difference, so this reads the stored keys
     as if moved (``models.relocate`` moves them instead). Rotations over the first
-    ``2 * len(plan.rope)`` channels, angles in float64 (built once a step). No rope (ALiBi): as
-    they are, the bias reads the positions."""
+    ``2 * rope.shape[-1]`` channels with ``layer``'s frequencies (``_layer_rope``), angles in float64
+    (built once a step per distinct frequencies). No rope (ALiBi): as they are, the bias reads the
+    positions."""
     if shift is None or plan.rope is None:
         return q
-    memo_key = ("rotation", memo_key)
+    row, rope = _layer_rope(plan, layer)
+    memo_key = ("rotation", memo_key, row)
     if memo_key not in plan.memo:
-        angle = -shift.to(torch.float64)[:, None] * plan.rope.to(torch.float64)[None, :]  # [m, r / 2]
+        angle = -shift.to(torch.float64)[:, None] * rope.to(torch.float64)[None, :]  # [m, r / 2]
         cos, sin = angle.cos().repeat(1, 2), angle.sin().repeat(1, 2)  # [m, r]
         plan.memo[memo_key] = (cos.to(q.device, torch.float32), sin.to(q.device, torch.float32))
     cos, sin = plan.memo[memo_key]
@@ -597,6 +599,19 @@ def _rotated(plan: StepPlan, memo_key, q: torch.Tensor, shift: torch.Tensor | No
     out = q.clone()
     out[..., :r] = (x * cos + torch.cat((-x2, x1), dim=-1) * sin).to(q.dtype)
     return out
+
+
+def _layer_rope(plan: StepPlan, layer: int) -> tuple[int, torch.Tensor]:
+    """(which distinct frequencies, the frequencies [r / 2]) ``layer`` rotates by: ``plan.rope`` is
+    one row for every layer, or a row a layer where layer types have their own base (Gemma 3:
+    ``RopeSpec.inv_freq`` [layers, r / 2]; rotations are then built once a distinct row)."""
+    if plan.rope.dim() == 1:
+        return 0, plan.rope
+    if ("rope rows",) not in plan.memo:
+        distinct: dict[tuple, int] = {}
+        plan.memo[("rope rows",)] = [distinct.setdefault(tuple(r.tolist()), i) for i, r in enumerate(plan.rope)]
+    row = plan.memo[("rope rows",)][layer]
+    return row, plan.rope[row]
 
 
 def _attend_limited(plan: StepPlan, j: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, limits: torch.Tensor,
@@ -679,12 +694,12 @@ def _attend_keyed(plan: StepPlan, layer: int, query: torch.Tensor, scale: float)
             _merge_keyed(plan, (i, j, window), out, lse, rows, qr, _read(kbuf, vbuf, part), qpos, pos, window)
     for i, ((views, idx), pos) in enumerate(zip(plan.segments, plan.segment_pos)):
         qpos = plan.qpos[idx.cpu()]
-        qr = _rotated(plan, ("segment", i), q[:, :, idx], plan.segment_shift[i])
+        qr = _rotated(plan, ("segment", i), q[:, :, idx], plan.segment_shift[i], layer)
         _merge_keyed(plan, (-1, i, window), out, lse, idx, qr.reshape(hk, g * len(qpos), d),
                      _layer_kv(views, layer), qpos, pos, window)
     for j, ((view, idx, limits), pos) in enumerate(zip(plan.limited, plan.limited_pos)):
         qpos = plan.qpos[idx.cpu()]
-        qr = _rotated(plan, ("limited", j), q[:, :, idx], plan.limited_shift[j])
+        qr = _rotated(plan, ("limited", j), q[:, :, idx], plan.limited_shift[j], layer)
         _merge_keyed(plan, (-2, j, window), out, lse, idx, qr.reshape(hk, g * len(qpos), d),
                      (view[layer, 0], view[layer, 1]), qpos, pos, window, limits=limits)
     return out.view(hq, n, d).transpose(0, 1)[None].to(query.dtype)

@@ -1,0 +1,72 @@
+"""Window-aware storage, read side: the stored states a plan's readers need more of than the disk
+or Redis tier kept (``store/codec.py``, window-aware storage), replaced by states encoded again.
+
+A tier that trims keeps, in each sliding layer, what a reader at or after a span's last token
+sees. A prompt's readers are its new tokens (all of them read every segment, whatever its
+position: free text placed before the first module reference, a parameter's argument before a
+module) and, when it recomputes, the cached tokens a selection may choose (``RecomputeRequest``:
+its candidates, which read the segments before them and the earlier tokens of their own). The
+earliest of them bounds what any reader sees; a segment whose entries there were dropped is
+replaced by its whole states from ``whole(segment)`` (the planner's encoder), so the prompt reads
+exactly what an untrimmed store would give it. Nothing is stored back: the trimmed copy stays
+what the tier keeps.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Callable
+
+import torch
+
+from ...store.codec import readable
+from .plan import PrefillPlan, Segment
+
+__all__ = ["first_reader", "unreadable", "whole_segment", "with_whole_states"]
+
+log = logging.getLogger(__name__)
+
+
+def first_reader(plan: PrefillPlan, recompute=None) -> int:
+    """The smallest position of a token that reads the plan's segments: its new tokens, and the
+    candidates of ``recompute`` (a ``RecomputeRequest``) when it has any."""
+    first = min(plan.new_pos)
+    if recompute is not None and recompute.candidates:
+        first = min(first, min(recompute.slot_pos[c] for c in recompute.candidates))
+    return first
+
+
+def unreadable(plan: PrefillPlan, windows, recompute=None) -> list[int]:
+    """Indices of the plan's segments that a reader needs dropped entries of (``windows``: the
+    trimming tiers' windows per layer; None: nothing is trimmed)."""
+    if not windows or not any(w is not None for w in windows):
+        return []
+    shortest = min(w for w in windows if w is not None)
+    long = [i for i, s in enumerate(plan.segments) if s.kv is not None and s.n > shortest]
+    if not long:
+        return []
+    first = first_reader(plan, recompute)
+    return [i for i in long if not readable(plan.segments[i].kv, windows, int(plan.segments[i].positions[0]), first)]
+
+
+def with_whole_states(plan: PrefillPlan, windows, whole: Callable[[Segment], Segment],
+                      recompute=None) -> PrefillPlan:
+    """``plan``, each unreadable segment replaced by ``whole(segment)`` (a ``whole_segment``)."""
+    bad = unreadable(plan, windows, recompute)
+    if not bad:
+        return plan
+    segments = list(plan.segments)
+    for i in bad:
+        segments[i] = whole(segments[i])
+    log.info("window-aware storage: %d stored state(s) encoded again for a reader at position %d",
+             len(bad), first_reader(plan, recompute))
+    return dataclasses.replace(plan, segments=segments)
+
+
+def whole_segment(seg: Segment, kv: torch.Tensor, load: Callable[[], torch.Tensor] | None = None) -> Segment:
+    """``seg`` reading ``kv`` (its states as encoded, [L, 2, H, n, D], at its stored positions;
+    ``load``: their moved copy where ``seg`` is read shifted) under a key of its own, so a private
+    buffer that holds the trimmed copy at its slot never mistakes one for the other."""
+    return dataclasses.replace(seg, key=f"{seg.key}[whole]", kv=kv.to(device=seg.kv.device, dtype=seg.kv.dtype),
+                               load=load)
