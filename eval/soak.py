@@ -108,6 +108,29 @@ class Server:
             pass
         return 0
 
+    def mapped(self, size: float) -> dict:
+        """From /proc/PID/smaps: ``pool_rss``, the resident bytes of the one mapping of ``size`` bytes
+        (up to 4 MiB more: the allocator's rounding), which is the CPU KV pool's buffer, page by page
+        (absent where no such mapping is found: a pool on a GPU, no /proc), and ``anon``, the
+        anonymous resident bytes of all mappings (the heap, the weights, the pool, the host tier)."""
+        try:
+            lines = Path(f"/proc/{self.proc.pid}/smaps").read_text().splitlines()
+        except OSError:
+            return {}
+        out, span, pool = {"anon": 0}, 0, []
+        for line in lines:
+            head = line.split()
+            if not head[0].endswith(":"):  # a mapping's first line: "start-end perms offset ..."
+                a, b = head[0].split("-")
+                span = int(b, 16) - int(a, 16)
+            elif head[0] == "Rss:" and size and size <= span <= size + 2**22:
+                pool.append(int(head[1]) * 1024)
+            elif head[0] == "Anonymous:":
+                out["anon"] += int(head[1]) * 1024
+        if len(pool) == 1:  # (two mappings of that size: which one is the pool is not known)
+            out["pool_rss"] = pool[0]
+        return out
+
 
 def request(port: int, method: str, path: str, body=None, headers=None, timeout: float = TIMEOUT,
             raw: bytes | None = None) -> tuple[int, bytes]:
@@ -200,14 +223,13 @@ class Soak:
         next_big = time.monotonic() + self.args.big_every / 2
         while time.monotonic() < end and n < 100_000 and not self.stop.is_set():
             n += 1
-            if i == 0 and time.monotonic() >= next_big:
+            big = i == 0 and time.monotonic() >= next_big
+            if big:
                 next_big = time.monotonic() + self.args.big_every
-                self.big_tokenize()
-                continue
-            kind = rng.choices(["chat", "stream", "abandon", "timeout", "messages", "completion", "bad"],
-                               [30, 15, 8, 6, 15, 8, 18])[0]
-            try:
-                getattr(self, kind)(rng)
+            kind = "big tokenize" if big else rng.choices(
+                ["chat", "stream", "abandon", "timeout", "messages", "completion", "bad"], [30, 15, 8, 6, 15, 8, 18])[0]
+            try:  # (a big tokenize that fails is counted like any request, not lost with the thread)
+                self.big_tokenize() if big else getattr(self, kind)(rng)
             except (OSError, http.client.HTTPException) as e:
                 if kind == "timeout" and isinstance(e, (socket.timeout, TimeoutError)):
                     self.note(kind, "timed out (as asked)")
@@ -300,7 +322,9 @@ class Soak:
     def poll_metrics(self) -> None:
         while not self.stop.is_set():
             try:
-                self.samples.append({"at": time.monotonic(), "rss": self.server.rss(), **metrics(self.port)})
+                m = metrics(self.port)
+                self.samples.append({"at": time.monotonic(), "rss": self.server.rss(), **m,
+                                     **self.server.mapped(m.get("pool_bytes", 0))})
             except OSError as e:
                 self.note("metrics", type(e).__name__, f"/metrics: {e}")
             self.stop.wait(1.0)
@@ -351,15 +375,22 @@ def percentile(xs: list[float], q: float) -> float:
 
 
 def _beyond_caches(samples: list[dict], seconds: float) -> list[float]:
-    """Resident bytes beyond the caches, at each sample after warm-up (the first fifth of the run):
-    RSS less the host tier's bytes and the KV pool's touched blocks (on CPU a pool block becomes
-    resident when first used and stays so: the most blocks in use so far, times a block's bytes)."""
+    """Resident bytes beyond the caches at each sample after warm-up (the first fifth of the run): RSS less the host tier's bytes and the KV pool's resident pages.
+
+    The pool's resident pages are read from /proc/PID/smaps (``Server.mapped``). A CPU pool is
+    allocated untouched and its pages become resident as blocks are first written; blocks freed
+    by finished requests are reused in place, but a request needing a longer contiguous run than
+    the free pieces between idle cached entries offer takes blocks never written before, so the
+    resident part of the pool grows toward its configured size over a long run, by design. An
+    estimate from the pool's gauges (the most blocks in use at once, times a block's bytes)
+    misses those pages, and counted them as growth beyond the caches. It is used only where
+    smaps has no pool mapping."""
     out, touched = [], 0.0
     for x in samples:
         block = x.get("pool_bytes", 0) / x["blocks"] if x.get("blocks") else 0
         touched = max(touched, (x.get("blocks", 0) - x.get("pool_free", 0)) * block)
         if x["rss"] and x["at"] >= samples[0]["at"] + 0.2 * seconds:
-            out.append(x["rss"] - x.get("host", 0) - touched)
+            out.append(x["rss"] - x.get("host", 0) - x.get("pool_rss", touched))
     return out
 
 
@@ -367,6 +398,20 @@ def _tenth(xs: list[float], end: int) -> float:
     """The median of the first (``end`` 0) or last (-1) tenth of ``xs`` (at least one value)."""
     k = max(1, len(xs) // 10)
     return statistics.median(xs[:k] if end == 0 else xs[-k:])
+
+
+def memory_by_minute(samples: list[dict]) -> list[dict]:
+    """The server's memory at the first sample of each minute of the run (MB): RSS, the KV pool's
+    resident pages, the host tier's bytes, and what is left (beyond the caches)."""
+    out, t0 = [], samples[0]["at"] if samples else 0.0
+    for x in samples:
+        if int((x["at"] - t0) // 60) == len(out) and x["rss"]:
+            pool = x.get("pool_rss")
+            out.append({"minute": len(out), "rss_mb": round(x["rss"] / 2**20),
+                        "pool_resident_mb": round(pool / 2**20) if pool is not None else None,
+                        "host_tier_mb": round(x.get("host", 0) / 2**20),
+                        "beyond_caches_mb": round((x["rss"] - x.get("host", 0) - (pool or 0)) / 2**20)})
+    return out
 
 
 def report(args, soak: Soak, seconds: float, ready: tuple[float, float], end: dict, restart: dict) -> dict:
@@ -387,6 +432,8 @@ def report(args, soak: Soak, seconds: float, ready: tuple[float, float], end: di
         if beyond else None,
         "rss_beyond_caches_growth_mb": round((_tenth(beyond, -1) - _tenth(beyond, 0)) / 2**20) if beyond else None,
         "rss_beyond_caches_peak_mb": round(max(beyond) / 2**20) if beyond else None,
+        "pool_resident_from": "smaps" if any("pool_rss" in x for x in soak.samples) else "estimate",
+        "memory_by_minute": memory_by_minute(soak.samples),
         "pool_at_end": end, "pool_back_to_baseline": end.get("pool_request", 1) == 0 and end.get("pool_shared", 1) == 0
         and end.get("in_flight", 1) == 0,
         "start_to_ready_s": round(ready[0], 1), "restart_to_ready_s": round(ready[1], 1), **restart,
@@ -430,9 +477,13 @@ def main(argv=None) -> dict:
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / "soak.json"
     path.write_text(json.dumps(result, indent=1))
+    (args.out / "soak_samples.json").write_text(json.dumps(soak.samples))
     for k, v in result.items():
-        if k not in ("requests", "unexpected_first"):
+        if k not in ("requests", "unexpected_first", "memory_by_minute"):
             print(f"{k}: {v}")
+    for m in result["memory_by_minute"]:
+        print(f"  minute {m['minute']}: RSS {m['rss_mb']} MB = pool {m['pool_resident_mb']} + host tier "
+              f"{m['host_tier_mb']} + beyond the caches {m['beyond_caches_mb']}")
     print(f"wrote {path}; server log {work / 'server.log'}")
     if not result["unexpected"]:
         shutil.rmtree(work / "spill", ignore_errors=True)
