@@ -13,7 +13,8 @@ collect; a client that disconnects cancels its request at once, queued, prefilli
 Every request gets one access-log line (``core/access.py``).
 
 Before any route: ``limits.RequestGuard`` (Host allow-list, JSON content type, body size, JSON
-depth, message and character counts). CORS headers only for ``cors_origins``. Preparing
+depth, message and character counts). CORS headers only for ``cors_origins``. After a request
+with a large body is answered, freed heap pages go back to the OS (``core/trim.py``). Preparing
 (tokenizing, the chat template, PML layout) runs on one prep thread, never on the event loop
 (``openai/prepare.py``). Any exception that escapes a route is logged and answered as an OpenAI
 error object (500).
@@ -33,6 +34,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..engine import ServingConfig
 from ..engine.serving_core.prefix import DEFAULT_BLOCK_SIZE
+from ..heap import Trimmer
 from ..store import Pins
 from .anthropic.routes import MessagesContext, add_messages_route
 from .core.access import AccessLog
@@ -41,6 +43,7 @@ from .core.compute import ComputeThread
 from .core.errors import APIError
 from .core.lifecycle import Lifecycle
 from .core.limits import LOOPBACK_HOSTS, Limits, RequestGuard
+from .core.trim import TrimAfterLarge
 from .core.metrics import Metrics
 from .core.tenancy import Tenancy
 from .core.workerinfo import add_worker_routes
@@ -95,7 +98,9 @@ def create_app(pc, *, api_keys: dict[str, str] | None = None, documents=None, ma
     if cors_origins:
         app.add_middleware(CORSMiddleware, allow_origins=list(cors_origins), allow_methods=["GET", "POST"],
                            allow_headers=["authorization", "content-type"])
-    app.add_middleware(RequestGuard, limits=limits, allowed_hosts=allowed_hosts)  # outermost: runs first
+    app.add_middleware(RequestGuard, limits=limits, allowed_hosts=allowed_hosts)  # runs first of the checks
+    app.state.trimmer = Trimmer()
+    app.add_middleware(TrimAfterLarge, trimmer=app.state.trimmer)  # outermost: a refused large body counts too
     _add_error_handlers(app, metrics)
 
     add_openai_routes(app, lifecycle, preparer, prep, tenancy.namespace, model_name)

@@ -34,11 +34,10 @@ import asyncio
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
-import torch
 from fastapi.responses import JSONResponse, Response
 
 from ...engine import PmlPrompt, SamplingParams, TokenPrompt
-from ...engine.schemas.encoder import release_free_memory
+from ...heap import release_free_memory
 from ...pml import PMLError, parse_prompt
 from . import fields
 from . import tools
@@ -225,7 +224,7 @@ def _prepared(how, req, ns: str) -> Submission:
     try:
         return how(req, ns)
     except APIError:
-        release_free_memory(torch.device("cpu"))
+        release_free_memory()
         raise
 
 
