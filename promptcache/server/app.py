@@ -14,7 +14,7 @@ Every request gets one access-log line (``core/access.py``).
 
 Before any route: ``limits.RequestGuard`` (Host allow-list, JSON content type, body size, JSON
 depth, message and character counts). CORS headers only for ``cors_origins``. After a request
-with a large body is answered, freed heap pages go back to the OS (``core/trim.py``). Preparing
+with a large body is answered, freed heap pages go back to the OS (``trim.py``). Preparing
 (tokenizing, the chat template, PML layout) runs on one prep thread, never on the event loop
 (``openai/prepare.py``). Any exception that escapes a route is logged and answered as an OpenAI
 error object (500).
@@ -34,7 +34,6 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..engine import ServingConfig
 from ..engine.serving_core.prefix import DEFAULT_BLOCK_SIZE
-from ..heap import Trimmer
 from ..store import Pins
 from .anthropic.routes import MessagesContext, add_messages_route
 from .core.access import AccessLog
@@ -43,11 +42,11 @@ from .core.compute import ComputeThread
 from .core.errors import APIError
 from .core.lifecycle import Lifecycle
 from .core.limits import LOOPBACK_HOSTS, Limits, RequestGuard
-from .core.trim import TrimAfterLarge
 from .core.metrics import Metrics
 from .core.tenancy import Tenancy
 from .core.workerinfo import add_worker_routes
 from .openai.prepare import Preparer, PrepThread
+from .trim import TrimAfterLarge, Trimmer
 from .openai.routes import add_openai_routes
 from .openai.tokenize import add_tokenize_routes
 from .studio.routes import StudioContext, add_studio_routes

@@ -16,13 +16,14 @@ that encoded a schema holds its stored states, not the buffers they were compute
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import logging
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
-from ...heap import release_free_memory
 from ...models.splice import SpliceCache
 from ...layout import EncodePass, SchemaLayout
 from ..prefill.runner import ModelRunner
@@ -92,8 +93,7 @@ class SchemaEncoder:
             self._collect(job, cache, 0, spans, out)
             tick(len(job.ids))
         cache.free()
-        if self.device.type == "cpu":
-            release_free_memory()
+        release_free_memory(self.device)
         log.info("encoded schema '%s': %d passes, %d tokens run", layout.name, len(jobs) + 1, total)
         return out
 
@@ -162,6 +162,25 @@ class SchemaEncoder:
         ids_t = torch.tensor(ids, dtype=torch.long, device=self.device)
         pos_t = torch.tensor(pos, dtype=torch.long, device=self.device)
         self.runner.forward(ids_t, pos_t, cache)
+
+
+def _libc():
+    name = ctypes.util.find_library("c")
+    try:
+        return ctypes.CDLL(name) if name else None
+    except OSError:
+        return None
+
+
+_LIBC = _libc()
+
+
+def release_free_memory(device: torch.device) -> None:
+    """Give freed heap pages back to the OS (glibc ``malloc_trim``; a no-op elsewhere and on GPU).
+    Without it freed encoding buffers and per-forward activations stay resident in glibc's arenas."""
+    trim = getattr(_LIBC, "malloc_trim", None)
+    if device.type == "cpu" and trim is not None:
+        trim(0)
 
 
 def _common_prefix(a, b) -> int:

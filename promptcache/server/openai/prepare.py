@@ -34,10 +34,11 @@ import asyncio
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
+import torch
 from fastapi.responses import JSONResponse, Response
 
 from ...engine import PmlPrompt, SamplingParams, TokenPrompt
-from ...heap import release_free_memory
+from ...engine.schemas.encoder import release_free_memory
 from ...pml import PMLError, parse_prompt
 from . import fields
 from . import tools
@@ -224,7 +225,7 @@ def _prepared(how, req, ns: str) -> Submission:
     try:
         return how(req, ns)
     except APIError:
-        release_free_memory()
+        release_free_memory(torch.device("cpu"))
         raise
 
 
