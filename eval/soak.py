@@ -16,9 +16,10 @@ compared with the warm ones.
 What it reports (``--out``/soak.json, and one line per figure): requests by kind and status,
 unexpected answers (a 5xx, a reset or a hang on a good request, a bad request not answered 4xx
 with an error object), ``/health`` latency (p50, p99, max; and its max while a big tokenize ran),
-the server's resident memory beyond its caches (host tier bytes, KV pool blocks used; growth
-after warm-up), the pool at
-the end, restart-to-ready and the restart's share of cached tokens.
+the server's resident memory beyond its caches (RSS less the host tier's bytes and the KV
+pool's resident pages, from /proc/PID/smaps; its growth after warm-up, and RSS split minute by
+minute in ``memory_by_minute``), the pool at the end, restart-to-ready and the restart's share
+of cached tokens. ``soak_samples.json`` beside it holds every sample (once a second).
 
     python -m eval.soak --model smollm2 --minutes 10 --clients 24      # the full run (a quiet machine)
     python -m eval.soak --model embedded --minutes 1 --clients 4       # the test suite's version
