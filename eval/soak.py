@@ -17,7 +17,7 @@ What it reports (``--out``/soak.json, and one line per figure): requests by kind
 unexpected answers (a 5xx, a reset or a hang on a good request, a bad request not answered 4xx
 with an error object), ``/health`` latency (p50, p99, max; and its max while a big tokenize ran),
 the server's resident memory beyond its caches (RSS less the host tier's bytes and the KV
-pool's resident pages, from /proc/PID/smaps; its growth after warm-up, and RSS split minute by
+pool's resident pages, from /metrics; its growth after warm-up, and RSS split minute by
 minute in ``memory_by_minute``), the pool at the end, restart-to-ready and the restart's share
 of cached tokens. ``soak_samples.json`` beside it holds every sample (once a second).
 
@@ -108,29 +108,6 @@ class Server:
         except OSError:
             pass
         return 0
-
-    def mapped(self, size: float) -> dict:
-        """From /proc/PID/smaps: ``pool_rss``, the resident bytes of the one mapping of ``size`` bytes
-        (up to 4 MiB more: the allocator's rounding), which is the CPU KV pool's buffer, page by page
-        (absent where no such mapping is found: a pool on a GPU, no /proc), and ``anon``, the
-        anonymous resident bytes of all mappings (the heap, the weights, the pool, the host tier)."""
-        try:
-            lines = Path(f"/proc/{self.proc.pid}/smaps").read_text().splitlines()
-        except OSError:
-            return {}
-        out, span, pool = {"anon": 0}, 0, []
-        for line in lines:
-            head = line.split()
-            if not head[0].endswith(":"):  # a mapping's first line: "start-end perms offset ..."
-                a, b = head[0].split("-")
-                span = int(b, 16) - int(a, 16)
-            elif head[0] == "Rss:" and size and size <= span <= size + 2**22:
-                pool.append(int(head[1]) * 1024)
-            elif head[0] == "Anonymous:":
-                out["anon"] += int(head[1]) * 1024
-        if len(pool) == 1:  # (two mappings of that size: which one is the pool is not known)
-            out["pool_rss"] = pool[0]
-        return out
 
 
 def request(port: int, method: str, path: str, body=None, headers=None, timeout: float = TIMEOUT,
@@ -323,9 +300,7 @@ class Soak:
     def poll_metrics(self) -> None:
         while not self.stop.is_set():
             try:
-                m = metrics(self.port)
-                self.samples.append({"at": time.monotonic(), "rss": self.server.rss(), **m,
-                                     **self.server.mapped(m.get("pool_bytes", 0))})
+                self.samples.append({"at": time.monotonic(), "rss": self.server.rss(), **metrics(self.port)})
             except OSError as e:
                 self.note("metrics", type(e).__name__, f"/metrics: {e}")
             self.stop.wait(1.0)
@@ -355,8 +330,9 @@ def metrics(port: int) -> dict:
             continue
         name, value = line.rsplit(" ", 1)
         for want, key in (("promptcache_requests_in_flight", "in_flight"), ('promptcache_store_bytes{tier="host"}', "host"),
-                          ("promptcache_kv_pool_blocks", "blocks"), ("promptcache_kv_pool_bytes", "pool_bytes")):
-            if name == want:
+                          ("promptcache_kv_pool_blocks", "blocks"), ("promptcache_kv_pool_bytes", "pool_bytes"),
+                          ("promptcache_kv_pool_resident_bytes", "pool_rss")):
+            if name == want and float(value) >= 0:  # (a resident size of -1: not known, a GPU pool)
                 out[key] = float(value)
         if name.startswith("promptcache_kv_pool_blocks_by_state"):
             out["pool_" + name.split('"')[1]] = float(value)
@@ -378,14 +354,15 @@ def percentile(xs: list[float], q: float) -> float:
 def _beyond_caches(samples: list[dict], seconds: float) -> list[float]:
     """Resident bytes beyond the caches at each sample after warm-up (the first fifth of the run): RSS less the host tier's bytes and the KV pool's resident pages.
 
-    The pool's resident pages are read from /proc/PID/smaps (``Server.mapped``). A CPU pool is
+    The pool's resident pages are the server's ``promptcache_kv_pool_resident_bytes`` (mincore
+    over the pool's buffer, page by page). A CPU pool is
     allocated untouched and its pages become resident as blocks are first written; blocks freed
     by finished requests are reused in place, but a request needing a longer contiguous run than
     the free pieces between idle cached entries offer takes blocks never written before, so the
     resident part of the pool grows toward its configured size over a long run, by design. An
     estimate from the pool's gauges (the most blocks in use at once, times a block's bytes)
-    misses those pages, and counted them as growth beyond the caches. It is used only where
-    smaps has no pool mapping."""
+    misses those pages, and counted them as growth beyond the caches. It is used only where the
+    server does not know the resident size (a GPU pool)."""
     out, touched = [], 0.0
     for x in samples:
         block = x.get("pool_bytes", 0) / x["blocks"] if x.get("blocks") else 0
@@ -433,7 +410,7 @@ def report(args, soak: Soak, seconds: float, ready: tuple[float, float], end: di
         if beyond else None,
         "rss_beyond_caches_growth_mb": round((_tenth(beyond, -1) - _tenth(beyond, 0)) / 2**20) if beyond else None,
         "rss_beyond_caches_peak_mb": round(max(beyond) / 2**20) if beyond else None,
-        "pool_resident_from": "smaps" if any("pool_rss" in x for x in soak.samples) else "estimate",
+        "pool_resident_from": "mincore" if any("pool_rss" in x for x in soak.samples) else "estimate",
         "memory_by_minute": memory_by_minute(soak.samples),
         "pool_at_end": end, "pool_back_to_baseline": end.get("pool_request", 1) == 0 and end.get("pool_shared", 1) == 0
         and end.get("in_flight", 1) == 0,
