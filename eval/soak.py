@@ -16,9 +16,10 @@ compared with the warm ones.
 What it reports (``--out``/soak.json, and one line per figure): requests by kind and status,
 unexpected answers (a 5xx, a reset or a hang on a good request, a bad request not answered 4xx
 with an error object), ``/health`` latency (p50, p99, max; and its max while a big tokenize ran),
-the server's resident memory beyond its caches (host tier bytes, KV pool blocks used; growth
-after warm-up), the pool at
-the end, restart-to-ready and the restart's share of cached tokens.
+the server's resident memory beyond its caches (RSS less the host tier's bytes and the KV
+pool's resident pages, from /metrics; its growth after warm-up, and RSS split minute by
+minute in ``memory_by_minute``), the pool at the end, restart-to-ready and the restart's share
+of cached tokens. ``soak_samples.json`` beside it holds every sample (once a second).
 
     python -m eval.soak --model smollm2 --minutes 10 --clients 24      # the full run (a quiet machine)
     python -m eval.soak --model embedded --minutes 1 --clients 4       # the test suite's version
@@ -200,14 +201,13 @@ class Soak:
         next_big = time.monotonic() + self.args.big_every / 2
         while time.monotonic() < end and n < 100_000 and not self.stop.is_set():
             n += 1
-            if i == 0 and time.monotonic() >= next_big:
+            big = i == 0 and time.monotonic() >= next_big
+            if big:
                 next_big = time.monotonic() + self.args.big_every
-                self.big_tokenize()
-                continue
-            kind = rng.choices(["chat", "stream", "abandon", "timeout", "messages", "completion", "bad"],
-                               [30, 15, 8, 6, 15, 8, 18])[0]
-            try:
-                getattr(self, kind)(rng)
+            kind = "big tokenize" if big else rng.choices(
+                ["chat", "stream", "abandon", "timeout", "messages", "completion", "bad"], [30, 15, 8, 6, 15, 8, 18])[0]
+            try:  # (a big tokenize that fails is counted like any request, not lost with the thread)
+                self.big_tokenize() if big else getattr(self, kind)(rng)
             except (OSError, http.client.HTTPException) as e:
                 if kind == "timeout" and isinstance(e, (socket.timeout, TimeoutError)):
                     self.note(kind, "timed out (as asked)")
@@ -330,8 +330,9 @@ def metrics(port: int) -> dict:
             continue
         name, value = line.rsplit(" ", 1)
         for want, key in (("promptcache_requests_in_flight", "in_flight"), ('promptcache_store_bytes{tier="host"}', "host"),
-                          ("promptcache_kv_pool_blocks", "blocks"), ("promptcache_kv_pool_bytes", "pool_bytes")):
-            if name == want:
+                          ("promptcache_kv_pool_blocks", "blocks"), ("promptcache_kv_pool_bytes", "pool_bytes"),
+                          ("promptcache_kv_pool_resident_bytes", "pool_rss")):
+            if name == want and float(value) >= 0:  # (a resident size of -1: not known, a GPU pool)
                 out[key] = float(value)
         if name.startswith("promptcache_kv_pool_blocks_by_state"):
             out["pool_" + name.split('"')[1]] = float(value)
@@ -351,15 +352,23 @@ def percentile(xs: list[float], q: float) -> float:
 
 
 def _beyond_caches(samples: list[dict], seconds: float) -> list[float]:
-    """Resident bytes beyond the caches, at each sample after warm-up (the first fifth of the run):
-    RSS less the host tier's bytes and the KV pool's touched blocks (on CPU a pool block becomes
-    resident when first used and stays so: the most blocks in use so far, times a block's bytes)."""
+    """Resident bytes beyond the caches at each sample after warm-up (the first fifth of the run): RSS less the host tier's bytes and the KV pool's resident pages.
+
+    The pool's resident pages are the server's ``promptcache_kv_pool_resident_bytes`` (mincore
+    over the pool's buffer, page by page). A CPU pool is
+    allocated untouched and its pages become resident as blocks are first written; blocks freed
+    by finished requests are reused in place, but a request needing a longer contiguous run than
+    the free pieces between idle cached entries offer takes blocks never written before, so the
+    resident part of the pool grows toward its configured size over a long run, by design. An
+    estimate from the pool's gauges (the most blocks in use at once, times a block's bytes)
+    misses those pages, and counted them as growth beyond the caches. It is used only where the
+    server does not know the resident size (a GPU pool)."""
     out, touched = [], 0.0
     for x in samples:
         block = x.get("pool_bytes", 0) / x["blocks"] if x.get("blocks") else 0
         touched = max(touched, (x.get("blocks", 0) - x.get("pool_free", 0)) * block)
         if x["rss"] and x["at"] >= samples[0]["at"] + 0.2 * seconds:
-            out.append(x["rss"] - x.get("host", 0) - touched)
+            out.append(x["rss"] - x.get("host", 0) - x.get("pool_rss", touched))
     return out
 
 
@@ -367,6 +376,20 @@ def _tenth(xs: list[float], end: int) -> float:
     """The median of the first (``end`` 0) or last (-1) tenth of ``xs`` (at least one value)."""
     k = max(1, len(xs) // 10)
     return statistics.median(xs[:k] if end == 0 else xs[-k:])
+
+
+def memory_by_minute(samples: list[dict]) -> list[dict]:
+    """The server's memory at the first sample of each minute of the run (MB): RSS, the KV pool's
+    resident pages, the host tier's bytes, and what is left (beyond the caches)."""
+    out, t0 = [], samples[0]["at"] if samples else 0.0
+    for x in samples:
+        if int((x["at"] - t0) // 60) == len(out) and x["rss"]:
+            pool = x.get("pool_rss")
+            out.append({"minute": len(out), "rss_mb": round(x["rss"] / 2**20),
+                        "pool_resident_mb": round(pool / 2**20) if pool is not None else None,
+                        "host_tier_mb": round(x.get("host", 0) / 2**20),
+                        "beyond_caches_mb": round((x["rss"] - x.get("host", 0) - (pool or 0)) / 2**20)})
+    return out
 
 
 def report(args, soak: Soak, seconds: float, ready: tuple[float, float], end: dict, restart: dict) -> dict:
@@ -387,6 +410,8 @@ def report(args, soak: Soak, seconds: float, ready: tuple[float, float], end: di
         if beyond else None,
         "rss_beyond_caches_growth_mb": round((_tenth(beyond, -1) - _tenth(beyond, 0)) / 2**20) if beyond else None,
         "rss_beyond_caches_peak_mb": round(max(beyond) / 2**20) if beyond else None,
+        "pool_resident_from": "mincore" if any("pool_rss" in x for x in soak.samples) else "estimate",
+        "memory_by_minute": memory_by_minute(soak.samples),
         "pool_at_end": end, "pool_back_to_baseline": end.get("pool_request", 1) == 0 and end.get("pool_shared", 1) == 0
         and end.get("in_flight", 1) == 0,
         "start_to_ready_s": round(ready[0], 1), "restart_to_ready_s": round(ready[1], 1), **restart,
@@ -430,9 +455,13 @@ def main(argv=None) -> dict:
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / "soak.json"
     path.write_text(json.dumps(result, indent=1))
+    (args.out / "soak_samples.json").write_text(json.dumps(soak.samples))
     for k, v in result.items():
-        if k not in ("requests", "unexpected_first"):
+        if k not in ("requests", "unexpected_first", "memory_by_minute"):
             print(f"{k}: {v}")
+    for m in result["memory_by_minute"]:
+        print(f"  minute {m['minute']}: RSS {m['rss_mb']} MB = pool {m['pool_resident_mb']} + host tier "
+              f"{m['host_tier_mb']} + beyond the caches {m['beyond_caches_mb']}")
     print(f"wrote {path}; server log {work / 'server.log'}")
     if not result["unexpected"]:
         shutil.rmtree(work / "spill", ignore_errors=True)

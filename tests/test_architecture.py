@@ -148,7 +148,7 @@ SERVER_LAYERS = [
     {"core"},  # the worker, the one request lifecycle, errors, limits, metrics, tenancy: no API shape
     {"openai"},  # OpenAI's routes; its preparer, tools and tool-call parser serve the APIs above
     {"anthropic", "studio"},  # Anthropic's Messages API and the studio, on openai's tool machinery
-    {"app", "cli", "config", "vllm_flags", "studio_cli"},  # create_app and the commands that serve it
+    {"app", "cli", "config", "vllm_flags", "studio_cli", "trim"},  # create_app and the commands that serve it
 ]
 SERVER_RANK = {unit: rank for rank, units in enumerate(SERVER_LAYERS) for unit in units}
 MAX_MODULES = 12  # modules in one package folder, __init__ included

@@ -13,7 +13,8 @@ collect; a client that disconnects cancels its request at once, queued, prefilli
 Every request gets one access-log line (``core/access.py``).
 
 Before any route: ``limits.RequestGuard`` (Host allow-list, JSON content type, body size, JSON
-depth, message and character counts). CORS headers only for ``cors_origins``. Preparing
+depth, message and character counts). CORS headers only for ``cors_origins``. After a request
+with a large body is answered, freed heap pages go back to the OS (``trim.py``). Preparing
 (tokenizing, the chat template, PML layout) runs on one prep thread, never on the event loop
 (``openai/prepare.py``). Any exception that escapes a route is logged and answered as an OpenAI
 error object (500).
@@ -45,6 +46,7 @@ from .core.metrics import Metrics
 from .core.tenancy import Tenancy
 from .core.workerinfo import add_worker_routes
 from .openai.prepare import Preparer, PrepThread
+from .trim import TrimAfterLarge, Trimmer
 from .openai.routes import add_openai_routes
 from .openai.tokenize import add_tokenize_routes
 from .studio.routes import StudioContext, add_studio_routes
@@ -95,7 +97,9 @@ def create_app(pc, *, api_keys: dict[str, str] | None = None, documents=None, ma
     if cors_origins:
         app.add_middleware(CORSMiddleware, allow_origins=list(cors_origins), allow_methods=["GET", "POST"],
                            allow_headers=["authorization", "content-type"])
-    app.add_middleware(RequestGuard, limits=limits, allowed_hosts=allowed_hosts)  # outermost: runs first
+    app.add_middleware(RequestGuard, limits=limits, allowed_hosts=allowed_hosts)  # runs first of the checks
+    app.state.trimmer = Trimmer()
+    app.add_middleware(TrimAfterLarge, trimmer=app.state.trimmer)  # outermost: a refused large body counts too
     _add_error_handlers(app, metrics)
 
     add_openai_routes(app, lifecycle, preparer, prep, tenancy.namespace, model_name)

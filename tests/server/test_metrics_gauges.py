@@ -55,3 +55,29 @@ def test_queued_and_running_requests_are_told_apart(server):
     while metric(url, "promptcache_requests_in_flight") > 0 and time.monotonic() < deadline:
         time.sleep(0.05)
     assert metric(url, "promptcache_requests_running") == 0 and metric(url, "promptcache_requests_queued") == 0
+
+
+def test_resident_bytes_count_the_pages_written_not_the_size():
+    import sys
+
+    import pytest
+    import torch
+
+    from promptcache.server.core.metrics import resident_bytes
+
+    if not sys.platform.startswith("linux"):
+        pytest.skip("mincore's page-by-page answer is Linux's")
+    mb = 2**20
+    t = torch.empty(64 * mb // 4)  # large enough to be its own untouched mapping
+    assert resident_bytes(t) < mb
+    t[: 16 * mb // 4] = 1.0
+    assert 16 * mb <= resident_bytes(t) < 17 * mb
+    t.fill_(2.0)
+    assert 64 * mb <= resident_bytes(t) < 65 * mb
+    assert resident_bytes(torch.empty(0)) == -1
+
+
+def test_the_pool_resident_gauge_is_between_zero_and_the_pool(server):
+    url = server[0]
+    resident = metric(url, "promptcache_kv_pool_resident_bytes")
+    assert 0 < resident <= metric(url, "promptcache_kv_pool_bytes") + 8192

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import mmap
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client import CONTENT_TYPE_LATEST
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -49,6 +53,9 @@ class Metrics:
               registry=r).set_function(lambda: backend.scheduler.decode_tokens)
         Gauge("promptcache_kv_pool_bytes", "bytes of the KV pool (allocated at start; on CPU resident as its blocks are "
               "first used)", registry=r).set_function(lambda: backend.pool.buf.numel() * backend.pool.buf.element_size())
+        Gauge("promptcache_kv_pool_resident_bytes", "bytes of the KV pool resident in memory (on CPU: the pages of "
+              "blocks written at least once; -1 where unknown: a GPU pool, no mincore)", registry=r).set_function(
+            lambda: resident_bytes(backend.pool.buf))
         for name, doc in (("blocks", "KV pool blocks"), ("free", "free KV pool blocks"),
                           ("entries", "shared KV pool entries (prefix blocks, promoted modules)")):
             Gauge(f"promptcache_kv_pool_{name}", doc, registry=r).set_function(
@@ -68,6 +75,35 @@ class Metrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+def _mincore():
+    name = ctypes.util.find_library("c")
+    try:
+        fn = ctypes.CDLL(name, use_errno=True).mincore if name else None
+    except (OSError, AttributeError):
+        return None
+    if fn is not None:
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    return fn
+
+
+_MINCORE = _mincore()
+
+
+def resident_bytes(t) -> int:
+    """Bytes of a CPU tensor's memory resident now (``mincore``, page by page); -1 on a GPU or
+    where there is no ``mincore``. A large buffer allocated untouched (the CPU KV pool) becomes
+    resident page by page as it is written, so its size says nothing of what it costs."""
+    if t.device.type != "cpu" or _MINCORE is None or t.numel() == 0:
+        return -1
+    page, addr = mmap.PAGESIZE, t.data_ptr()
+    start = addr - addr % page
+    pages = -(-(addr + t.numel() * t.element_size() - start) // page)
+    vec = (ctypes.c_ubyte * pages)()
+    if _MINCORE(start, pages * page, vec) != 0:
+        return -1
+    return (pages - bytes(vec).count(0)) * page
 
 
 BLOCK_STATES = ("free", "request", "shared", "pinned", "idle")
