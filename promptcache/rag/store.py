@@ -104,12 +104,14 @@ class DocumentStore:
     after each document; ``selection``: which reused tokens ``recompute`` chooses (an engine
     selection, default the engine's ``config.recompute.selection``: ``qmatch``; ``ape`` adds APE's
     temperature, docs/rag.md has what each kept); ``prefixed``: documents are encoded after
-    ``encode_prefix`` or alone from position 0 (the default, ``False``; a folder records which)."""
+    ``encode_prefix`` or alone from position 0 (the default, ``False``; a folder records which):
+    ``True`` encodes them after the prefix of a request without a system text, a string after
+    the prefix of a request with that system text (the prompts' own, when they share one)."""
 
     def __init__(self, pc: PromptCache, path: str | Path | None = None, namespace: str | None = None,
                  reencode: bool = False, *, exact: bool = False, independent: bool = False, hybrid: bool = False,
                  canonical_order: bool = False, separator: str = "\n\n", selection: str | None = None,
-                 attach_separator: bool = False, prefixed: bool = False):
+                 attach_separator: bool = False, prefixed: bool | str = False):
         if sum(map(bool, (exact, independent, hybrid))) > 1:
             raise ValueError("DocumentStore: exact=True, independent=True and hybrid=True exclude each other "
                              "(pick one mode)")
@@ -128,7 +130,10 @@ class DocumentStore:
         if self.attach_separator and prefixed:
             raise ValueError("DocumentStore: attach_separator=True stores units encoded alone from position 0 (what "
                              "vLLM's connector serves); prefixed=True encodes documents after a prefix: pick one")
-        self.encode_prefix = self._prefix(None)[0] if prefixed else ()  # what each document is encoded after
+        if not isinstance(prefixed, (bool, str)):
+            raise TypeError(f"DocumentStore: prefixed must be True, False or a system text, got {type(prefixed).__name__}")
+        # what each document is encoded after: a request's prefix (with the system text ``prefixed`` names)
+        self.encode_prefix = self._prefix(prefixed if isinstance(prefixed, str) else None)[0] if prefixed else ()
         # the namespace of documents' state keys: a prefixed encoding's tokens salt it (worked out once)
         self._state_namespace = (f"{self.namespace}|after:{token_digest(self.encode_prefix)}" if self.encode_prefix
                                  else self.namespace)
@@ -382,11 +387,15 @@ class DocumentStore:
         layout, _ = self._layout(question, docs, system, chained)
         n_exact = sum(seg.n for seg in cached)
         more, more_hits = self._independent_states(layout, chained)
+        # a document encoded after exactly this prompt's prefix, first in it, holds a plain prefill's states
+        first_exact = (chained == 0 and bool(docs) and bool(self.encode_prefix)
+                       and layout.spans[0].token_ids == self.encode_prefix)
+        n_exact += more[0].n if first_exact else 0
         cached += more
         for tier, n in more_hits.items():
             hits[tier] = hits.get(tier, 0) + n
         new = [s for s in layout.spans if s.kind == "new"]
-        drifted = chained < len(docs)
+        drifted = chained + first_exact < len(docs)
         req = recompute_request(layout, n_exact, r, self.selection, False) \
             if r > 0 and drifted else None  # r = 0: the paper's splice, whatever the selection
         plan = PrefillPlan(segments=cached, new_ids=[t for s in new for t in s.token_ids],
