@@ -513,8 +513,11 @@ def check_methods(methods: list[str]) -> None:
 
     from . import engine_selections  # noqa: F401 (registers the studies' selections)
 
-    bad = [m for m in methods if split_method(m)[1] not in METHODS and split_method(m)[1] not in SELECTIONS
-           or split_method(m) == ("alone", m) and ":" in m or selection_of(m).endswith(":reference")]
+    def known(m: str) -> bool:  # an encoding prefix goes with an engine selection only
+        enc, base = split_method(m)
+        return (base in METHODS or base in SELECTIONS) and (enc == "alone" or METHODS.get(base) != "reference")
+
+    bad = [m for m in methods if not known(m)]
     if bad:
         raise SystemExit(f"--methods: unknown {', '.join(bad)} (known: {', '.join(METHODS)}, or an engine selection: "
                          f"{', '.join(SELECTIONS)})")
