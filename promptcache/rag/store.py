@@ -27,12 +27,14 @@ the default is the last, reuse):
   (learned absolute positions) gets this mode by default.
 * **Independent** (``independent=True``, the paper's position-independent modules). Each document
   is encoded once, alone (no context, positions from 0; ``prefixed=True``: after the store's
-  ``encode_prefix``, the prefix of a request without a system text, only the document's states kept),
+  ``encode_prefix``, the prefix of a request without a system text, or ``prefixed=SYSTEM`` with
+  that system text, only the document's states kept; a prompt whose prefix is ``encode_prefix``
+  holds its first document exact, not recomputed),
   stored and persisted; at prompt time it is moved to its position exactly (``models.relocate``);
   the separators and the question run through the model. The prefix keeps the attention sink
   where the prompt has it, not on the document's first token mid-prompt: it lowered the memo
-  task's first-token KL (0.12 -> 0.05) and lost answers on both tasks, so it is an option
-  (docs/rag.md). Cheapest to reuse (any subset, any order), but a document never sees the
+  task's first-token KL (0.12 -> 0.05) and lost answers on both tasks; after the prompts' own
+  prefix it cut the KL 2.5-3x and kept the default's agreement, no more: an option (docs/rag.md). Cheapest to reuse (any subset, any order), but a document never sees the
   documents before it, which costs answers (at ``recompute=0`` far fewer than full prefill's on
   the retrieval study). ``recompute=r`` (the engine's selective recompute; the default selection
   ``qmatch`` recomputes the documents the question names, then the others from the first) is the
