@@ -18,8 +18,9 @@ more digits in each, or where one gives none, the same text (``answer_key``); ``
 stricter column beside it, asks for the same sentence character for character. Whether a method's
 greedy tokens are full prefill's is checked by one teacher-forced forward on the method's kept
 cache (``follows``); where they depart the method decodes its own answer on that cache
-(``cache_greedy``): one prefill a run. **Correct**: the answer holds the code. Per method and budget: agreement (with a 95% Wilson interval), accuracy of both, the kept
-share (method correct / full prefill correct) with a 95% paired bootstrap interval, the answers
+(``cache_greedy``): one prefill a run. **Correct**: the answer holds the code. Per method and
+budget: agreement (with a 95% Wilson interval), accuracy of both, the kept share (method
+correct / full prefill correct) with a 95% paired bootstrap interval, the answers
 lost and won against full prefill and McNemar's exact p (``eval/kept_share.py``), first-token
 KL(full || method), and TTFT: full prefill's over the method's, both timed in this process on the
 same prompt one after the other (the load average is written beside them).
