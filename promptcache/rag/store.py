@@ -34,7 +34,7 @@ the default is the last, reuse):
   the separators and the question run through the model. The prefix keeps the attention sink
   where the prompt has it, not on the document's first token mid-prompt: it lowered the memo
   task's first-token KL (0.12 -> 0.05) and lost answers on both tasks; after the prompts' own
-  prefix it cut the KL 2.5-3x and kept the default's agreement, no more: an option (docs/rag.md).
+  prefix it cut the KL 1.9-3.5x and agreed about as often: an option (docs/rag.md).
   Cheapest to reuse (any subset, any order), but a document never sees the documents before it, which costs answers (at ``recompute=0`` far fewer than full prefill's on
   the retrieval study). ``recompute=r`` (the engine's selective recompute; the default selection
   ``qmatch`` recomputes the documents the question names, then the others from the first) is the
