@@ -17,9 +17,10 @@ prefill's (float32, the same tokens at positions 0..n-1, nothing reused): the fi
 more digits in each, or where one gives none, the same text (``answer_key``); ``agree_text``, the
 stricter column beside it, asks for the same sentence character for character. Whether a method's
 greedy tokens are full prefill's is checked by one teacher-forced forward on the method's kept
-cache (``follows``); where they depart the method decodes its own answer. **Correct**: the answer
-holds the code. Per method and budget: agreement (with a 95% Wilson interval), accuracy of both, the kept
-share (method correct / full prefill correct) with a 95% paired bootstrap interval, the answers
+cache (``follows``); where they depart the method decodes its own answer on that cache
+(``cache_greedy``): one prefill a run. **Correct**: the answer holds the code. Per method and
+budget: agreement (with a 95% Wilson interval), accuracy of both, the kept share (method
+correct / full prefill correct) with a 95% paired bootstrap interval, the answers
 lost and won against full prefill and McNemar's exact p (``eval/kept_share.py``), first-token
 KL(full || method), and TTFT: full prefill's over the method's, both timed in this process on the
 same prompt one after the other (the load average is written beside them).
@@ -36,6 +37,12 @@ Methods (``METHODS``; any other engine selection name is accepted as itself):
 * ``prophet``: query-aware (ProphetKV-style): the question's attention over the reused states
   from a cheap pass (one forward of the question) picks the tokens (the engine's ``qattn``);
 * ``tail``: the last tokens before the question (the documents nearest it) recomputed.
+
+A method's name may carry how the documents were encoded at ``add()`` (``ENCODINGS``):
+``prefixed:M`` (after the prefix of a request without a system text, ``DocumentStore(prefixed=True)``)
+or ``system:M`` (after the prompts' own prefix, system text included: ``DocumentStore(prefixed=SYSTEM)``;
+the first document then sits where it was encoded and its states are full prefill's). Such a
+method runs its own budget 0 (its splice is not the alone-encoded one).
 
 Budget ``b``: ``round(b * C)`` of the prompt's ``C`` reused document tokens are recomputed. At
 ``0`` every selection without a key scale is the same splice, and at ``1`` every engine selection
@@ -72,6 +79,21 @@ METHODS = {"default": None, "epic": "epic", "ape": "ape", "prophet": "qattn", "t
 BUDGETS = (0.0, 0.05, 0.1, 0.15, 0.2, 0.3, 1.0)
 ANSWER_TOKENS = 16
 ORDERS = ("listed", "shuffled")
+ENCODINGS = {"alone": False, "prefixed": True, "system": SYSTEM}  # method prefix -> DocumentStore(prefixed=...)
+
+
+def split_method(method: str) -> tuple[str, str]:
+    """(encoding, method): ``system:default`` -> (``system``, ``default``); no prefix: ``alone``."""
+    enc, sep, rest = method.partition(":")
+    return (enc, rest) if sep and enc in ENCODINGS else ("alone", method)
+
+
+def selection_of(method: str) -> str | None:
+    """The engine selection (or ``reference``) a method runs, its encoding prefix kept:
+    ``system:prophet`` -> ``system:qattn``; ``default`` -> None (the store's default)."""
+    enc, m = split_method(method)
+    sel = METHODS.get(m, m)
+    return sel if enc == "alone" else f"{enc}:{sel or ''}"
 
 
 # -- answers --------------------------------------------------------------------------------------
@@ -138,29 +160,30 @@ class Prompt:
         self.pc, self.sample, self.shuffled = pc, sample, shuffled
         self.namespace = f"fidelity:{sample['_id']}"
         self.ids = [f"{sample['_id']}:{k}" for k in range(len(sample["notes"]))]
-        self.stores: dict[str | None, object] = {}
+        self.stores: dict[tuple[str | None, str], object] = {}
         self.store(None)  # the default store encodes and holds every document
         if shuffled:
             random.Random(f"{sample['_id']}:order").shuffle(self.ids)
         self.question = f"Question: {sample['input']}"
 
-    def store(self, selection: str | None):
+    def store(self, selection: str | None, encoding: str = "alone"):
         """A ``DocumentStore(pc)`` in the default mode on this prompt's namespace with ``selection``
-        (None: the store's default); a second store finds the documents' states already stored."""
+        (None: the store's default), its documents encoded as ``encoding`` says (``ENCODINGS``); a
+        second store of an encoding finds the documents' states already stored."""
         from promptcache.rag import DocumentStore
 
-        if selection not in self.stores:
-            s = DocumentStore(self.pc, namespace=self.namespace, selection=selection)
+        if (selection, encoding) not in self.stores:
+            s = DocumentStore(self.pc, namespace=self.namespace, selection=selection, prefixed=ENCODINGS[encoding])
             for k, text in enumerate(self.sample["notes"]):
                 s.add(f"{self.sample['_id']}:{k}", text)
-            self.stores[selection] = s
-        return self.stores[selection]
+            self.stores[(selection, encoding)] = s
+        return self.stores[(selection, encoding)]
 
     def forget(self) -> None:
-        """Evict the documents' states (a run holds one sample's at a time)."""
-        s = self.store(None)
-        for d in list(s.ids()):
-            self.pc.store.discard(s.state_key(s.unit_ids(s.get(d))))
+        """Evict the documents' states of every encoding (a run holds one sample's at a time)."""
+        for s in self.stores.values():
+            for d in list(s.ids()):
+                self.pc.store.discard(s.state_key(s.unit_ids(s.get(d))))
 
     def token_ids(self) -> list[int]:
         return list(self.store(None).layout(self.question, self.ids, system=SYSTEM).token_ids)
@@ -182,28 +205,45 @@ def follows(pc, res, tokens: list[int]) -> bool:
         return True
     got: list[torch.Tensor] = []
     hook = pc.model.get_decoder().register_forward_hook(lambda _m, _a, out: got.append(out[0]))
+    length = res.cache.length
     try:
         n = len(tokens) - 1
         pos = torch.arange(res.next_position, res.next_position + n)[None]
         pc.adapter.forward(torch.tensor([tokens[:-1]]), pos, res.cache)
     finally:
         hook.remove()
+        res.cache.set_length(length)  # the prompt's cache again: ``cache_greedy`` may decode on it
     with torch.inference_mode():
         logits = pc.model.get_output_embeddings()(got[-1][0, -n:])  # [n, V]
     return logits.argmax(-1).tolist() == tokens[1:]
 
 
-def engine_answer(p: Prompt, selection: str | None, budget: float, max_new: int, full: tuple[list[int], str]) -> dict:
-    """The engine's answer from the store's reused states, ``budget`` of them recomputed. Where
-    its greedy tokens are full prefill's (``full``: ids, answer; checked by ``follows``) the
-    answer is full prefill's; else the method decodes its own on the serving path (``generate``)."""
-    store = p.store(selection)
-    res = store.prefill(p.question, p.ids, system=SYSTEM, recompute=budget, reserve=max_new + 1, keep_cache=True)
+def cache_greedy(pc, res, eos: frozenset[int], max_new: int) -> str:
+    """Greedy decoding on ``res``'s kept cache (the prompt's states as the method left them), one
+    token a forward, until EOS, a completed answer (``answer_done``) or ``max_new`` tokens: the text."""
+    gen, pos, t = [], res.next_position, int(res.logits.argmax())
+    with torch.inference_mode():
+        while True:
+            gen.append(t)
+            if t in eos or len(gen) >= max_new or answer_done(pc.tokenizer.decode(gen, skip_special_tokens=True)):
+                break
+            t = int(pc.adapter.forward(torch.tensor([[t]]), torch.tensor([[pos]]), res.cache)[0].argmax())
+            pos += 1
+    return pc.tokenizer.decode(gen, skip_special_tokens=True)
+
+
+def engine_answer(p: Prompt, selection: str | None, budget: float, max_new: int, full: tuple[list[int], str],
+                  eos: frozenset[int]) -> dict:
+    """The engine's answer from the store's reused states, ``budget`` of them recomputed: one
+    prefill. Where its greedy tokens are full prefill's (``full``: ids, answer; checked by
+    ``follows``) the answer is full prefill's; else the method decodes its own on the same cache
+    (``cache_greedy``)."""
+    enc, sel = split_method(selection or "")
+    res = p.store(sel or None, enc).prefill(p.question, p.ids, system=SYSTEM, recompute=budget,
+                                            reserve=max_new + 1, keep_cache=True)
     logits, ttft = res.logits.float().clone(), res.ttft
-    if follows(p.pc, res, full[0]):
-        text = full[1]
-    else:
-        text = answer_text(store.generate(p.question, p.ids, SYSTEM, max_new, recompute=budget, stop=STOPS).text)
+    text = full[1] if follows(p.pc, res, full[0]) else answer_text(cache_greedy(p.pc, res, eos, max_new))
+    p.pc.release(res)
     return dict(logits=logits, text=text, ttft=ttft, exact=bool(res.exact),
                 recomputed=res.recomputed_tokens / p.doc_tokens(), cached=res.cached_tokens)
 
@@ -245,11 +285,11 @@ def runs_for(methods: list[str], budgets: list[float]) -> list[tuple[str, float,
 
     out, shared0 = [], False
     for m in methods:
-        sel = METHODS.get(m, m)
+        sel = selection_of(m)
         for b in budgets:
             if b >= 1.0:  # every selection recomputes everything: one plain prefill in prompt order
                 continue
-            if b == 0.0 and sel != "reference" and sel not in KEY_SCALES:
+            if b == 0.0 and split_method(m)[0] == "alone" and sel != "reference" and sel not in KEY_SCALES:
                 shared0 = True
                 continue
             out.append((m, b, sel))
@@ -270,7 +310,7 @@ def evaluate_prompt(p: Prompt, runs, eos, max_new: int, bf16=None) -> list[dict]
     answers = [] if runs else [("full_prefill", 1.0, dict(logits=full_logits, text=full, ttft=full_ttft, exact=True,
                                                           recomputed=0.0, cached=0))]  # --full-only: its own row
     for label, b, sel in runs:
-        a = ref.answer(b, max_new) if sel == "reference" else engine_answer(p, sel, b, max_new, (full_ids, full))
+        a = ref.answer(b, max_new) if sel == "reference" else engine_answer(p, sel, b, max_new, (full_ids, full), eos)
         answers.append((label, b, a))
     if bf16 is not None:
         logits, _, text, ttft = full_greedy(bf16, tok, ids, eos, max_new)
@@ -310,8 +350,8 @@ def expand_shared(rows: list[dict], methods: list[str]) -> list[dict]:
     out = [r for r in rows if r["method"] not in ("splice", "full_recompute")]
     for r in rows:
         for m in methods:
-            sel = METHODS.get(m, m)
-            own_splice = sel == "reference" or sel in KEY_SCALES
+            sel = selection_of(m)
+            own_splice = sel == "reference" or sel in KEY_SCALES or split_method(m)[0] != "alone"
             if (r["method"] == "splice" and not own_splice) or r["method"] == "full_recompute":
                 out.append({**r, "method": m})
     return out
@@ -478,7 +518,11 @@ def check_methods(methods: list[str]) -> None:
 
     from . import engine_selections  # noqa: F401 (registers the studies' selections)
 
-    bad = [m for m in methods if m not in METHODS and m not in SELECTIONS]
+    def known(m: str) -> bool:  # an encoding prefix goes with an engine selection only
+        enc, base = split_method(m)
+        return (base in METHODS or base in SELECTIONS) and (enc == "alone" or METHODS.get(base) != "reference")
+
+    bad = [m for m in methods if not known(m)]
     if bad:
         raise SystemExit(f"--methods: unknown {', '.join(bad)} (known: {', '.join(METHODS)}, or an engine selection: "
                          f"{', '.join(SELECTIONS)})")

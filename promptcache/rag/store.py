@@ -27,13 +27,15 @@ the default is the last, reuse):
   (learned absolute positions) gets this mode by default.
 * **Independent** (``independent=True``, the paper's position-independent modules). Each document
   is encoded once, alone (no context, positions from 0; ``prefixed=True``: after the store's
-  ``encode_prefix``, the prefix of a request without a system text, only the document's states kept),
+  ``encode_prefix``, the prefix of a request without a system text, or ``prefixed=SYSTEM`` with
+  that system text, only the document's states kept; a prompt whose prefix is ``encode_prefix``
+  holds its first document exact, not recomputed),
   stored and persisted; at prompt time it is moved to its position exactly (``models.relocate``);
   the separators and the question run through the model. The prefix keeps the attention sink
   where the prompt has it, not on the document's first token mid-prompt: it lowered the memo
-  task's first-token KL (0.12 -> 0.05) and lost answers on both tasks, so it is an option
-  (docs/rag.md). Cheapest to reuse (any subset, any order), but a document never sees the
-  documents before it, which costs answers (at ``recompute=0`` far fewer than full prefill's on
+  task's first-token KL (0.12 -> 0.05) and lost answers on both tasks; after the prompts' own
+  prefix it cut the KL 1.9-3.5x and agreed about as often: an option (docs/rag.md).
+  Cheapest to reuse (any subset, any order), but a document never sees the documents before it, which costs answers (at ``recompute=0`` far fewer than full prefill's on
   the retrieval study). ``recompute=r`` (the engine's selective recompute; the default selection
   ``qmatch`` recomputes the documents the question names, then the others from the first) is the
   quality knob; small fractions kept the most answers (figures: eval/results/quality.md). The default, ``recompute="auto"``,
@@ -105,12 +107,14 @@ class DocumentStore:
     after each document; ``selection``: which reused tokens ``recompute`` chooses (an engine
     selection, default the engine's ``config.recompute.selection``: ``qmatch``; ``ape`` adds APE's
     temperature, docs/rag.md has what each kept); ``prefixed``: documents are encoded after
-    ``encode_prefix`` or alone from position 0 (the default, ``False``; a folder records which)."""
+    ``encode_prefix`` or alone from position 0 (the default, ``False``; a folder records which):
+    ``True`` encodes them after the prefix of a request without a system text, a string after
+    the prefix of a request with that system text (the prompts' own, when they share one)."""
 
     def __init__(self, pc: PromptCache, path: str | Path | None = None, namespace: str | None = None,
                  reencode: bool = False, *, exact: bool = False, independent: bool = False, hybrid: bool = False,
                  canonical_order: bool = False, separator: str = "\n\n", selection: str | None = None,
-                 attach_separator: bool = False, prefixed: bool = False):
+                 attach_separator: bool = False, prefixed: bool | str = False):
         if sum(map(bool, (exact, independent, hybrid))) > 1:
             raise ValueError("DocumentStore: exact=True, independent=True and hybrid=True exclude each other "
                              "(pick one mode)")
@@ -129,7 +133,10 @@ class DocumentStore:
         if self.attach_separator and prefixed:
             raise ValueError("DocumentStore: attach_separator=True stores units encoded alone from position 0 (what "
                              "vLLM's connector serves); prefixed=True encodes documents after a prefix: pick one")
-        self.encode_prefix = self._prefix(None)[0] if prefixed else ()  # what each document is encoded after
+        if not isinstance(prefixed, (bool, str)):
+            raise TypeError(f"DocumentStore: prefixed must be True, False or a system text, got {type(prefixed).__name__}")
+        # what each document is encoded after: a request's prefix (with the system text ``prefixed`` names)
+        self.encode_prefix = self._prefix(prefixed if isinstance(prefixed, str) else None)[0] if prefixed else ()
         # the namespace of documents' state keys: a prefixed encoding's tokens salt it (worked out once)
         self._state_namespace = (f"{self.namespace}|after:{token_digest(self.encode_prefix)}" if self.encode_prefix
                                  else self.namespace)
@@ -388,11 +395,15 @@ class DocumentStore:
         layout, _ = self._layout(question, docs, system, chained)
         n_exact = sum(seg.n for seg in cached)
         more, more_hits = self._independent_states(layout, chained)
+        # a document encoded after exactly this prompt's prefix, first in it, holds a plain prefill's states
+        first_exact = (chained == 0 and bool(docs) and bool(self.encode_prefix)
+                       and layout.spans[0].token_ids == self.encode_prefix)
+        n_exact += more[0].n if first_exact else 0
         cached += more
         for tier, n in more_hits.items():
             hits[tier] = hits.get(tier, 0) + n
         new = [s for s in layout.spans if s.kind == "new"]
-        drifted = chained < len(docs)
+        drifted = chained + first_exact < len(docs)
         req = recompute_request(layout, n_exact, r, self.selection, False) \
             if r > 0 and drifted else None  # r = 0: the paper's splice, whatever the selection
         plan = PrefillPlan(segments=cached, new_ids=[t for s in new for t in s.token_ids],

@@ -66,6 +66,14 @@ def test_shared_ends_stand_for_every_method_they_equal():
     out = fidelity.expand_shared(rows, ["default", "ape", "cacheblend"])
     assert sorted((r["method"], r["budget"]) for r in out) == [
         ("ape", 0.0), ("ape", 1.0), ("cacheblend", 1.0), ("default", 0.0), ("default", 1.0)]
+    # documents encoded after the prompts' prefix (system:M) are another splice: their budget 0 runs
+    runs = fidelity.runs_for(["default", "system:default", "system:prophet"], [0.0, 0.1])
+    assert [(m, b, sel) for m, b, sel in runs] == [
+        ("splice", 0.0, None), ("default", 0.1, None), ("system:default", 0.0, "system:"),
+        ("system:default", 0.1, "system:"), ("system:prophet", 0.0, "system:qattn"),
+        ("system:prophet", 0.1, "system:qattn")]
+    assert fidelity.split_method("system:default") == ("system", "default")
+    assert fidelity.split_method("qattn") == ("alone", "qattn")
 
 
 @pytest.mark.parametrize("task", fidelity_tasks.TASKS)
@@ -86,13 +94,15 @@ def test_tasks_are_seeded_and_answerable(task):
 
 
 def test_study_end_to_end_on_a_tiny_model(tmp_path):
-    summary = fidelity.main(["--model", "embedded:demo", "--n", "1", "--methods", "default", "cacheblend", "--budgets", "0",
+    summary = fidelity.main(["--model", "embedded:demo", "--n", "1", "--methods", "default", "cacheblend",
+                             "system:default", "--budgets", "0",
                              "0.2", "1", "--doc-tokens", "160", "--answer-tokens", "4", "--calibrate", "1",
                              "--out", str(tmp_path), "--tag", "_t"])
     with open(tmp_path / "fidelity_t.csv") as f:
         rows = list(csv.DictReader(f))
-    # 2 tasks x 2 orders x (splice, default@0.2, cacheblend@0 and @0.2, full_recompute, bf16_full)
-    assert len(rows) == 24 and {r["order"] for r in rows} == {"listed", "shuffled"}
+    # 2 tasks x 2 orders x (splice, default@0.2, cacheblend@0 and @0.2, system:default@0 and @0.2,
+    # full_recompute, bf16_full)
+    assert len(rows) == 32 and {r["order"] for r in rows} == {"listed", "shuffled"}
     for r in rows:
         if r["method"] == "full_recompute":  # every document token recomputed: a plain prefill
             assert r["exact"] == "1" and r["agree"] == "1" and float(r["first_token_kl"]) < 1e-6
@@ -100,9 +110,11 @@ def test_study_end_to_end_on_a_tiny_model(tmp_path):
             assert r["exact"] == "0" and float(r["first_token_kl"]) > 0  # documents encoded alone drift
         if r["method"] == "default":
             assert math.isclose(float(r["recomputed"]), 0.2, abs_tol=0.02)
+        if r["method"] == "system:default":  # the first document is exact: 20% of the others' tokens
+            assert r["exact"] == "0" and 0 < float(r["recomputed"]) < 0.2 or float(r["budget"]) == 0
     assert {(s["method"], s["budget"]) for s in summary} >= {("default", 0.0), ("cacheblend", 1.0), ("bf16_full", 1.0)}
     for name in ("fidelity_t_summary.csv", "fidelity_t_summary.png", "fidelity_t_ttft.png"):
         assert (tmp_path / name).exists()
     again = fidelity.main(["--combine", str(tmp_path / "fidelity_t.csv"), "--methods", "default", "cacheblend",
-                           "--out", str(tmp_path), "--tag", "_c"])
+                           "system:default", "--out", str(tmp_path), "--tag", "_c"])
     assert again == summary

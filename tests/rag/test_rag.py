@@ -330,3 +330,32 @@ def test_the_shipped_rag_example_reuses_the_documents_on_its_first_run(tmp_path,
         assert f"{encoded} documents encoded and stored, {served} served" in out, run
         lines = re.findall(r"(\d+) of (\d+) prompt tokens reused from the cache, (\d+) of the documents", out)
         assert len(lines) == 3 and all(int(r) > int(n) // 2 and int(c) > 0 for r, n, c in lines), lines
+
+
+def test_documents_encoded_after_the_prompts_own_prefix_make_the_first_document_exact():
+    """``prefixed=SYSTEM``: each document is encoded after the prefix of a request with that system
+    text; in such a prompt the first document sits where it was encoded (a plain prefill's states,
+    not a recompute candidate), the others are moved and drifted."""
+    system = "Answer briefly."
+    store = make_store(prefixed=system)
+    for k, v in DOCS.items():
+        store.add(k, v)
+    assert store.encode_prefix == store.layout("Q?", [], system).spans[0].token_ids  # the system prompt's prefix
+    assert store.encode_prefix != make_store(prefixed=True).encode_prefix
+    pc, question = store.pc, "What is famous there?"
+    one = store.prefill(question, ["paris"], system, recompute=0)
+    assert one.exact and one.recomputed_tokens == 0
+    two = ["tokyo", "paris"]
+    ids = list(store.layout(question, two, system).token_ids)
+    approx, full = store.prefill(question, two, system, recompute=0), store.prefill(question, two, system, recompute=1.0)
+    assert not approx.exact and full.recomputed_tokens == _doc_tokens(store, ["paris"])  # the first is not a candidate
+    exact_store = DocumentStore(pc, exact=True)  # chains: a plain prefill of the same tokens
+    for k, v in DOCS.items():
+        exact_store.add(k, v)
+    plain = exact_store.prefill(question, two, system)
+    assert plain.exact and list(exact_store.layout(question, two, system).token_ids) == ids
+    assert torch.max(torch.abs(full.logits - plain.logits)).item() <= 1e-4
+    assert torch.max(torch.abs(one.logits - exact_store.prefill(question, ["paris"], system).logits)).item() <= 1e-4
+    assert torch.max(torch.abs(approx.logits - plain.logits)).item() > 1e-4  # the second document drifted
+    with pytest.raises(TypeError, match="prefixed"):
+        make_store(prefixed=1)
