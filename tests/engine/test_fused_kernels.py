@@ -158,7 +158,7 @@ def test_switched_off_by_the_environment(module, fuse):
             f"from promptcache.kernels import {module} as f; m = fresh_model('llama'); "
             f"print(f.{fuse}(m), f.KERNELS.unavailable_reason())")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                         env={**os.environ, switch: "0"})
+                         env={**os.environ, switch: "0", "PROMPTCACHE_TEST_DEVICE": "cpu"})  # a CPU kernel's switch
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip().splitlines()[-1] == f"0 turned off by {switch}"
 
