@@ -43,7 +43,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from .common import RESULTS, add_model_args, pyplot, save_table, text_of_tokens
+from .common import RESULTS, add_model_args, pyplot, save_figure, save_table, text_of_tokens
 
 SYSTEM = "Answer the question from the documents only."
 
@@ -129,9 +129,7 @@ def plot(rows, path: Path) -> None:
     ax.bar(labels, [r["tok_s"] for r in rows], color=["C0" if r["system"] == "promptcache" else "C3" for r in rows])
     ax.set_ylabel("generated tokens / s")
     ax.set_title("RAG questions: batched library call vs loop (and vLLM offline)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def main(argv=None) -> None:

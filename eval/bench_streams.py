@@ -25,7 +25,7 @@ import random
 import time
 from pathlib import Path
 
-from .common import RESULTS, add_model_args, pyplot, save_table
+from .common import RESULTS, add_model_args, pyplot, save_figure, save_table
 
 SYSTEM = "Answer the question from the documents only."
 
@@ -132,9 +132,7 @@ def plot(series, path: Path) -> None:
     ax.set_xlabel("seconds since the questions arrived")
     ax.set_ylabel("inter-token gap of a stream (ms)")
     ax.set_title("Streams decoding while RAG questions are admitted")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def main(argv=None) -> None:
