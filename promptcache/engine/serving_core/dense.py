@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["DenseStep", "attend_dense", "dense_step", "pool_slots"]
+__all__ = ["DenseStep", "attend_dense", "dense_step", "pool_slots", "rotate", "rotation"]
 
 log = logging.getLogger(__name__)
 
@@ -144,7 +144,7 @@ def dense_step(rows: list, segments: list[list[tuple[torch.Tensor, int, torch.Te
             shifts += [sh for _, sh, _ in segs]
             counts.append(w - n)  # own tokens and padding: not rotated
             shifts.append(0)
-        cos, sin = _rotation(torch.tensor(shifts, dtype=torch.float64), rope)  # a row per part, not per key
+        cos, sin = rotation(torch.tensor(shifts, dtype=torch.float64), rope)  # a row per part, not per key
         counts = torch.tensor(counts, device=dev)
         cos = cos.to(dev).repeat_interleave(counts, dim=0, output_size=b * w)
         sin = sin.to(dev).repeat_interleave(counts, dim=0, output_size=b * w)
@@ -152,7 +152,7 @@ def dense_step(rows: list, segments: list[list[tuple[torch.Tensor, int, torch.Te
     return DenseStep(b, t, w, slots, mask, qidx, back, cos, sin, swap)
 
 
-def _rotation(shift: torch.Tensor, rope: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def rotation(shift: torch.Tensor, rope: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin [K, r] (float32, angles in float64) rotating keys forward by ``shift`` [K] positions
     at the rotary frequencies ``rope`` [r / 2], in the rotate-half layout (channel c pairs with
     c + r / 2); sin's first half negated, so a rotation is k * cos + swap_halves(k) * sin."""
@@ -161,14 +161,14 @@ def _rotation(shift: torch.Tensor, rope: torch.Tensor) -> tuple[torch.Tensor, to
     return torch.cat([c, c], dim=1).float(), torch.cat([-s, s], dim=1).float()
 
 
-def _rotate(k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, swap: bool) -> torch.Tensor:
-    """Keys k [Hk, K, D] float32 rotated by (cos, sin) [K, r] over their first r channels; ``swap``:
-    r = D, the halves swapped as a flip of a [.., 2, D / 2] view (fewer ops than slices and a cat,
-    and a plain copy: a gather of channels ran 20x slower on the CPU)."""
-    hk, n, d = k.shape
+def rotate(k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, swap: bool) -> torch.Tensor:
+    """Keys (or queries) k [..., K, D] float32 rotated by (cos, sin) [K, r] (``rotation``) over their
+    first r channels; ``swap``: r = D, the halves swapped as a flip of a [.., 2, D / 2] view (fewer
+    ops than slices and a cat, and a plain copy: a gather of channels ran 20x slower on the CPU)."""
+    d = k.shape[-1]
     r = cos.shape[1]
     if swap:
-        return torch.addcmul(k * cos, k.view(hk, n, 2, d // 2).flip(2).view(hk, n, d), sin)
+        return torch.addcmul(k * cos, k.unflatten(-1, (2, d // 2)).flip(-2).flatten(-2), sin)
     rot = k[..., :r]
     swapped = torch.cat([rot[..., r // 2:], rot[..., : r // 2]], dim=-1)
     return torch.cat([rot * cos + swapped * sin, k[..., r:]], dim=-1)
@@ -188,7 +188,7 @@ def attend_dense(step: DenseStep, q: torch.Tensor, kbuf: torch.Tensor, vbuf: tor
     if k.dtype != torch.float32:
         k, v = k.float(), v.float()
     if step.cos is not None:
-        k = _rotate(k, step.cos, step.sin, step.swap)
+        k = rotate(k, step.cos, step.sin, step.swap)
     if t == 1 and not lse:  # decode rows: batched by (row, KV head), their G queries each, as views
         out = torch.nn.functional.scaled_dot_product_attention(
             q.permute(2, 0, 1, 3), k.view(hk, b, w, d).transpose(0, 1), v.view(hk, b, w, d).transpose(0, 1),

@@ -64,7 +64,7 @@ from ...models.splice import SpliceCache
 from ... import tunables
 from ...tunables import DECODE_MATMUL_ROWS, FOLD_SHARED, GATHER_MAX, SEGMENTS_MAX  # read at call time (tests set them here)
 from ...kernels import attention as cpu_attention
-from .dense import DenseStep, attend_dense, dense_step, pool_slots
+from .dense import DenseStep, attend_dense, dense_step, pool_slots, rotate, rotation
 from .kvpool import KVPool
 
 __all__ = ["KeyRule", "PagedRow", "StepPlan", "attend", "attention_swapped", "build_plan", "key_rule", "paged_forward",
@@ -588,17 +588,11 @@ def _rotated(plan: StepPlan, memo_key, q: torch.Tensor, shift: torch.Tensor | No
         return q
     row, rope = _layer_rope(plan, layer)
     memo_key = ("rotation", memo_key, row)
-    if memo_key not in plan.memo:
-        angle = -shift.to(torch.float64)[:, None] * rope.to(torch.float64)[None, :]  # [m, r / 2]
-        cos, sin = angle.cos().repeat(1, 2), angle.sin().repeat(1, 2)  # [m, r]
-        plan.memo[memo_key] = (cos.to(q.device, torch.float32), sin.to(q.device, torch.float32))
+    if memo_key not in plan.memo:  # rotating back by shift: forward by -shift
+        cos, sin = rotation(-shift.to(torch.float64), rope)
+        plan.memo[memo_key] = (cos.to(q.device), sin.to(q.device))
     cos, sin = plan.memo[memo_key]
-    r = cos.shape[1]
-    x = q[..., :r].float()
-    x1, x2 = x.chunk(2, dim=-1)
-    out = q.clone()
-    out[..., :r] = (x * cos + torch.cat((-x2, x1), dim=-1) * sin).to(q.dtype)
-    return out
+    return rotate(q.float(), cos, sin, swap=False).to(q.dtype)
 
 
 def _layer_rope(plan: StepPlan, layer: int) -> tuple[int, torch.Tensor]:
