@@ -65,3 +65,9 @@ DENSE_MAX = 1 << 22
 # are bound by their matrix products and compiling gains nothing there; 128 holds the new tokens
 # of a 99%-cached 8K prompt (engine/serving_core/graphs.py).
 COMPILE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
+
+# -- window-aware storage (engine/prefill/window_reads.py) ----------------------------------------
+# Bytes of whole states encoded again for readers a trimming tier (disk, Redis) kept too little for,
+# held in memory per engine and per DocumentStore (least recently used dropped first), so a prompt
+# that reads a trimmed span before its end encodes it once, not on every call.
+WHOLE_STATES_BYTES = 256 << 20

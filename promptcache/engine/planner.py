@@ -37,7 +37,7 @@ from .prefill.config import EngineConfig
 from .prefill.plan import PrefillPlan, PromptSpec, Segment
 from .prefill.recompute import RecomputeRequest, check_recompute, fraction_of, recompute_request
 from .prefill.runner import ModelRunner
-from .prefill.window_reads import whole_segment, with_whole_states
+from .prefill.window_reads import WholeStates, whole_segment, with_whole_states
 from .schemas.assemble import assemble, leading_exact, moves_last
 from .schemas.encoder import Progress, SchemaEncoder
 from .schemas.registry import EncodedSchema, SchemaRegistry
@@ -63,6 +63,7 @@ class Planner:
         self.config, self.runner, self.store, self.registry, self.encoder, self.tok = \
             config, runner, store, registry, encoder, tok
         self._sources: weakref.WeakValueDictionary[str, PromptSource] = weakref.WeakValueDictionary()
+        self.whole = WholeStates()  # window-aware storage: spans encoded again, kept for the next reader
 
     # -- the scheduler's question ----------------------------------------------------------------
     def plan(self, spec: PromptSpec, pool=None, chains: PrefixCache | None = None) -> PrefillPlan:
@@ -149,9 +150,14 @@ class Planner:
         index = {k: i for i, k in entry.keys.items()}
 
         def whole(seg: Segment) -> Segment:
-            if not fresh:  # one encode of the schema gives every span
-                fresh.update(self.encoder.encode(entry.layout))
-            return whole_segment(seg, fresh[index[seg.key.removesuffix("[:-1]")]][:, :, :, :seg.n])
+            key = seg.key.removesuffix("[:-1]")
+
+            def encode() -> torch.Tensor:
+                if not fresh:  # one encode of the schema gives every span
+                    fresh.update(self.encoder.encode(entry.layout))
+                return fresh[index[key]]
+
+            return whole_segment(seg, self.whole.get(key, encode)[:, :, :, :seg.n])
 
         return with_whole_states(plan, self.store.windows, whole, req)
 

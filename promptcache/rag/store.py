@@ -84,7 +84,7 @@ from ..engine import Generation, PrefillResult, PromptCache, PromptSpec, TokenPr
 from ..engine.serving_core.chains import chained, stored_run
 from ..engine.prefill.plan import PrefillPlan, Segment
 from ..engine.prefill.recompute import check_recompute, check_selection, recompute_request
-from ..engine.prefill.window_reads import whole_segment, with_whole_states
+from ..engine.prefill.window_reads import WholeStates, whole_segment, with_whole_states
 from ..keys import alone_key, chain_root, token_digest
 from ..layout import PromptLayout, Span
 from ..models.relocate import check_relocatable, relocate
@@ -143,6 +143,7 @@ class DocumentStore:
         self.path = Path(path) if path is not None else None
         self.folder = DocumentFolder(self.path, pc, self._suffix, self.encode_prefix) if self.path is not None else None
         self._docs: dict[str, Document] = {}
+        self.whole_states = WholeStates()  # window-aware storage: documents encoded again, kept
         self._lock = threading.RLock()
         if self.folder is not None and self.folder.exists():
             self._open(reencode)
@@ -418,7 +419,8 @@ class DocumentStore:
         doc = next((d for d in docs if seg.key == f"{self.state_key(self.unit_ids(d))}@{at}"), None)
         if doc is None:  # the prefix and chained documents are read only after their last token
             raise DocumentStoreError(f"stored states {seg.key[:16]}... are read before their last token")
-        kv = self._encode(self.unit_ids(doc)).to(device=seg.kv.device, dtype=seg.kv.dtype)
+        kv = self.whole_states.get(seg.key, lambda: self._encode(self.unit_ids(doc))).to(
+            device=seg.kv.device, dtype=seg.kv.dtype)
         return whole_segment(seg, kv, functools.partial(relocate, self.pc.adapter, kv, seg.shift) if seg.shift else None)
 
     def _independent_states(self, layout: PromptLayout, skip: int):

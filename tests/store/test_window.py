@@ -182,3 +182,42 @@ def test_recomputed_documents_from_trimmed_states_equal_those_from_whole_states(
         want = whole.prefill(question, doc_ids, system, recompute=0.5)
         assert got.recomputed_tokens == want.recomputed_tokens > 0
         assert torch.max(torch.abs(got.logits - want.logits)).item() <= 1e-4, doc_ids
+        if again:  # the states encoded again are kept: the next prompt reading them encodes nothing
+            kept = len(trimmed.whole_states)
+            assert kept > 0
+            assert torch.equal(trimmed.prefill(question, doc_ids, system, recompute=0).logits, res.logits)
+            assert len(trimmed.whole_states) == kept
+
+
+def test_spans_encoded_again_are_kept_for_the_next_reader(tmp_path):
+    """A prompt reading a trimmed span before its end encodes the schema again once; the next
+    prompts reading it take the kept states (no encode), with the same logits."""
+    pc = trimmed_engine(tmp_path / "states")
+    planner = pc.core.planner
+    calls = []
+    encode = planner.encoder.encode
+    planner.encoder.encode = lambda *a, **k: calls.append(1) or encode(*a, **k)
+    prompt = READ_BEFORE[0]
+    first = pc.prefill(prompt, recompute=0).logits
+    assert calls == [1] and len(planner.whole) > 0
+    for _ in range(2):
+        assert torch.equal(pc.prefill(prompt, recompute=0).logits, first)
+    assert calls == [1]
+
+
+def test_whole_states_drop_the_least_recently_used_past_their_bytes():
+    from promptcache.engine.prefill.window_reads import WholeStates
+
+    kept = WholeStates(limit=3 * 4 * 10)  # three tensors of 10 float32
+    made = []
+
+    def encode(name):
+        return lambda: made.append(name) or torch.full((10,), float(len(made)))
+
+    for name in "abc":
+        kept.get(name, encode(name))
+    kept.get("a", encode("a"))  # a is used again: b is now the oldest
+    kept.get("d", encode("d"))
+    assert made == ["a", "b", "c", "d"] and "b" not in kept and "a" in kept and kept.nbytes == 120
+    big = kept.get("e", lambda: torch.zeros(100))  # larger than the limit: handed back, not kept
+    assert big.numel() == 100 and "e" not in kept and len(kept) == 3

@@ -9,21 +9,24 @@ its candidates, which read the segments before them and the earlier tokens of th
 earliest of them bounds what any reader sees; a segment whose entries there were dropped is
 replaced by its whole states from ``whole(segment)`` (the planner's encoder), so the prompt reads
 exactly what an untrimmed store would give it. Nothing is stored back: the trimmed copy stays
-what the tier keeps.
+what the tier keeps; the states encoded again are kept in memory (``WholeStates``, least recently
+used dropped past ``tunables.WHOLE_STATES_BYTES``), so the next prompt reading them encodes nothing.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+from collections import OrderedDict
 from typing import Callable
 
 import torch
 
+from ... import tunables
 from ...store.codec import readable
 from .plan import PrefillPlan, Segment
 
-__all__ = ["first_reader", "unreadable", "whole_segment", "with_whole_states"]
+__all__ = ["WholeStates", "first_reader", "unreadable", "whole_segment", "with_whole_states"]
 
 log = logging.getLogger(__name__)
 
@@ -70,3 +73,41 @@ def whole_segment(seg: Segment, kv: torch.Tensor, load: Callable[[], torch.Tenso
     buffer that holds the trimmed copy at its slot never mistakes one for the other."""
     return dataclasses.replace(seg, key=f"{seg.key}[whole]", kv=kv.to(device=seg.kv.device, dtype=seg.kv.dtype),
                                load=load)
+
+
+class WholeStates:
+    """Whole states encoded again, by stored key, least recently used dropped first past
+    ``limit`` bytes (``tunables.WHOLE_STATES_BYTES``). A state larger than the limit is handed
+    back and not kept. Keys are content keys (a state's key names its tokens and positions), so
+    an entry never goes stale."""
+
+    def __init__(self, limit: int | None = None):
+        self.limit = tunables.WHOLE_STATES_BYTES if limit is None else limit
+        self._kept: OrderedDict[str, torch.Tensor] = OrderedDict()
+        self._bytes = 0
+
+    def get(self, key: str, encode: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """The whole states of ``key``: kept ones, else ``encode()`` (then kept if they fit)."""
+        kv = self._kept.get(key)
+        if kv is not None:
+            self._kept.move_to_end(key)
+            return kv
+        kv = encode()
+        size = kv.numel() * kv.element_size()
+        if size <= self.limit:
+            self._kept[key] = kv
+            self._bytes += size
+            while self._bytes > self.limit:
+                _, old = self._kept.popitem(last=False)
+                self._bytes -= old.numel() * old.element_size()
+        return kv
+
+    def __contains__(self, key: str) -> bool:
+        return key in self._kept
+
+    def __len__(self) -> int:
+        return len(self._kept)
+
+    @property
+    def nbytes(self) -> int:
+        return self._bytes
