@@ -20,7 +20,10 @@
 //   [run_starts[b, i], run_starts[b, i + 1]) (int64 [B, R]; the last up to lengths[b]) of
 //   run_src[b, i] (-1: k and v; s >= 0: sources[s] [L, 2, X, n, D], a store's states, read at layer
 //   `layer`), read with the queries rotated by row run_rot[b, i] of cos, sin (float32 [S, r],
-//   rotate-half over the first r channels, sin's first half negated; -1: as they are);
+//   rotate-half over the first r channels, sin's first half negated; -1: as they are). Runs that
+//   several rows read alike (a document: the same source and slots, anywhere in the rows, at any
+//   rotation) are read together, each row's queries rotated by its own run, over packed key tiles
+//   (run_groups), and merged with the rest of each row by log-sum-exp;
 // and torch.ops.promptcache_native.attend_limits(q, k, v, scale, limits) -> (out, lse): attend's
 //   shapes, query row r (of every head) seeing keys 0 .. limits[r] - 1 (int64 [M], 1 .. N).
 //
@@ -625,32 +628,85 @@ std::vector<SharedRun> shared_runs(const int64_t* slots, int64_t width, const in
   return runs;
 }
 
-// A stretch [begin, end) of one row's keys (past the shared pass's) of one source, read with one
-// set of queries.
+// A stretch of one row's keys of one source, read with one set of queries: [begin, end) in the row's
+// pass (its keys less the runs a group pass read), slot list index = that + delta.
 template <class KV>
 struct Piece {
-  int64_t begin, end, rot;
+  int64_t begin, end, delta, rot;
   const Source<KV>* at;
   const float* q = nullptr;  // the queries it reads with (set per query chunk)
 };
 
-// Row `row`'s keys from `skip` to `len` as pieces of one rotation and source each (relative to skip;
-// adjacent runs alike joined, empty ones dropped).
+// Row `row`'s keys (up to `len`) as pieces of one rotation and source each, less the runs `taken`
+// marks (taken[i] != 0: run i was read by a group pass; nullptr: none); adjacent runs alike joined,
+// empty ones dropped. Returns the keys the pieces hold.
 template <class KV>
-inline void pieces_of(const Runs& rt, const std::vector<Source<KV>>& src, int64_t row, int64_t skip, int64_t len,
-                      std::vector<Piece<KV>>& out) {
+inline int64_t pieces_of(const Runs& rt, const std::vector<Source<KV>>& src, int64_t row, int64_t len,
+                         const int32_t* taken, std::vector<Piece<KV>>& out) {
   out.clear();
   const int64_t* st = rt.starts + row * rt.width;
+  int64_t n = 0;
   for (int64_t i = 0; i < rt.width; ++i) {
-    const int64_t a = std::max(st[i], skip), e = i + 1 < rt.width ? std::max(st[i + 1], skip) : len;
-    if (a >= e) continue;
+    const int64_t a = st[i], e = i + 1 < rt.width ? st[i + 1] : len;
+    if (a >= e || (taken != nullptr && taken[i])) continue;
     const int64_t rot = rt.rot[row * rt.width + i];
     const Source<KV>* at = &src[rt.src[row * rt.width + i] + 1];
-    if (!out.empty() && out.back().rot == rot && out.back().at == at && out.back().end == a - skip)
-      out.back().end = e - skip;
+    if (!out.empty() && out.back().rot == rot && out.back().at == at && out.back().end == n && out.back().delta == a - n)
+      out.back().end = n + e - a;
     else
-      out.push_back({a - skip, e - skip, rot, at});
+      out.push_back({n, n + e - a, a - n, rot, at});
+    n += e - a;
   }
+  return n;
+}
+
+// Runs several rows read alike (the same keys of one source: a document, a prompt's prefix), at any
+// rotation: their queries (each rotated by its row's run) are read together over packed key tiles,
+// as a prefill chunk's are, a tile packed once for all of them instead of read once per row. What
+// the shared pass does for rows beginning alike, for runs anywhere in the rows.
+struct RunGroup {
+  int64_t src, n;
+  const int64_t* slots;                             // the first member's
+  std::vector<std::pair<int64_t, int64_t>> members;  // (row, run)
+};
+
+constexpr int64_t kMinGroupKeys = 16;  // shorter runs are read in each row's pass
+
+// Groups of runs alike in source and slots, of at least kMinGroupKeys keys, read by more queries than
+// a row's pass reads directly (members x G > kDirectRows). taken[row * R + i]: 1 where run i of the
+// row is a group's.
+std::vector<RunGroup> run_groups(const Runs& rt, const int64_t* slots, int64_t width, const int64_t* lengths,
+                                 int64_t b, int64_t g, std::vector<int32_t>& taken) {
+  std::vector<RunGroup> groups;
+  std::vector<std::pair<std::tuple<int64_t, int64_t, int64_t, int64_t>, int64_t>> keyed;  // (src, n, first, last) -> group
+  for (int64_t row = 0; row < b; ++row) {
+    const int64_t* st = rt.starts + row * rt.width;
+    for (int64_t i = 0; i < rt.width; ++i) {
+      const int64_t a = st[i], e = i + 1 < rt.width ? st[i + 1] : lengths[row];
+      if (e - a < kMinGroupKeys) continue;
+      const int64_t* sl = slots + row * width + a;
+      const auto key = std::make_tuple(rt.src[row * rt.width + i], e - a, sl[0], sl[e - a - 1]);
+      int64_t found = -1;
+      for (const auto& [k, gi] : keyed)
+        if (k == key && std::memcmp(groups[gi].slots, sl, sizeof(int64_t) * (e - a)) == 0) {
+          found = gi;
+          break;
+        }
+      if (found < 0) {
+        found = static_cast<int64_t>(groups.size());
+        groups.push_back({rt.src[row * rt.width + i], e - a, sl, {}});
+        keyed.emplace_back(key, found);
+      }
+      groups[found].members.emplace_back(row, i);
+    }
+  }
+  std::vector<RunGroup> kept;
+  for (RunGroup& grp : groups) {
+    if (static_cast<int64_t>(grp.members.size()) * g <= kDirectRows || grp.members.size() < 2) continue;
+    for (const auto& [row, i] : grp.members) taken[row * rt.width + i] = 1;
+    kept.push_back(std::move(grp));
+  }
+  return kept;
 }
 
 // One pass of shared_runs: queries of one run and head (chunk of up to kRows, split sp of the keys).
@@ -717,7 +773,11 @@ void run_gather(const Q* q, const std::vector<Source<KV>>& src, const int64_t* s
                 const Runs& rt) {
   constexpr int D = ND * 16;
   const bool direct = g <= kDirectRows;
-  const std::vector<SharedRun> runs = shared_runs(slots, width, lengths, b, rt);
+  // rows beginning alike (no runs given), or runs alike anywhere in the rows (runs given)
+  const std::vector<SharedRun> runs = rt.any() ? std::vector<SharedRun>{} : shared_runs(slots, width, lengths, b, rt);
+  std::vector<int32_t> taken(rt.any() ? b * rt.width : 0, 0);
+  const std::vector<RunGroup> groups = rt.any() ? run_groups(rt, slots, width, lengths, b, g, taken)
+                                                : std::vector<RunGroup>{};
   std::vector<int64_t> skip(b, 0);  // leading slots of each row read by the shared pass
   for (const SharedRun& run : runs)
     for (int64_t row : run.rows) skip[row] = run.n;
@@ -784,6 +844,55 @@ void run_gather(const Q* q, const std::vector<Source<KV>>& src, const int64_t* s
     });
   }
 
+  // the group pass: partial results [heads][b][R][g] (D floats + lse) of the runs groups read
+  at::Tensor grouped;
+  float *go = nullptr, *gl = nullptr;
+  if (!groups.empty()) {
+    struct GroupItem {
+      int64_t group, x, c0;
+    };
+    std::vector<GroupItem> gitems;
+    for (int64_t gi = 0; gi < static_cast<int64_t>(groups.size()); ++gi)
+      for (int64_t x = 0; x < heads; ++x)
+        for (int64_t c0 = 0; c0 < static_cast<int64_t>(groups[gi].members.size()) * g; c0 += kRows)
+          gitems.push_back({gi, x, c0});
+    const int64_t cells = heads * b * rt.width * g;
+    grouped = at::empty({cells * (D + 1)}, at::TensorOptions().dtype(at::kFloat));
+    go = grouped.data_ptr<float>();
+    gl = go + cells * D;
+    at::parallel_for(0, static_cast<int64_t>(gitems.size()), 1, [&](int64_t lo, int64_t hi) {
+      SharedTile<ND, KV, Q> tile;
+      std::vector<Q> qs(kRows * D);  // the chunk's queries, gathered and rotated
+      std::vector<float> res(kRows * (D + 1));
+      float *os = res.data(), *ls = os + kRows * D;
+      for (int64_t w = lo; w < hi; ++w) {
+        const GroupItem& it = gitems[w];
+        const RunGroup& grp = groups[it.group];
+        const Source<KV>& from = src[grp.src + 1];
+        const int rows = static_cast<int>(std::min<int64_t>(kRows, static_cast<int64_t>(grp.members.size()) * g - it.c0));
+        int64_t limit[kRows];
+        int64_t cell[kRows];  // each query's (head, row, run, g) cell
+        for (int i = 0; i < rows; ++i) {
+          const int64_t qi = it.c0 + i;
+          const auto [row, run] = grp.members[qi / g];
+          const int64_t at = (it.x * b + row) * g + qi % g, rot = rt.rot[row * rt.width + run];
+          cell[i] = ((it.x * b + row) * rt.width + run) * g + qi % g;
+          if (rot < 0)
+            std::memcpy(qs.data() + i * D, q + at * D, sizeof(Q) * D);
+          else
+            rotated_query(q + at * D, rt, rot, D, qs.data() + i * D);
+          limit[i] = grp.n - 1;
+        }
+        tile.attend(qs.data(), rows, limit, grp.n, [&](int64_t j) { return grp.slots[j]; }, from.k + it.x * from.ks0,
+                    from.v + it.x * from.vs0, from.ks1, from.vs1, scale, os, ls);
+        for (int i = 0; i < rows; ++i) {
+          std::memcpy(go + cell[i] * D, os + i * D, sizeof(float) * D);
+          gl[cell[i]] = ls[i];
+        }
+      }
+    });
+  }
+
   // each row's own keys (past those the shared pass read), one work item per head and row
   at::parallel_for(0, heads * b, 1, [&](int64_t lo, int64_t hi) {
     alignas(64) float kt[D * kKeys];
@@ -796,16 +905,19 @@ void run_gather(const Q* q, const std::vector<Source<KV>>& src, const int64_t* s
     std::vector<float> cols(direct || !rt.any() ? 0 : kRows * kKeys);  // packed tiles: one piece's scores
     if (!direct) std::memset(kt, 0, sizeof kt);  // finite from the start: tiles are packed without padding
     for (int64_t w = lo; w < hi; ++w) {
-      const int64_t x = w / b, row = w % b, n = lengths[row] - skip[row];
+      const int64_t x = w / b, row = w % b;
+      const int64_t n = rt.any() ? pieces_of(rt, src, row, lengths[row], groups.empty() ? nullptr : &taken[row * rt.width],
+                                             pieces)
+                                 : lengths[row] - skip[row];
       const int64_t* sl = slots + row * width + skip[row];
-      if (n == 0) {  // the shared pass read all of this row's keys
+      if (n == 0) {  // the shared or group pass read all of this row's keys
         std::memset(out + w * g * D, 0, sizeof(float) * g * D);
         std::fill(lse + w * g, lse + (w + 1) * g, kNegInf);
         continue;
       }
-      if (rt.any()) pieces_of(rt, src, row, skip[row], lengths[row], pieces);
       // the pool's keys only, read with the queries as they are: the path without runs
-      const bool plain = !rt.any() || (pieces.size() == 1 && pieces[0].rot < 0 && pieces[0].at == &src[0]);
+      const bool plain = !rt.any() || (pieces.size() == 1 && pieces[0].rot < 0 && pieces[0].at == &src[0] &&
+                                       pieces[0].delta == 0);
       const KV* k = src[0].k + x * src[0].ks0;
       const KV* v = src[0].v + x * src[0].vs0;
       const int64_t ks1 = src[0].ks1, vs1 = src[0].vs1;
@@ -823,8 +935,8 @@ void run_gather(const Q* q, const std::vector<Source<KV>>& src, const int64_t* s
           const KV* pk = pc.at->k + x * pc.at->ks0;
           const KV* pv = pc.at->v + x * pc.at->vs0;
           for (int64_t j = a; j < e; ++j) {
-            krow[j - j0] = pk + sl[j] * pc.at->ks1;
-            vrow[j - j0] = pv + sl[j] * pc.at->vs1;
+            krow[j - j0] = pk + sl[j + pc.delta] * pc.at->ks1;
+            vrow[j - j0] = pv + sl[j + pc.delta] * pc.at->vs1;
           }
         }
       };
@@ -890,6 +1002,34 @@ void run_gather(const Q* q, const std::vector<Source<KV>>& src, const int64_t* s
       }
     }
   });
+  if (!groups.empty()) {  // each row's own result merged with its runs' group results by log-sum-exp
+    at::parallel_for(0, heads * b, 4, [&](int64_t lo, int64_t hi) {
+      for (int64_t w = lo; w < hi; ++w) {
+        const int64_t row = w % b;
+        const int32_t* tk = &taken[row * rt.width];
+        if (std::none_of(tk, tk + rt.width, [](int32_t t) { return t != 0; })) continue;
+        for (int64_t gq = 0; gq < g; ++gq) {
+          const int64_t r = w * g + gq;
+          float top = lse[r];
+          for (int64_t i = 0; i < rt.width; ++i)
+            if (tk[i]) top = std::max(top, gl[(w * rt.width + i) * g + gq]);
+          const float own = lse[r] == kNegInf ? 0.0f : std::exp(lse[r] - top);
+          float sum = own;
+          v16 acc[ND];
+          for (int c = 0; c < ND; ++c) acc[c] = load(out + r * D + c * 16) * splat(own);
+          for (int64_t i = 0; i < rt.width; ++i) {
+            if (!tk[i]) continue;
+            const int64_t cell = (w * rt.width + i) * g + gq;
+            const float wgt = std::exp(gl[cell] - top);
+            sum += wgt;
+            for (int c = 0; c < ND; ++c) acc[c] += load(go + cell * D + c * 16) * splat(wgt);
+          }
+          for (int c = 0; c < ND; ++c) store(out + r * D + c * 16, acc[c] * splat(1.0f / sum));
+          lse[r] = top + std::log(sum);
+        }
+      }
+    });
+  }
   if (runs.empty()) return;
 
 

@@ -125,6 +125,8 @@ def gather_runs_kernel_for(q: torch.Tensor, kv: torch.Tensor):
     at layer ``layer``), read with the row's queries rotated by row ``run_rot[b, i]`` of ``cos``,
     ``sin`` (float32 [S, r], as ``dense.rotation`` builds them: the rotate-half form over the first
     r channels; -1: the queries as they are). Each rotation is done once per run and query, in
-    float32; keys the rows share are read with bfloat16 queries rounded back to bfloat16 (as
-    torch's ``.to(torch.bfloat16)``), each row's own keys with them in float32."""
+    float32. Runs several rows read alike (a document at any position and shift) are read
+    together, every row's rotated queries over packed key tiles (bfloat16 queries rounded back to
+    bfloat16 there, as torch's ``.to(torch.bfloat16)``, for bfloat16 products); the rest of each
+    row with its queries in float32."""
     return _KERNELS.ops.attend_gather_runs if kv.dtype in KV_DTYPES and _covers(q, KV_DTYPES) else None

@@ -14,7 +14,10 @@ queries to:
   * its **own tokens** (earlier chunks, generated tokens and this step's tokens, causal among
     the new ones), from its pool slots. Decode rows are batched: their own keys (a few dozen
     per request) are gathered into one padded tensor, the only copy on the hot path (none with
-    the native CPU kernel, which reads them by slot).
+    the native CPU kernel, which reads them by slot). With the native kernel a decode row reads
+    its shared segments with its own tokens too, as runs of one slot list (pool runs, or a store
+    tier's tensors read in place; a segment read shifted with the row's query rotated back once
+    per run: ``decode_runs.py``): every decode row of a step in one call a layer.
 
 Without the native CPU kernel (turned off, or a GPU: the path where every op is a kernel launch)
 a step of rotary or learned-position rows is attended in ONE call a layer instead (``dense.py``:
