@@ -35,8 +35,8 @@ import statistics
 import sys
 import time
 
-from .bench_batch import SYSTEM, workload
-from .common import RESULTS, add_model_args, pyplot, save_figure, save_table, text_of_tokens
+from .bench_batch import SYSTEM, add_workload_args, make_store, questions
+from .common import RESULTS, add_model_args, pyplot, save_figure, save_table
 
 
 ATTENTION_OPS = ("aten::index", "aten::_index_put_impl_")  # with promptcache_native::*: the attention's time
@@ -117,8 +117,9 @@ def plot(rows, path) -> None:
     labels = [f"{r['dtype']}\nfold {r['fold']}" for r in rows]
     ax.bar(labels, [r["step_ms"] for r in rows], color=["C0" if r["fold"] == "on" else "C7" for r in rows])
     for i, r in enumerate(rows):
-        ax.annotate(f"{r['native_layer']:g} calls/layer\n{r['aten_calls']} aten", (i, r["step_ms"]), ha="center",
+        ax.annotate(f"{r['native_layer']:g} call(s)/layer\n{r['aten_calls']} aten", (i, r["step_ms"]), ha="center",
                     va="bottom", fontsize=7)
+    ax.set_ylim(0, 1.2 * max(r["step_ms"] for r in rows))  # room for the labels
     ax.set_ylabel("ms per decode step (median)")
     ax.set_title(f"{rows[0]['model']}: decode step of {rows[0]['rows']} RAG questions", fontsize=9)
     save_figure(fig, path)
@@ -127,10 +128,7 @@ def plot(rows, path) -> None:
 def main(argv=None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     add_model_args(ap, "smollm2")
-    ap.add_argument("--questions", type=int, default=48)
-    ap.add_argument("--docs", type=int, default=16)
-    ap.add_argument("--k", type=int, default=4)
-    ap.add_argument("--doc-tokens", type=int, default=120)
+    add_workload_args(ap)
     ap.add_argument("--steps", type=int, default=8, help="timed decode steps each way")
     ap.add_argument("--out", default=str(RESULTS))
     ap.add_argument("--tag", default="")
@@ -140,16 +138,12 @@ def main(argv=None) -> list[dict]:
     from promptcache.models.loading import load_model
     from promptcache.models.native_dtype import bf16_native
 
-    from .bench_batch import make_store
-
     rows = []
     for dtype in args.dtype.split(","):
         model, tok = load_model(args.model, device=args.device, dtype=dtype)
         packed = args.device == "cpu" and (dtype == "float32" or (dtype == "bfloat16" and bf16_native("cpu")))
         pc = PromptCache(model, tok, EngineConfig(runner=RunnerConfig(packed_linear=packed)))
-        texts = {f"d{i:02d}": text_of_tokens(tok, args.doc_tokens, seed=i) for i in range(args.docs)}
-        pairs = [(f"Question {i}: what do the documents say about item {i % 7}?", ids)
-                 for i, ids in enumerate(workload(args.questions, args.docs, args.k))]
+        texts, pairs = questions(tok, args)
         store = make_store(pc, "reuse", texts)
         for row in measure(pc, store, pairs, args):
             rows.append(dict(model=args.model, dtype=dtype, **row))
