@@ -54,6 +54,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <map>
 #include <tuple>
 #include <type_traits>
 #include <utility>
@@ -678,7 +679,8 @@ constexpr int64_t kMinGroupKeys = 16;  // shorter runs are read in each row's pa
 std::vector<RunGroup> run_groups(const Runs& rt, const int64_t* slots, int64_t width, const int64_t* lengths,
                                  int64_t b, int64_t g, std::vector<int32_t>& taken) {
   std::vector<RunGroup> groups;
-  std::vector<std::pair<std::tuple<int64_t, int64_t, int64_t, int64_t>, int64_t>> keyed;  // (src, n, first, last) -> group
+  // (source, keys, first slot, last slot) -> the groups of runs with them (slots compared in full)
+  std::map<std::tuple<int64_t, int64_t, int64_t, int64_t>, std::vector<int64_t>> keyed;
   for (int64_t row = 0; row < b; ++row) {
     const int64_t* st = rt.starts + row * rt.width;
     for (int64_t i = 0; i < rt.width; ++i) {
@@ -686,16 +688,17 @@ std::vector<RunGroup> run_groups(const Runs& rt, const int64_t* slots, int64_t w
       if (e - a < kMinGroupKeys) continue;
       const int64_t* sl = slots + row * width + a;
       const auto key = std::make_tuple(rt.src[row * rt.width + i], e - a, sl[0], sl[e - a - 1]);
+      std::vector<int64_t>& alike = keyed[key];
       int64_t found = -1;
-      for (const auto& [k, gi] : keyed)
-        if (k == key && std::memcmp(groups[gi].slots, sl, sizeof(int64_t) * (e - a)) == 0) {
+      for (int64_t gi : alike)
+        if (std::memcmp(groups[gi].slots, sl, sizeof(int64_t) * (e - a)) == 0) {
           found = gi;
           break;
         }
       if (found < 0) {
         found = static_cast<int64_t>(groups.size());
         groups.push_back({rt.src[row * rt.width + i], e - a, sl, {}});
-        keyed.emplace_back(key, found);
+        alike.push_back(found);
       }
       groups[found].members.emplace_back(row, i);
     }
