@@ -55,6 +55,23 @@ def workload(questions: int, docs: int, k: int, seed: int = 0) -> list[list[str]
     return [rng.sample(ids, k) for _ in range(questions)]
 
 
+def add_workload_args(ap) -> None:
+    """The workload's options (``--questions``, ``--docs``, ``--k``, ``--doc-tokens``), shared with
+    eval/rag_decode_step.py."""
+    ap.add_argument("--questions", type=int, default=48)
+    ap.add_argument("--docs", type=int, default=16)
+    ap.add_argument("--k", type=int, default=4)
+    ap.add_argument("--doc-tokens", type=int, default=120)
+
+
+def questions(tok, args) -> tuple[dict[str, str], list[tuple[str, list[str]]]]:
+    """The documents' texts by id and the (question, document ids) pairs of ``add_workload_args``."""
+    texts = {f"d{i:02d}": text_of_tokens(tok, args.doc_tokens, seed=i) for i in range(args.docs)}
+    pairs = [(f"Question {i}: what do the documents say about item {i % 7}?", ids)
+             for i, ids in enumerate(workload(args.questions, args.docs, args.k))]
+    return texts, pairs
+
+
 def rss_mb() -> float:
     """Resident memory now (MB), from /proc (the peak from getrusage where /proc is missing)."""
     try:
@@ -135,10 +152,7 @@ def plot(rows, path: Path) -> None:
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     add_model_args(ap, "smollm2")
-    ap.add_argument("--questions", type=int, default=48)
-    ap.add_argument("--docs", type=int, default=16)
-    ap.add_argument("--k", type=int, default=4)
-    ap.add_argument("--doc-tokens", type=int, default=120)
+    add_workload_args(ap)
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--modes", default="exact,reuse")
     ap.add_argument("--loop-questions", type=int, default=None,
@@ -159,9 +173,7 @@ def main(argv=None) -> None:
     from promptcache.models.native_dtype import bf16_native
 
     _, tok = load_model(args.model, device="cpu", dtype=dtypes[0])
-    texts = {f"d{i:02d}": text_of_tokens(tok, args.doc_tokens, seed=i) for i in range(args.docs)}
-    pairs = [(f"Question {i}: what do the documents say about item {i % 7}?", ids)
-             for i, ids in enumerate(workload(args.questions, args.docs, args.k))]
+    texts, pairs = questions(tok, args)
     rows, prompts = [], None
     for args.dtype in dtypes:
         args.packed = packed if packed is not None else args.device == "cpu" and (

@@ -14,6 +14,16 @@
 //   slots int64 [B, W], lengths int64 [B]: queries (x, b, :) see keys slots[b, 0 .. lengths[b]);
 //   out [X, B, G, D], lse [X, B, G] (float32). Rows whose slots begin alike read those keys
 //   together (bfloat16 queries over a bfloat16 pool: in bfloat16 products, as attend's);
+// and torch.ops.promptcache_native.attend_gather_runs(q, k, v, slots, lengths, scale, run_starts, run_src,
+//   run_rot, cos, sin, sources, layer) -> (out, lse): attend_gather where a row's slots come in runs
+//   (documents read in place, at any position): run i of row b holds slots
+//   [run_starts[b, i], run_starts[b, i + 1]) (int64 [B, R]; the last up to lengths[b]) of
+//   run_src[b, i] (-1: k and v; s >= 0: sources[s] [L, 2, X, n, D], a store's states, read at layer
+//   `layer`), read with the queries rotated by row run_rot[b, i] of cos, sin (float32 [S, r],
+//   rotate-half over the first r channels, sin's first half negated; -1: as they are). Runs that
+//   several rows read alike (a document: the same source and slots, anywhere in the rows, at any
+//   rotation) are read together, each row's queries rotated by its own run, over packed key tiles
+//   (run_groups), and merged with the rest of each row by log-sum-exp;
 // and torch.ops.promptcache_native.attend_limits(q, k, v, scale, limits) -> (out, lse): attend's
 //   shapes, query row r (of every head) seeing keys 0 .. limits[r] - 1 (int64 [M], 1 .. N).
 //
@@ -44,6 +54,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <map>
 #include <tuple>
 #include <type_traits>
 #include <utility>
@@ -507,24 +518,91 @@ constexpr int64_t kMinShared = 2 * kKeys;  // fewer shared keys are not worth a 
 struct SharedRun {
   int64_t n;                  // leading slots every row of the run has alike
   std::vector<int64_t> rows;  // rows[0] leads: the shared keys are read through its slots
+  int64_t rot = -1, src = -1;  // the rotation its queries read them with and where they lie (Runs)
 };
 
-// Runs of >= 2 rows sharing >= kMinShared leading slots. Greedy from each row not yet taken: of
-// the later rows, the set that maximizes (rows x shared keys) joins it.
-std::vector<SharedRun> shared_runs(const int64_t* slots, int64_t width, const int64_t* lengths, int64_t b) {
+// Where keys and values of a run lie: [X, n, D] (element strides of dims 0 and 1), a layer of the
+// pool's buffers or of a store's states read in place.
+template <class KV>
+struct Source {
+  const KV *k, *v;
+  int64_t ks0, ks1, vs0, vs1, n;
+};
+
+// Runs of a row's keys (attend_gather_runs): run i of row b holds slots [starts[b, i], starts[b, i + 1])
+// (the last: up to lengths[b]) of source src[b, i] (-1: the pool's k and v; s >= 0: sources[s]), read
+// with the row's queries rotated by row rot[b, i] of (cos, sin) [S, r] (-1: as they are). A document
+// read in place at another position than the one it was encoded at: rotary scores depend on the
+// query's and key's positions only through their difference, so the query rotated back by the shift
+// reads the stored keys as if moved. Rotate-half form over the first r channels (c pairs with
+// c + r / 2), sin's first half negated: q'[c] = q[c] cos[c] + q[c +- r / 2] sin[c]; channels past r
+// as they are.
+struct Runs {
+  const int64_t* starts = nullptr;  // [B, R] (nullptr: no runs, every key the pool's, read as it is)
+  const int64_t* rot = nullptr;     // [B, R]
+  const int64_t* src = nullptr;     // [B, R]
+  int64_t width = 0;                // R
+  const float* cos = nullptr;       // [S, r] float32
+  const float* sin = nullptr;
+  int64_t r = 0;
+  int64_t sources = 0;              // how many sources besides the pool
+
+  bool any() const { return starts != nullptr; }
+  // one number per (rotation, source): keys alike in slot and tag read alike
+  int64_t tag(int64_t b, int64_t i) const { return (rot[b * width + i] + 1) * (sources + 1) + src[b * width + i] + 1; }
+};
+
+// One query (D channels; float32 or bfloat16 bits) rotated by row `row` of the runs' (cos, sin):
+// widened, rotated in float32 and stored back (bfloat16: rounded to nearest even, as torch's
+// .to(bfloat16) rounds it).
+template <class Q>
+inline void rotated_query(const Q* q, const Runs& rt, int64_t row, int64_t d, Q* out) {
+  const float* c = rt.cos + row * rt.r;
+  const float* sn = rt.sin + row * rt.r;
+  const int64_t h = rt.r / 2;
+  for (int64_t i = 0; i < rt.r; ++i) put(out + i, to_float(q[i]) * c[i] + to_float(q[i < h ? i + h : i - h]) * sn[i]);
+  for (int64_t i = rt.r; i < d; ++i) out[i] = q[i];
+}
+
+// Runs of >= 2 rows sharing >= kMinShared leading slots, read alike (with runs: the same source and
+// rotation, up to the leader's first change of either). Greedy from each row not yet taken: of the
+// later rows, the set that maximizes (rows x shared keys) joins it.
+std::vector<SharedRun> shared_runs(const int64_t* slots, int64_t width, const int64_t* lengths, int64_t b,
+                                   const Runs& rt) {
   std::vector<SharedRun> runs;
   std::vector<char> taken(b, 0);
   std::vector<std::pair<int64_t, int64_t>> alike;  // (leading slots alike with the leader, row)
+  // with runs: each row's tag per key (one pass over the runs), compared with the slots
+  std::vector<int64_t> tags(rt.any() ? b * width : 0, 0);
+  if (rt.any())
+    for (int64_t r = 0; r < b; ++r) {
+      const int64_t* st = rt.starts + r * rt.width;
+      for (int64_t i = 0; i < rt.width; ++i) {
+        const int64_t end = i + 1 < rt.width ? st[i + 1] : lengths[r];
+        std::fill(tags.begin() + r * width + st[i], tags.begin() + r * width + end, rt.tag(r, i));
+      }
+    }
   for (int64_t r = 0; r < b; ++r) {
     if (taken[r] || lengths[r] < kMinShared) continue;
     const int64_t* lead = slots + r * width;
+    int64_t uniform = lengths[r];  // the leader's keys read with its first tag
+    if (rt.any()) {
+      const int64_t* kr = tags.data() + r * width;
+      uniform = std::find_if(kr, kr + lengths[r], [&](int64_t x) { return x != kr[0]; }) - kr;
+      if (uniform < kMinShared) continue;
+    }
     alike.clear();
     for (int64_t o = r + 1; o < b; ++o) {
       if (taken[o]) continue;
       const int64_t* other = slots + o * width;
-      const int64_t most = std::min(lengths[r], lengths[o]);
+      const int64_t most = std::min({lengths[r], lengths[o], uniform});
       int64_t j = 0;
-      while (j < most && lead[j] == other[j]) ++j;
+      if (rt.any()) {
+        const int64_t *kr = tags.data() + r * width, *ko = tags.data() + o * width;
+        while (j < most && lead[j] == other[j] && kr[j] == ko[j]) ++j;
+      } else {
+        while (j < most && lead[j] == other[j]) ++j;
+      }
       if (j >= kMinShared) alike.emplace_back(j, o);
     }
     if (alike.empty()) continue;
@@ -533,6 +611,14 @@ std::vector<SharedRun> shared_runs(const int64_t* slots, int64_t width, const in
     for (size_t i = 1; i < alike.size(); ++i)
       if ((i + 2) * alike[i].first > (best + 2) * alike[best].first) best = i;
     SharedRun run{alike[best].first, {r}};
+    if (rt.any()) {  // the leader's first run holds its first key
+      run.rot = rt.rot[r * rt.width];
+      run.src = rt.src[r * rt.width];
+      for (int64_t i = 0; i < rt.width && rt.starts[r * rt.width + i] == 0; ++i) {
+        run.rot = rt.rot[r * rt.width + i];  // empty runs at 0 come before the first key's run
+        run.src = rt.src[r * rt.width + i];
+      }
+    }
     for (size_t i = 0; i <= best; ++i) {
       run.rows.push_back(alike[i].second);
       taken[alike[i].second] = 1;
@@ -541,6 +627,89 @@ std::vector<SharedRun> shared_runs(const int64_t* slots, int64_t width, const in
     runs.push_back(std::move(run));
   }
   return runs;
+}
+
+// A stretch of one row's keys of one source, read with one set of queries: [begin, end) in the row's
+// pass (its keys less the runs a group pass read), slot list index = that + delta.
+template <class KV>
+struct Piece {
+  int64_t begin, end, delta, rot;
+  const Source<KV>* at;
+  const float* q = nullptr;  // the queries it reads with (set per query chunk)
+};
+
+// Row `row`'s keys (up to `len`) as pieces of one rotation and source each, less the runs `taken`
+// marks (taken[i] != 0: run i was read by a group pass; nullptr: none); adjacent runs alike joined,
+// empty ones dropped. Returns the keys the pieces hold.
+template <class KV>
+inline int64_t pieces_of(const Runs& rt, const std::vector<Source<KV>>& src, int64_t row, int64_t len,
+                         const int32_t* taken, std::vector<Piece<KV>>& out) {
+  out.clear();
+  const int64_t* st = rt.starts + row * rt.width;
+  int64_t n = 0;
+  for (int64_t i = 0; i < rt.width; ++i) {
+    const int64_t a = st[i], e = i + 1 < rt.width ? st[i + 1] : len;
+    if (a >= e || (taken != nullptr && taken[i])) continue;
+    const int64_t rot = rt.rot[row * rt.width + i];
+    const Source<KV>* at = &src[rt.src[row * rt.width + i] + 1];
+    if (!out.empty() && out.back().rot == rot && out.back().at == at && out.back().end == n && out.back().delta == a - n)
+      out.back().end = n + e - a;
+    else
+      out.push_back({n, n + e - a, a - n, rot, at});
+    n += e - a;
+  }
+  return n;
+}
+
+// Runs several rows read alike (the same keys of one source: a document, a prompt's prefix), at any
+// rotation: their queries (each rotated by its row's run) are read together over packed key tiles,
+// as a prefill chunk's are, a tile packed once for all of them instead of read once per row. What
+// the shared pass does for rows beginning alike, for runs anywhere in the rows.
+struct RunGroup {
+  int64_t src, n;
+  const int64_t* slots;                             // the first member's
+  std::vector<std::pair<int64_t, int64_t>> members;  // (row, run)
+};
+
+constexpr int64_t kMinGroupKeys = 16;  // shorter runs are read in each row's pass
+
+// Groups of runs alike in source and slots, of at least kMinGroupKeys keys, read by more queries than
+// a row's pass reads directly (members x G > kDirectRows). taken[row * R + i]: 1 where run i of the
+// row is a group's.
+std::vector<RunGroup> run_groups(const Runs& rt, const int64_t* slots, int64_t width, const int64_t* lengths,
+                                 int64_t b, int64_t g, std::vector<int32_t>& taken) {
+  std::vector<RunGroup> groups;
+  // (source, keys, first slot, last slot) -> the groups of runs with them (slots compared in full)
+  std::map<std::tuple<int64_t, int64_t, int64_t, int64_t>, std::vector<int64_t>> keyed;
+  for (int64_t row = 0; row < b; ++row) {
+    const int64_t* st = rt.starts + row * rt.width;
+    for (int64_t i = 0; i < rt.width; ++i) {
+      const int64_t a = st[i], e = i + 1 < rt.width ? st[i + 1] : lengths[row];
+      if (e - a < kMinGroupKeys) continue;
+      const int64_t* sl = slots + row * width + a;
+      const auto key = std::make_tuple(rt.src[row * rt.width + i], e - a, sl[0], sl[e - a - 1]);
+      std::vector<int64_t>& alike = keyed[key];
+      int64_t found = -1;
+      for (int64_t gi : alike)
+        if (std::memcmp(groups[gi].slots, sl, sizeof(int64_t) * (e - a)) == 0) {
+          found = gi;
+          break;
+        }
+      if (found < 0) {
+        found = static_cast<int64_t>(groups.size());
+        groups.push_back({rt.src[row * rt.width + i], e - a, sl, {}});
+        alike.push_back(found);
+      }
+      groups[found].members.emplace_back(row, i);
+    }
+  }
+  std::vector<RunGroup> kept;
+  for (RunGroup& grp : groups) {
+    if (static_cast<int64_t>(grp.members.size()) * g <= kDirectRows || grp.members.size() < 2) continue;
+    for (const auto& [row, i] : grp.members) taken[row * rt.width + i] = 1;
+    kept.push_back(std::move(grp));
+  }
+  return kept;
 }
 
 // One pass of shared_runs: queries of one run and head (chunk of up to kRows, split sp of the keys).
@@ -596,13 +765,22 @@ struct SharedTile {
 
 // q: float32, or bfloat16 bits (uint16_t) over a bfloat16 pool where the CPU has AVX-512 BF16 (the
 // shared pass then takes paired products; a row's own keys are read with its queries widened).
+// src[0]: the pool's layer; src[1 + s]: sources[s] (Runs). rt: runs of keys of other sources or read
+// with the queries rotated (none: every key the pool's, read with the queries as they are). A
+// rotated run costs one rotation of the row's queries per query chunk (D per query), not per key:
+// the shared pass rotates its gathered queries (bfloat16 ones rounded back to bfloat16, as torch's
+// .to(bfloat16) rounds them), the per-row pass keeps the rotated queries in float32 (widened).
 template <int ND, class KV, class Q>
-void run_gather(const Q* q, const KV* kbuf, const KV* vbuf, int64_t ks0, int64_t ks1, int64_t vs0,
-                int64_t vs1, const int64_t* slots, int64_t width, const int64_t* lengths, int64_t heads, int64_t b,
-                int64_t g, float scale, float* out, float* lse) {
+void run_gather(const Q* q, const std::vector<Source<KV>>& src, const int64_t* slots, int64_t width,
+                const int64_t* lengths, int64_t heads, int64_t b, int64_t g, float scale, float* out, float* lse,
+                const Runs& rt) {
   constexpr int D = ND * 16;
   const bool direct = g <= kDirectRows;
-  const std::vector<SharedRun> runs = shared_runs(slots, width, lengths, b);
+  // rows beginning alike (no runs given), or runs alike anywhere in the rows (runs given)
+  const std::vector<SharedRun> runs = rt.any() ? std::vector<SharedRun>{} : shared_runs(slots, width, lengths, b, rt);
+  std::vector<int32_t> taken(rt.any() ? b * rt.width : 0, 0);
+  const std::vector<RunGroup> groups = rt.any() ? run_groups(rt, slots, width, lengths, b, g, taken)
+                                                : std::vector<RunGroup>{};
   std::vector<int64_t> skip(b, 0);  // leading slots of each row read by the shared pass
   for (const SharedRun& run : runs)
     for (int64_t row : run.rows) skip[row] = run.n;
@@ -643,6 +821,7 @@ void run_gather(const Q* q, const KV* kbuf, const KV* vbuf, int64_t ks0, int64_t
       for (int64_t w = lo; w < hi; ++w) {
         const SharedItem& it = items[w];
         const SharedRun& run = runs[it.run];
+        const Source<KV>& from = src[run.src + 1];
         const int64_t* sl = slots + run.rows[0] * width + it.sp * per;
         const int64_t n = std::min(per, run.n - it.sp * per);
         const int rows = static_cast<int>(std::min<int64_t>(kRows, static_cast<int64_t>(run.rows.size()) * g - it.c0));
@@ -651,15 +830,67 @@ void run_gather(const Q* q, const KV* kbuf, const KV* vbuf, int64_t ks0, int64_t
         for (int i = 0; i < rows; ++i) {
           const int64_t qi = it.c0 + i;
           at[i] = (it.x * b + run.rows[qi / g]) * g + qi % g;
-          std::memcpy(qs.data() + i * D, q + at[i] * D, sizeof(Q) * D);
+          if (run.rot < 0)
+            std::memcpy(qs.data() + i * D, q + at[i] * D, sizeof(Q) * D);
+          else
+            rotated_query(q + at[i] * D, rt, run.rot, D, qs.data() + i * D);
           limit[i] = n - 1;
         }
-        tile.attend(qs.data(), rows, limit, n, [&](int64_t j) { return sl[j]; }, kbuf + it.x * ks0,
-                    vbuf + it.x * vs0, ks1, vs1, scale, os, ls);
+        tile.attend(qs.data(), rows, limit, n, [&](int64_t j) { return sl[j]; }, from.k + it.x * from.ks0,
+                    from.v + it.x * from.vs0, from.ks1, from.vs1, scale, os, ls);
         const int64_t base = it.sp * heads * b * g;
         for (int i = 0; i < rows; ++i) {
           std::memcpy(po + (base + at[i]) * D, os + i * D, sizeof(float) * D);
           pl[base + at[i]] = ls[i];
+        }
+      }
+    });
+  }
+
+  // the group pass: partial results [heads][b][R][g] (D floats + lse) of the runs groups read
+  at::Tensor grouped;
+  float *go = nullptr, *gl = nullptr;
+  if (!groups.empty()) {
+    struct GroupItem {
+      int64_t group, x, c0;
+    };
+    std::vector<GroupItem> gitems;
+    for (int64_t gi = 0; gi < static_cast<int64_t>(groups.size()); ++gi)
+      for (int64_t x = 0; x < heads; ++x)
+        for (int64_t c0 = 0; c0 < static_cast<int64_t>(groups[gi].members.size()) * g; c0 += kRows)
+          gitems.push_back({gi, x, c0});
+    const int64_t cells = heads * b * rt.width * g;
+    grouped = at::empty({cells * (D + 1)}, at::TensorOptions().dtype(at::kFloat));
+    go = grouped.data_ptr<float>();
+    gl = go + cells * D;
+    at::parallel_for(0, static_cast<int64_t>(gitems.size()), 1, [&](int64_t lo, int64_t hi) {
+      SharedTile<ND, KV, Q> tile;
+      std::vector<Q> qs(kRows * D);  // the chunk's queries, gathered and rotated
+      std::vector<float> res(kRows * (D + 1));
+      float *os = res.data(), *ls = os + kRows * D;
+      for (int64_t w = lo; w < hi; ++w) {
+        const GroupItem& it = gitems[w];
+        const RunGroup& grp = groups[it.group];
+        const Source<KV>& from = src[grp.src + 1];
+        const int rows = static_cast<int>(std::min<int64_t>(kRows, static_cast<int64_t>(grp.members.size()) * g - it.c0));
+        int64_t limit[kRows];
+        int64_t cell[kRows];  // each query's (head, row, run, g) cell
+        for (int i = 0; i < rows; ++i) {
+          const int64_t qi = it.c0 + i;
+          const auto [row, run] = grp.members[qi / g];
+          const int64_t at = (it.x * b + row) * g + qi % g, rot = rt.rot[row * rt.width + run];
+          cell[i] = ((it.x * b + row) * rt.width + run) * g + qi % g;
+          if (rot < 0)
+            std::memcpy(qs.data() + i * D, q + at * D, sizeof(Q) * D);
+          else
+            rotated_query(q + at * D, rt, rot, D, qs.data() + i * D);
+          limit[i] = grp.n - 1;
+        }
+        tile.attend(qs.data(), rows, limit, grp.n, [&](int64_t j) { return grp.slots[j]; }, from.k + it.x * from.ks0,
+                    from.v + it.x * from.vs0, from.ks1, from.vs1, scale, os, ls);
+        for (int i = 0; i < rows; ++i) {
+          std::memcpy(go + cell[i] * D, os + i * D, sizeof(float) * D);
+          gl[cell[i]] = ls[i];
         }
       }
     });
@@ -672,17 +903,46 @@ void run_gather(const Q* q, const KV* kbuf, const KV* vbuf, int64_t ks0, int64_t
     const KV* krow[kKeys];
     const KV* vrow[kKeys];
     std::vector<float> widened(std::is_same_v<Q, float> ? 0 : kRows * D);  // bfloat16 queries as float32
+    std::vector<Piece<KV>> pieces;  // with runs: the row's keys by source and rotation
+    std::vector<float> turned;      // the rotated queries of each piece ([pieces][rows][D])
+    std::vector<float> cols(direct || !rt.any() ? 0 : kRows * kKeys);  // packed tiles: one piece's scores
     if (!direct) std::memset(kt, 0, sizeof kt);  // finite from the start: tiles are packed without padding
     for (int64_t w = lo; w < hi; ++w) {
-      const int64_t x = w / b, row = w % b, n = lengths[row] - skip[row];
+      const int64_t x = w / b, row = w % b;
+      const int64_t n = rt.any() ? pieces_of(rt, src, row, lengths[row], groups.empty() ? nullptr : &taken[row * rt.width],
+                                             pieces)
+                                 : lengths[row] - skip[row];
       const int64_t* sl = slots + row * width + skip[row];
-      const KV* k = kbuf + x * ks0;
-      const KV* v = vbuf + x * vs0;
-      if (n == 0) {  // the shared pass read all of this row's keys
+      if (n == 0) {  // the shared or group pass read all of this row's keys
         std::memset(out + w * g * D, 0, sizeof(float) * g * D);
         std::fill(lse + w * g, lse + (w + 1) * g, kNegInf);
         continue;
       }
+      // the pool's keys only, read with the queries as they are: the path without runs
+      const bool plain = !rt.any() || (pieces.size() == 1 && pieces[0].rot < 0 && pieces[0].at == &src[0] &&
+                                       pieces[0].delta == 0);
+      const KV* k = src[0].k + x * src[0].ks0;
+      const KV* v = src[0].v + x * src[0].vs0;
+      const int64_t ks1 = src[0].ks1, vs1 = src[0].vs1;
+      // the tile's key and value rows (from each piece's source), read in place
+      const auto rows_of = [&](int64_t j0, int kn) {
+        if (plain) {
+          for (int j = 0; j < kn; ++j) {
+            krow[j] = k + sl[j0 + j] * ks1;
+            vrow[j] = v + sl[j0 + j] * vs1;
+          }
+          return;
+        }
+        for (const Piece<KV>& pc : pieces) {
+          const int64_t a = std::max(pc.begin, j0), e = std::min<int64_t>(pc.end, j0 + kn);
+          const KV* pk = pc.at->k + x * pc.at->ks0;
+          const KV* pv = pc.at->v + x * pc.at->vs0;
+          for (int64_t j = a; j < e; ++j) {
+            krow[j - j0] = pk + sl[j + pc.delta] * pc.at->ks1;
+            vrow[j - j0] = pv + sl[j + pc.delta] * pc.at->vs1;
+          }
+        }
+      };
       for (int64_t r0 = 0; r0 < g; r0 += kRows) {
         const int rows = static_cast<int>(std::min<int64_t>(kRows, g - r0));
         const float* qr;
@@ -692,6 +952,19 @@ void run_gather(const Q* q, const KV* kbuf, const KV* vbuf, int64_t ks0, int64_t
           for (int e = 0; e < rows * D; e += 16) store(widened.data() + e, load(q + (w * g + r0) * D + e));
           qr = widened.data();
         }
+        if (!plain) {  // each piece's queries: rotated once for the chunk (float32), or as they are
+          turned.resize(pieces.size() * rows * D);
+          for (size_t pi = 0; pi < pieces.size(); ++pi) {
+            Piece<KV>& pc = pieces[pi];
+            if (pc.rot < 0) {
+              pc.q = qr;
+              continue;
+            }
+            float* t = turned.data() + pi * rows * D;
+            for (int i = 0; i < rows; ++i) rotated_query(qr + i * D, rt, pc.rot, D, t + i * D);
+            pc.q = t;
+          }
+        }
         int64_t limit[kRows];
         for (int i = 0; i < rows; ++i) limit[i] = n - 1;
         const auto run = [&](auto&& scores, auto&& values) {
@@ -699,12 +972,13 @@ void run_gather(const Q* q, const KV* kbuf, const KV* vbuf, int64_t ks0, int64_t
         };
         if (direct)
           run(
-              [&](int64_t j0, int kn, float* s) {  // the tile's key and value rows, read in place
-                for (int j = 0; j < kn; ++j) {
-                  krow[j] = k + sl[j0 + j] * ks1;
-                  vrow[j] = v + sl[j0 + j] * vs1;
+              [&](int64_t j0, int kn, float* s) {
+                rows_of(j0, kn);
+                if (plain) return scores_direct<ND>(qr, rows, krow, kn, scale, s);
+                for (const Piece<KV>& pc : pieces) {  // the tile's keys of each piece, with its queries
+                  const int64_t a = std::max(pc.begin, j0), e = std::min<int64_t>(pc.end, j0 + kn);
+                  if (a < e) scores_direct<ND>(pc.q, rows, krow + (a - j0), static_cast<int>(e - a), scale, s + (a - j0));
                 }
-                scores_direct<ND>(qr, rows, krow, kn, scale, s);
               },
               [&](int64_t, int kn, const float* p, float* o) {
                 values_rows<ND>(p, [&](int j) { return vrow[j]; }, kn, o, rows);
@@ -712,10 +986,18 @@ void run_gather(const Q* q, const KV* kbuf, const KV* vbuf, int64_t ks0, int64_t
         else
           run(
               [&](int64_t j0, int kn, float* s) {  // the tile packed here: K^T, V rows (bfloat16: widened)
-                pack_tile<D, false>(kt, kn, [&](int j) { return k + sl[j0 + j] * ks1; });
+                rows_of(j0, kn);
+                pack_tile<D, false>(kt, kn, [&](int j) { return krow[j]; });
                 for (int j = 0; j < kn; ++j)
-                  for (int c = 0; c < ND; ++c) store(vt + j * D + c * 16, load(v + sl[j0 + j] * vs1 + c * 16));
-                scores_rows<ND>(qr, D, kt, scale, s, rows);
+                  for (int c = 0; c < ND; ++c) store(vt + j * D + c * 16, load(vrow[j] + c * 16));
+                if (plain) return scores_rows<ND>(qr, D, kt, scale, s, rows);
+                for (const Piece<KV>& pc : pieces) {  // the tile's scores with each piece's queries, its columns kept
+                  const int64_t a = std::max(pc.begin, j0), e = std::min<int64_t>(pc.end, j0 + kn);
+                  if (a >= e) continue;
+                  scores_rows<ND>(pc.q, D, kt, scale, cols.data(), rows);
+                  for (int i = 0; i < rows; ++i)
+                    std::memcpy(s + i * kKeys + (a - j0), cols.data() + i * kKeys + (a - j0), sizeof(float) * (e - a));
+                }
               },
               [&](int64_t, int kn, const float* p, float* o) {
                 values_rows<ND>(p, [&](int j) { return vt + j * D; }, kn, o, rows);
@@ -723,7 +1005,36 @@ void run_gather(const Q* q, const KV* kbuf, const KV* vbuf, int64_t ks0, int64_t
       }
     }
   });
+  if (!groups.empty()) {  // each row's own result merged with its runs' group results by log-sum-exp
+    at::parallel_for(0, heads * b, 4, [&](int64_t lo, int64_t hi) {
+      for (int64_t w = lo; w < hi; ++w) {
+        const int64_t row = w % b;
+        const int32_t* tk = &taken[row * rt.width];
+        if (std::none_of(tk, tk + rt.width, [](int32_t t) { return t != 0; })) continue;
+        for (int64_t gq = 0; gq < g; ++gq) {
+          const int64_t r = w * g + gq;
+          float top = lse[r];
+          for (int64_t i = 0; i < rt.width; ++i)
+            if (tk[i]) top = std::max(top, gl[(w * rt.width + i) * g + gq]);
+          const float own = lse[r] == kNegInf ? 0.0f : std::exp(lse[r] - top);
+          float sum = own;
+          v16 acc[ND];
+          for (int c = 0; c < ND; ++c) acc[c] = load(out + r * D + c * 16) * splat(own);
+          for (int64_t i = 0; i < rt.width; ++i) {
+            if (!tk[i]) continue;
+            const int64_t cell = (w * rt.width + i) * g + gq;
+            const float wgt = std::exp(gl[cell] - top);
+            sum += wgt;
+            for (int c = 0; c < ND; ++c) acc[c] += load(go + cell * D + c * 16) * splat(wgt);
+          }
+          for (int c = 0; c < ND; ++c) store(out + r * D + c * 16, acc[c] * splat(1.0f / sum));
+          lse[r] = top + std::log(sum);
+        }
+      }
+    });
+  }
   if (runs.empty()) return;
+
 
   // the runs' rows: their own keys' result merged with the shared pass's splits by log-sum-exp
   at::parallel_for(0, heads * b, 4, [&](int64_t lo, int64_t hi) {
@@ -750,6 +1061,7 @@ void run_gather(const Q* q, const KV* kbuf, const KV* vbuf, int64_t ks0, int64_t
     }
   });
 }
+
 
 template <class F>
 void by_head_dim(int64_t d, F&& f) {
@@ -792,9 +1104,16 @@ void check_common(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   TORCH_CHECK(q.stride(-1) == 1 && k.stride(-1) == 1 && v.stride(-1) == 1, name, ": the last dimension must be contiguous");
 }
 
-std::tuple<at::Tensor, at::Tensor> attend_gather(const at::Tensor& q_in, const at::Tensor& k, const at::Tensor& v,
-                                                 const at::Tensor& slots, const at::Tensor& lengths, double scale) {
-  const char* name = "promptcache_native.attend_gather";
+// The optional arguments of attend_gather_runs (absent for attend_gather).
+struct RunArgs {
+  const at::Tensor *starts, *src, *rot, *cos, *sin;
+  at::TensorList sources;
+  int64_t layer;
+};
+
+std::tuple<at::Tensor, at::Tensor> gather_checked(const at::Tensor& q_in, const at::Tensor& k, const at::Tensor& v,
+                                                  const at::Tensor& slots, const at::Tensor& lengths, double scale,
+                                                  const char* name, const RunArgs* ra) {
   TORCH_CHECK(q_in.dim() == 4 && k.dim() == 3 && v.dim() == 3, name, ": q must be [X, B, G, D], k and v [X, S, D]");
   check_common(q_in, k, v, name);
   // bfloat16 queries over a bfloat16 pool: the shared pass in bfloat16 products where the CPU has
@@ -805,18 +1124,75 @@ std::tuple<at::Tensor, at::Tensor> attend_gather(const at::Tensor& q_in, const a
   TORCH_CHECK(q.is_contiguous(), name, ": q must be contiguous");
   TORCH_CHECK(k.size(0) == heads && v.size(0) == heads && v.size(1) == slots_n && k.size(2) == d && v.size(2) == d,
               name, ": q ", q.sizes(), ", k ", k.sizes(), ", v ", v.sizes(), " do not match");
-  TORCH_CHECK(slots.scalar_type() == at::kLong && lengths.scalar_type() == at::kLong && slots.dim() == 2 &&
-                  slots.size(0) == b && slots.is_contiguous() && lengths.dim() == 1 && lengths.size(0) == b &&
-                  lengths.is_contiguous(),
+  TORCH_CHECK(slots.device().is_cpu() && lengths.device().is_cpu() && slots.scalar_type() == at::kLong &&
+                  lengths.scalar_type() == at::kLong && slots.dim() == 2 && slots.size(0) == b && slots.is_contiguous() &&
+                  lengths.dim() == 1 && lengths.size(0) == b && lengths.is_contiguous(),
               name, ": slots must be int64 [B, W] and lengths int64 [B], B = ", b);
   const int64_t width = slots.size(1);
   const int64_t* sl = slots.data_ptr<int64_t>();
   const int64_t* len = lengths.data_ptr<int64_t>();
-  for (int64_t i = 0; i < b; ++i) {
+  for (int64_t i = 0; i < b; ++i)
     TORCH_CHECK(len[i] >= 1 && len[i] <= width, name, ": row ", i, " has length ", len[i], " (slots hold ", width, ")");
-    for (int64_t j = 0; j < len[i]; ++j)
-      TORCH_CHECK(sl[i * width + j] >= 0 && sl[i * width + j] < slots_n, name, ": row ", i, " slot ", sl[i * width + j],
-                  " is outside the ", slots_n, " slots of k and v");
+  Runs rt;
+  std::vector<int64_t> bound;  // tokens of each source (the pool's first)
+  bound.push_back(slots_n);
+  if (ra != nullptr) {  // runs of keys of other sources or read with the queries rotated
+    const at::Tensor *st = ra->starts, *sr = ra->src, *ro = ra->rot, *co = ra->cos, *si = ra->sin;
+    TORCH_CHECK(st->device().is_cpu() && sr->device().is_cpu() && ro->device().is_cpu() && co->device().is_cpu() &&
+                    si->device().is_cpu(), name, ": run_starts, run_src, run_rot, cos and sin must be CPU tensors");
+    TORCH_CHECK(st->scalar_type() == at::kLong && sr->scalar_type() == at::kLong && ro->scalar_type() == at::kLong &&
+                    st->dim() == 2 && st->size(0) == b && st->size(1) >= 1 && sr->sizes() == st->sizes() &&
+                    ro->sizes() == st->sizes() && st->is_contiguous() && sr->is_contiguous() && ro->is_contiguous(),
+                name, ": run_starts, run_src and run_rot must be contiguous int64 [B, R], B = ", b, ", R >= 1; got ",
+                st->scalar_type(), " ", st->sizes(), ", ", sr->scalar_type(), " ", sr->sizes(), " and ",
+                ro->scalar_type(), " ", ro->sizes());
+    TORCH_CHECK(co->scalar_type() == at::kFloat && si->scalar_type() == at::kFloat && co->dim() == 2 &&
+                    si->sizes() == co->sizes() && co->is_contiguous() && si->is_contiguous(),
+                name, ": cos and sin must be contiguous float32 [S, r] of one shape; got ", co->scalar_type(), " ",
+                co->sizes(), " and ", si->scalar_type(), " ", si->sizes());
+    const int64_t r = co->size(1), rows_n = co->size(0);
+    TORCH_CHECK(rows_n == 0 || (r % 2 == 0 && r >= 2 && r <= d), name, ": the rotary width r = ", r,
+                " (cos and sin [S, r]) must be even, 2 .. ", d, " (the head dim)");
+    for (size_t i = 0; i < ra->sources.size(); ++i) {
+      const at::Tensor& x = ra->sources[i];
+      TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == k.scalar_type() && x.dim() == 5 && x.size(0) > ra->layer &&
+                      ra->layer >= 0 && x.size(1) == 2 && x.size(2) == heads && x.size(4) == d && x.stride(4) == 1,
+                  name, ": sources[", i, "] must be ", k.scalar_type(), " [L, 2, ", heads, ", n, ", d,
+                  "] with L > layer ", ra->layer, " and its last dimension contiguous; got ", x.scalar_type(), " ",
+                  x.sizes(), " strides ", x.strides());
+      bound.push_back(x.size(3));
+    }
+    rt.width = st->size(1);
+    rt.starts = st->data_ptr<int64_t>();
+    rt.src = sr->data_ptr<int64_t>();
+    rt.rot = ro->data_ptr<int64_t>();
+    rt.cos = co->data_ptr<float>();
+    rt.sin = si->data_ptr<float>();
+    rt.r = r;
+    rt.sources = static_cast<int64_t>(ra->sources.size());
+    for (int64_t i = 0; i < b; ++i) {
+      const int64_t* s0 = rt.starts + i * rt.width;
+      TORCH_CHECK(s0[0] == 0, name, ": row ", i, "'s first run starts at ", s0[0], " (must be 0)");
+      for (int64_t j = 0; j < rt.width; ++j) {
+        const int64_t end = j + 1 < rt.width ? s0[j + 1] : len[i];
+        TORCH_CHECK(s0[j] <= end && end <= len[i], name, ": row ", i, " run ", j, " starts at ", s0[j],
+                    " (runs start in order, at most at the row's length ", len[i], ")");
+        const int64_t rot = rt.rot[i * rt.width + j], from = rt.src[i * rt.width + j];
+        TORCH_CHECK(rot >= -1 && rot < rows_n, name, ": row ", i, " run ", j, " reads rotation ", rot,
+                    " (cos and sin hold ", rows_n, "; -1: none)");
+        TORCH_CHECK(from >= -1 && from < rt.sources, name, ": row ", i, " run ", j, " reads source ", from, " (",
+                    rt.sources, " sources; -1: the pool)");
+        for (int64_t x = s0[j]; x < end; ++x)
+          TORCH_CHECK(sl[i * width + x] >= 0 && sl[i * width + x] < bound[from + 1], name, ": row ", i, " slot ",
+                      sl[i * width + x], " is outside the ", bound[from + 1], " slots of ",
+                      from < 0 ? "k and v" : "its source");
+      }
+    }
+  } else {
+    for (int64_t i = 0; i < b; ++i)
+      for (int64_t j = 0; j < len[i]; ++j)
+        TORCH_CHECK(sl[i * width + j] >= 0 && sl[i * width + j] < slots_n, name, ": row ", i, " slot ",
+                    sl[i * width + j], " is outside the ", slots_n, " slots of k and v");
   }
   const auto f32 = q.options().dtype(at::kFloat);
   at::Tensor out = at::empty({heads, b, g, d}, f32);
@@ -824,11 +1200,18 @@ std::tuple<at::Tensor, at::Tensor> attend_gather(const at::Tensor& q_in, const a
   if (heads == 0 || b == 0 || g == 0) return {out, lse};
   by_kv_type(k, v, [&](auto* kp, auto* vp) {
     using KV = std::remove_const_t<std::remove_pointer_t<decltype(kp)>>;
+    std::vector<Source<KV>> src;
+    src.push_back({kp, vp, k.stride(0), k.stride(1), v.stride(0), v.stride(1), slots_n});
+    if (ra != nullptr)
+      for (const at::Tensor& x : ra->sources) {  // layer `layer` of each: keys [.., 0], values [.., 1]
+        const KV* base = reinterpret_cast<const KV*>(static_cast<const char*>(x.data_ptr()));
+        const KV* xk = base + ra->layer * x.stride(0);
+        src.push_back({xk, xk + x.stride(1), x.stride(2), x.stride(3), x.stride(2), x.stride(3), x.size(3)});
+      }
     auto go = [&](auto* qp) {
       by_head_dim(d, [&](auto nd) {
-        run_gather<decltype(nd)::value>(qp, kp, vp, k.stride(0), k.stride(1), v.stride(0), v.stride(1), sl, width,
-                                        len, heads, b, g, static_cast<float>(scale), out.data_ptr<float>(),
-                                        lse.data_ptr<float>());
+        run_gather<decltype(nd)::value>(qp, src, sl, width, len, heads, b, g, static_cast<float>(scale),
+                                        out.data_ptr<float>(), lse.data_ptr<float>(), rt);
       });
     };
     if constexpr (kDot && std::is_same_v<KV, uint16_t>) {
@@ -837,6 +1220,22 @@ std::tuple<at::Tensor, at::Tensor> attend_gather(const at::Tensor& q_in, const a
     go(static_cast<const float*>(q.data_ptr<float>()));
   });
   return {out, lse};
+}
+
+std::tuple<at::Tensor, at::Tensor> attend_gather(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                                 const at::Tensor& slots, const at::Tensor& lengths, double scale) {
+  return gather_checked(q, k, v, slots, lengths, scale, "promptcache_native.attend_gather", nullptr);
+}
+
+// attend_gather over runs of each row's keys (Runs): documents read in place (a store's states or
+// the pool's) at any position, every decode row's keys in one call.
+std::tuple<at::Tensor, at::Tensor> attend_gather_runs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                                      const at::Tensor& slots, const at::Tensor& lengths, double scale,
+                                                      const at::Tensor& run_starts, const at::Tensor& run_src,
+                                                      const at::Tensor& run_rot, const at::Tensor& cos,
+                                                      const at::Tensor& sin, at::TensorList sources, int64_t layer) {
+  const RunArgs ra{&run_starts, &run_src, &run_rot, &cos, &sin, sources, layer};
+  return gather_checked(q, k, v, slots, lengths, scale, "promptcache_native.attend_gather_runs", &ra);
 }
 
 std::tuple<at::Tensor, at::Tensor> attend_checked(const at::Tensor& q_in, const at::Tensor& k, const at::Tensor& v,
@@ -922,10 +1321,13 @@ TORCH_LIBRARY(promptcache_native, m) {
   m.def("attend(Tensor q, Tensor k, Tensor v, float scale, int causal_t) -> (Tensor, Tensor)");
   m.def("attend_gather(Tensor q, Tensor k, Tensor v, Tensor slots, Tensor lengths, float scale) -> (Tensor, Tensor)");
   m.def("attend_limits(Tensor q, Tensor k, Tensor v, float scale, Tensor limits) -> (Tensor, Tensor)");
+  m.def("attend_gather_runs(Tensor q, Tensor k, Tensor v, Tensor slots, Tensor lengths, float scale, Tensor run_starts, "
+        "Tensor run_src, Tensor run_rot, Tensor cos, Tensor sin, Tensor[] sources, int layer) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(promptcache_native, CPU, m) {
   m.impl("attend", &attend);
   m.impl("attend_gather", &attend_gather);
   m.impl("attend_limits", &attend_limits);
+  m.impl("attend_gather_runs", &attend_gather_runs);
 }

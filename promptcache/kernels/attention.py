@@ -1,7 +1,9 @@
 """The native CPU attention kernel (``kernels/attention.cpp``), built once per environment and loaded as
 ``torch.ops.promptcache_native`` (``attend``: queries over keys, causal chunks too;
-``attend_gather``: decode rows over their own keys read from the pool by slot); ``kernel_for`` and
-``gather_kernel_for`` hand them to ``engine/serving_core/paged.py``.
+``attend_gather``: decode rows over their own keys read from the pool by slot; ``attend_gather_runs``:
+the same with runs of a row's keys read with its queries rotated, for documents read in place at
+another position); ``kernel_for``, ``gather_kernel_for`` and ``gather_runs_kernel_for`` hand them to
+``engine/serving_core/paged.py``.
 
 Why: torch's fused CPU attention (``_scaled_dot_product_flash_attention_for_cpu``) does its matrix
 products through MKL's sgemm, which on an AMD CPU takes its AVX2 path: on the 2-core AMD EPYC
@@ -35,7 +37,8 @@ import torch
 
 from .build import NativeKernels
 
-__all__ = ["ENV_SWITCH", "available", "gather_kernel_for", "kernel_for", "limits_kernel_for", "unavailable_reason"]
+__all__ = ["ENV_SWITCH", "available", "gather_kernel_for", "gather_runs_kernel_for", "kernel_for", "limits_kernel_for",
+           "unavailable_reason"]
 
 ENV_SWITCH = "PROMPTCACHE_NATIVE_ATTENTION"
 
@@ -47,6 +50,10 @@ def _register_fakes(ops) -> None:
 
     @torch.library.register_fake("promptcache_native::attend_gather")
     def _(q, k, v, slots, lengths, scale):
+        return q.new_empty(q.shape, dtype=torch.float32), q.new_empty(q.shape[:3], dtype=torch.float32)
+
+    @torch.library.register_fake("promptcache_native::attend_gather_runs")
+    def _(q, k, v, slots, lengths, scale, run_starts, run_src, run_rot, cos, sin, sources, layer):
         return q.new_empty(q.shape, dtype=torch.float32), q.new_empty(q.shape[:3], dtype=torch.float32)
 
     @torch.library.register_fake("promptcache_native::attend_limits")
@@ -106,3 +113,20 @@ def gather_kernel_for(q: torch.Tensor, kv: torch.Tensor):
     queries over a bfloat16 pool read the keys rows share in bfloat16 products where the CPU has
     AVX-512 BF16."""
     return _KERNELS.ops.attend_gather if kv.dtype in KV_DTYPES and _covers(q, KV_DTYPES) else None
+
+
+def gather_runs_kernel_for(q: torch.Tensor, kv: torch.Tensor):
+    """The native gather op over runs for decode queries ``q`` [X, B, G, D] over a pool buffer
+    ``kv``, when it covers them (as ``gather_kernel_for``), else None. Called as
+    ``op(q, k, v, slots, lengths, scale, run_starts, run_src, run_rot, cos, sin, sources, layer) ->
+    (out, lse)``: row b's slots ``[run_starts[b, i], run_starts[b, i + 1])`` (int64 [B, R], the last
+    run up to ``lengths[b]``, ``run_starts[b, 0] = 0``) are tokens of ``k``/``v`` (``run_src[b, i]
+    = -1``) or of ``sources[s]`` (a store's states [L, 2, X, n, D] in the pool's dtype, read in place
+    at layer ``layer``), read with the row's queries rotated by row ``run_rot[b, i]`` of ``cos``,
+    ``sin`` (float32 [S, r], as ``dense.rotation`` builds them: the rotate-half form over the first
+    r channels; -1: the queries as they are). Each rotation is done once per run and query, in
+    float32. Runs several rows read alike (a document at any position and shift) are read
+    together, every row's rotated queries over packed key tiles (bfloat16 queries rounded back to
+    bfloat16 there, as torch's ``.to(torch.bfloat16)``, for bfloat16 products); the rest of each
+    row with its queries in float32."""
+    return _KERNELS.ops.attend_gather_runs if kv.dtype in KV_DTYPES and _covers(q, KV_DTYPES) else None

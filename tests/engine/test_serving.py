@@ -360,10 +360,11 @@ def test_decode_rows_of_any_own_length_share_one_gather_where_the_native_op_read
             assert plan.decode_q.tolist() == [1] and [p[:2] for p in plan.prefills] == [(0, 1), (2, 3)]
 
 
-def test_a_decode_row_reads_its_shared_pool_runs_in_its_gather_and_store_tensors_as_segments(tokenizer, monkeypatch):
+def test_a_decode_row_reads_its_shared_pool_runs_and_store_tensors_in_its_gather(tokenizer, monkeypatch):
     """FOLD_SHARED: a decode row's shared segments held in the pool join its own slots in the native
-    gather (no cascade segment left for it); a store tensor read in place stays a segment; a chunk
-    keeps cascade attention; FOLD_SHARED off leaves every segment to cascade attention."""
+    gather, and so does a store tensor read in place (a run of a source of its own: no cascade
+    segment left for the row); a store tensor the op cannot read (another dtype) stays a segment; a
+    chunk keeps cascade attention; FOLD_SHARED off leaves every segment to cascade attention."""
     import promptcache.engine.serving_core.paged as paged
 
     monkeypatch.setattr(paged.cpu_attention, "gathers", lambda buf: True)
@@ -373,17 +374,22 @@ def test_a_decode_row_reads_its_shared_pool_runs_in_its_gather_and_store_tensors
     run = pool.slots(shared_blocks, 0, 16)
     view = pool.views(shared_blocks, 16)[0]
     stored = torch.zeros_like(view)  # a store tensor, read in place
+    other = torch.zeros_like(view, dtype=torch.float16)  # one the gather op does not read
     own = [pool.slots(pool.allocate(1), 0, n) for n in (3, 5)]
-    rows = [paged.PagedRow([1], [20], [("pool:x", view), ("doc", stored)], own[0], shared_slots=[run, None]),
+    rows = [paged.PagedRow([1], [40], [("pool:x", view), ("doc", stored), ("half", other)], own[0],
+                           shared_slots=[run, None, None]),
             paged.PagedRow([1, 2, 3, 4, 5], [16, 17, 18, 19, 20], [("pool:x", view)], own[1], shared_slots=[run])]
     plan = paged.build_plan(pool, rows)
-    assert plan.decode_q.tolist() == [0] and plan.decode_lengths.tolist() == [16 + 3]
-    assert plan.decode_slots[0, :19].tolist() == run.tolist() + own[0].tolist()
-    assert sorted(idx.tolist() for _, idx in plan.segments) == [[0], [1, 2, 3, 4, 5]]  # the store tensor; the chunk's run
+    assert plan.decode_q.tolist() == [0] and plan.decode_lengths.tolist() == [16 + 16 + 3]
+    assert plan.decode_slots[0, :35].tolist() == run.tolist() + list(range(16)) + own[0].tolist()
+    runs = plan.decode_runs  # the pool run, the store tensor (source 0), the row's own slots
+    assert runs.starts.tolist() == [[0, 16, 32]] and runs.src.tolist() == [[-1, 0, -1]]
+    assert len(runs.sources) == 1 and runs.sources[0].data_ptr() == stored.data_ptr()
+    assert sorted(idx.tolist() for _, idx in plan.segments) == [[0], [1, 2, 3, 4, 5]]  # float16; the chunk's run
     monkeypatch.setattr(paged, "FOLD_SHARED", False)
     plan = paged.build_plan(pool, rows)
-    assert plan.decode_lengths.tolist() == [3]
-    assert sorted(idx.tolist() for _, idx in plan.segments) == [[0], [0, 1, 2, 3, 4, 5]]
+    assert plan.decode_lengths.tolist() == [3] and plan.decode_runs is None
+    assert sorted(idx.tolist() for _, idx in plan.segments) == [[0], [0], [0, 1, 2, 3, 4, 5]]
 
 
 def test_a_fragmented_pool_allocates_the_longest_free_runs_first(tokenizer):

@@ -14,7 +14,10 @@ queries to:
   * its **own tokens** (earlier chunks, generated tokens and this step's tokens, causal among
     the new ones), from its pool slots. Decode rows are batched: their own keys (a few dozen
     per request) are gathered into one padded tensor, the only copy on the hot path (none with
-    the native CPU kernel, which reads them by slot).
+    the native CPU kernel, which reads them by slot). With the native kernel a decode row reads
+    its shared segments with its own tokens too, as runs of one slot list (pool runs, or a store
+    tier's tensors read in place; a segment read shifted with the row's query rotated back once
+    per run: ``decode_runs.py``): every decode row of a step in one call a layer.
 
 Without the native CPU kernel (turned off, or a GPU: the path where every op is a kernel launch)
 a step of rotary or learned-position rows is attended in ONE call a layer instead (``dense.py``:
@@ -64,6 +67,7 @@ from ...models.splice import SpliceCache
 from ... import tunables
 from ...tunables import DECODE_MATMUL_ROWS, FOLD_SHARED, GATHER_MAX, SEGMENTS_MAX  # read at call time (tests set them here)
 from ...kernels import attention as cpu_attention
+from .decode_runs import DecodeRuns, RunTable
 from .dense import DenseStep, attend_dense, dense_step, pool_slots, rotate, rotation
 from .kvpool import KVPool
 
@@ -140,6 +144,9 @@ class StepPlan:
     decode_q: torch.Tensor | None = None  # [B] packed query index of each decode row
     decode_slots: torch.Tensor | None = None  # [B, K] own slots (padded)
     decode_lengths: torch.Tensor | None = None  # [B] own slots of each row (the rest is padding)
+    # decode rows whose folded segments are read shifted or from a store's tensors (the native gather
+    # op over runs; ``decode_runs.py``): None where every folded key is the pool's, read as it is
+    decode_runs: DecodeRuns | None = None
     decode_bias: torch.Tensor | None = None  # [Hk * B, 1, K] float32: 0 where valid, -inf at padding (every layer's)
     decode_kpos: torch.Tensor | None = None  # [B, K] (host) position IDs of decode_slots, -1 at padding (KeyRule)
     # prefill chunks (q0, q1, new, earlier): query rows [q0, q1), the pool slots of the chunk's own
@@ -192,16 +199,23 @@ def build_plan(pool: KVPool, rows: list[PagedRow], scale: float | None = None, k
     # the native gather op reads each decode row's own slots in place up to its length: every decode
     # row goes through it (one call a layer); the fallback gathers copies padded to the longest row
     gather_max = None if cpu_attention.gathers(pool.buf) else GATHER_MAX
+    table = RunTable(pool.buf)  # decode rows' shared segments folded into their slot lists, as runs
     for row in rows:
         t = len(row.ids)
         limits, shifts = row.limits(), row.shifts()
         decode = t == 1 and (gather_max is None or len(row.own) <= gather_max) and all(x is None for x in limits)
-        slots = row.shared_slots if decode and gather_max is None and FOLD_SHARED else None
-        folded = []  # shared pool slots this decode row reads with its own (one softmax over both)
+        fold = decode and gather_max is None and FOLD_SHARED
+        given = row.shared_slots if row.shared_slots is not None else [None] * len(row.shared)
         for i, (key, view) in enumerate(row.shared):
-            if slots is not None and slots[i] is not None and not shifts[i]:
-                folded.append(slots[i])
-                continue
+            # a decode row reads its segments with its own tokens (one softmax): pool segments by slot,
+            # store tensors in place; a shifted one where its queries can be rotated (rotary models:
+            # the gather op rotates the row's query once per run of keys at one shift)
+            if fold and (not shifts[i] or rope is not None):
+                if given[i] is not None:
+                    table.pool(given[i], shifts[i])
+                    continue
+                if table.view(view, shifts[i]):
+                    continue
             if limits[i] is not None:
                 _add_limited(plan, view, off, limits[i], None, shifts[i])
                 continue
@@ -209,7 +223,7 @@ def build_plan(pool: KVPool, rows: list[PagedRow], scale: float | None = None, k
             entry[1].extend(range(off, off + t))
             entry[2].extend([shifts[i]] * t)
         if decode:
-            decodes.append((off, torch.cat([*folded, row.own]) if folded else row.own))
+            decodes.append((off, table.own(row.own)))
         else:  # a chunk, or a decode row with a long own part (read in place, not padded into the gather)
             done = len(row.own) - t
             plan.prefills.append((off, off + t, _parts(row.own[done:], 1)[0], _parts(row.own[:done], SEGMENTS_MAX)))
@@ -225,6 +239,8 @@ def build_plan(pool: KVPool, rows: list[PagedRow], scale: float | None = None, k
         plan.decode_q = torch.tensor([q for q, _ in decodes], dtype=torch.long, device=dev)
         plan.decode_slots = slots
         plan.decode_lengths = torch.tensor([len(s) for _, s in decodes], dtype=torch.long, device=dev)
+        if table.used:  # some run is shifted or lies in a store tensor: the gather op over runs
+            plan.decode_runs = table.build(plan.decode_lengths.tolist())
         if gather_max is not None:  # the padded-copy fallback masks each row's padding; the native op reads lengths
             valid = torch.arange(width, device=dev)[None, :] < plan.decode_lengths[:, None]  # [B, width]
             hk, b = pool.buf.shape[2], len(decodes)
@@ -269,7 +285,8 @@ def _build_dense(pool: KVPool, rows: list[PagedRow], scale: float | None, rope: 
 
 def _shifted(plan: StepPlan, rope: torch.Tensor | None) -> StepPlan:
     """The plan with the rotary frequencies its shifted segments need (kept only where a segment is shifted)."""
-    if any(sh is not None for sh in plan.segment_shift + plan.limited_shift):
+    if any(sh is not None for sh in plan.segment_shift + plan.limited_shift) \
+            or (plan.decode_runs is not None and plan.decode_runs.shifts.numel()):
         plan.rope = rope
     return plan
 
@@ -519,7 +536,7 @@ def attend(plan: StepPlan, layer: int, query: torch.Tensor, scaling: float | Non
     lse = torch.empty((hk, g, n), dtype=torch.float32, device=query.device)
     if plan.decode_q is not None:  # decode rows: their own keys (float32 queries: the gather op's)
         qd = q[:, :, plan.decode_q].transpose(1, 2).contiguous()  # as _queries gives them
-        o, l = _attend_own(plan, qd, kbuf, vbuf, qs)
+        o, l = _attend_own(plan, layer, qd, kbuf, vbuf, qs)
         out[:, :, plan.decode_q] = o.transpose(1, 2)
         lse[:, :, plan.decode_q] = l.transpose(1, 2)
     for q0, q1, new, earlier in plan.prefills:  # prefill chunks: own keys, causal among the new ones
@@ -676,7 +693,7 @@ def _attend_keyed(plan: StepPlan, layer: int, query: torch.Tensor, scale: float)
         memo_key = ("decodes", window)
         if memo_key not in plan.memo:
             plan.memo[memo_key] = _decode_bias(plan, hk, g, window, query.device)
-        o, l = _attend_own(plan, q[:, :, plan.decode_q].transpose(1, 2).contiguous(), kbuf, vbuf, 1.0,
+        o, l = _attend_own(plan, layer, q[:, :, plan.decode_q].transpose(1, 2).contiguous(), kbuf, vbuf, 1.0,
                            plan.memo[memo_key])
         out[:, :, plan.decode_q] = o.transpose(1, 2)
         lse[:, :, plan.decode_q] = l.transpose(1, 2)
@@ -765,7 +782,7 @@ def _attend_decodes(plan: StepPlan, layer: int, query: torch.Tensor, scale: floa
     hk = kbuf.shape[0]
     g = hq // hk
     q = _decode_queries(query[0], kbuf).view(hk, g, b, d).transpose(1, 2).contiguous()  # [Hk, B, G, D]
-    out, lse = _attend_own(plan, q, kbuf, vbuf, scale)
+    out, lse = _attend_own(plan, layer, q, kbuf, vbuf, scale)
     out, lse = out.view(hk, b * g, d), lse.view(hk, b * g)  # the same memory as [Hk, B * G, ...]
     for i, (views, _) in enumerate(plan.segments):
         sk, sv = _layer_kv(views, layer)
@@ -778,12 +795,21 @@ def _attend_decodes(plan: StepPlan, layer: int, query: torch.Tensor, scale: floa
     return out.view(hk, b, g, d).transpose(0, 1).reshape(1, b, hq, d).to(query.dtype)
 
 
-def _attend_own(plan: StepPlan, q: torch.Tensor, kbuf: torch.Tensor, vbuf: torch.Tensor, scale: float,
+def _attend_own(plan: StepPlan, layer: int, q: torch.Tensor, kbuf: torch.Tensor, vbuf: torch.Tensor, scale: float,
                 bias: torch.Tensor | None = None):
     """Decode rows' queries q [Hk, B, G, D] (contiguous) over their own keys (``plan.decode_slots``
     of a layer's pool buffers [Hk, S, D]). ``bias`` [Hk * B, G or 1, K]: in place of
     ``plan.decode_bias`` (``_decode_bias``). Returns (out [Hk, B, G, D], lse [Hk, B, G])."""
     hk, b, g, d = q.shape
+    if plan.decode_runs is not None:  # runs of store tensors' keys or keys read shifted: the query rotated per run
+        gather = cpu_attention.gather_runs_kernel_for(q, kbuf) if bias is None else None
+        if gather is None:  # build_plan folds runs only where the gather op reads them
+            raise RuntimeError("decode rows fold segments as runs but the native gather op does not cover "
+                               f"queries {tuple(q.shape)} {q.dtype} over a {kbuf.dtype} pool")
+        runs = plan.decode_runs
+        cos, sin = runs.rotation(*_layer_rope(plan, layer)) if plan.rope is not None else runs.rotation(0, None)
+        return gather(q, kbuf, vbuf, plan.decode_slots, plan.decode_lengths, scale, runs.starts, runs.src, runs.rot,
+                      cos, sin, runs.sources, layer)
     gather = cpu_attention.gather_kernel_for(q, kbuf) if bias is None else None
     if gather is not None:  # read from their slots in place
         return gather(q, kbuf, vbuf, plan.decode_slots, plan.decode_lengths, scale)
