@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["DenseStep", "attend_dense", "dense_step", "pool_slots", "rotate", "rotation"]
+__all__ = ["DenseStep", "attend_dense", "dense_step", "pool_run", "rotate", "rotation", "run_slots"]
 
 log = logging.getLogger(__name__)
 
@@ -70,49 +70,100 @@ class DenseStep:
         return self.memo[kv_heads, groups]
 
 
-def pool_slots(buf: torch.Tensor, view: torch.Tensor) -> torch.Tensor | None:
-    """The pool slots [n] a segment view [L, 2, Hk, n, D] reads, where it is a run of the pool's
-    buffer ``buf`` [L, 2, Hk, S, D] (None: a tensor of its own, as a store tier's)."""
-    if view.device != buf.device or view.untyped_storage().data_ptr() != buf.untyped_storage().data_ptr():
+def pool_run(buf: torch.Tensor, view: torch.Tensor) -> tuple[int, int] | None:
+    """(first slot, count) of the pool slots a segment view [L, 2, Hk, n, D] reads, where it is a
+    run of the pool's buffer ``buf`` [L, 2, Hk, S, D] (None: a tensor of its own, as a store
+    tier's). From the tensors' metadata alone (no tensor op; called for every segment of every row
+    of a step)."""
+    at = view.data_ptr() - buf.data_ptr()  # bytes: a run of buf's memory lies inside it
+    if at < 0 or at >= buf.nbytes or view.stride() != buf.stride() or view.dtype != buf.dtype:
         return None
-    if view.dim() != 5 or view.shape[:3] != buf.shape[:3] or view.shape[4] != buf.shape[4] \
-            or view.stride() != buf.stride():
+    vs, bs = view.shape, buf.shape
+    if len(vs) != 5 or vs[0] != bs[0] or vs[1] != bs[1] or vs[2] != bs[2] or vs[4] != bs[4] \
+            or view.device != buf.device:
         return None
-    start, rest = divmod(view.storage_offset() - buf.storage_offset(), buf.stride(3))
-    if rest or start < 0 or start + view.shape[3] > buf.shape[3]:
+    start, rest = divmod(at, buf.stride(3) * buf.element_size())
+    if rest or start + vs[3] > bs[3]:
         return None
-    return torch.arange(start, start + view.shape[3], dtype=torch.long)
+    return start, vs[3]
 
 
-def dense_step(rows: list, segments: list[list[tuple[torch.Tensor, int, torch.Tensor | None]]], kv_heads: int,
-               head_dim: int, rope: torch.Tensor | None, dev, most: int) -> DenseStep | None:
+def run_slots(runs: list[list[tuple[int, int]]], width: int, dev) -> torch.Tensor:
+    """Each row's keys given as runs of pool slots (first slot, count), as one slot list padded to
+    ``width`` a row with slot 0: [len(runs) * width]. Built from Python ints in a constant number
+    of tensor ops whatever the rows (one tensor of the runs, expanded on ``dev``), not a
+    concatenation of a tensor a run."""
+    starts, dests, lens = [], [], []
+    before = 0  # keys of the runs before this one
+    for r, row in enumerate(runs):
+        at = r * width
+        for first, count in row:
+            if count:
+                starts.append(first - before)
+                dests.append(at - before)
+                lens.append(count)
+                at += count
+                before += count
+    slots = torch.zeros(len(runs) * width, dtype=torch.long, device=dev)
+    if not before:
+        return slots
+    meta = torch.tensor([starts, dests, lens], dtype=torch.long).to(dev)  # [3, R]
+    # per key: its run's (first - keys before it, destination - keys before it), plus its index
+    per_key = meta[:2].repeat_interleave(meta[2], dim=1, output_size=before).add_(
+        torch.arange(before, device=dev))
+    return slots.index_put_((per_key[1],), per_key[0])
+
+
+Slots = "tuple[int, int] | torch.Tensor"  # a run of pool slots (first, count), or the slots themselves
+
+
+def _count(slots) -> int:
+    return slots[1] if isinstance(slots, tuple) else slots.shape[0]  # ``shape[0]``: ``len`` of a tensor is a call
+
+
+def _as_tensor(slots, dev) -> torch.Tensor:
+    if isinstance(slots, tuple):
+        return torch.arange(slots[0], slots[0] + slots[1], dtype=torch.long, device=dev)
+    return slots if slots.device == dev else slots.to(dev)
+
+
+def dense_step(rows: list, segments: list[list[tuple[Slots, int, torch.Tensor | None]]], kv_heads: int,
+               head_dim: int, rope: torch.Tensor | None, dev, most: int,
+               owns: list[list[tuple[int, int]] | torch.Tensor] | None = None) -> DenseStep | None:
     """The metadata of a step of ``rows`` (``PagedRow``), ``segments[r]``: row r's shared segments
-    read from the pool, in order, as (slots [n], shift, limits [t] or None). None where the padded
-    scores of one query head a KV head would exceed ``most`` elements (the caller keeps the
-    per-part path)."""
+    read from the pool, in order, as (slots: a run (first, count) or a LongTensor [n], shift,
+    limits [t] or None); ``owns[r]``: row r's own slots as runs (first, count), or None / a
+    tensor: ``rows[r].own``. Where every slot is given as runs (the scheduler's rows) the step's
+    slot list is built from Python ints in a constant number of ops (``run_slots``), else by
+    concatenating a tensor a part. None where the padded scores of one query head a KV head would
+    exceed ``most`` elements (the caller keeps the per-part path)."""
     b = len(rows)
     ts = [len(r.ids) for r in rows]
-    # sizes as Python ints (``shape[0]``: ``len`` of a tensor costs a Python call)
-    sizes = [[s.shape[0] for s, _, _ in segs] for segs in segments]
-    owns = [r.own.shape[0] for r in rows]
+    owns = owns if owns is not None else [None] * b
+    owns = [r.own if o is None else o for r, o in zip(rows, owns)]
+    sizes = [[_count(s) for s, _, _ in segs] for segs in segments]
+    n_own = [sum(k for _, k in o) if isinstance(o, list) else o.shape[0] for o in owns]
     n_shared = [sum(x) for x in sizes]
-    lens = [n + o for n, o in zip(n_shared, owns)]
+    lens = [n + o for n, o in zip(n_shared, n_own)]
     t, w = max(ts), max(lens)
     size = kv_heads * b * t * w
     if size > most:
         log.info("a step of %d rows (%d queries, %d keys at most a row) would pad %d scores a layer (more than %d): "
                  "its attention runs part by part", b, t, w, size, most)
         return None
-    # one concatenation of every row's slots and its padding (slot 0, masked), on the pool's device
-    pad = torch.zeros(w, dtype=torch.long, device=dev)
-    pieces = []
-    for r, segs, n in zip(rows, segments, lens):
-        pieces += [s for s, _, _ in segs]
-        pieces += [r.own, pad[: w - n]]
-    slots = torch.cat([x if x.device == pad.device else x.to(dev) for x in pieces])  # [B * W]
+    if all(isinstance(o, list) for o in owns) and all(isinstance(s, tuple) for segs in segments for s, _, _ in segs):
+        slots = run_slots([[s for s, _, _ in segs] + o for segs, o in zip(segments, owns)], w, dev)  # [B * W]
+    else:  # one concatenation of every row's slots and its padding (slot 0, masked)
+        pad = torch.zeros(w, dtype=torch.long, device=dev)
+        pieces = []
+        for segs, o, n in zip(segments, owns, lens):
+            pieces += [_as_tensor(s, dev) for s, _, _ in segs]
+            pieces += ([_as_tensor(x, dev) for x in o] if isinstance(o, list) else [_as_tensor(o, dev)])
+            pieces.append(pad[: w - n])
+        slots = torch.cat(pieces)  # [B * W]
     # the first query index of its row that sees each key: 0 for shared keys, done + i sees own key i;
     # nobody (t) sees padding
-    shared, done, length = torch.tensor([n_shared, [o - n for o, n in zip(owns, ts)], lens],
+    shared, done, length = torch.tensor([n_shared, [o - n for o, n in zip(n_own, ts)], lens],
                                         dtype=torch.long).to(dev)[:, :, None]
     j = torch.arange(w, device=dev)[None, :]
     first = torch.where(j < shared, 0, (j - shared - done).clamp(min=0)).masked_fill_(j >= length, t)

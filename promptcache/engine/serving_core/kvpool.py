@@ -179,6 +179,20 @@ class KVPool:
         table = torch.tensor(blocks, dtype=torch.long)
         return (table[idx // self.block_size] * self.block_size + idx % self.block_size).to(self.buf.device)
 
+    def slot_runs(self, blocks: list[int], n: int) -> list[tuple[int, int]]:
+        """The slots of tokens [0, n) of a block list as runs (first slot, count), in order: what
+        ``slots(blocks, 0, n)`` holds, as Python ints."""
+        out, left, bs = [], n, self.block_size
+        for first, count in runs(blocks):
+            k = min(left, count * bs)
+            if k <= 0:
+                break
+            out.append((first * bs, k))
+            left -= k
+        if left > 0:
+            raise ValueError(f"{len(blocks)} blocks of {bs} tokens cannot hold {n} tokens")
+        return out
+
     def write(self, blocks: list[int], start: int, kv: torch.Tensor) -> None:
         """Copy states kv [L, 2, H, n, D] into tokens [start, start + n) of ``blocks``."""
         n, off, bs = kv.shape[3], 0, self.block_size

@@ -155,7 +155,7 @@ class ServingScheduler(RequestQueue):
         kv.own_pos.extend(pos)
         return PagedRow(ids, pos, kv.shared, kv.slots[: done + len(ids)], logits=logits, shared_pos=kv.shared_pos,
                         shared_slots=kv.shared_slots, own_pos=kv.own_pos, shared_limits=limits,
-                        shared_shift=kv.shared_shift)
+                        shared_shift=kv.shared_shift, own_blocks=kv.blocks)
 
     def _chunk(self, r: Request, budget: int) -> PagedRow:
         kv, plan = r.kv, r.kv.plan
