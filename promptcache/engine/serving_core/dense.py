@@ -5,10 +5,13 @@ segment and each earlier part of a row as its own attention call, each followed 
 merge, cost dozens of ops per row and layer (eval/host_overhead.py). Here the step's metadata is
 built once (``dense_step``) and every layer runs one padded attention over it (``attend_dense``):
 
-  * each row's keys are its shared segments that live in the pool (``PagedRow.shared_slots``, or
-    a view into the pool's buffer) followed by its own tokens, as one slot list padded to the
-    step's longest: ``slots`` [B * W]; a layer gathers its keys and values with two
-    ``index_select`` calls;
+  * each row's keys are its shared segments that live in the pool (a view into the pool's buffer,
+    read as its run of slots: ``pool_run``; else ``PagedRow.shared_slots``) followed by its own
+    tokens, as one slot list padded to the step's longest: ``slots`` [B * W]. Built from Python
+    ints where the rows carry their block tables (``PagedRow.own_blocks``, the scheduler's rows):
+    one tensor of runs expanded in a constant number of ops (``run_slots``), whatever B; else a
+    concatenation of a tensor a part. A layer gathers its keys and values in one indexing of its
+    [2, Hk, S, D] pool buffer;
   * each row's queries are padded to the step's longest row (``qidx``: the packed query each
     padded one reads; ``back``: where each packed query lies among the padded ones);
   * one additive bias [Hk * B, G * T, W] says which key each query sees: every key of a shared
@@ -49,8 +52,8 @@ class DenseStep:
     mask: torch.Tensor  # [B, 1, T, W] float32: 0 where the query sees the key, -inf elsewhere
     qidx: torch.Tensor | None  # [B * T] packed query of each padded query (None: one query a row, in order)
     back: torch.Tensor | None  # [N] padded index of each packed query (None: as qidx)
-    cos: torch.Tensor | None = None  # [B * W, r] float32 rotation of each key (None: nothing shifted)
-    sin: torch.Tensor | None = None  # [B * W, r] float32, signs folded in for the rotate-half form
+    cos: torch.Tensor | None = None  # [B, W, r] float32 rotation of each key (None: nothing shifted)
+    sin: torch.Tensor | None = None  # [B, W, r] float32, signs folded in for the rotate-half form
     swap: bool = False  # the rotation covers every channel (r = D): halves swapped by a flip
     memo: dict = field(default_factory=dict)  # ``mask`` as ``bias`` and ``batched_bias`` give it
 
@@ -107,7 +110,7 @@ def run_slots(runs: list[list[tuple[int, int]]], width: int, dev) -> torch.Tenso
     slots = torch.zeros(len(runs) * width, dtype=torch.long, device=dev)
     if not before:
         return slots
-    meta = torch.tensor([starts, dests, lens], dtype=torch.long).to(dev)  # [3, R]
+    meta = torch.tensor([starts, dests, lens], dtype=torch.long, device=dev)  # [3, R]
     # per key: its run's (first - keys before it, destination - keys before it), plus its index
     per_key = meta[:2].repeat_interleave(meta[2], dim=1, output_size=before).add_(
         torch.arange(before, device=dev))
@@ -161,13 +164,13 @@ def dense_step(rows: list, segments: list[list[tuple[Slots, int, torch.Tensor | 
             pieces += ([_as_tensor(x, dev) for x in o] if isinstance(o, list) else [_as_tensor(o, dev)])
             pieces.append(pad[: w - n])
         slots = torch.cat(pieces)  # [B * W]
-    # the first query index of its row that sees each key: 0 for shared keys, done + i sees own key i;
-    # nobody (t) sees padding
-    shared, done, length = torch.tensor([n_shared, [o - n for o, n in zip(n_own, ts)], lens],
-                                        dtype=torch.long).to(dev)[:, :, None]
-    j = torch.arange(w, device=dev)[None, :]
-    first = torch.where(j < shared, 0, (j - shared - done).clamp(min=0)).masked_fill_(j >= length, t)
-    sees = torch.arange(t, device=dev)[None, :, None] >= first[:, None, :]  # [B, T, W]
+    # the first query index of its row that sees each key: done + i sees own key i (shared keys, before
+    # the own ones, come out <= 0: seen by every query); nobody (t) sees padding
+    before, length = torch.tensor([[n + o - q for n, o, q in zip(n_shared, n_own, ts)], lens], dtype=torch.long,
+                                  device=dev).unsqueeze(2).unbind(0)  # [B, 1] each
+    j = torch.arange(w, device=dev)
+    first = (j - before).clamp_(min=0).masked_fill_(j >= length, t)  # [B, W]
+    sees = torch.arange(t, device=dev).view(t, 1) >= first.unsqueeze(1)  # [B, T, W]
     for r, segs in enumerate(segments):
         at = 0
         for (s, _, limits), n in zip(segs, sizes[r]):
@@ -178,7 +181,8 @@ def dense_step(rows: list, segments: list[list[tuple[Slots, int, torch.Tensor | 
                                      f"got {lim.tolist()}")
                 sees[r, : ts[r], at : at + n] = torch.arange(n, device=dev)[None, :] < lim[:, None]
             at += n
-    mask = torch.zeros((b, 1, t, w), dtype=torch.float32, device=dev).masked_fill_(~sees[:, None], float("-inf"))
+    mask = torch.zeros((b, 1, t, w), dtype=torch.float32, device=dev).masked_fill_(
+        sees.logical_not_().unsqueeze(1), float("-inf"))
     qidx = back = None
     if t > 1:
         starts = [0]
@@ -195,11 +199,11 @@ def dense_step(rows: list, segments: list[list[tuple[Slots, int, torch.Tensor | 
             shifts += [sh for _, sh, _ in segs]
             counts.append(w - n)  # own tokens and padding: not rotated
             shifts.append(0)
-        cos, sin = rotation(torch.tensor(shifts, dtype=torch.float64), rope)  # a row per part, not per key
-        counts = torch.tensor(counts, device=dev)
-        cos = cos.to(dev).repeat_interleave(counts, dim=0, output_size=b * w)
-        sin = sin.to(dev).repeat_interleave(counts, dim=0, output_size=b * w)
-        swap = cos.shape[1] == head_dim
+        # a row per part, not per key, then repeated to the keys in one go
+        both = torch.stack(rotation(torch.tensor(shifts, dtype=torch.float64, device=dev), rope), dim=1)
+        both = both.repeat_interleave(torch.tensor(counts, device=dev), dim=0, output_size=b * w)  # [B * W, 2, r]
+        cos, sin = both.view(b, w, 2, -1).unbind(2)  # [B, W, r] each
+        swap = cos.shape[2] == head_dim
     return DenseStep(b, t, w, slots, mask, qidx, back, cos, sin, swap)
 
 
@@ -213,52 +217,52 @@ def rotation(shift: torch.Tensor, rope: torch.Tensor) -> tuple[torch.Tensor, tor
 
 
 def rotate(k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, swap: bool) -> torch.Tensor:
-    """Keys (or queries) k [..., K, D] float32 rotated by (cos, sin) [K, r] (``rotation``) over their
-    first r channels; ``swap``: r = D, the halves swapped as a flip of a [.., 2, D / 2] view (fewer
-    ops than slices and a cat, and a plain copy: a gather of channels ran 20x slower on the CPU)."""
+    """Keys (or queries) k [..., K, D] float32 rotated by (cos, sin) [..., K, r] (``rotation``,
+    broadcast against k) over their first r channels; ``swap``: r = D, the halves swapped by a roll
+    of half the channels (one op, a plain copy: a gather of channels ran 20x slower on the CPU)."""
     d = k.shape[-1]
-    r = cos.shape[1]
+    r = cos.shape[-1]
     if swap:
-        return torch.addcmul(k * cos, k.unflatten(-1, (2, d // 2)).flip(-2).flatten(-2), sin)
+        return torch.addcmul(k * cos, k.roll(d // 2, -1), sin)
     rot = k[..., :r]
     swapped = torch.cat([rot[..., r // 2:], rot[..., : r // 2]], dim=-1)
     return torch.cat([rot * cos + swapped * sin, k[..., r:]], dim=-1)
 
 
-def attend_dense(step: DenseStep, q: torch.Tensor, kbuf: torch.Tensor, vbuf: torch.Tensor, scale: float,
+def attend_dense(step: DenseStep, q: torch.Tensor, kv: torch.Tensor, scale: float,
                  lse: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Queries q [Hk, G, N, D] (float32) over the step's keys in one layer's pool buffers
-    [Hk, S, D]: (out, log-sum-exp [Hk, G, N] or None), float32; ``out`` is [Hk, G, N, D], or, for a
-    step of decode rows without ``lse``, [N, Hk * G, D] (the layout the model reads back).
-    Without ``lse``: torch's fused attention (one call; on a GPU its memory-efficient kernel, which
-    takes the bias); with it: the same softmax as matrix products."""
+    """Queries q [Hk, G, N, D] (float32) over the step's keys in one layer's pool buffer
+    [2, Hk, S, D] (``KVPool.layers``): (out, log-sum-exp [Hk, G, N] or None), float32; ``out`` is
+    [Hk, G, N, D], or, for a step of decode rows without ``lse``, [N, Hk * G, D] (the layout the
+    model reads back). Without ``lse``: torch's fused attention (one call; on a GPU its
+    memory-efficient kernel, which takes the bias); with it: the same softmax as matrix products.
+    A decode step is ~11 ops a layer: one gather of keys and values, three to rotate the shifted
+    keys, the fused attention over views."""
     hk, g, n, d = q.shape
     b, t, w = step.rows, step.queries, step.width
-    k = kbuf[:, step.slots]  # [Hk, B * W, D] (indexing: twice index_select's speed here on the CPU)
-    v = vbuf[:, step.slots]
+    # keys and values in one gather (indexing: twice index_select's speed here on the CPU): [Hk, B, W, D] each
+    k, v = kv[:, :, step.slots].view(2, hk, b, w, d).unbind(0)
     if k.dtype != torch.float32:
         k, v = k.float(), v.float()
     if step.cos is not None:
         k = rotate(k, step.cos, step.sin, step.swap)
     if t == 1 and not lse:  # decode rows: batched by (row, KV head), their G queries each, as views
         out = torch.nn.functional.scaled_dot_product_attention(
-            q.permute(2, 0, 1, 3), k.view(hk, b, w, d).transpose(0, 1), v.view(hk, b, w, d).transpose(0, 1),
-            attn_mask=step.mask, scale=scale)  # [B, Hk, G, D]
-        return out.reshape(b, hk * g, d), None
+            q.permute(2, 0, 1, 3), k.transpose(0, 1), v.transpose(0, 1), attn_mask=step.mask, scale=scale)
+        return out.reshape(b, hk * g, d), None  # [B, Hk, G, D] -> [N, Hq, D]
     if step.qidx is not None:
         q = q.index_select(2, step.qidx)
     q = q.view(hk, g, b, t, d).transpose(1, 2).reshape(hk, b, g * t, d)
     if not lse:
-        out = torch.nn.functional.scaled_dot_product_attention(
-            q, k.view(hk, b, w, d), v.view(hk, b, w, d), attn_mask=step.bias(hk, g), scale=scale)
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=step.bias(hk, g), scale=scale)
     else:
         q = q.reshape(hk * b, g * t, d)
-        s = torch.baddbmm(step.batched_bias(hk, g), q, k.view(hk * b, w, d).transpose(1, 2),
+        s = torch.baddbmm(step.batched_bias(hk, g), q, k.reshape(hk * b, w, d).transpose(1, 2),
                           alpha=scale)  # [Hk * B, G * T, W]
         top = s.amax(dim=-1, keepdim=True)
         p = s.sub_(top).exp_()
         total = p.sum(dim=-1, keepdim=True)
-        out = torch.bmm(p, v.view(hk * b, w, d)).div_(total)
+        out = torch.bmm(p, v.reshape(hk * b, w, d)).div_(total)
     out = out.reshape(hk, b, g, t, d).transpose(1, 2).reshape(hk, g, b * t, d)
     if step.back is not None:
         out = out.index_select(2, step.back)

@@ -81,7 +81,8 @@ class KVPool:
         shape = (spec.layers, 2, spec.kv_heads, self.num_blocks * block_size, spec.head_dim)
         self.buf = torch.empty(shape, dtype=spec.dtype, device=device)  # untouched pages cost nothing on CPU
         # each layer's (keys, values) [Hk, S, D] views, made once: every step's attention reads them
-        self.layer_kv: list[tuple[torch.Tensor, torch.Tensor]] = [(b[0], b[1]) for b in self.buf.unbind(0)]
+        self.layers: list[torch.Tensor] = list(self.buf.unbind(0))  # and as one [2, Hk, S, D] view a layer
+        self.layer_kv: list[tuple[torch.Tensor, torch.Tensor]] = [(b[0], b[1]) for b in self.layers]
         self._free: list[int] = list(range(self.num_blocks))  # sorted
         self._entries: dict[str, SharedEntry] = {}
         self._idle: OrderedDict[str, SharedEntry] = OrderedDict()  # refs == 0, least recently used first

@@ -570,13 +570,13 @@ def _attend_pooled(plan: StepPlan, layer: int, query: torch.Tensor, scale: float
     """``attend`` without the native kernel: every row's keys held in the pool in one call
     (``attend_dense``), then segments outside the pool merged in (``_merge_segments``)."""
     _, hq, n, d = query.shape
-    kbuf, vbuf = plan.pool.layer_kv[layer]
-    hk = kbuf.shape[0]
+    kv = plan.pool.layers[layer]  # [2, Hk, S, D]
+    hk = kv.shape[1]
     q = query.view(hk, hq // hk, n, d)  # splitting the heads: a view whatever the strides
     if q.dtype != torch.float32:
         q = q.float()
     rest = bool(plan.segments or plan.limited)
-    out, lse = attend_dense(plan.dense, q, kbuf, vbuf, scale, lse=rest)
+    out, lse = attend_dense(plan.dense, q, kv, scale, lse=rest)
     if rest:
         _merge_segments(plan, layer, q * scale, 1.0, out, lse)
     out = out.unsqueeze(0) if out.dim() == 3 else out.reshape(hq, n, d).transpose(0, 1).unsqueeze(0)
@@ -943,7 +943,7 @@ def step_inputs(pool: KVPool, rows: list[PagedRow]) -> tuple[torch.Tensor, torch
     if all(r.own_blocks is not None for r in rows):  # from the block tables: one tensor, not a slice a row
         bs = pool.block_size
         write = torch.tensor([r.own_blocks[i // bs] * bs + i % bs for r in rows
-                              for i in range(r.own.shape[0] - len(r.ids), r.own.shape[0])], dtype=torch.long).to(dev)
+                              for i in range(r.own.shape[0] - len(r.ids), r.own.shape[0])], dtype=torch.long, device=dev)
     else:
         write = torch.cat([r.own[len(r.own) - len(r.ids):] for r in rows]).to(dev)
     ends, off = [], 0
