@@ -9,8 +9,8 @@ the scheduler), or through ``CompiledSteps.forward`` (``--compile on``: the serv
 positions 0.. (as ``DocumentStore`` encodes them) and held in the pool, and a shared system prompt of
 ``--system`` tokens; each of B rows reads the system prompt and ``--k`` of the documents (a
 seeded random choice and order) in place, each document read shifted to where the row places it,
-then its own ``--question`` tokens. The rows carry their block tables (``PagedRow.own_blocks``) as
-the scheduler's do. Two steps are measured per batch size B:
+then its own ``--question`` tokens. The rows carry their block tables and their segments' runs of
+slots (``PagedRow.own_blocks``, ``shared_runs``) as the scheduler's do. Two steps are measured per batch size B:
 
 * ``prefill``: every row's question tokens in one step (B chunks of ``--question`` tokens);
 * ``decode``: one new token per row after ``--generated`` generated tokens.
@@ -154,7 +154,8 @@ def rows_for(args, runner, pool, docs, system, vocab, batch: int, step: str):
         ids = [rng.randrange(4, vocab) for _ in range(t)]
         rows.append(PagedRow(ids, own_pos[n_own - t:], shared, pool.slots(own_blocks, 0, n_own),
                              shared_pos=[torch.tensor(p) for p in shared_pos], own_pos=own_pos,
-                             shared_slots=shared_slots, shared_shift=shifts, own_blocks=own_blocks))
+                             shared_slots=shared_slots, shared_shift=shifts, own_blocks=own_blocks,
+                             shared_runs=[(int(s[0]), len(s)) for s in shared_slots]))
     return rows, owned
 
 

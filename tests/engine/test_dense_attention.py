@@ -144,8 +144,9 @@ def test_slot_runs_and_run_slots_build_what_the_slot_tensors_hold():
 
 
 def test_rows_with_block_tables_build_the_same_step(monkeypatch):
-    """A step whose rows carry their block tables (``PagedRow.own_blocks``, as the scheduler's do)
-    builds its slots and write slots from Python ints: the same plan, the same attention."""
+    """A step whose rows carry their block tables and their segments' runs (``PagedRow.own_blocks``,
+    ``shared_runs``, as the scheduler's do) builds its slots and write slots from Python ints: the
+    same plan, the same attention."""
     pool = make_pool(seed=5)
     g = torch.Generator().manual_seed(3)
     segs = [pool.views(pool.allocate(2), n)[0] for n in (6, 5)]
@@ -154,7 +155,8 @@ def test_rows_with_block_tables_build_the_same_step(monkeypatch):
     made = []
     for own_blocks in (None, True):
         rows = [paged.PagedRow([0] * t, list(range(t)), shared, pool.slots(blk, 0, n), shared_shift=[2, 0],
-                               own_blocks=blk if own_blocks else None)
+                               own_blocks=blk if own_blocks else None,
+                               shared_runs=[pool_run(pool.buf, v) for v in segs] if own_blocks else None)
                 for blk, n, t in zip(tables, (4, 9, 3), (1, 5, 3))]
         monkeypatch.setattr(paged.cpu_attention, "gathers", lambda buf: False)
         plan = paged.build_plan(pool, rows, rope=1.0 / (10000 ** (torch.arange(0, 16, 2) / 16)))

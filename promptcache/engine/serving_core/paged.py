@@ -98,6 +98,10 @@ class PagedRow:
     # per shared segment, the positions its stored states lie behind the positions it is read at
     # (``Segment.shift``: a document read in place at any position; 0: where it was encoded)
     shared_shift: list[int] | None = None
+    # per shared segment, its run of pool slots (first, count), or None outside the pool: where
+    # ``shared_slots`` hold ascending runs, the same as Python ints (the scheduler computes them once
+    # a request; None: read from each view's metadata every step, ``dense.pool_run``)
+    shared_runs: list[tuple[int, int] | None] | None = None
     # the pool blocks holding ``own``'s slots, in token order (a block table: ``own`` is slots 0 ..
     # len(own) - 1 of these blocks), or None: a step then builds its slot lists from these Python
     # ints in one tensor a step (``KVPool.slot_runs``) instead of concatenating a tensor a row
@@ -249,9 +253,10 @@ def _build_dense(pool: KVPool, rows: list[PagedRow], scale: float | None, rope: 
     for row in rows:
         t = len(row.ids)
         given = row.shared_slots if row.shared_slots is not None else [None] * len(row.shared)
+        runs = row.shared_runs if row.shared_runs is not None else [None] * len(row.shared)
         mine = []
-        for (key, view), slots, limits, shift in zip(row.shared, given, row.limits(), row.shifts()):
-            run = pool_run(pool.buf, view)  # from the view's metadata: no tensor op
+        for (key, view), slots, run, limits, shift in zip(row.shared, given, runs, row.limits(), row.shifts()):
+            run = run if run is not None else pool_run(pool.buf, view)  # from the view's metadata: no tensor op
             slots = run if run is not None else slots
             if slots is not None:
                 mine.append((slots, shift, limits))
