@@ -45,7 +45,8 @@ For each (native kernel, compile, step, B):
   time of the step's CUDA kernels;
 * ``host_ms``: the profiled step's wall time minus ``kernel_ms``: everything else: Python (the
   plan, the model's modules, dynamo's guards), the dispatcher between ops, views and
-  allocations. Both sides are of the one profiled run (the profiler's own cost, a few
+  allocations; ``kernel_ms`` and ``host_ms`` are medians of ``--repeats`` profiled runs, both
+  sides of each of the same run (the profiler's own cost, a few
   microseconds an op, lands mostly inside the ops' self times, so this is a lower bound;
   subtracting from the unprofiled ``wall_ms`` went below zero on steps of thousands of small
   ops). On a GPU this is the time the host needs to issue a step, which bounds the step when it
@@ -243,7 +244,10 @@ def measure(args) -> list[dict]:
                 t0 = time.perf_counter()
                 run()
                 walls.append((time.perf_counter() - t0) * 1000)
-            prof = profile_step(run, layers, cuda=runner.device.type == "cuda")
+            # the counts repeat exactly; the times are the median of --repeats profiled runs
+            profs = [profile_step(run, layers, cuda=runner.device.type == "cuda") for _ in range(args.repeats)]
+            prof = dict(profs[0], **{k: round(statistics.median(p[k] for p in profs), 3)
+                                     for k in ("kernel_ms", "host_ms")})
             wall = statistics.median(walls)
             plans = []
             for _ in range(args.repeats):  # the step's inputs and plan alone (once a step, before the forward)
