@@ -1,50 +1,69 @@
 """Host overhead of the serving core's step: aten calls per forward and host time per step.
 
     nice -n 10 python -m eval.host_overhead [--model embedded] [--batches 1,16,48] [--native on,off]
-                                            [--device cpu] [--dtype float32] [--repeats 5]
+                                            [--compile off,on] [--device cpu] [--dtype float32] [--repeats 5]
 
 A RAG-like batch on the KV pool, driven through ``paged_forward`` (the serving core's step, without
-the scheduler): ``--docs`` documents of ``--doc-len`` tokens, each encoded once at positions 0..
-(as ``DocumentStore`` encodes them) and held in the pool, and a shared system prompt of
+the scheduler), or through ``CompiledSteps.forward`` (``--compile on``: the serving steps of
+``RunnerConfig.compile``): ``--docs`` documents of ``--doc-len`` tokens, each encoded once at
+positions 0.. (as ``DocumentStore`` encodes them) and held in the pool, and a shared system prompt of
 ``--system`` tokens; each of B rows reads the system prompt and ``--k`` of the documents (a
 seeded random choice and order) in place, each document read shifted to where the row places it,
-then its own ``--question`` tokens. Two steps are measured per batch size B:
+then its own ``--question`` tokens. The rows carry their block tables and their segments' runs of
+slots (``PagedRow.own_blocks``, ``shared_runs``) as the scheduler's do. Two steps are measured per batch size B:
 
 * ``prefill``: every row's question tokens in one step (B chunks of ``--question`` tokens);
 * ``decode``: one new token per row after ``--generated`` generated tokens.
 
-For each (native kernel, step, B):
+For each (native kernel, compile, step, B):
 
-* ``aten_forward``: ``aten::`` events in one step under ``torch.profiler`` (nested calls counted,
-  as the profiler records them: a view op's ``as_strided``, a fused attention's own transposes);
-  ``aten_layer``: that over the model's layers (the step's plan, built once, included);
-  ``attn_layer``: the ``aten::`` events inside the attention function per layer, and
-  ``attn_calls_layer``: those called from it directly (not from another aten op: the calls the
-  engine makes); the rest is the model's own linears, norms and rotary;
+* ``compiled``: whether the step ran compiled (``--compile on`` and at most
+  ``max(tunables.COMPILE_BUCKETS)`` tokens; a larger step runs eagerly, as served);
+* ``aten_forward``: ``aten::`` events in one step under ``torch.profiler``, nested ones counted
+  (a view op's ``as_strided``, a fused attention's own transposes and allocations);
+  ``aten_layer``: that over the model's layers (the step's inputs and plan, built once a step,
+  included);
+* ``calls_layer``: the ``aten::`` events called directly, not from inside another aten op, over the
+  layers: what Python, the model's modules or a compiled graph dispatch (on a GPU each computing
+  one is a kernel launch; the nested events are C++ inside one call);
+* ``attn_layer``: the ``aten::`` events inside the attention function per layer, and
+  ``attn_calls_layer``: those it calls directly. Eager: inside ``paged.attend`` (the new
+  keys/values were written before it, by the model's cache update: 2 ``index_copy_`` a layer in
+  the rest); compiled: inside the opaque attention op a layer (``promptcache::paged_attention``,
+  which also writes the layer's keys and values);
+* what compiled counts: inductor's generated kernels (the model's norms, rotary, activations,
+  residual adds, fused) are not aten ops and are not counted; the matrix products it leaves to
+  aten (``extern_kernels.mm``: the linears) are, with their nested events, as is everything in the
+  attention op and everything outside the graph (the step's inputs and plan);
 * ``wall_ms``: the step's wall time (plan built, forward run, logits back), median of ``--repeats``
-  unprofiled runs (each after a warm-up run);
+  unprofiled runs (each after a warm-up run, which compiles a graph the first time);
 * ``kernel_ms``: the time inside the step's compute kernels: on a CPU the self CPU time (its own,
   not its callees') of every ``aten::`` (or native kernel) event in the profiled step that
   computes, i.e. is not a view, an allocation or metadata (``NO_COMPUTE``: the ops that launch
-  nothing on a GPU); on a GPU (``--device cuda``) the device time of the step's CUDA kernels;
+  nothing on a GPU), and of inductor's generated kernels (named in the profile:
+  ``cpp.enable_kernel_profile`` is set for compiled runs); on a GPU (``--device cuda``) the device
+  time of the step's CUDA kernels;
 * ``host_ms``: the profiled step's wall time minus ``kernel_ms``: everything else: Python (the
-  plan, the model's modules), the dispatcher between ops, views and allocations. Both sides are
-  of the one profiled run (the profiler's own cost, a few microseconds an op, lands mostly inside
-  the ops' self times, so this is a lower bound; subtracting from the unprofiled ``wall_ms`` went
-  below zero on steps of thousands of small ops). On a GPU this is the time the host needs to
-  issue a step, which bounds the step when it exceeds the kernels' device time;
+  plan, the model's modules, dynamo's guards), the dispatcher between ops, views and
+  allocations; ``kernel_ms`` and ``host_ms`` are medians of ``--repeats`` profiled runs, both
+  sides of each of the same run (the profiler's own cost, a few
+  microseconds an op, lands mostly inside the ops' self times, so this is a lower bound;
+  subtracting from the unprofiled ``wall_ms`` went below zero on steps of thousands of small
+  ops). On a GPU this is the time the host needs to issue a step, which bounds the step when it
+  exceeds the kernels' device time;
 * ``plan_ms``: of that, the step's inputs and attention plan alone (``step_inputs``,
   ``build_plan``: once a step), median of ``--repeats``.
 
-The native kernel is switched in a subprocess per setting (``PROMPTCACHE_NATIVE_ATTENTION``:
-read once, when the kernel first loads): ``off`` is the path a GPU takes. Writes
-``host_overhead{--tag}.csv`` and ``.png`` (aten calls per layer and host ms per step against B)
-in ``--out`` (default eval/figures).
+The native kernel is switched in a subprocess per (native, compile) setting
+(``PROMPTCACHE_NATIVE_ATTENTION``: read once, when the kernel first loads): ``off`` is the path a
+GPU takes. Writes ``host_overhead{--tag}.csv`` and ``.png`` (aten calls per layer and host ms per
+step against B) in ``--out`` (default eval/figures).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import random
@@ -66,6 +85,9 @@ NO_COMPUTE = {f"aten::{n}" for n in (
     "lift_fresh", "empty", "empty_like", "empty_strided", "resolve_conj", "resolve_neg", "to", "result_type",
     "item", "_local_scalar_dense", "contiguous", "expand_as", "view_as", "flatten", "unflatten")}
 ATTENTION_RANGE = "promptcache::attention"
+COMPILED_ATTENTION_OP = "promptcache::paged_attention"  # graphs.py's opaque attention op a layer
+# inductor's generated CPU kernels, as the profiler names them with ``cpp.enable_kernel_profile``
+INDUCTOR_KERNEL = "cpp_fused"
 
 
 def build(args):
@@ -133,7 +155,8 @@ def rows_for(args, runner, pool, docs, system, vocab, batch: int, step: str):
         ids = [rng.randrange(4, vocab) for _ in range(t)]
         rows.append(PagedRow(ids, own_pos[n_own - t:], shared, pool.slots(own_blocks, 0, n_own),
                              shared_pos=[torch.tensor(p) for p in shared_pos], own_pos=own_pos,
-                             shared_slots=shared_slots, shared_shift=shifts))
+                             shared_slots=shared_slots, shared_shift=shifts, own_blocks=own_blocks,
+                             shared_runs=[(int(s[0]), len(s)) for s in shared_slots]))
     return rows, owned
 
 
@@ -154,19 +177,22 @@ def profile_step(step, layers: int, cuda: bool = False) -> dict:
     def inside_attention(e) -> bool:
         p = e.cpu_parent
         while p is not None:
-            if p.name == ATTENTION_RANGE:
+            if p.name in (ATTENTION_RANGE, COMPILED_ATTENTION_OP):
                 return True
             p = p.cpu_parent
         return False
 
-    compute = [e for e in events if e.name.startswith(OP_PREFIXES) and e.name not in NO_COMPUTE]
+    compute = [e for e in events if (e.name.startswith(OP_PREFIXES) and e.name not in NO_COMPUTE)
+               or INDUCTOR_KERNEL in e.name]
     if cuda:
         kernel_us = sum(getattr(e, "self_device_time_total", 0) for e in events if e.device_type == DeviceType.CUDA)
     else:
         kernel_us = sum(e.self_cpu_time_total for e in compute)
     attn = [e for e in aten if inside_attention(e)]
     calls = sum(1 for e in attn if not e.cpu_parent.name.startswith(OP_PREFIXES))
+    direct = sum(1 for e in aten if e.cpu_parent is None or not e.cpu_parent.name.startswith(OP_PREFIXES))
     return dict(aten_forward=len(aten), aten_layer=round(len(aten) / layers, 1),
+                calls_layer=round(direct / layers, 1),
                 attn_layer=round(len(attn) / layers, 1),
                 attn_calls_layer=round(calls / layers, 1),
                 kernel_ms=round(kernel_us / 1000, 3), host_ms=round(profiled_ms - kernel_us / 1000, 3))
@@ -190,24 +216,38 @@ def measure(args) -> list[dict]:
     runner, pool, docs, system, vocab = build(args)
     native = "on" if cpu_attention.available() else "off"
     layers = runner.spec.layers
+    forward, steps = (lambda pool, rows: paged.paged_forward(runner, pool, rows)), None
+    if args.compile == "on":
+        from promptcache.engine.serving_core.graphs import CompiledSteps
+
+        # inductor's kernels named in the profile (kernel time, not host time); its config module
+        # is underscored, reached by name as graphs.py reaches dynamo's
+        inductor = importlib.import_module("torch._inductor.config")
+        inductor.cpp.enable_kernel_profile = True
+        steps = CompiledSteps(runner)
+        forward = steps.forward
     out = []
     for step in ("prefill", "decode"):
         for batch in args.batches:
             rows, owned = rows_for(args, runner, pool, docs, system, vocab, batch, step)
 
             def run():
-                logits = paged.paged_forward(runner, pool, rows)
+                logits = forward(pool, rows)
                 if logits.device.type == "cuda":
                     torch.cuda.synchronize()
                 return logits
 
-            run()  # warm-up
+            run()  # warm-up (and, compiled, the graph's first compile)
+            compiled = steps is not None and steps.shape_for(rows) is not None
             walls = []
             for _ in range(args.repeats):
                 t0 = time.perf_counter()
                 run()
                 walls.append((time.perf_counter() - t0) * 1000)
-            prof = profile_step(run, layers, cuda=runner.device.type == "cuda")
+            # the counts repeat exactly; the times are the median of --repeats profiled runs
+            profs = [profile_step(run, layers, cuda=runner.device.type == "cuda") for _ in range(args.repeats)]
+            prof = dict(profs[0], **{k: round(statistics.median(p[k] for p in profs), 3)
+                                     for k in ("kernel_ms", "host_ms")})
             wall = statistics.median(walls)
             plans = []
             for _ in range(args.repeats):  # the step's inputs and plan alone (once a step, before the forward)
@@ -216,8 +256,8 @@ def measure(args) -> list[dict]:
                 paged.build_plan(pool, rows, keys=paged.key_rule(runner.adapter),
                                  rope=paged.query_rope(runner.adapter, rows))
                 plans.append((time.perf_counter() - t0) * 1000)
-            out.append(dict(native=native, step=step, batch=batch, tokens=sum(len(r.ids) for r in rows),
-                            **prof, wall_ms=round(wall, 3),
+            out.append(dict(native=native, compile=args.compile, compiled=compiled, step=step, batch=batch,
+                            tokens=sum(len(r.ids) for r in rows), **prof, wall_ms=round(wall, 3),
                             plan_ms=round(statistics.median(plans), 3)))
             print(json.dumps(out[-1]), file=sys.stderr, flush=True)
             for blocks in owned:  # the next cell's rows get fresh blocks
@@ -229,21 +269,32 @@ def plot(rows: list[dict], path: Path) -> None:
     plt = pyplot()
     if plt is None:
         return
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    for native in sorted({r["native"] for r in rows}):
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4))
+    for native, compile_ in sorted({(r["native"], r.get("compile", "off")) for r in rows}):
         for step, style in (("prefill", "--"), ("decode", "-")):
-            cell = sorted((r for r in rows if r["native"] == native and r["step"] == step), key=lambda r: r["batch"])
+            cell = sorted((r for r in rows if r["native"] == native and r.get("compile", "off") == compile_
+                           and r["step"] == step), key=lambda r: r["batch"])
             if not cell:
                 continue
-            label = f"{step}, native {native}"
-            axes[0].plot([r["batch"] for r in cell], [r["aten_layer"] for r in cell], style, marker="o", label=label)
-            axes[1].plot([r["batch"] for r in cell], [r["host_ms"] for r in cell], style, marker="o", label=label)
-    axes[0].set(xlabel="batch (rows a step)", ylabel="aten calls per layer", title="aten calls per layer a step")
-    axes[1].set(xlabel="batch (rows a step)", ylabel="host ms per step", title="host time per step (wall - kernels)")
+            label = f"{step}, native {native}" + (", compiled" if compile_ == "on" else "")
+            for ax, key in zip(axes, ("aten_layer", "calls_layer", "host_ms")):
+                ax.plot([r["batch"] for r in cell], [r.get(key, 0) for r in cell], style, marker="o", label=label)
+    axes[0].set(xlabel="batch (rows a step)", ylabel="aten events per layer", title="aten events a layer (nested too)")
+    axes[1].set(xlabel="batch (rows a step)", ylabel="aten calls per layer",
+                title="aten calls a layer (direct: not from inside another op)")
+    axes[2].set(xlabel="batch (rows a step)", ylabel="host ms per step", title="host time per step (wall - kernels)")
     for ax in axes:
+        ax.set_yscale("log")  # the native kernel's per-part path is 10x the others
         ax.legend(fontsize=8)
         ax.grid(alpha=0.3)
     save_figure(fig, path)
+
+
+def _choices(value: str, option: str) -> list[str]:
+    got = value.split(",")
+    if not got or any(v not in ("on", "off") for v in got):
+        raise SystemExit(f"{option} takes on and/or off (comma-separated), got {value!r}")
+    return got
 
 
 def main(argv=None) -> None:
@@ -257,6 +308,8 @@ def main(argv=None) -> None:
     ap.add_argument("--system", type=int, default=16, help="system prompt tokens (shared by every row)")
     ap.add_argument("--question", type=int, default=12, help="own tokens a row prefills")
     ap.add_argument("--generated", type=int, default=8, help="tokens a decode row generated before the step")
+    ap.add_argument("--compile", default="off,on",
+                    help="steps run eagerly (off) and/or through CompiledSteps (on: --compile's serving steps)")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0)
@@ -269,22 +322,23 @@ def main(argv=None) -> None:
         print(json.dumps(measure(args)))
         return
     rows = []
-    for native in args.native.split(","):
-        if native not in ("on", "off"):
-            raise SystemExit(f"--native takes on and/or off, got {native!r}")
+    settings = [(n, c) for c in _choices(args.compile, "--compile") for n in _choices(args.native, "--native")]
+    for native, compile_ in settings:
         env = dict(os.environ, PROMPTCACHE_NATIVE_ATTENTION="1" if native == "on" else "0")
         argv_child = [a for a in (argv if argv is not None else sys.argv[1:])]
-        done = subprocess.run([sys.executable, "-m", "eval.host_overhead", *argv_child, "--child"], env=env,
+        done = subprocess.run([sys.executable, "-m", "eval.host_overhead", *argv_child, "--child",
+                               "--compile", compile_], env=env,
                               capture_output=True, text=True, cwd=Path(__file__).resolve().parent.parent)
         if done.returncode != 0:
-            raise SystemExit(f"the native={native} run failed:\n{done.stderr[-3000:]}")
+            raise SystemExit(f"the native={native} compile={compile_} run failed:\n{done.stderr[-3000:]}")
         got = json.loads(done.stdout.strip().splitlines()[-1])
         if native == "on" and got and got[0]["native"] != "on":
             print("note: the native kernel is unavailable here: the 'on' rows ran without it")
         rows += got
     for r in rows:
-        print(f"native {r['native']:3} {r['step']:7} B={r['batch']:3}  aten/forward {r['aten_forward']:6}  "
-              f"aten/layer {r['aten_layer']:7}  attention aten/layer {r['attn_layer']:6} "
+        ran = "compiled" if r["compiled"] else "eager"
+        print(f"native {r['native']:3} {ran:8} {r['step']:7} B={r['batch']:3}  aten/forward {r['aten_forward']:6}  "
+              f"aten/layer {r['aten_layer']:7} ({r['calls_layer']} calls)  attention aten/layer {r['attn_layer']:6} "
               f"({r['attn_calls_layer']} calls)  wall {r['wall_ms']:8.2f} ms  kernels {r['kernel_ms']:8.2f} ms  "
               f"host {r['host_ms']:8.2f} ms (plan {r.get('plan_ms', 0):.2f} ms)")
     save_table(f"host_overhead{args.tag}", rows, args.out, plot)

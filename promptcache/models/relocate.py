@@ -116,12 +116,18 @@ def rope_spec(adapter: Adapter) -> RopeSpec:
     which rotating stored keys is not exact, and non-rotary models."""
     if not isinstance(adapter, RotaryAdapter):
         raise UnsupportedModelError(f"{adapter.config.model_type} has no rotary embedding")
-    return adapter.rope_spec()
+    cached = _ROPE_CACHE.get(adapter)
+    if cached is None:  # read once an adapter: finding the rotary module walks the model's modules
+        # (~0.5 ms, and every serving step that reads a document shifted asks); the verified rope
+        # types' frequencies are fixed
+        cached = _ROPE_CACHE[adapter] = adapter.rope_spec()
+    return cached
 
 
 # -- movers: registry keyed by Adapter.relocation ---------------------------------------------------
 _MOVERS: dict[str, Callable[[Adapter], Mover]] = {}
 _MOVER_CACHE: "weakref.WeakKeyDictionary[Adapter, Mover]" = weakref.WeakKeyDictionary()
+_ROPE_CACHE: "weakref.WeakKeyDictionary[Adapter, RopeSpec]" = weakref.WeakKeyDictionary()
 
 
 def _register(kind: str):

@@ -17,7 +17,7 @@ import torch
 
 from promptcache import tunables
 from promptcache.engine.serving_core import paged
-from promptcache.engine.serving_core.dense import pool_slots
+from promptcache.engine.serving_core.dense import pool_run, run_slots
 from promptcache.engine.serving_core.kvpool import KVPool
 from promptcache.models.splice import KVSpec
 
@@ -117,13 +117,56 @@ def test_a_step_too_large_to_pad_keeps_the_per_part_path(monkeypatch, caplog):
     assert paged.build_plan(pool, rows).dense is not None
 
 
-def test_pool_slots_of_a_view_and_of_a_tensor_of_its_own():
+def test_pool_run_of_a_view_and_of_a_tensor_of_its_own():
     pool = make_pool(seed=2)
     blocks = pool.allocate(3)
     view = pool.views(blocks, 10)[0]
-    assert pool_slots(pool.buf, view).tolist() == pool.slots(blocks, 0, 10).tolist()
-    assert pool_slots(pool.buf, view.clone()) is None
-    assert pool_slots(pool.buf, pool.buf[:, :, :1, 0:4]) is None  # not every head: not a run of slots
+    first, count = pool_run(pool.buf, view)
+    assert list(range(first, first + count)) == pool.slots(blocks, 0, 10).tolist()
+    assert pool_run(pool.buf, view.clone()) is None
+    assert pool_run(pool.buf, pool.buf[:, :, :1, 0:4]) is None  # not every head: not a run of slots
+    assert pool_run(pool.buf, pool.buf[:, :, :, 1:5, :8]) is None  # not every channel
+
+
+def test_slot_runs_and_run_slots_build_what_the_slot_tensors_hold():
+    pool = make_pool(seed=3)
+    a, b = pool.allocate(2), pool.allocate(1)
+    blocks = [b[0], a[1], a[0]]  # out of order: three runs
+    assert pool.slot_runs(blocks, 10) == [(b[0] * 4, 4), (a[1] * 4, 4), (a[0] * 4, 2)]
+    for n in (0, 1, 4, 5, 12):
+        got = [s for first, k in pool.slot_runs(blocks, n) for s in range(first, first + k)]
+        assert got == pool.slots(blocks, 0, n).tolist()
+    with pytest.raises(ValueError, match="3 blocks of 4 tokens cannot hold 13 tokens"):
+        pool.slot_runs(blocks, 13)
+    rows = [[(8, 3), (40, 2)], [], [(0, 0), (17, 4)]]
+    got = run_slots(rows, 6, torch.device("cpu"))
+    assert got.tolist() == [8, 9, 10, 40, 41, 0] + [0] * 6 + [17, 18, 19, 20, 0, 0]
+
+
+def test_rows_with_block_tables_build_the_same_step(monkeypatch):
+    """A step whose rows carry their block tables and their segments' runs (``PagedRow.own_blocks``,
+    ``shared_runs``, as the scheduler's do) builds its slots and write slots from Python ints: the
+    same plan, the same attention."""
+    pool = make_pool(seed=5)
+    g = torch.Generator().manual_seed(3)
+    segs = [pool.views(pool.allocate(2), n)[0] for n in (6, 5)]
+    shared = [(f"s{i}", v) for i, v in enumerate(segs)]
+    tables = [pool.allocate(1) + pool.allocate(2)[::-1] for _ in range(3)]  # runs out of order
+    made = []
+    for own_blocks in (None, True):
+        rows = [paged.PagedRow([0] * t, list(range(t)), shared, pool.slots(blk, 0, n), shared_shift=[2, 0],
+                               own_blocks=blk if own_blocks else None,
+                               shared_runs=[pool_run(pool.buf, v) for v in segs] if own_blocks else None)
+                for blk, n, t in zip(tables, (4, 9, 3), (1, 5, 3))]
+        monkeypatch.setattr(paged.cpu_attention, "gathers", lambda buf: False)
+        plan = paged.build_plan(pool, rows, rope=1.0 / (10000 ** (torch.arange(0, 16, 2) / 16)))
+        made.append((plan, paged.step_inputs(pool, rows)))
+    (plain, inputs), (tabled, tabled_inputs) = made
+    assert torch.equal(plain.dense.slots, tabled.dense.slots) and torch.equal(plain.dense.mask, tabled.dense.mask)
+    assert torch.equal(plain.dense.cos, tabled.dense.cos)
+    assert torch.equal(inputs[2], tabled_inputs[2])
+    query = torch.randn((1, 6, 9, 16), generator=g)
+    assert torch.equal(paged.attend(plain, 1, query), paged.attend(tabled, 1, query))
 
 
 def test_bad_key_limits_are_refused_with_what_is_wrong(monkeypatch):

@@ -101,6 +101,32 @@ def test_warm_compiles_every_graph_of_unpadded_steps_and_serving_needs_no_other(
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("pad", [False, True])
+def test_compiled_steps_on_the_dense_path_equal_eager_steps(pad, tokenizer, monkeypatch):
+    """Without the native kernel (the path a GPU takes) the attention op of every layer runs
+    dense.py's one padded call (keys and values written in one copy, stacked in the graph): the
+    same logits and tokens as the eager steps, themselves held to the oracle (test_serving.py)."""
+    from promptcache.engine.serving_core import paged
+
+    monkeypatch.setattr(paged.cpu_attention, "gathers", lambda buf: False)
+    calls = []
+    real = paged.attend_dense
+    monkeypatch.setattr(paged, "attend_dense", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    pc = PromptCache(make_model("llama"), tokenizer)
+    pc.add_schema(SCHEMA)
+    want, _ = serve(pc, None, 12)
+    eager_calls = len(calls)
+    steps = CompiledSteps(pc.runner, buckets=(1, 2, 4, 8), pad=pad)
+    got, sched = serve(pc, steps.forward, 12)
+    assert eager_calls > 0 and len(calls) - eager_calls >= steps.compiled_steps * pc.runner.spec.layers
+    for prompt, a, b in zip(PROMPTS, want, got):
+        assert a.error is None and b.error is None, (prompt, b.error)
+        assert torch.max(torch.abs(a.prefill.logits - b.prefill.logits)).item() <= TOL, prompt
+        assert a.token_ids == b.token_ids, prompt
+    assert steps.compiled_steps > 0 and sched.pool.free_blocks == sched.pool.num_blocks
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("family", [f for f in POOLED if f != "llama"])
 def test_compiled_steps_equal_eager_steps(family, tokenizer):
     check_family(family, tokenizer)

@@ -5,10 +5,13 @@ segment and each earlier part of a row as its own attention call, each followed 
 merge, cost dozens of ops per row and layer (eval/host_overhead.py). Here the step's metadata is
 built once (``dense_step``) and every layer runs one padded attention over it (``attend_dense``):
 
-  * each row's keys are its shared segments that live in the pool (``PagedRow.shared_slots``, or
-    a view into the pool's buffer) followed by its own tokens, as one slot list padded to the
-    step's longest: ``slots`` [B * W]; a layer gathers its keys and values with two
-    ``index_select`` calls;
+  * each row's keys are its shared segments that live in the pool (a view into the pool's buffer,
+    read as its run of slots: ``pool_run``; else ``PagedRow.shared_slots``) followed by its own
+    tokens, as one slot list padded to the step's longest: ``slots`` [B * W]. Built from Python
+    ints where the rows carry their block tables (``PagedRow.own_blocks``, the scheduler's rows):
+    one tensor of runs expanded in a constant number of ops (``run_slots``), whatever B; else a
+    concatenation of a tensor a part. A layer gathers its keys and values in one indexing of its
+    [2, Hk, S, D] pool buffer;
   * each row's queries are padded to the step's longest row (``qidx``: the packed query each
     padded one reads; ``back``: where each packed query lies among the padded ones);
   * one additive bias [Hk * B, G * T, W] says which key each query sees: every key of a shared
@@ -33,7 +36,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["DenseStep", "attend_dense", "dense_step", "pool_slots", "rotate", "rotation"]
+__all__ = ["DenseStep", "attend_dense", "dense_step", "pool_run", "rotate", "rotation", "run_slots"]
 
 log = logging.getLogger(__name__)
 
@@ -49,8 +52,8 @@ class DenseStep:
     mask: torch.Tensor  # [B, 1, T, W] float32: 0 where the query sees the key, -inf elsewhere
     qidx: torch.Tensor | None  # [B * T] packed query of each padded query (None: one query a row, in order)
     back: torch.Tensor | None  # [N] padded index of each packed query (None: as qidx)
-    cos: torch.Tensor | None = None  # [B * W, r] float32 rotation of each key (None: nothing shifted)
-    sin: torch.Tensor | None = None  # [B * W, r] float32, signs folded in for the rotate-half form
+    cos: torch.Tensor | None = None  # [B, W, r] float32 rotation of each key (None: nothing shifted)
+    sin: torch.Tensor | None = None  # [B, W, r] float32, signs folded in for the rotate-half form
     swap: bool = False  # the rotation covers every channel (r = D): halves swapped by a flip
     memo: dict = field(default_factory=dict)  # ``mask`` as ``bias`` and ``batched_bias`` give it
 
@@ -70,53 +73,104 @@ class DenseStep:
         return self.memo[kv_heads, groups]
 
 
-def pool_slots(buf: torch.Tensor, view: torch.Tensor) -> torch.Tensor | None:
-    """The pool slots [n] a segment view [L, 2, Hk, n, D] reads, where it is a run of the pool's
-    buffer ``buf`` [L, 2, Hk, S, D] (None: a tensor of its own, as a store tier's)."""
-    if view.device != buf.device or view.untyped_storage().data_ptr() != buf.untyped_storage().data_ptr():
+def pool_run(buf: torch.Tensor, view: torch.Tensor) -> tuple[int, int] | None:
+    """(first slot, count) of the pool slots a segment view [L, 2, Hk, n, D] reads, where it is a
+    run of the pool's buffer ``buf`` [L, 2, Hk, S, D] (None: a tensor of its own, as a store
+    tier's). From the tensors' metadata alone (no tensor op; called for every segment of every row
+    of a step)."""
+    at = view.data_ptr() - buf.data_ptr()  # bytes: a run of buf's memory lies inside it
+    if at < 0 or at >= buf.nbytes or view.stride() != buf.stride() or view.dtype != buf.dtype:
         return None
-    if view.dim() != 5 or view.shape[:3] != buf.shape[:3] or view.shape[4] != buf.shape[4] \
-            or view.stride() != buf.stride():
+    vs, bs = view.shape, buf.shape
+    if len(vs) != 5 or vs[0] != bs[0] or vs[1] != bs[1] or vs[2] != bs[2] or vs[4] != bs[4] \
+            or view.device != buf.device:
         return None
-    start, rest = divmod(view.storage_offset() - buf.storage_offset(), buf.stride(3))
-    if rest or start < 0 or start + view.shape[3] > buf.shape[3]:
+    start, rest = divmod(at, buf.stride(3) * buf.element_size())
+    if rest or start + vs[3] > bs[3]:
         return None
-    return torch.arange(start, start + view.shape[3], dtype=torch.long)
+    return start, vs[3]
 
 
-def dense_step(rows: list, segments: list[list[tuple[torch.Tensor, int, torch.Tensor | None]]], kv_heads: int,
-               head_dim: int, rope: torch.Tensor | None, dev, most: int) -> DenseStep | None:
+def run_slots(runs: list[list[tuple[int, int]]], width: int, dev) -> torch.Tensor:
+    """Each row's keys given as runs of pool slots (first slot, count), as one slot list padded to
+    ``width`` a row with slot 0: [len(runs) * width]. Built from Python ints in a constant number
+    of tensor ops whatever the rows (one tensor of the runs, expanded on ``dev``), not a
+    concatenation of a tensor a run."""
+    starts, dests, lens = [], [], []
+    before = 0  # keys of the runs before this one
+    for r, row in enumerate(runs):
+        at = r * width
+        for first, count in row:
+            if count:
+                starts.append(first - before)
+                dests.append(at - before)
+                lens.append(count)
+                at += count
+                before += count
+    slots = torch.zeros(len(runs) * width, dtype=torch.long, device=dev)
+    if not before:
+        return slots
+    meta = torch.tensor([starts, dests, lens], dtype=torch.long, device=dev)  # [3, R]
+    # per key: its run's (first - keys before it, destination - keys before it), plus its index
+    per_key = meta[:2].repeat_interleave(meta[2], dim=1, output_size=before).add_(
+        torch.arange(before, device=dev))
+    return slots.index_put_((per_key[1],), per_key[0])
+
+
+Slots = "tuple[int, int] | torch.Tensor"  # a run of pool slots (first, count), or the slots themselves
+
+
+def _count(slots) -> int:
+    return slots[1] if isinstance(slots, tuple) else slots.shape[0]  # ``shape[0]``: ``len`` of a tensor is a call
+
+
+def _as_tensor(slots, dev) -> torch.Tensor:
+    if isinstance(slots, tuple):
+        return torch.arange(slots[0], slots[0] + slots[1], dtype=torch.long, device=dev)
+    return slots if slots.device == dev else slots.to(dev)
+
+
+def dense_step(rows: list, segments: list[list[tuple[Slots, int, torch.Tensor | None]]], kv_heads: int,
+               head_dim: int, rope: torch.Tensor | None, dev, most: int,
+               owns: list[list[tuple[int, int]] | torch.Tensor] | None = None) -> DenseStep | None:
     """The metadata of a step of ``rows`` (``PagedRow``), ``segments[r]``: row r's shared segments
-    read from the pool, in order, as (slots [n], shift, limits [t] or None). None where the padded
-    scores of one query head a KV head would exceed ``most`` elements (the caller keeps the
-    per-part path)."""
+    read from the pool, in order, as (slots: a run (first, count) or a LongTensor [n], shift,
+    limits [t] or None); ``owns[r]``: row r's own slots as runs (first, count), or None / a
+    tensor: ``rows[r].own``. Where every slot is given as runs (the scheduler's rows) the step's
+    slot list is built from Python ints in a constant number of ops (``run_slots``), else by
+    concatenating a tensor a part. None where the padded scores of one query head a KV head would
+    exceed ``most`` elements (the caller keeps the per-part path)."""
     b = len(rows)
     ts = [len(r.ids) for r in rows]
-    # sizes as Python ints (``shape[0]``: ``len`` of a tensor costs a Python call)
-    sizes = [[s.shape[0] for s, _, _ in segs] for segs in segments]
-    owns = [r.own.shape[0] for r in rows]
+    owns = owns if owns is not None else [None] * b
+    owns = [r.own if o is None else o for r, o in zip(rows, owns)]
+    sizes = [[_count(s) for s, _, _ in segs] for segs in segments]
+    n_own = [sum(k for _, k in o) if isinstance(o, list) else o.shape[0] for o in owns]
     n_shared = [sum(x) for x in sizes]
-    lens = [n + o for n, o in zip(n_shared, owns)]
+    lens = [n + o for n, o in zip(n_shared, n_own)]
     t, w = max(ts), max(lens)
     size = kv_heads * b * t * w
     if size > most:
         log.info("a step of %d rows (%d queries, %d keys at most a row) would pad %d scores a layer (more than %d): "
                  "its attention runs part by part", b, t, w, size, most)
         return None
-    # one concatenation of every row's slots and its padding (slot 0, masked), on the pool's device
-    pad = torch.zeros(w, dtype=torch.long, device=dev)
-    pieces = []
-    for r, segs, n in zip(rows, segments, lens):
-        pieces += [s for s, _, _ in segs]
-        pieces += [r.own, pad[: w - n]]
-    slots = torch.cat([x if x.device == pad.device else x.to(dev) for x in pieces])  # [B * W]
-    # the first query index of its row that sees each key: 0 for shared keys, done + i sees own key i;
-    # nobody (t) sees padding
-    shared, done, length = torch.tensor([n_shared, [o - n for o, n in zip(owns, ts)], lens],
-                                        dtype=torch.long).to(dev)[:, :, None]
-    j = torch.arange(w, device=dev)[None, :]
-    first = torch.where(j < shared, 0, (j - shared - done).clamp(min=0)).masked_fill_(j >= length, t)
-    sees = torch.arange(t, device=dev)[None, :, None] >= first[:, None, :]  # [B, T, W]
+    if all(isinstance(o, list) for o in owns) and all(isinstance(s, tuple) for segs in segments for s, _, _ in segs):
+        slots = run_slots([[s for s, _, _ in segs] + o for segs, o in zip(segments, owns)], w, dev)  # [B * W]
+    else:  # one concatenation of every row's slots and its padding (slot 0, masked)
+        pad = torch.zeros(w, dtype=torch.long, device=dev)
+        pieces = []
+        for segs, o, n in zip(segments, owns, lens):
+            pieces += [_as_tensor(s, dev) for s, _, _ in segs]
+            pieces += ([_as_tensor(x, dev) for x in o] if isinstance(o, list) else [_as_tensor(o, dev)])
+            pieces.append(pad[: w - n])
+        slots = torch.cat(pieces)  # [B * W]
+    # the first query index of its row that sees each key: done + i sees own key i (shared keys, before
+    # the own ones, come out <= 0: seen by every query); nobody (t) sees padding
+    before, length = torch.tensor([[n + o - q for n, o, q in zip(n_shared, n_own, ts)], lens], dtype=torch.long,
+                                  device=dev).unsqueeze(2).unbind(0)  # [B, 1] each
+    j = torch.arange(w, device=dev)
+    first = (j - before).clamp_(min=0).masked_fill_(j >= length, t)  # [B, W]
+    sees = torch.arange(t, device=dev).view(t, 1) >= first.unsqueeze(1)  # [B, T, W]
     for r, segs in enumerate(segments):
         at = 0
         for (s, _, limits), n in zip(segs, sizes[r]):
@@ -127,7 +181,8 @@ def dense_step(rows: list, segments: list[list[tuple[torch.Tensor, int, torch.Te
                                      f"got {lim.tolist()}")
                 sees[r, : ts[r], at : at + n] = torch.arange(n, device=dev)[None, :] < lim[:, None]
             at += n
-    mask = torch.zeros((b, 1, t, w), dtype=torch.float32, device=dev).masked_fill_(~sees[:, None], float("-inf"))
+    mask = torch.zeros((b, 1, t, w), dtype=torch.float32, device=dev).masked_fill_(
+        sees.logical_not_().unsqueeze(1), float("-inf"))
     qidx = back = None
     if t > 1:
         starts = [0]
@@ -144,11 +199,11 @@ def dense_step(rows: list, segments: list[list[tuple[torch.Tensor, int, torch.Te
             shifts += [sh for _, sh, _ in segs]
             counts.append(w - n)  # own tokens and padding: not rotated
             shifts.append(0)
-        cos, sin = rotation(torch.tensor(shifts, dtype=torch.float64), rope)  # a row per part, not per key
-        counts = torch.tensor(counts, device=dev)
-        cos = cos.to(dev).repeat_interleave(counts, dim=0, output_size=b * w)
-        sin = sin.to(dev).repeat_interleave(counts, dim=0, output_size=b * w)
-        swap = cos.shape[1] == head_dim
+        # a row per part, not per key, then repeated to the keys in one go
+        both = torch.stack(rotation(torch.tensor(shifts, dtype=torch.float64, device=dev), rope), dim=1)
+        both = both.repeat_interleave(torch.tensor(counts, device=dev), dim=0, output_size=b * w)  # [B * W, 2, r]
+        cos, sin = both.view(b, w, 2, -1).unbind(2)  # [B, W, r] each
+        swap = cos.shape[2] == head_dim
     return DenseStep(b, t, w, slots, mask, qidx, back, cos, sin, swap)
 
 
@@ -162,52 +217,52 @@ def rotation(shift: torch.Tensor, rope: torch.Tensor) -> tuple[torch.Tensor, tor
 
 
 def rotate(k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, swap: bool) -> torch.Tensor:
-    """Keys (or queries) k [..., K, D] float32 rotated by (cos, sin) [K, r] (``rotation``) over their
-    first r channels; ``swap``: r = D, the halves swapped as a flip of a [.., 2, D / 2] view (fewer
-    ops than slices and a cat, and a plain copy: a gather of channels ran 20x slower on the CPU)."""
+    """Keys (or queries) k [..., K, D] float32 rotated by (cos, sin) [..., K, r] (``rotation``,
+    broadcast against k) over their first r channels; ``swap``: r = D, the halves swapped by a roll
+    of half the channels (one op, a plain copy: a gather of channels ran 20x slower on the CPU)."""
     d = k.shape[-1]
-    r = cos.shape[1]
+    r = cos.shape[-1]
     if swap:
-        return torch.addcmul(k * cos, k.unflatten(-1, (2, d // 2)).flip(-2).flatten(-2), sin)
+        return torch.addcmul(k * cos, k.roll(d // 2, -1), sin)
     rot = k[..., :r]
     swapped = torch.cat([rot[..., r // 2:], rot[..., : r // 2]], dim=-1)
     return torch.cat([rot * cos + swapped * sin, k[..., r:]], dim=-1)
 
 
-def attend_dense(step: DenseStep, q: torch.Tensor, kbuf: torch.Tensor, vbuf: torch.Tensor, scale: float,
+def attend_dense(step: DenseStep, q: torch.Tensor, kv: torch.Tensor, scale: float,
                  lse: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Queries q [Hk, G, N, D] (float32) over the step's keys in one layer's pool buffers
-    [Hk, S, D]: (out, log-sum-exp [Hk, G, N] or None), float32; ``out`` is [Hk, G, N, D], or, for a
-    step of decode rows without ``lse``, [N, Hk * G, D] (the layout the model reads back).
-    Without ``lse``: torch's fused attention (one call; on a GPU its memory-efficient kernel, which
-    takes the bias); with it: the same softmax as matrix products."""
+    """Queries q [Hk, G, N, D] (float32) over the step's keys in one layer's pool buffer
+    [2, Hk, S, D] (``KVPool.layers``): (out, log-sum-exp [Hk, G, N] or None), float32; ``out`` is
+    [Hk, G, N, D], or, for a step of decode rows without ``lse``, [N, Hk * G, D] (the layout the
+    model reads back). Without ``lse``: torch's fused attention (one call; on a GPU its
+    memory-efficient kernel, which takes the bias); with it: the same softmax as matrix products.
+    A decode step is ~11 ops a layer: one gather of keys and values, three to rotate the shifted
+    keys, the fused attention over views."""
     hk, g, n, d = q.shape
     b, t, w = step.rows, step.queries, step.width
-    k = kbuf[:, step.slots]  # [Hk, B * W, D] (indexing: twice index_select's speed here on the CPU)
-    v = vbuf[:, step.slots]
+    # keys and values in one gather (indexing: twice index_select's speed here on the CPU): [Hk, B, W, D] each
+    k, v = kv[:, :, step.slots].view(2, hk, b, w, d).unbind(0)
     if k.dtype != torch.float32:
         k, v = k.float(), v.float()
     if step.cos is not None:
         k = rotate(k, step.cos, step.sin, step.swap)
     if t == 1 and not lse:  # decode rows: batched by (row, KV head), their G queries each, as views
         out = torch.nn.functional.scaled_dot_product_attention(
-            q.permute(2, 0, 1, 3), k.view(hk, b, w, d).transpose(0, 1), v.view(hk, b, w, d).transpose(0, 1),
-            attn_mask=step.mask, scale=scale)  # [B, Hk, G, D]
-        return out.reshape(b, hk * g, d), None
+            q.permute(2, 0, 1, 3), k.transpose(0, 1), v.transpose(0, 1), attn_mask=step.mask, scale=scale)
+        return out.reshape(b, hk * g, d), None  # [B, Hk, G, D] -> [N, Hq, D]
     if step.qidx is not None:
         q = q.index_select(2, step.qidx)
     q = q.view(hk, g, b, t, d).transpose(1, 2).reshape(hk, b, g * t, d)
     if not lse:
-        out = torch.nn.functional.scaled_dot_product_attention(
-            q, k.view(hk, b, w, d), v.view(hk, b, w, d), attn_mask=step.bias(hk, g), scale=scale)
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=step.bias(hk, g), scale=scale)
     else:
         q = q.reshape(hk * b, g * t, d)
-        s = torch.baddbmm(step.batched_bias(hk, g), q, k.view(hk * b, w, d).transpose(1, 2),
+        s = torch.baddbmm(step.batched_bias(hk, g), q, k.reshape(hk * b, w, d).transpose(1, 2),
                           alpha=scale)  # [Hk * B, G * T, W]
         top = s.amax(dim=-1, keepdim=True)
         p = s.sub_(top).exp_()
         total = p.sum(dim=-1, keepdim=True)
-        out = torch.bmm(p, v.view(hk * b, w, d)).div_(total)
+        out = torch.bmm(p, v.reshape(hk * b, w, d)).div_(total)
     out = out.reshape(hk, b, g, t, d).transpose(1, 2).reshape(hk, g, b * t, d)
     if step.back is not None:
         out = out.index_select(2, step.back)

@@ -19,14 +19,18 @@ of eagerly, with the same inputs and the same answer as ``paged.paged_forward``:
 * **Guards.** The compiled model's modules do not change after compiling (packing happens
   before), so dynamo is told not to guard on them (``torch.compiler``'s
   ``skip_guard_on_all_nn_modules_unsafe``): checking every parameter's guards cost most of what
-  compiling saved (eval/results/compile.md). Inputs' shapes and dtypes are still guarded. Dynamo
+  compiling saved (eval/results/compile.md). Inputs' shapes and dtypes are still guarded. The
+  model's Python floats (norm epsilons, scales) are specialized as constants, not turned into
+  tensors before every step (``specialize_float``). Dynamo
   keeps graphs per code object, so without those guards two models of one class would share a
   graph (the second then ran with the first one's dtype and constants): each ``CompiledSteps``
   compiles a step function with a code object of its own (``_own_step``).
 * **The pool stays an input.** Attention is one opaque custom op per layer
   (``promptcache::paged_attention``) that writes the layer's new keys/values into their pool
-  slots and reads the pool as the step's plan says (``paged.attend``: shared segments in place,
-  own tokens, log-sum-exp merges). The plan (block tables, segments) and the position IDs are
+  slots (stacked inside the graph, written in one copy) and reads the pool as the step's plan
+  says (``paged.attend``: without the native CPU kernel, as on a GPU, dense.py's one padded call
+  over every row's keys gathered by slot, ~12 aten calls a layer at decode; with it, shared
+  segments in place, own tokens, log-sum-exp merges). The plan (block tables, segments) and the position IDs are
   the step's data, never baked into a graph, so Prompt Cache's positions are untouched and one
   graph serves every request mix of its bucket.
 * **CUDA graphs on a GPU.** On CUDA the model is compiled with inductor's CUDA graphs (what
@@ -65,7 +69,7 @@ from ...errors import ConfigError
 from ...tunables import COMPILE_BUCKETS
 from .kvpool import KVPool
 from .paged import PagedRow, StepPlan, attend, attention_swapped, build_plan, key_rule, paged_forward, \
-    paged_refusal, query_rope, step_inputs, write_kv
+    paged_refusal, query_rope, step_inputs
 
 log = logging.getLogger(__name__)
 
@@ -100,30 +104,34 @@ _UNSAFE = getattr(torch.Tag, "cudagraph_unsafe", None)
 
 @torch.library.custom_op("promptcache::paged_attention", mutates_args=(),
                          tags=(_UNSAFE,) if _UNSAFE is not None else ())
-def _paged_attention_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer: int,
-                        scaling: float) -> torch.Tensor:
-    """query [1, Hq, N, D], key/value [1, Hk, N, D] of one layer -> [1, N, Hq, D]: the first n
-    tokens' keys/values go to their pool slots, their queries attend as the plan says, the pad
-    tokens' outputs are zero."""
+def _paged_attention_op(query: torch.Tensor, kv: torch.Tensor, layer: int, scaling: float) -> torch.Tensor:
+    """query [1, Hq, N, D], kv [2, Hk, N, D] (keys and values of one layer, stacked inside the
+    compiled graph) -> [1, N, Hq, D]: the first n tokens' keys/values go to their pool slots (one
+    copy), their queries attend as the plan says, the pad tokens' outputs are zero."""
     step: _Step = _LOCAL.step
-    n = step.n
-    write_kv(step.plan.pool, layer, step.write, key[:, :, :n], value[:, :, :n])
-    out = attend(step.plan, layer, query[:, :, :n], scaling if scaling > 0 else None)  # [1, n, Hq, D]
-    if n == query.shape[2]:  # no padding
+    n, big = step.n, query.shape[2]
+    layer_kv = step.plan.pool.layers[layer]  # [2, Hk, S, D]
+    if n < big:
+        kv, query = kv[:, :, :n], query[:, :, :n]
+    layer_kv.index_copy_(2, step.write, kv if kv.dtype == layer_kv.dtype else kv.to(layer_kv.dtype))
+    out = attend(step.plan, layer, query, scaling if scaling > 0 else None)  # [1, n, Hq, D]
+    if n == big:  # no padding
         return out.contiguous()
-    full = query.new_zeros((1, query.shape[2], query.shape[1], query.shape[3]))
+    full = query.new_zeros((1, big, query.shape[1], query.shape[3]))
     full[:, :n] = out
     return full
 
 
 @_paged_attention_op.register_fake
-def _(query, key, value, layer, scaling):
+def _(query, kv, layer, scaling):
     return query.new_empty((query.shape[0], query.shape[2], query.shape[1], query.shape[3]))
 
 
 def compiled_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """The attention function of compiled steps (registered as ``COMPILED_ATTENTION``)."""
-    return torch.ops.promptcache.paged_attention(query, key, value, module.layer_idx,
+    """The attention function of compiled steps (registered as ``COMPILED_ATTENTION``): keys and
+    values [1, Hk, N, D] stacked in the graph (fused there, not an op of its own) for one write."""
+    kv = torch.stack((key[0], value[0]))
+    return torch.ops.promptcache.paged_attention(query, kv, module.layer_idx,
                                                  float(scaling) if scaling is not None else 0.0), None
 
 
@@ -186,6 +194,17 @@ def _keep_graphs(limit: int) -> None:
             return
 
 
+def _specialize_floats() -> None:
+    """Python floats the traced model reads (its norms' epsilons, attention scales) become graph
+    constants, not tensor inputs: dynamo's default (``specialize_float`` off) builds a tensor from
+    each of them before every step (three aten calls apiece, ten a step on a 4-layer model). They
+    are the model's constants, fixed after compiling (dynamo's documented setting, reached by name
+    as ``_keep_graphs`` does)."""
+    config = getattr(torch, "_dynamo").config
+    if hasattr(config, "specialize_float"):
+        config.specialize_float = True
+
+
 class CompiledSteps:
     """``forward(pool, rows)``: ``paged.paged_forward`` with steps of at most ``max(buckets)``
     tokens compiled. ``pad``: steps padded to bucket pairs (static shapes; default on CUDA,
@@ -204,6 +223,7 @@ class CompiledSteps:
         # inductor's own cache folder (it sets the variable to its default when torch.compile loads)
         self.cache_dir = os.environ.get("TORCHINDUCTOR_CACHE_DIR", "inductor's cache folder")
         _keep_graphs(2 * len(self.buckets) ** 2)
+        _specialize_floats()
         self._cuda = runner.device.type == "cuda"
         self.pad = self._cuda if pad is None else pad
         self._fn = torch.compile(_own_step(runner.model), fullgraph=True, dynamic=not self.pad,
@@ -233,8 +253,9 @@ class CompiledSteps:
         big, rows_bucket = shape
         ids, pos, write, ends = step_inputs(pool, rows)
         n, dev = ids.shape[1], pool.buf.device
-        ids = torch.nn.functional.pad(ids, (0, big - n))  # [1, N]: pad token 0
-        pos = torch.nn.functional.pad(pos, (0, big - n))  # pads at position 0 (they attend to nothing)
+        if big > n:
+            ids = torch.nn.functional.pad(ids, (0, big - n))  # [1, N]: pad token 0
+            pos = torch.nn.functional.pad(pos, (0, big - n))  # pads at position 0 (they attend to nothing)
         last = ends[-1] if ends else n - 1
         keep = torch.tensor(ends + [last] * (rows_bucket - len(ends)), dtype=torch.long, device=dev)  # [R]
         kwargs = {"position_ids": pos} if self.runner.adapter.passes_position_ids else {}

@@ -81,7 +81,8 @@ class KVPool:
         shape = (spec.layers, 2, spec.kv_heads, self.num_blocks * block_size, spec.head_dim)
         self.buf = torch.empty(shape, dtype=spec.dtype, device=device)  # untouched pages cost nothing on CPU
         # each layer's (keys, values) [Hk, S, D] views, made once: every step's attention reads them
-        self.layer_kv: list[tuple[torch.Tensor, torch.Tensor]] = [(b[0], b[1]) for b in self.buf.unbind(0)]
+        self.layers: list[torch.Tensor] = list(self.buf.unbind(0))  # and as one [2, Hk, S, D] view a layer
+        self.layer_kv: list[tuple[torch.Tensor, torch.Tensor]] = [(b[0], b[1]) for b in self.layers]
         self._free: list[int] = list(range(self.num_blocks))  # sorted
         self._entries: dict[str, SharedEntry] = {}
         self._idle: OrderedDict[str, SharedEntry] = OrderedDict()  # refs == 0, least recently used first
@@ -178,6 +179,20 @@ class KVPool:
         idx = torch.arange(start, end)
         table = torch.tensor(blocks, dtype=torch.long)
         return (table[idx // self.block_size] * self.block_size + idx % self.block_size).to(self.buf.device)
+
+    def slot_runs(self, blocks: list[int], n: int) -> list[tuple[int, int]]:
+        """The slots of tokens [0, n) of a block list as runs (first slot, count), in order: what
+        ``slots(blocks, 0, n)`` holds, as Python ints."""
+        out, left, bs = [], n, self.block_size
+        for first, count in runs(blocks):
+            k = min(left, count * bs)
+            if k <= 0:
+                break
+            out.append((first * bs, k))
+            left -= k
+        if left > 0:
+            raise ValueError(f"{len(blocks)} blocks of {bs} tokens cannot hold {n} tokens")
+        return out
 
     def write(self, blocks: list[int], start: int, kv: torch.Tensor) -> None:
         """Copy states kv [L, 2, H, n, D] into tokens [start, start + n) of ``blocks``."""

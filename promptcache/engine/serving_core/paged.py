@@ -68,7 +68,7 @@ from ... import tunables
 from ...tunables import DECODE_MATMUL_ROWS, FOLD_SHARED, GATHER_MAX, SEGMENTS_MAX  # read at call time (tests set them here)
 from ...kernels import attention as cpu_attention
 from .decode_runs import DecodeRuns, RunTable
-from .dense import DenseStep, attend_dense, dense_step, pool_slots, rotate, rotation
+from .dense import DenseStep, attend_dense, dense_step, pool_run, rotate, rotation
 from .kvpool import KVPool
 
 __all__ = ["KeyRule", "PagedRow", "StepPlan", "attend", "attention_swapped", "build_plan", "key_rule", "paged_forward",
@@ -102,6 +102,14 @@ class PagedRow:
     # per shared segment, the positions its stored states lie behind the positions it is read at
     # (``Segment.shift``: a document read in place at any position; 0: where it was encoded)
     shared_shift: list[int] | None = None
+    # per shared segment, its run of pool slots (first, count), or None outside the pool: where
+    # ``shared_slots`` hold ascending runs, the same as Python ints (the scheduler computes them once
+    # a request; None: read from each view's metadata every step, ``dense.pool_run``)
+    shared_runs: list[tuple[int, int] | None] | None = None
+    # the pool blocks holding ``own``'s slots, in token order (a block table: ``own`` is slots 0 ..
+    # len(own) - 1 of these blocks), or None: a step then builds its slot lists from these Python
+    # ints in one tensor a step (``KVPool.slot_runs``) instead of concatenating a tensor a row
+    own_blocks: list[int] | None = None
 
     def limits(self) -> list[torch.Tensor | None]:
         return self.shared_limits if self.shared_limits is not None else [None] * len(self.shared)
@@ -257,13 +265,15 @@ def _build_dense(pool: KVPool, rows: list[PagedRow], scale: float | None, rope: 
     segments merged in after it. None where the step is too large to pad (``tunables.DENSE_MAX``)."""
     plan, dev = StepPlan(pool, scale), pool.buf.device
     by_key: dict[str, tuple[torch.Tensor, list[int], list[int]]] = {}
-    in_pool, off = [], 0
+    in_pool, owns, off = [], [], 0
     for row in rows:
         t = len(row.ids)
         given = row.shared_slots if row.shared_slots is not None else [None] * len(row.shared)
+        runs = row.shared_runs if row.shared_runs is not None else [None] * len(row.shared)
         mine = []
-        for (key, view), slots, limits, shift in zip(row.shared, given, row.limits(), row.shifts()):
-            slots = slots if slots is not None else pool_slots(pool.buf, view)
+        for (key, view), slots, run, limits, shift in zip(row.shared, given, runs, row.limits(), row.shifts()):
+            run = run if run is not None else pool_run(pool.buf, view)  # from the view's metadata: no tensor op
+            slots = run if run is not None else slots
             if slots is not None:
                 mine.append((slots, shift, limits))
             elif limits is not None:
@@ -273,8 +283,10 @@ def _build_dense(pool: KVPool, rows: list[PagedRow], scale: float | None, rope: 
                 entry[1].extend(range(off, off + t))
                 entry[2].extend([shift] * t)
         in_pool.append(mine)
+        owns.append(None if row.own_blocks is None else pool.slot_runs(row.own_blocks, row.own.shape[0]))
         off += t
-    plan.dense = dense_step(rows, in_pool, pool.buf.shape[2], pool.buf.shape[4], rope, dev, tunables.DENSE_MAX)
+    plan.dense = dense_step(rows, in_pool, pool.buf.shape[2], pool.buf.shape[4], rope, dev, tunables.DENSE_MAX,
+                            owns=owns)
     if plan.dense is None:
         return None
     grouped = _group_segments([(v, q, None, sh) for v, q, sh in by_key.values()], dev)
@@ -580,13 +592,13 @@ def _attend_pooled(plan: StepPlan, layer: int, query: torch.Tensor, scale: float
     """``attend`` without the native kernel: every row's keys held in the pool in one call
     (``attend_dense``), then segments outside the pool merged in (``_merge_segments``)."""
     _, hq, n, d = query.shape
-    kbuf, vbuf = plan.pool.layer_kv[layer]
-    hk = kbuf.shape[0]
+    kv = plan.pool.layers[layer]  # [2, Hk, S, D]
+    hk = kv.shape[1]
     q = query.view(hk, hq // hk, n, d)  # splitting the heads: a view whatever the strides
     if q.dtype != torch.float32:
         q = q.float()
     rest = bool(plan.segments or plan.limited)
-    out, lse = attend_dense(plan.dense, q, kbuf, vbuf, scale, lse=rest)
+    out, lse = attend_dense(plan.dense, q, kv, scale, lse=rest)
     if rest:
         _merge_segments(plan, layer, q * scale, 1.0, out, lse)
     out = out.unsqueeze(0) if out.dim() == 3 else out.reshape(hq, n, d).transpose(0, 1).unsqueeze(0)
@@ -959,7 +971,12 @@ def step_inputs(pool: KVPool, rows: list[PagedRow]) -> tuple[torch.Tensor, torch
     dev = pool.buf.device
     ids = torch.tensor([[t for r in rows for t in r.ids]], dtype=torch.long, device=dev)
     pos = torch.tensor([[p for r in rows for p in r.pos]], dtype=torch.long, device=dev)
-    write = torch.cat([r.own[len(r.own) - len(r.ids):] for r in rows]).to(dev)
+    if all(r.own_blocks is not None for r in rows):  # from the block tables: one tensor, not a slice a row
+        bs = pool.block_size
+        write = torch.tensor([r.own_blocks[i // bs] * bs + i % bs for r in rows
+                              for i in range(r.own.shape[0] - len(r.ids), r.own.shape[0])], dtype=torch.long, device=dev)
+    else:
+        write = torch.cat([r.own[len(r.own) - len(r.ids):] for r in rows]).to(dev)
     ends, off = [], 0
     for r in rows:
         off += len(r.ids)

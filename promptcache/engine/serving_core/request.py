@@ -66,6 +66,7 @@ class PoolState:
     bytes_copied: int = 0
     shared_pos: list[torch.Tensor] = field(default_factory=list)  # position IDs of each ``shared`` view
     shared_slots: list[torch.Tensor | None] = field(default_factory=list)  # pool slots of each view (None: not in the pool)
+    shared_runs: list[tuple[int, int] | None] = field(default_factory=list)  # the same as runs (first, count) of ints
     shared_order: list[torch.Tensor] | None = None  # prompt index of each ``shared`` key (a plan in prompt order)
     shared_shift: list[int] | None = None  # positions each ``shared`` view's states lie behind where it is read
     own_ids: list[int] = field(default_factory=list)  # tokens whose states are in its own slots, in order

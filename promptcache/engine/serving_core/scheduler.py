@@ -48,6 +48,7 @@ import torch
 
 from ...tunables import MIN_CHUNK
 from ...kernels import attention as cpu_attention
+from .dense import pool_run
 from .kvpool import KVPool, PoolFull, SharedEntry
 from .paged import PagedRow, paged_forward
 from .prefix import PrefixCache
@@ -155,7 +156,7 @@ class ServingScheduler(RequestQueue):
         kv.own_pos.extend(pos)
         return PagedRow(ids, pos, kv.shared, kv.slots[: done + len(ids)], logits=logits, shared_pos=kv.shared_pos,
                         shared_slots=kv.shared_slots, own_pos=kv.own_pos, shared_limits=limits,
-                        shared_shift=kv.shared_shift)
+                        shared_shift=kv.shared_shift, own_blocks=kv.blocks, shared_runs=kv.shared_runs)
 
     def _chunk(self, r: Request, budget: int) -> PagedRow:
         kv, plan = r.kv, r.kv.plan
@@ -235,6 +236,7 @@ class ServingScheduler(RequestQueue):
             slots=self._slots_of(blocks), bytes_copied=copied,
             shared_pos=list(positions.split(lengths)) if shared else [],
             shared_slots=[slots for _, _, slots, _ in shared], shared_order=order,
+            shared_runs=[pool_run(self.pool.buf, v) if slots is not None else None for _, v, slots, _ in shared],
             shared_shift=[shift for _, _, _, shift in shared] if any(seg.shift for seg in plan.segments) else None))
         return "admitted"
 
