@@ -27,8 +27,39 @@ def test_answers_agree_on_the_code_they_give():
     assert key("The code is 4677") == key("The locker code of the person is 46 77") == "4677"
     assert key("The code is 4232") != key("The code is 4677")
     assert key("The parcel is for the person at the Library") == key("the parcel is for the person at the library")
+    assert key("Lisbon") == key("Kofi lives in Lisbon") == "lisbon" != key("Kofi lives in Oslo")  # the fact tasks' city
     r = fidelity.score(dict(full_answer="The code is 4677", method_answer="It is 4677"))
     assert (r["agree"], r["agree_text"]) == (1, 0)
+
+
+class Letters:
+    """A tokenizer stand-in: a token is one character."""
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(i) for i in ids)
+
+
+def test_the_answers_margin_is_the_step_that_starts_its_key():
+    import torch
+
+    assert math.isclose(fidelity.margin(torch.tensor([0.0, math.log(3.0), -1e9])), 0.5, abs_tol=1e-6)  # 3/4 - 1/4
+    gen = [ord(c) for c in "It is Oslo. "]
+    margins = [0.9] * len(gen)
+    margins[6] = 0.1  # the step that writes the "O" of Oslo
+    assert fidelity.answer_margin(Letters(), gen, margins) == 0.1
+    gen = [ord(c) for c in "No idea. "]  # no key: the first step's
+    assert fidelity.answer_margin(Letters(), gen, [0.3] + [0.9] * (len(gen) - 1)) == 0.3
+
+
+def test_the_confident_stratum_keeps_prompts_where_full_prefill_was_sure():
+    rows = [dict(row(f"s{i}", "listed", "default", 0.2, agree, 1, agree), full_margin=m)
+            for i, (agree, m) in enumerate([(1, 0.9), (1, 0.7), (0, 0.2), (0, 0.1)])]
+    sure = next(s for s in fidelity.summarize(rows, min_margin=0.5) if s["order"] == "confident")
+    assert (sure["prompts"], sure["agreement"], sure["min_margin"]) == (2, 1.0, 0.5)
+    both = next(s for s in fidelity.summarize(rows, min_margin=0.5) if s["order"] == "both")
+    assert (both["prompts"], both["agreement"], both["min_margin"]) == (4, 0.5, None)
+    old = [{k: v for k, v in r.items() if k != "full_margin"} for r in rows]  # an older run's rows: no stratum
+    assert {s["order"] for s in fidelity.summarize(old)} == {"listed", "both"}
 
 
 def test_wilson_interval_on_known_values():
@@ -85,6 +116,14 @@ def test_tasks_are_seeded_and_answerable(task):
         assert len(notes) in fidelity_tasks.DOC_COUNTS
         assert [code in n for n in notes].count(True) == 1 and code in notes[s["target"]]
         assert 700 < len(" ".join(notes).split()) * 4 / 3 < 1400  # ~1K tokens at ~4/3 tokens a word
+        if task == "fact2":  # the question names no person; the memo names the target's
+            memo = next(n for n in notes if n.startswith("Delivery memo."))
+            name = re.search(r"The parcel is for (\w+)\.", memo).group(1)
+            assert notes[s["target"]].startswith(f"About {name}.") and name not in s["input"]
+        if task.startswith("fact"):  # distinct facts: a city named once, in its person's record, nowhere else
+            words = re.findall(r"\w+", " ".join(notes).lower())
+            cities = [w for w in words if w in fidelity_tasks.ANSWER_WORDS]
+            assert len(cities) == len(set(cities)) == sum(n.startswith("About ") for n in notes)
         if task == "twohop":  # the question names no place; the memo names the target's
             memo = next(n for n in notes if n.startswith("Delivery memo."))
             place = re.search(r"works at the (\w+)\.", memo).group(1)
