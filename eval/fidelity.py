@@ -63,6 +63,7 @@ that is not reuse moves. ``--full-only``: full prefill's answers alone (method `
 model's accuracy on the tasks (``eval/results/gemma3.md``: Gemma 3 270M beside SmolLM2).
 
 Writes ``fidelity{tag}.csv`` (a row per prompt, order, method, budget), ``fidelity{tag}_summary.csv``,
+``fidelity{tag}_margin.csv`` (agreement where full prefill's margin is above 0, 0.2, ... 0.8),
 ``fidelity{tag}_summary.png`` (agreement against budget, one line per method, per task and order)
 and ``fidelity{tag}_ttft.png`` (the agreement-vs-TTFT plane).
 """
@@ -450,18 +451,56 @@ def summarize(rows: list[dict], min_margin: float = CONFIDENT) -> list[dict]:
     return out
 
 
+MARGINS = (0.0, 0.2, 0.4, 0.6, 0.8)
+
+
+def by_margin(rows: list[dict], margins=MARGINS) -> list[dict]:
+    """Per task, method, budget and margin ``x``: the prompts (both orders) where full prefill's
+    answer margin is above ``x``, and on how many of them the method agrees (rows without the
+    margin are left out)."""
+    out, rows = [], [r for r in rows if r.get("full_margin") not in (None, "") and r["method"] != "bf16_full"]
+    for task, method, budget in sorted({(r["task"], r["method"], float(r["budget"])) for r in rows}):
+        rs = [r for r in rows if (r["task"], r["method"], float(r["budget"])) == (task, method, budget)]
+        for x in margins:
+            sure = [r for r in rs if float(r["full_margin"]) > x]
+            if sure:
+                k = sum(int(r["agree"]) for r in sure)
+                lo, hi = wilson(k, len(sure))
+                out.append(dict(task=task, method=method, budget=budget, min_margin=x, prompts=len(sure),
+                                share=round(len(sure) / len(rs), 4), agreement=round(k / len(sure), 4),
+                                agreement_low=round(lo, 4), agreement_high=round(hi, 4)))
+    return out
+
+
+def margin_markdown(table: list[dict]) -> str:
+    """``by_margin``'s table: a row per task, method and budget, a column per margin (agreement, n)."""
+    margins = sorted({t["min_margin"] for t in table})
+    cells = {(t["task"], t["method"], t["budget"], t["min_margin"]): t for t in table}
+    out = ["| task | method | budget | " + " | ".join(f"margin > {x}" for x in margins) + " |",
+           "|" + " --- |" * (3 + len(margins))]
+    for task, method, budget in sorted({(t["task"], t["method"], t["budget"]) for t in table}):
+        row = [f"{c['agreement']:.2f} ({c['prompts']})" if (c := cells.get((task, method, budget, x))) else ""
+               for x in margins]
+        out.append(f"| {task} | {method} | {budget:.2f} | " + " | ".join(row) + " |")
+    return "\n".join(out)
+
+
 def plot(summary: list[dict], path: Path) -> None:
-    """Agreement against budget, one line per method; a panel per task and order; bfloat16's
-    agreement drawn as a dashed line."""
+    """Agreement against budget, one line per method; a row of panels per task, a panel per order
+    (and the confident stratum); bfloat16's agreement drawn as a dashed line."""
     plt = pyplot()
     if plt is None:
         return
-    panels = sorted({(s["task"], s["order"]) for s in summary if s["order"] != "both"})
-    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.8), squeeze=False)
+    tasks = sorted({s["task"] for s in summary})
+    orders = [o for o in (*ORDERS, "confident") if any(s["order"] == o for s in summary)]
+    fig, axes = plt.subplots(len(tasks), len(orders), figsize=(4.2 * len(orders), 3.6 * len(tasks)), squeeze=False)
     budgets = sorted({s["budget"] for s in summary if s["method"] != "bf16_full"})
     x = {b: i for i, b in enumerate(budgets)}
-    for ax, (task, order) in zip(axes[0], panels):
+    for ax, (task, order) in zip(axes.flat, [(t, o) for t in tasks for o in orders]):
         here = [s for s in summary if (s["task"], s["order"]) == (task, order)]
+        if not here:
+            ax.set_visible(False)
+            continue
         for i, m in enumerate(sorted({s["method"] for s in here} - {"bf16_full"})):
             pts = sorted((s["budget"], s["agreement"]) for s in here if s["method"] == m)
             ax.plot([x[b] for b, _ in pts], [a for _, a in pts], marker="o", label=m, color=f"C{i}")
@@ -473,7 +512,8 @@ def plot(summary: list[dict], path: Path) -> None:
         n = max((s["prompts"] for s in here), default=0)
         label = f"margin > {here[0]['min_margin']}" if order == "confident" else order
         ax.set(title=f"{task}, {label} (n={n})", xlabel="recomputed share of document tokens", ylim=(0, 1.02))
-    axes[0][0].set_ylabel("agreement with full prefill's answer")
+    for row in axes:
+        row[0].set_ylabel("agreement with full prefill's answer")
     axes[0][-1].legend(fontsize=7, loc="lower right")
     save_figure(fig, path)
 
@@ -521,9 +561,12 @@ def markdown(summary: list[dict]) -> str:
             for m in sorted({k[0] for k in here} - {"bf16_full"}):
                 cells = [f"{here[(m, b)]['agreement']:.2f}" if (m, b) in here else "" for b in budgets]
                 out.append(f"| {m} | " + " | ".join(cells) + " |")
-            if ("bf16_full", 1.0) in here:
+            if ("bf16_full", 1.0) in here and 1.0 in budgets:
                 out.append("| bfloat16 full prefill |" + " |" * (len(budgets) - 1)
                            + f" {here[('bf16_full', 1.0)]['agreement']:.2f} |")
+            elif ("bf16_full", 1.0) in here:  # no full column: the calibration under the table
+                c = here[("bf16_full", 1.0)]
+                out.append(f"\nbfloat16 full prefill against float32: {c['agreement']:.2f} (n = {c['prompts']})")
     out += ["\n| task | order | method | budget | n | agreement (95% CI) | same sentence | full / method correct | "
             "kept (95% CI) | lost / won | McNemar p | first-token KL | TTFT vs full |", "|" + " --- |" * 13]
     for s in summary:
@@ -604,8 +647,11 @@ def main(argv=None) -> list[dict]:
         check_methods(args.methods)
         rows = run(args, lambda rows: write_csv(f"{stem}.csv", rows, args.out))
         write_csv(f"{stem}.csv", rows, args.out)
-    summary = summarize(expand_shared(rows, args.methods), args.margin)
+    expanded = expand_shared(rows, args.methods)
+    summary = summarize(expanded, args.margin)
     path = write_csv(f"{stem}_summary.csv", summary, args.out)
+    margins = by_margin(expanded)
+    write_csv(f"{stem}_margin.csv", margins, args.out)
     plot(summary, path.with_suffix(".png"))
     plot_plane(summary, path.with_name(f"{stem}_ttft.png"))
     for s in summary:
@@ -616,6 +662,8 @@ def main(argv=None) -> list[dict]:
                   f"KL {s['first_token_kl']:.3f}  TTFT x{s['speedup_median']}")
     if args.markdown:
         print(markdown(summary))
+        print("\nAgreement (prompts) where full prefill's answer margin is above x, both orders:\n")
+        print(margin_markdown(margins))
     print(f"wrote {path} and {path.with_suffix('.png').name}")
     return summary
 

@@ -58,6 +58,11 @@ def test_the_confident_stratum_keeps_prompts_where_full_prefill_was_sure():
     assert (sure["prompts"], sure["agreement"], sure["min_margin"]) == (2, 1.0, 0.5)
     both = next(s for s in fidelity.summarize(rows, min_margin=0.5) if s["order"] == "both")
     assert (both["prompts"], both["agreement"], both["min_margin"]) == (4, 0.5, None)
+    table = {t["min_margin"]: t for t in fidelity.by_margin(rows, (0.0, 0.5, 0.8))}
+    assert (table[0.0]["prompts"], table[0.0]["agreement"]) == (4, 0.5)
+    assert (table[0.5]["prompts"], table[0.5]["agreement"], table[0.5]["share"]) == (2, 1.0, 0.5)
+    assert (table[0.8]["prompts"], table[0.8]["agreement"]) == (1, 1.0)
+    assert "| single | default | 0.20 | 0.50 (4) | 1.00 (2) | 1.00 (1) |" in fidelity.margin_markdown(list(table.values()))
     old = [{k: v for k, v in r.items() if k != "full_margin"} for r in rows]  # an older run's rows: no stratum
     assert {s["order"] for s in fidelity.summarize(old)} == {"listed", "both"}
 
@@ -152,7 +157,8 @@ def test_study_end_to_end_on_a_tiny_model(tmp_path):
         if r["method"] == "system:default":  # the first document is exact: 20% of the others' tokens
             assert r["exact"] == "0" and 0 < float(r["recomputed"]) < 0.2 or float(r["budget"]) == 0
     assert {(s["method"], s["budget"]) for s in summary} >= {("default", 0.0), ("cacheblend", 1.0), ("bf16_full", 1.0)}
-    for name in ("fidelity_t_summary.csv", "fidelity_t_summary.png", "fidelity_t_ttft.png"):
+    assert all(0.0 <= float(r["full_margin"]) <= 1.0 for r in rows)
+    for name in ("fidelity_t_summary.csv", "fidelity_t_summary.png", "fidelity_t_ttft.png", "fidelity_t_margin.csv"):
         assert (tmp_path / name).exists()
     again = fidelity.main(["--combine", str(tmp_path / "fidelity_t.csv"), "--methods", "default", "cacheblend",
                            "system:default", "--out", str(tmp_path), "--tag", "_c"])
