@@ -46,7 +46,11 @@ Methods (``METHODS``; any other engine selection name is accepted as itself):
 * ``ape``: APE-style: the default's tokens recomputed, the other reused keys at temperature 1.25;
 * ``prophet``: query-aware (ProphetKV-style): the question's attention over the reused states
   from a cheap pass (one forward of the question) picks the tokens (the engine's ``qattn``);
-* ``tail``: the last tokens before the question (the documents nearest it) recomputed.
+* ``tail``: the last tokens before the question (the documents nearest it) recomputed;
+* ``kvshare``: KVShare-style, recompute that continues into decoding (``eval/fidelity_kvshare.py``):
+  the default's prefill at the budget, then, after the first answer token, another budget's share
+  of the document tokens that token attends to most recomputed in the prompt's context; TTFT is
+  the prefill's (``recomputed`` counts the prefill's tokens).
 
 A method's name may carry how the documents were encoded at ``add()`` (``ENCODINGS``):
 ``prefixed:M`` (after the prefix of a request without a system text, ``DocumentStore(prefixed=True)``)
@@ -63,7 +67,7 @@ that is not reuse moves. ``--full-only``: full prefill's answers alone (method `
 model's accuracy on the tasks (``eval/results/gemma3.md``: Gemma 3 270M beside SmolLM2).
 
 Writes ``fidelity{tag}.csv`` (a row per prompt, order, method, budget), ``fidelity{tag}_summary.csv``,
-``fidelity{tag}_margin.csv`` (agreement where full prefill's margin is above 0, 0.2, ... 0.8),
+``fidelity{tag}_margin.csv`` (agreement where full prefill's margin is at least 0, 0.2, ... 0.8),
 ``fidelity{tag}_summary.png`` (agreement against budget, one line per method, per task and order)
 and ``fidelity{tag}_ttft.png`` (the agreement-vs-TTFT plane).
 """
@@ -86,7 +90,8 @@ from .common import RESULTS, pyplot, save_figure, write_csv
 from .metrics import kl_divergence
 
 SYSTEM = "You answer questions about the documents the user gives. Answer briefly, using the documents only."
-METHODS = {"default": None, "epic": "epic", "ape": "ape", "prophet": "qattn", "tail": "tail", "cacheblend": "reference"}
+METHODS = {"default": None, "epic": "epic", "ape": "ape", "prophet": "qattn", "tail": "tail", "cacheblend": "reference",
+           "kvshare": "kvshare"}
 BUDGETS = (0.0, 0.05, 0.1, 0.15, 0.2, 0.3, 1.0)
 ANSWER_TOKENS = 16
 ORDERS = ("listed", "shuffled")
@@ -291,6 +296,24 @@ def engine_answer(p: Prompt, selection: str | None, budget: float, max_new: int,
                 recomputed=res.recomputed_tokens / p.doc_tokens(), cached=res.cached_tokens)
 
 
+def kvshare_answer(p: Prompt, budget: float, max_new: int, eos: frozenset[int]) -> dict:
+    """KVShare-style (``eval/fidelity_kvshare.py``): the store's default prefill at ``budget``, then
+    greedy decoding that refreshes another ``budget`` of the document tokens, the ones the first
+    answer token attends to most; TTFT is the prefill's."""
+    from .fidelity_kvshare import greedy_with_refresh
+
+    res = p.store(None).prefill(p.question, p.ids, system=SYSTEM, recompute=budget, reserve=max_new + 1,
+                                keep_cache=True)
+    logits, ttft = res.logits.float().clone(), res.ttft
+    try:
+        gen = greedy_with_refresh(p.pc, res, budget, max_new, lambda ids: ids[-1] in eos or answer_done(
+            p.pc.tokenizer.decode(ids, skip_special_tokens=True)))
+    finally:
+        p.pc.release(res)
+    return dict(logits=logits, text=answer_text(p.pc.tokenizer.decode(gen, skip_special_tokens=True)), ttft=ttft,
+                exact=False, recomputed=res.recomputed_tokens / p.doc_tokens(), cached=res.cached_tokens)
+
+
 class Reference:
     """CacheBlend-style recompute on the reference path; the documents' base state computed once a prompt."""
 
@@ -353,7 +376,12 @@ def evaluate_prompt(p: Prompt, runs, eos, max_new: int, bf16=None) -> list[dict]
     answers = [] if runs else [("full_prefill", 1.0, dict(logits=full_logits, text=full, ttft=full_ttft, exact=True,
                                                           recomputed=0.0, cached=0))]  # --full-only: its own row
     for label, b, sel in runs:
-        a = ref.answer(b, max_new) if sel == "reference" else engine_answer(p, sel, b, max_new, (full_ids, full), eos)
+        if sel == "reference":
+            a = ref.answer(b, max_new)
+        elif sel == "kvshare":
+            a = kvshare_answer(p, b, max_new, eos)
+        else:
+            a = engine_answer(p, sel, b, max_new, (full_ids, full), eos)
         answers.append((label, b, a))
     if bf16 is not None:
         logits, _, text, ttft, _ = full_greedy(bf16, tok, ids, eos, max_new)
@@ -456,13 +484,13 @@ MARGINS = (0.0, 0.2, 0.4, 0.6, 0.8)
 
 def by_margin(rows: list[dict], margins=MARGINS) -> list[dict]:
     """Per task, method, budget and margin ``x``: the prompts (both orders) where full prefill's
-    answer margin is above ``x``, and on how many of them the method agrees (rows without the
+    answer margin is at least ``x``, and on how many of them the method agrees (rows without the
     margin are left out)."""
     out, rows = [], [r for r in rows if r.get("full_margin") not in (None, "") and r["method"] != "bf16_full"]
     for task, method, budget in sorted({(r["task"], r["method"], float(r["budget"])) for r in rows}):
         rs = [r for r in rows if (r["task"], r["method"], float(r["budget"])) == (task, method, budget)]
         for x in margins:
-            sure = [r for r in rs if float(r["full_margin"]) > x]
+            sure = [r for r in rs if float(r["full_margin"]) >= x]
             if sure:
                 k = sum(int(r["agree"]) for r in sure)
                 lo, hi = wilson(k, len(sure))
@@ -476,7 +504,7 @@ def margin_markdown(table: list[dict]) -> str:
     """``by_margin``'s table: a row per task, method and budget, a column per margin (agreement, n)."""
     margins = sorted({t["min_margin"] for t in table})
     cells = {(t["task"], t["method"], t["budget"], t["min_margin"]): t for t in table}
-    out = ["| task | method | budget | " + " | ".join(f"margin > {x}" for x in margins) + " |",
+    out = ["| task | method | budget | " + " | ".join(f"margin >= {x}" for x in margins) + " |",
            "|" + " --- |" * (3 + len(margins))]
     for task, method, budget in sorted({(t["task"], t["method"], t["budget"]) for t in table}):
         row = [f"{c['agreement']:.2f} ({c['prompts']})" if (c := cells.get((task, method, budget, x))) else ""
@@ -629,7 +657,8 @@ def check_methods(methods: list[str]) -> None:
 
     def known(m: str) -> bool:  # an encoding prefix goes with an engine selection only
         enc, base = split_method(m)
-        return (base in METHODS or base in SELECTIONS) and (enc == "alone" or METHODS.get(base) != "reference")
+        return (base in METHODS or base in SELECTIONS) and (enc == "alone" or METHODS.get(base) not in ("reference",
+                                                                                                   "kvshare"))
 
     bad = [m for m in methods if not known(m)]
     if bad:
@@ -651,7 +680,8 @@ def main(argv=None) -> list[dict]:
     summary = summarize(expanded, args.margin)
     path = write_csv(f"{stem}_summary.csv", summary, args.out)
     margins = by_margin(expanded)
-    write_csv(f"{stem}_margin.csv", margins, args.out)
+    if margins:
+        write_csv(f"{stem}_margin.csv", margins, args.out)
     plot(summary, path.with_suffix(".png"))
     plot_plane(summary, path.with_name(f"{stem}_ttft.png"))
     for s in summary:
@@ -662,7 +692,7 @@ def main(argv=None) -> list[dict]:
                   f"KL {s['first_token_kl']:.3f}  TTFT x{s['speedup_median']}")
     if args.markdown:
         print(markdown(summary))
-        print("\nAgreement (prompts) where full prefill's answer margin is above x, both orders:\n")
+        print("\nAgreement (prompts) where full prefill's answer margin is at least x, both orders:\n")
         print(margin_markdown(margins))
     print(f"wrote {path} and {path.with_suffix('.png').name}")
     return summary

@@ -163,3 +163,36 @@ def test_study_end_to_end_on_a_tiny_model(tmp_path):
     again = fidelity.main(["--combine", str(tmp_path / "fidelity_t.csv"), "--methods", "default", "cacheblend",
                            "system:default", "--out", str(tmp_path), "--tag", "_c"])
     assert again == summary
+
+
+def test_a_refresh_during_decoding_of_exact_states_changes_nothing(tmp_path):
+    """KVShare-style refresh (eval/fidelity_kvshare.py): on a prompt prefilled exactly (every
+    document token recomputed), recomputing every document token again in prompt order after the
+    first answer token gives the same next-token logits as plain decoding; on a splice it moves them."""
+    import torch
+
+    from eval import fidelity_kvshare
+    from promptcache import PromptCache
+
+    pc = PromptCache.from_pretrained("embedded:demo")
+    sample = fidelity_tasks.samples("fact1", 1, doc_tokens=160)[0]
+    p = fidelity.Prompt(pc, sample, shuffled=True)
+    got = {}
+    for budget in (1.0, 0.0):
+        for share in (None, 1.0):
+            res = p.store(None).prefill(p.question, p.ids, system=fidelity.SYSTEM, recompute=budget, reserve=4,
+                                        keep_cache=True)
+            first = int(res.logits.argmax())
+            with torch.inference_mode():
+                got[(budget, share)] = (pc.adapter.forward(torch.tensor([[first]]), torch.tensor([[res.next_position]]),
+                                                           res.cache)[0] if share is None else
+                                        fidelity_kvshare.refresh(pc, res, first, share)).float()
+            pc.release(res)
+    assert torch.allclose(got[(1.0, None)], got[(1.0, 1.0)], atol=1e-4)
+    assert not torch.allclose(got[(0.0, None)], got[(0.0, 1.0)], atol=1e-4)
+    order, _, _, docs, new_order = fidelity_kvshare.slot_map(p.store(None).layout(p.question, p.ids, system=fidelity.SYSTEM))
+    assert sorted(order + new_order) == list(range(len(order) + len(new_order))) and set(docs) <= set(range(len(order)))
+    rows = fidelity.main(["--model", "embedded:demo", "--n", "1", "--tasks", "fact1", "--orders", "listed",
+                          "--methods", "kvshare", "--budgets", "0.2", "--doc-tokens", "160", "--answer-tokens", "4",
+                          "--out", str(tmp_path)])
+    assert any(s["method"] == "kvshare" and s["budget"] == 0.2 for s in rows)
