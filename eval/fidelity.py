@@ -129,20 +129,23 @@ def answer_text(text: str) -> str:
 CODE = re.compile(r"\d{4,}")  # the tasks' answers are 4-digit codes
 
 
-WORD = re.compile(r"[a-z]+")
+WORD = re.compile(r"[A-Za-z]+")
 
 
 def answer_key(answer: str) -> str:
     """What two answers must share to agree: the first code (4 or more digits) the answer gives,
     else the first answer word of the fact tasks (``fidelity_tasks.ANSWER_WORDS``, a city) it
-    names, else its text in lower case. "The code is 4677" and "The locker code of the person is
-    4677" agree, as do "Lisbon" and "Kofi lives in Lisbon"; "The parcel is for the person who
-    works at the library" gives neither."""
+    names, else the last capitalized word after its first (a name the model gave instead: "The
+    city is Paris"), else its text in lower case. "The code is 4677" and "The locker code of the
+    person is 4677" agree, as do "Lisbon" and "Kofi lives in Lisbon", and "The city is Paris" and
+    "The city name is Paris"; "The parcel is for the person who works at the library" gives none."""
     m = CODE.search(answer.replace(" ", ""))
     if m:
         return m.group(0)
-    word = next((w for w in WORD.findall(answer.lower()) if w in fidelity_tasks.ANSWER_WORDS), None)
-    return word or answer.lower()
+    words = WORD.findall(answer)
+    known = next((w.lower() for w in words if w.lower() in fidelity_tasks.ANSWER_WORDS), None)
+    named = [w for w in words[1:] if w[0].isupper()]
+    return known or (named[-1].lower() if named else answer.lower())
 
 
 def margin(logits: torch.Tensor) -> float:

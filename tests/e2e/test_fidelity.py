@@ -26,8 +26,10 @@ def test_answers_agree_on_the_code_they_give():
     key = fidelity.answer_key
     assert key("The code is 4677") == key("The locker code of the person is 46 77") == "4677"
     assert key("The code is 4232") != key("The code is 4677")
-    assert key("The parcel is for the person at the Library") == key("the parcel is for the person at the library")
+    assert key("The parcel is for the person at the library") == key("the parcel is for the person at the library")
     assert key("Lisbon") == key("Kofi lives in Lisbon") == "lisbon" != key("Kofi lives in Oslo")  # the fact tasks' city
+    assert key("The city is Paris") == key("The city name is Paris") != key("The city name is Goran")  # a name given
+    assert key("The city is not specified") == "the city is not specified"
     r = fidelity.score(dict(full_answer="The code is 4677", method_answer="It is 4677"))
     assert (r["agree"], r["agree_text"]) == (1, 0)
 
