@@ -126,7 +126,7 @@ def answer_text(text: str) -> str:
     return (line[: m.start()] if m else line).strip()
 
 
-CODE = re.compile(r"\d{4,}")  # the tasks' answers are 4-digit codes
+CODE = re.compile(r"\d{4,}")  # the code tasks' answers (single, twohop) are 4-digit codes
 
 
 WORD = re.compile(r"[A-Za-z]+")
