@@ -1,12 +1,15 @@
 """Fidelity study (issue 51): does a reused prompt's answer stay full prefill's answer?
 
-    python -m eval.fidelity --model smollm2 [--n 60] [--tasks single twohop]
+    python -m eval.fidelity --model smollm2 [--n 60] [--tasks fact1 fact2 single twohop] [--margin 0.5]
         [--methods default cacheblend epic ape prophet tail] [--budgets 0 0.05 0.1 0.15 0.2 0.3 1]
         [--calibrate 20] [--first 0] [--out eval/figures] [--tag _smollm2]
     python -m eval.fidelity --combine A.csv B.csv ... --out eval/figures --tag _smollm2   # summary + PNG only
 
 Prompts: ``eval/fidelity_tasks.py`` (single-hop and two-hop questions over 4-8 documents, ~1K
 tokens of documents), each asked with its documents in the listed order and in a shuffled one.
+The default tasks are ``fact1`` / ``fact2`` (a city a person lives in, distinct people and cities,
+"Answer with the city name only."), which full prefill answers more often and more surely than
+the earlier ``single`` / ``twohop`` (access codes of near-identical doors; still runnable by name).
 The documents go into a ``DocumentStore(pc)`` (the default mode: each document encoded alone at
 ``add()``, reused in any subset and order); each method answers the same prompt from those states.
 
@@ -23,7 +26,14 @@ budget: agreement (with a 95% Wilson interval), accuracy of both, the kept share
 correct / full prefill correct) with a 95% paired bootstrap interval, the answers
 lost and won against full prefill and McNemar's exact p (``eval/kept_share.py``), first-token
 KL(full || method), and TTFT: full prefill's over the method's, both timed in this process on the
-same prompt one after the other (the load average is written beside them).
+same prompt one after the other (the load average is written beside them). ``late_flips``: the
+disagreements whose first generated token is still full prefill's (the answer moved at a later
+step, the only ones a refresh during decoding, KVShare-style, could reach).
+
+**Confidence.** Each prompt records ``full_margin``: full prefill's probability of its greedy
+token less the runner-up's at the step that starts the answer's key ("The city is Lisbon" is
+decided at "Lisbon"). The summary's order ``confident`` is both orders where that margin is above
+``--margin`` (0.5): "where full prefill is sure, the method agrees on y%".
 
 Methods (``METHODS``; any other engine selection name is accepted as itself):
 
@@ -36,7 +46,11 @@ Methods (``METHODS``; any other engine selection name is accepted as itself):
 * ``ape``: APE-style: the default's tokens recomputed, the other reused keys at temperature 1.25;
 * ``prophet``: query-aware (ProphetKV-style): the question's attention over the reused states
   from a cheap pass (one forward of the question) picks the tokens (the engine's ``qattn``);
-* ``tail``: the last tokens before the question (the documents nearest it) recomputed.
+* ``tail``: the last tokens before the question (the documents nearest it) recomputed;
+* ``kvshare``: KVShare-style, recompute that continues into decoding (``eval/fidelity_kvshare.py``):
+  the default's prefill at the budget, then, after the first answer token, another budget's share
+  of the document tokens that token attends to most recomputed in the prompt's context; TTFT is
+  the prefill's (``recomputed`` counts the prefill's tokens).
 
 A method's name may carry how the documents were encoded at ``add()`` (``ENCODINGS``):
 ``prefixed:M`` (after the prefix of a request without a system text, ``DocumentStore(prefixed=True)``)
@@ -53,6 +67,7 @@ that is not reuse moves. ``--full-only``: full prefill's answers alone (method `
 model's accuracy on the tasks (``eval/results/gemma3.md``: Gemma 3 270M beside SmolLM2).
 
 Writes ``fidelity{tag}.csv`` (a row per prompt, order, method, budget), ``fidelity{tag}_summary.csv``,
+``fidelity{tag}_margin.csv`` (agreement where full prefill's margin is at least 0, 0.2, ... 0.8),
 ``fidelity{tag}_summary.png`` (agreement against budget, one line per method, per task and order)
 and ``fidelity{tag}_ttft.png`` (the agreement-vs-TTFT plane).
 """
@@ -75,7 +90,8 @@ from .common import RESULTS, pyplot, save_figure, write_csv
 from .metrics import kl_divergence
 
 SYSTEM = "You answer questions about the documents the user gives. Answer briefly, using the documents only."
-METHODS = {"default": None, "epic": "epic", "ape": "ape", "prophet": "qattn", "tail": "tail", "cacheblend": "reference"}
+METHODS = {"default": None, "epic": "epic", "ape": "ape", "prophet": "qattn", "tail": "tail", "cacheblend": "reference",
+           "kvshare": "kvshare"}
 BUDGETS = (0.0, 0.05, 0.1, 0.15, 0.2, 0.3, 1.0)
 ANSWER_TOKENS = 16
 ORDERS = ("listed", "shuffled")
@@ -110,15 +126,48 @@ def answer_text(text: str) -> str:
     return (line[: m.start()] if m else line).strip()
 
 
-CODE = re.compile(r"\d{4,}")  # the tasks' answers are 4-digit codes
+CODE = re.compile(r"\d{4,}")  # the code tasks' answers (single, twohop) are 4-digit codes
+
+
+WORD = re.compile(r"[A-Za-z]+")
 
 
 def answer_key(answer: str) -> str:
     """What two answers must share to agree: the first code (4 or more digits) the answer gives,
-    or, where it gives none, its text in lower case. "The code is 4677" and "The locker code of the
-    person is 4677" agree; "The parcel is for the person who works at the library" gives no code."""
+    else the first answer word of the fact tasks (``fidelity_tasks.ANSWER_WORDS``, a city) it
+    names, else the last capitalized word after its first (a name the model gave instead: "The
+    city is Paris"), else its text in lower case. "The code is 4677" and "The locker code of the
+    person is 4677" agree, as do "Lisbon" and "Kofi lives in Lisbon", and "The city is Paris" and
+    "The city name is Paris"; "The parcel is for the person who works at the library" gives none."""
     m = CODE.search(answer.replace(" ", ""))
-    return m.group(0) if m else answer.lower()
+    if m:
+        return m.group(0)
+    words = WORD.findall(answer)
+    known = next((w.lower() for w in words if w.lower() in fidelity_tasks.ANSWER_WORDS), None)
+    named = [w for w in words[1:] if w[0].isupper()]
+    return known or (named[-1].lower() if named else answer.lower())
+
+
+def margin(logits: torch.Tensor) -> float:
+    """A greedy step's confidence: the probability of its token less that of the runner-up (0: a
+    tie; near 1: no doubt)."""
+    p = torch.softmax(logits.float(), -1).topk(2).values
+    return float(p[0] - p[1])
+
+
+def answer_margin(tok, gen: list[int], margins: list[float]) -> float:
+    """Full prefill's confidence in its answer: the margin (``margin``) of the greedy step that
+    starts the answer's key (``answer_key``: the code or the city; "The city is Lisbon" is decided
+    at "Lisbon", not at "The"). An answer without a key: its first step's."""
+    text = tok.decode(gen, skip_special_tokens=True)
+    key = answer_key(answer_text(text))
+    at = text.lower().find(key) if key and key != answer_text(text).lower() else -1
+    if at < 0:
+        return margins[0]
+    for i in range(len(gen)):
+        if len(tok.decode(gen[: i + 1], skip_special_tokens=True)) > at:
+            return margins[i]
+    return margins[0]
 
 
 def score(row: dict) -> dict:
@@ -134,23 +183,25 @@ def answer_done(text: str) -> bool:
 
 
 def full_greedy(model, tok, ids: list[int], eos: frozenset[int], max_new: int
-                ) -> tuple[torch.Tensor, list[int], str, float]:
+                ) -> tuple[torch.Tensor, list[int], str, float, float]:
     """Full prefill of ``ids`` at positions 0..n-1 (nothing reused; timed), then greedy decoding on
     its own KV cache until EOS, a completed answer (``answer_done``) or ``max_new`` tokens:
-    (first-token logits [V] float32, the generated ids, their text, TTFT s)."""
+    (first-token logits [V] float32, the generated ids, their text, TTFT s, the answer's margin
+    (``answer_margin``))."""
     with torch.inference_mode():
         t0 = time.perf_counter()
         out = model(input_ids=torch.tensor([ids]), use_cache=True, logits_to_keep=1)
         ttft = time.perf_counter() - t0
         first, past, gen = out.logits[0, -1].float().clone(), out.past_key_values, []
-        t = int(first.argmax())
+        t, margins = int(first.argmax()), [margin(first)]
         while True:
             gen.append(t)
             if t in eos or len(gen) >= max_new or answer_done(tok.decode(gen, skip_special_tokens=True)):
                 break
             out = model(input_ids=torch.tensor([[t]]), past_key_values=past, use_cache=True)
             past, t = out.past_key_values, int(out.logits[0, -1].argmax())
-    return first, gen, tok.decode(gen, skip_special_tokens=True), ttft
+            margins.append(margin(out.logits[0, -1]))
+    return first, gen, tok.decode(gen, skip_special_tokens=True), ttft, answer_margin(tok, gen, margins)
 
 
 class Prompt:
@@ -248,6 +299,24 @@ def engine_answer(p: Prompt, selection: str | None, budget: float, max_new: int,
                 recomputed=res.recomputed_tokens / p.doc_tokens(), cached=res.cached_tokens)
 
 
+def kvshare_answer(p: Prompt, budget: float, max_new: int, eos: frozenset[int]) -> dict:
+    """KVShare-style (``eval/fidelity_kvshare.py``): the store's default prefill at ``budget``, then
+    greedy decoding that refreshes another ``budget`` of the document tokens, the ones the first
+    answer token attends to most; TTFT is the prefill's."""
+    from .fidelity_kvshare import greedy_with_refresh
+
+    res = p.store(None).prefill(p.question, p.ids, system=SYSTEM, recompute=budget, reserve=max_new + 1,
+                                keep_cache=True)
+    logits, ttft = res.logits.float().clone(), res.ttft
+    try:
+        gen = greedy_with_refresh(p.pc, res, budget, max_new, lambda ids: ids[-1] in eos or answer_done(
+            p.pc.tokenizer.decode(ids, skip_special_tokens=True)))
+    finally:
+        p.pc.release(res)
+    return dict(logits=logits, text=answer_text(p.pc.tokenizer.decode(gen, skip_special_tokens=True)), ttft=ttft,
+                exact=False, recomputed=res.recomputed_tokens / p.doc_tokens(), cached=res.cached_tokens)
+
+
 class Reference:
     """CacheBlend-style recompute on the reference path; the documents' base state computed once a prompt."""
 
@@ -304,16 +373,21 @@ def evaluate_prompt(p: Prompt, runs, eos, max_new: int, bf16=None) -> list[dict]
     """Full prefill, then every run, on one prompt: its rows."""
     tok, s = p.pc.tokenizer, p.sample
     ids = p.token_ids()
-    full_logits, full_ids, text, full_ttft = full_greedy(p.pc.model, tok, ids, eos, max_new)
+    full_logits, full_ids, text, full_ttft, full_margin = full_greedy(p.pc.model, tok, ids, eos, max_new)
     full = answer_text(text)
     ref = Reference(p, eos) if any(sel == "reference" for _, _, sel in runs) else None
     answers = [] if runs else [("full_prefill", 1.0, dict(logits=full_logits, text=full, ttft=full_ttft, exact=True,
                                                           recomputed=0.0, cached=0))]  # --full-only: its own row
     for label, b, sel in runs:
-        a = ref.answer(b, max_new) if sel == "reference" else engine_answer(p, sel, b, max_new, (full_ids, full), eos)
+        if sel == "reference":
+            a = ref.answer(b, max_new)
+        elif sel == "kvshare":
+            a = kvshare_answer(p, b, max_new, eos)
+        else:
+            a = engine_answer(p, sel, b, max_new, (full_ids, full), eos)
         answers.append((label, b, a))
     if bf16 is not None:
-        logits, _, text, ttft = full_greedy(bf16, tok, ids, eos, max_new)
+        logits, _, text, ttft, _ = full_greedy(bf16, tok, ids, eos, max_new)
         answers.append(("bf16_full", 1.0, dict(logits=logits, text=answer_text(text), ttft=ttft, exact=False,
                                               recomputed=0.0, cached=0)))
     from promptcache.bench import load_avg
@@ -326,6 +400,7 @@ def evaluate_prompt(p: Prompt, runs, eos, max_new: int, bf16=None) -> list[dict]
                  full_correct=correct(s, full), method_correct=correct(s, a["text"]),
                  first_token_kl=round(kl_divergence(full_logits, a["logits"]), 6),
                  first_token_same=int(int(full_logits.argmax()) == int(a["logits"].argmax())),
+                 full_margin=round(full_margin, 4),
                  ttft_full_ms=round(full_ttft * 1e3, 2), ttft_ms=round(a["ttft"] * 1e3, 2),
                  speedup=round(full_ttft / a["ttft"], 3) if a["ttft"] > 0 else None, load=load,
                  answer=s["answers"][0], full_answer=full, method_answer=a["text"]))
@@ -357,18 +432,34 @@ def expand_shared(rows: list[dict], methods: list[str]) -> list[dict]:
     return out
 
 
-def summarize(rows: list[dict]) -> list[dict]:
-    """Per task, order (``listed``, ``shuffled``, ``both``), method and budget: agreement and the
-    paired statistics against full prefill."""
+CONFIDENT = 0.5  # full prefill's answer margin above which a prompt is in the ``confident`` stratum
+
+
+def in_stratum(row: dict, order: str, min_margin: float) -> bool:
+    """Whether ``row`` counts in the summary's ``order``: ``listed``, ``shuffled``, ``both``, or
+    ``confident`` (both orders, full prefill's answer margin (``answer_margin``) above
+    ``min_margin``; a row of an older run without the margin is in no such stratum)."""
+    if order == "confident":
+        return row.get("full_margin") not in (None, "") and float(row["full_margin"]) > min_margin
+    return order in (row["order"], "both")
+
+
+def summarize(rows: list[dict], min_margin: float = CONFIDENT) -> list[dict]:
+    """Per task, order (``listed``, ``shuffled``, ``both``, and ``confident``: both orders where full
+    prefill's answer margin is above ``min_margin``), method and budget: agreement and the paired
+    statistics against full prefill."""
     out = []
     keys = sorted({(r["task"], r["method"], float(r["budget"])) for r in rows})
     for task, method, budget in keys:
-        for order in (*ORDERS, "both"):
+        for order in (*ORDERS, "both", "confident"):
             rs = [r for r in rows if (r["task"], r["method"], float(r["budget"])) == (task, method, budget)
-                  and order in (r["order"], "both")]
+                  and in_stratum(r, order, min_margin)]
             if not rs:
                 continue
             n, agree = len(rs), sum(int(r["agree"]) for r in rs)
+            # disagreements whose first generated token is full prefill's: the answer moved later, where
+            # a refresh during decoding (KVShare) could still reach it; the others are decided at prefill
+            late = sum(not int(r["agree"]) and int(r.get("first_token_same") or 0) for r in rs)
             same_text = sum(int(r["agree_text"]) for r in rs)
             pairs = [(int(r["full_correct"]), int(r["method_correct"])) for r in rs]
             full, got = sum(f for f, _ in pairs), sum(m for _, m in pairs)
@@ -378,7 +469,7 @@ def summarize(rows: list[dict]) -> list[dict]:
             speed = [float(r["speedup"]) for r in rs if r["speedup"] not in (None, "")]
             out.append(dict(task=task, order=order, method=method, budget=budget, prompts=n,
                             agreement=round(agree / n, 4), agreement_low=round(alo, 4), agreement_high=round(ahi, 4),
-                            agreement_text=round(same_text / n, 4),
+                            agreement_text=round(same_text / n, 4), late_flips=late,
                             full_accuracy=round(full / n, 4), method_accuracy=round(got / n, 4),
                             kept=round(got / full, 4) if full else None, kept_low=lo and round(lo, 4),
                             kept_high=hi and round(hi, 4), lost=lost, won=won,
@@ -386,22 +477,61 @@ def summarize(rows: list[dict]) -> list[dict]:
                             first_token_kl=round(statistics.mean(float(r["first_token_kl"]) for r in rs), 5),
                             recomputed=round(statistics.mean(float(r["recomputed"]) for r in rs), 4),
                             speedup_median=round(statistics.median(speed), 3) if speed else None,
-                            load_median=round(statistics.median(float(r["load"]) for r in rs), 2)))
+                            load_median=round(statistics.median(float(r["load"]) for r in rs), 2),
+                            min_margin=min_margin if order == "confident" else None))
     return out
 
 
+MARGINS = (0.0, 0.2, 0.4, 0.6, 0.8)
+
+
+def by_margin(rows: list[dict], margins=MARGINS) -> list[dict]:
+    """Per task, method, budget and margin ``x``: the prompts (both orders) where full prefill's
+    answer margin is at least ``x``, and on how many of them the method agrees (rows without the
+    margin are left out)."""
+    out, rows = [], [r for r in rows if r.get("full_margin") not in (None, "") and r["method"] != "bf16_full"]
+    for task, method, budget in sorted({(r["task"], r["method"], float(r["budget"])) for r in rows}):
+        rs = [r for r in rows if (r["task"], r["method"], float(r["budget"])) == (task, method, budget)]
+        for x in margins:
+            sure = [r for r in rs if float(r["full_margin"]) >= x]
+            if sure:
+                k = sum(int(r["agree"]) for r in sure)
+                lo, hi = wilson(k, len(sure))
+                out.append(dict(task=task, method=method, budget=budget, min_margin=x, prompts=len(sure),
+                                share=round(len(sure) / len(rs), 4), agreement=round(k / len(sure), 4),
+                                agreement_low=round(lo, 4), agreement_high=round(hi, 4)))
+    return out
+
+
+def margin_markdown(table: list[dict]) -> str:
+    """``by_margin``'s table: a row per task, method and budget, a column per margin (agreement, n)."""
+    margins = sorted({t["min_margin"] for t in table})
+    cells = {(t["task"], t["method"], t["budget"], t["min_margin"]): t for t in table}
+    out = ["| task | method | budget | " + " | ".join(f"margin >= {x}" for x in margins) + " |",
+           "|" + " --- |" * (3 + len(margins))]
+    for task, method, budget in sorted({(t["task"], t["method"], t["budget"]) for t in table}):
+        row = [f"{c['agreement']:.2f} ({c['prompts']})" if (c := cells.get((task, method, budget, x))) else ""
+               for x in margins]
+        out.append(f"| {task} | {method} | {budget:.2f} | " + " | ".join(row) + " |")
+    return "\n".join(out)
+
+
 def plot(summary: list[dict], path: Path) -> None:
-    """Agreement against budget, one line per method; a panel per task and order; bfloat16's
-    agreement drawn as a dashed line."""
+    """Agreement against budget, one line per method; a row of panels per task, a panel per order
+    (and the confident stratum); bfloat16's agreement drawn as a dashed line."""
     plt = pyplot()
     if plt is None:
         return
-    panels = sorted({(s["task"], s["order"]) for s in summary if s["order"] != "both"})
-    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.8), squeeze=False)
+    tasks = sorted({s["task"] for s in summary})
+    orders = [o for o in (*ORDERS, "confident") if any(s["order"] == o for s in summary)]
+    fig, axes = plt.subplots(len(tasks), len(orders), figsize=(4.2 * len(orders), 3.6 * len(tasks)), squeeze=False)
     budgets = sorted({s["budget"] for s in summary if s["method"] != "bf16_full"})
     x = {b: i for i, b in enumerate(budgets)}
-    for ax, (task, order) in zip(axes[0], panels):
+    for ax, (task, order) in zip(axes.flat, [(t, o) for t in tasks for o in orders]):
         here = [s for s in summary if (s["task"], s["order"]) == (task, order)]
+        if not here:
+            ax.set_visible(False)
+            continue
         for i, m in enumerate(sorted({s["method"] for s in here} - {"bf16_full"})):
             pts = sorted((s["budget"], s["agreement"]) for s in here if s["method"] == m)
             ax.plot([x[b] for b, _ in pts], [a for _, a in pts], marker="o", label=m, color=f"C{i}")
@@ -411,8 +541,10 @@ def plot(summary: list[dict], path: Path) -> None:
         ax.axhline(0.9, color="C3", ls=":", lw=1)
         ax.set_xticks(range(len(budgets)), ["full" if b >= 1 else f"{b:.0%}" for b in budgets])
         n = max((s["prompts"] for s in here), default=0)
-        ax.set(title=f"{task}, {order} (n={n})", xlabel="recomputed share of document tokens", ylim=(0, 1.02))
-    axes[0][0].set_ylabel("agreement with full prefill's answer")
+        label = f"margin > {here[0]['min_margin']}" if order == "confident" else order
+        ax.set(title=f"{task}, {label} (n={n})", xlabel="recomputed share of document tokens", ylim=(0, 1.02))
+    for row in axes:
+        row[0].set_ylabel("agreement with full prefill's answer")
     axes[0][-1].legend(fontsize=7, loc="lower right")
     save_figure(fig, path)
 
@@ -447,24 +579,29 @@ def markdown(summary: list[dict]) -> str:
     out = []
     budgets = sorted({s["budget"] for s in summary if s["method"] != "bf16_full"})
     for task in sorted({s["task"] for s in summary}):
-        for order in (*ORDERS, "both"):
+        for order in (*ORDERS, "both", "confident"):
             here = {(s["method"], s["budget"]): s for s in summary if (s["task"], s["order"]) == (task, order)}
             if not here:
                 continue
             n = max(s["prompts"] for s in here.values())
-            out += [f"\n**{task}, {order}** (n = {n} prompts; agreement with full prefill's answer)\n",
+            what = (f"both orders where full prefill's answer margin > {next(iter(here.values()))['min_margin']}"
+                    if order == "confident" else order)
+            out += [f"\n**{task}, {what}** (n = {n} prompts; agreement with full prefill's answer)\n",
                     "| method | " + " | ".join("full" if b >= 1 else f"{b:.0%}" for b in budgets) + " |",
                     "| --- |" + " --- |" * len(budgets)]
             for m in sorted({k[0] for k in here} - {"bf16_full"}):
                 cells = [f"{here[(m, b)]['agreement']:.2f}" if (m, b) in here else "" for b in budgets]
                 out.append(f"| {m} | " + " | ".join(cells) + " |")
-            if ("bf16_full", 1.0) in here:
+            if ("bf16_full", 1.0) in here and 1.0 in budgets:
                 out.append("| bfloat16 full prefill |" + " |" * (len(budgets) - 1)
                            + f" {here[('bf16_full', 1.0)]['agreement']:.2f} |")
+            elif ("bf16_full", 1.0) in here:  # no full column: the calibration under the table
+                c = here[("bf16_full", 1.0)]
+                out.append(f"\nbfloat16 full prefill against float32: {c['agreement']:.2f} (n = {c['prompts']})")
     out += ["\n| task | order | method | budget | n | agreement (95% CI) | same sentence | full / method correct | "
             "kept (95% CI) | lost / won | McNemar p | first-token KL | TTFT vs full |", "|" + " --- |" * 13]
     for s in summary:
-        if s["order"] == "both" and (s["budget"] <= 0.2 or s["method"] == "bf16_full"):
+        if s["order"] in ("both", "confident") and (s["budget"] <= 0.2 or s["method"] == "bf16_full"):
             kept = f"{s['kept']:.2f} ({s['kept_low']:.2f}-{s['kept_high']:.2f})" if s["kept"] is not None else "-"
             out.append(f"| {s['task']} | {s['order']} | {s['method']} | {s['budget']:.2f} | {s['prompts']} | "
                        f"{s['agreement']:.2f} ({s['agreement_low']:.2f}-{s['agreement_high']:.2f}) | "
@@ -491,7 +628,8 @@ def parse_args(argv):
     ap.add_argument("--model", default="smollm2", help="alias (smollm2), Hugging Face id or local directory")
     ap.add_argument("--n", type=int, default=60, help="prompts per task (each asked in both orders)")
     ap.add_argument("--first", type=int, default=0, help="skip the first N samples of each task (split a run)")
-    ap.add_argument("--tasks", nargs="+", default=list(fidelity_tasks.TASKS), choices=fidelity_tasks.TASKS)
+    ap.add_argument("--tasks", nargs="+", default=["fact1", "fact2"], choices=fidelity_tasks.TASKS,
+                    help="fact1, fact2 (distinct facts, the default); single, twohop (the earlier codes)")
     ap.add_argument("--methods", nargs="+", default=list(METHODS),
                     help=f"{', '.join(METHODS)}, or any engine selection name")
     ap.add_argument("--budgets", nargs="+", type=float, default=list(BUDGETS), help="fractions; 1 = full recompute")
@@ -501,6 +639,8 @@ def parse_args(argv):
     ap.add_argument("--calibrate", type=int, default=0, help="bfloat16 full prefill on the first N samples a task")
     ap.add_argument("--full-only", action="store_true",
                     help="full prefill's answers alone (a row per prompt, method full_prefill): a model's accuracy")
+    ap.add_argument("--margin", type=float, default=CONFIDENT,
+                    help="the confident stratum: full prefill's answer margin above this (summary order 'confident')")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--combine", nargs="+", type=Path, help="summarize these per-prompt CSVs only")
     ap.add_argument("--out", type=Path, default=RESULTS)
@@ -520,7 +660,8 @@ def check_methods(methods: list[str]) -> None:
 
     def known(m: str) -> bool:  # an encoding prefix goes with an engine selection only
         enc, base = split_method(m)
-        return (base in METHODS or base in SELECTIONS) and (enc == "alone" or METHODS.get(base) != "reference")
+        return (base in METHODS or base in SELECTIONS) and (enc == "alone" or METHODS.get(base) not in ("reference",
+                                                                                                   "kvshare"))
 
     bad = [m for m in methods if not known(m)]
     if bad:
@@ -538,18 +679,24 @@ def main(argv=None) -> list[dict]:
         check_methods(args.methods)
         rows = run(args, lambda rows: write_csv(f"{stem}.csv", rows, args.out))
         write_csv(f"{stem}.csv", rows, args.out)
-    summary = summarize(expand_shared(rows, args.methods))
+    expanded = expand_shared(rows, args.methods)
+    summary = summarize(expanded, args.margin)
     path = write_csv(f"{stem}_summary.csv", summary, args.out)
+    margins = by_margin(expanded)
+    if margins:
+        write_csv(f"{stem}_margin.csv", margins, args.out)
     plot(summary, path.with_suffix(".png"))
     plot_plane(summary, path.with_name(f"{stem}_ttft.png"))
     for s in summary:
-        if s["order"] == "both":
-            print(f"{s['task']:7s} {s['method']:>14s} @{s['budget']:<5} n={s['prompts']:3d} agree {s['agreement']:.3f} "
+        if s["order"] in ("both", "confident"):
+            print(f"{s['task']:7s} {s['order'][:4]} {s['method']:>14s} @{s['budget']:<5} n={s['prompts']:3d} agree {s['agreement']:.3f} "
                   f"[{s['agreement_low']:.2f}, {s['agreement_high']:.2f}]  acc {s['full_accuracy']:.2f}->"
                   f"{s['method_accuracy']:.2f}  lost {s['lost']:2d} won {s['won']:2d} p {s['mcnemar_p']:.3f}  "
                   f"KL {s['first_token_kl']:.3f}  TTFT x{s['speedup_median']}")
     if args.markdown:
         print(markdown(summary))
+        print("\nAgreement (prompts) where full prefill's answer margin is at least x, both orders:\n")
+        print(margin_markdown(margins))
     print(f"wrote {path} and {path.with_suffix('.png').name}")
     return summary
 

@@ -18,11 +18,12 @@ from __future__ import annotations
 
 import random
 
-from .data.make_synthetic import CITIES, COLOURS, DAYS, NAMES, PLACES, filler
+from .data.make_synthetic import CITIES, COLOURS, DAYS, NAMES, PLACES, TOPICS, filler
 
 DOC_COUNTS = (4, 6, 8)  # documents a prompt: one of these per sample
-FILLER_TOKENS, PLACE_TOKENS = 16, 11  # about the tokens of one ``filler`` / ``place_sentence`` sentence (SmolLM2)
-TASKS = ("single", "twohop")
+FILLER_TOKENS, PLACE_TOKENS, PLAIN_TOKENS = 16, 11, 10  # about the tokens of one filler sentence of each kind (SmolLM2)
+TASKS = ("fact1", "fact2", "single", "twohop")
+ANSWER_WORDS = frozenset(c.lower() for c in CITIES)  # the fact tasks' answers: what ``eval.fidelity`` compares
 
 
 def padded(rng: random.Random, head: str, fact: str, tokens: int, sentence, sentence_tokens: int) -> str:
@@ -72,13 +73,52 @@ def twohop_sample(rng: random.Random, i: int, doc_tokens: int) -> dict:
                 answers=[codes[j]], target=order.index(j), _id=f"twohop-{i}", dataset="twohop")
 
 
+THINGS = tuple(w for words in TOPICS.values() for w in words)
+ADJECTIVES = "quiet busy bright calm crowded tidy old new small large".split()
+
+
+def plain_sentence(rng: random.Random) -> str:
+    """A filler sentence that names no person and no city (either would be a decoy for the fact
+    tasks' questions): about a thing and a day."""
+    thing, adj, day = rng.choice(THINGS), rng.choice(ADJECTIVES), rng.choice(DAYS)
+    return rng.choice((f"The {thing} was {adj} on {day}.", f"On {day} the {thing} looked {adj}.",
+                       f"Everyone agreed the {thing} was {adj} that {day}."))
+
+
+def fact1_sample(rng: random.Random, i: int, doc_tokens: int) -> dict:
+    docs = rng.choice(DOC_COUNTS)
+    names, cities = rng.sample(NAMES, docs), rng.sample(CITIES, docs)
+    notes = [padded(rng, f"About {n}.", f"{n} lives in {c}.", doc_tokens // docs, plain_sentence, PLAIN_TOKENS)
+             for n, c in zip(names, cities)]
+    j = rng.randrange(docs)
+    return dict(notes=notes, input=f"In which city does {names[j]} live? Answer with the city name only.",
+                answers=[cities[j]], target=j, _id=f"fact1-{i}", dataset="fact1")
+
+
+def fact2_sample(rng: random.Random, i: int, doc_tokens: int) -> dict:
+    docs = rng.choice(DOC_COUNTS)
+    records = docs - 1
+    names, cities = rng.sample(NAMES, records), rng.sample(CITIES, records)
+    j = rng.randrange(records)
+    per = doc_tokens // docs
+    notes = [padded(rng, f"About {n}.", f"{n} lives in {c}.", per, plain_sentence, PLAIN_TOKENS)
+             for n, c in zip(names, cities)]
+    notes.append(padded(rng, "Delivery memo.", f"The parcel is for {names[j]}.", per, plain_sentence, PLAIN_TOKENS))
+    order = list(range(docs))
+    rng.shuffle(order)  # the memo is not always last
+    notes = [notes[k] for k in order]
+    return dict(notes=notes, input="In which city does the person named in the delivery memo live? "
+                                   "Answer with the city name only.",
+                answers=[cities[j]], target=order.index(j), _id=f"fact2-{i}", dataset="fact2")
+
+
 def samples(task: str, n: int, seed: int = 51, doc_tokens: int = 1000) -> list[dict]:
     """``n`` samples of ``task`` (``TASKS``), about ``doc_tokens`` tokens of documents each."""
-    make = {"single": single_sample, "twohop": twohop_sample}
+    make = {"single": single_sample, "twohop": twohop_sample, "fact1": fact1_sample, "fact2": fact2_sample}
     if task not in make:
         raise ValueError(f"unknown fidelity task {task!r} (known: {', '.join(TASKS)})")
     rng = random.Random(f"{task}:{seed}")
     return [make[task](rng, i, doc_tokens) for i in range(n)]
 
 
-__all__ = ["DOC_COUNTS", "TASKS", "samples"]
+__all__ = ["ANSWER_WORDS", "DOC_COUNTS", "TASKS", "samples"]

@@ -26,9 +26,47 @@ def test_answers_agree_on_the_code_they_give():
     key = fidelity.answer_key
     assert key("The code is 4677") == key("The locker code of the person is 46 77") == "4677"
     assert key("The code is 4232") != key("The code is 4677")
-    assert key("The parcel is for the person at the Library") == key("the parcel is for the person at the library")
+    assert key("The parcel is for the person at the library") == key("the parcel is for the person at the library")
+    assert key("Lisbon") == key("Kofi lives in Lisbon") == "lisbon" != key("Kofi lives in Oslo")  # the fact tasks' city
+    assert key("The city is Paris") == key("The city name is Paris") != key("The city name is Goran")  # a name given
+    assert key("The city is not specified") == "the city is not specified"
     r = fidelity.score(dict(full_answer="The code is 4677", method_answer="It is 4677"))
     assert (r["agree"], r["agree_text"]) == (1, 0)
+
+
+class Letters:
+    """A tokenizer stand-in: a token is one character."""
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(i) for i in ids)
+
+
+def test_the_answers_margin_is_the_step_that_starts_its_key():
+    import torch
+
+    assert math.isclose(fidelity.margin(torch.tensor([0.0, math.log(3.0), -1e9])), 0.5, abs_tol=1e-6)  # 3/4 - 1/4
+    gen = [ord(c) for c in "It is Oslo. "]
+    margins = [0.9] * len(gen)
+    margins[6] = 0.1  # the step that writes the "O" of Oslo
+    assert fidelity.answer_margin(Letters(), gen, margins) == 0.1
+    gen = [ord(c) for c in "No idea. "]  # no key: the first step's
+    assert fidelity.answer_margin(Letters(), gen, [0.3] + [0.9] * (len(gen) - 1)) == 0.3
+
+
+def test_the_confident_stratum_keeps_prompts_where_full_prefill_was_sure():
+    rows = [dict(row(f"s{i}", "listed", "default", 0.2, agree, 1, agree), full_margin=m)
+            for i, (agree, m) in enumerate([(1, 0.9), (1, 0.7), (0, 0.2), (0, 0.1)])]
+    sure = next(s for s in fidelity.summarize(rows, min_margin=0.5) if s["order"] == "confident")
+    assert (sure["prompts"], sure["agreement"], sure["min_margin"]) == (2, 1.0, 0.5)
+    both = next(s for s in fidelity.summarize(rows, min_margin=0.5) if s["order"] == "both")
+    assert (both["prompts"], both["agreement"], both["min_margin"]) == (4, 0.5, None)
+    table = {t["min_margin"]: t for t in fidelity.by_margin(rows, (0.0, 0.5, 0.8))}
+    assert (table[0.0]["prompts"], table[0.0]["agreement"]) == (4, 0.5)
+    assert (table[0.5]["prompts"], table[0.5]["agreement"], table[0.5]["share"]) == (2, 1.0, 0.5)
+    assert (table[0.8]["prompts"], table[0.8]["agreement"]) == (1, 1.0)
+    assert "| single | default | 0.20 | 0.50 (4) | 1.00 (2) | 1.00 (1) |" in fidelity.margin_markdown(list(table.values()))
+    old = [{k: v for k, v in r.items() if k != "full_margin"} for r in rows]  # an older run's rows: no stratum
+    assert {s["order"] for s in fidelity.summarize(old)} == {"listed", "both"}
 
 
 def test_wilson_interval_on_known_values():
@@ -85,6 +123,14 @@ def test_tasks_are_seeded_and_answerable(task):
         assert len(notes) in fidelity_tasks.DOC_COUNTS
         assert [code in n for n in notes].count(True) == 1 and code in notes[s["target"]]
         assert 700 < len(" ".join(notes).split()) * 4 / 3 < 1400  # ~1K tokens at ~4/3 tokens a word
+        if task == "fact2":  # the question names no person; the memo names the target's
+            memo = next(n for n in notes if n.startswith("Delivery memo."))
+            name = re.search(r"The parcel is for (\w+)\.", memo).group(1)
+            assert notes[s["target"]].startswith(f"About {name}.") and name not in s["input"]
+        if task.startswith("fact"):  # distinct facts: a city named once, in its person's record, nowhere else
+            words = re.findall(r"\w+", " ".join(notes).lower())
+            cities = [w for w in words if w in fidelity_tasks.ANSWER_WORDS]
+            assert len(cities) == len(set(cities)) == sum(n.startswith("About ") for n in notes)
         if task == "twohop":  # the question names no place; the memo names the target's
             memo = next(n for n in notes if n.startswith("Delivery memo."))
             place = re.search(r"works at the (\w+)\.", memo).group(1)
@@ -113,8 +159,42 @@ def test_study_end_to_end_on_a_tiny_model(tmp_path):
         if r["method"] == "system:default":  # the first document is exact: 20% of the others' tokens
             assert r["exact"] == "0" and 0 < float(r["recomputed"]) < 0.2 or float(r["budget"]) == 0
     assert {(s["method"], s["budget"]) for s in summary} >= {("default", 0.0), ("cacheblend", 1.0), ("bf16_full", 1.0)}
-    for name in ("fidelity_t_summary.csv", "fidelity_t_summary.png", "fidelity_t_ttft.png"):
+    assert all(0.0 <= float(r["full_margin"]) <= 1.0 for r in rows)
+    for name in ("fidelity_t_summary.csv", "fidelity_t_summary.png", "fidelity_t_ttft.png", "fidelity_t_margin.csv"):
         assert (tmp_path / name).exists()
     again = fidelity.main(["--combine", str(tmp_path / "fidelity_t.csv"), "--methods", "default", "cacheblend",
                            "system:default", "--out", str(tmp_path), "--tag", "_c"])
     assert again == summary
+
+
+def test_a_refresh_during_decoding_of_exact_states_changes_nothing(tmp_path):
+    """KVShare-style refresh (eval/fidelity_kvshare.py): on a prompt prefilled exactly (every
+    document token recomputed), recomputing every document token again in prompt order after the
+    first answer token gives the same next-token logits as plain decoding; on a splice it moves them."""
+    import torch
+
+    from eval import fidelity_kvshare
+    from promptcache import PromptCache
+
+    pc = PromptCache.from_pretrained("embedded:demo")
+    sample = fidelity_tasks.samples("fact1", 1, doc_tokens=160)[0]
+    p = fidelity.Prompt(pc, sample, shuffled=True)
+    got = {}
+    for budget in (1.0, 0.0):
+        for share in (None, 1.0):
+            res = p.store(None).prefill(p.question, p.ids, system=fidelity.SYSTEM, recompute=budget, reserve=4,
+                                        keep_cache=True)
+            first = int(res.logits.argmax())
+            with torch.inference_mode():
+                got[(budget, share)] = (pc.adapter.forward(torch.tensor([[first]]), torch.tensor([[res.next_position]]),
+                                                           res.cache)[0] if share is None else
+                                        fidelity_kvshare.refresh(pc, res, first, share)).float()
+            pc.release(res)
+    assert torch.allclose(got[(1.0, None)], got[(1.0, 1.0)], atol=1e-4)
+    assert not torch.allclose(got[(0.0, None)], got[(0.0, 1.0)], atol=1e-4)
+    order, _, _, docs, new_order = fidelity_kvshare.slot_map(p.store(None).layout(p.question, p.ids, system=fidelity.SYSTEM))
+    assert sorted(order + new_order) == list(range(len(order) + len(new_order))) and set(docs) <= set(range(len(order)))
+    rows = fidelity.main(["--model", "embedded:demo", "--n", "1", "--tasks", "fact1", "--orders", "listed",
+                          "--methods", "kvshare", "--budgets", "0.2", "--doc-tokens", "160", "--answer-tokens", "4",
+                          "--out", str(tmp_path)])
+    assert any(s["method"] == "kvshare" and s["budget"] == 0.2 for s in rows)
