@@ -102,6 +102,7 @@ def trimmed_engine(tmp_path, window_aware=True):
     config = EngineConfig(store=StoreConfig(host_budget=0, spill_dir=str(tmp_path), window_aware=window_aware))
     pc = PromptCache(gemma3(4), make_tokenizer(), config)
     pc.add_schema(SCHEMA)
+    pc.store.tiers[-1].flush()  # on disk, trimmed: until the writer has written them, reads get the queued whole copy
     return pc
 
 
