@@ -364,7 +364,8 @@ def test_a_decode_row_reads_its_shared_pool_runs_and_store_tensors_in_its_gather
     """FOLD_SHARED: a decode row's shared segments held in the pool join its own slots in the native
     gather, and so does a store tensor read in place (a run of a source of its own: no cascade
     segment left for the row); a store tensor the op cannot read (another dtype) stays a segment; a
-    chunk keeps cascade attention; FOLD_SHARED off leaves every segment to cascade attention."""
+    chunk reads the pool run with its own tokens in the prefill op's runs (FOLD_PREFILL,
+    test_prefill_runs.py); FOLD_SHARED off leaves the decode row's segments to cascade attention."""
     import promptcache.engine.serving_core.paged as paged
 
     monkeypatch.setattr(paged.cpu_attention, "gathers", lambda buf: True)
@@ -385,10 +386,18 @@ def test_a_decode_row_reads_its_shared_pool_runs_and_store_tensors_in_its_gather
     runs = plan.decode_runs  # the pool run, the store tensor (source 0), the row's own slots
     assert runs.starts.tolist() == [[0, 16, 32]] and runs.src.tolist() == [[-1, 0, -1]]
     assert len(runs.sources) == 1 and runs.sources[0].data_ptr() == stored.data_ptr()
-    assert sorted(idx.tolist() for _, idx in plan.segments) == [[0], [1, 2, 3, 4, 5]]  # float16; the chunk's run
+    assert sorted(idx.tolist() for _, idx in plan.segments) == [[0]]  # float16
+    chunk = plan.prefill_runs  # the chunk: the pool run, then its own slots
+    assert not plan.prefills and chunk.runs.starts.tolist() == [[0, 16]] and chunk.lengths.tolist() == [21]
+    assert chunk.slots[0].tolist() == run.tolist() + own[1].tolist() and chunk.queries == slice(1, 6)
+    assert chunk.limits.tolist() == [[16, n] for n in range(1, 6)]
     monkeypatch.setattr(paged, "FOLD_SHARED", False)
     plan = paged.build_plan(pool, rows)
     assert plan.decode_lengths.tolist() == [3] and plan.decode_runs is None
+    assert sorted(idx.tolist() for _, idx in plan.segments) == [[0], [0], [0]]
+    monkeypatch.setattr(paged, "FOLD_PREFILL", False)
+    plan = paged.build_plan(pool, rows)
+    assert plan.prefill_runs is None
     assert sorted(idx.tolist() for _, idx in plan.segments) == [[0], [0], [0, 1, 2, 3, 4, 5]]
 
 
@@ -430,6 +439,7 @@ def test_a_prompt_stored_in_scattered_blocks_is_read_together_and_stays_exact(to
     import promptcache.engine.serving_core.paged as paged
 
     monkeypatch.setattr(tunables, "DENSE_MAX", 0)  # the per-part path (dense.py reads every pool run by slot)
+    monkeypatch.setattr(paged, "FOLD_PREFILL", False)  # segments, not runs of the native prefill op
     grouped = []
     group = paged._group_segments
     monkeypatch.setattr(paged, "_group_segments",
@@ -519,16 +529,20 @@ def test_a_step_with_a_chunk_or_a_segment_some_rows_skip_takes_the_general_path(
     assert not paged.build_plan(pool, [paged.PagedRow([0, 0], [0, 1], seg, a)]).decodes_only
 
 
+@pytest.mark.parametrize("fold", [False, True])
 @pytest.mark.parametrize("runs", [1, 3, 6])
 @pytest.mark.parametrize("head_dim", [8, 16])
-def test_a_chunk_whose_earlier_tokens_lie_in_pieces_attends_as_plain_causal_attention(runs, head_dim, monkeypatch, device):
+def test_a_chunk_whose_earlier_tokens_lie_in_pieces_attends_as_plain_causal_attention(runs, head_dim, fold, monkeypatch,
+                                                                                      device):
     """A prefill chunk whose row's earlier own tokens lie in several pool runs (a reused prefix's
     blocks, then blocks of its own) reads each run in place, or all of them gathered past
-    SEGMENTS_MAX runs; either way it equals causal softmax attention over the row's tokens in order."""
+    SEGMENTS_MAX runs, or (``fold``, with the native kernel) its own slot list in the prefill op's
+    runs; each way it equals causal softmax attention over the row's tokens in order."""
     import promptcache.models.splice as cache
     import promptcache.engine.serving_core.paged as paged
 
     monkeypatch.setattr(tunables, "DENSE_MAX", 0)  # the per-part path (dense.py: test_dense_attention.py)
+    monkeypatch.setattr(paged, "FOLD_PREFILL", fold)
 
     g = torch.Generator().manual_seed(runs * head_dim)
     spec = cache.KVSpec(layers=2, kv_heads=2, head_dim=head_dim, dtype=torch.float32)
@@ -542,10 +556,15 @@ def test_a_chunk_whose_earlier_tokens_lie_in_pieces_attends_as_plain_causal_atte
     new = pool.slots(pieces[runs], 0, 5)
     own = torch.cat([earlier, new])
     plan = paged.build_plan(pool, [paged.PagedRow([0] * 5, list(range(5)), [], own)])
-    (_, _, new_part, parts), = plan.prefills
-    assert isinstance(new_part, slice)
-    assert len(parts) == (runs if runs <= paged.SEGMENTS_MAX else 1)
-    assert all(isinstance(p, slice) for p in parts) == (runs <= paged.SEGMENTS_MAX)
+    folded = fold and paged.cpu_attention.gathers(pool.buf)  # the native op reads this head dim and device
+    assert (plan.prefill_runs is not None) == folded
+    if folded:
+        assert plan.prefill_runs.slots[0].tolist() == own.tolist() and not plan.prefills
+    else:
+        (_, _, new_part, parts), = plan.prefills
+        assert isinstance(new_part, slice)
+        assert len(parts) == (runs if runs <= paged.SEGMENTS_MAX else 1)
+        assert all(isinstance(p, slice) for p in parts) == (runs <= paged.SEGMENTS_MAX)
     query = torch.randn((1, 6, 5, head_dim), generator=g).to(device)  # 6 query heads over 2 kv heads
     got = paged.attend(plan, 1, query)  # [1, 5, Hq, D]
     k, v = pool.buf[1, 0][:, own], pool.buf[1, 1][:, own]  # [Hk, n, D]

@@ -17,7 +17,9 @@ queries to:
     the native CPU kernel, which reads them by slot). With the native kernel a decode row reads
     its shared segments with its own tokens too, as runs of one slot list (pool runs, or a store
     tier's tensors read in place; a segment read shifted with the row's query rotated back once
-    per run: ``decode_runs.py``): every decode row of a step in one call a layer.
+    per run: ``decode_runs.py``): every decode row of a step in one call a layer. Prefill rows
+    (chunks, selective recompute's rows with key limits) read their segments and own tokens the
+    same way in one more call (``attend_prefill_runs``: each query sees a prefix of each run).
 
 Without the native CPU kernel (turned off, or a GPU: the path where every op is a kernel launch)
 a step of rotary or learned-position rows is attended in ONE call a layer instead (``dense.py``:
