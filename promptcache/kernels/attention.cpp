@@ -175,6 +175,41 @@ void values_rows(const float* p, Row&& row, int kn, float* o, int rows) {
   remainder<ND, rr>(rows - i, [&](auto r) { values<ND, r>(p + i * kKeys, row, kn, o + i * ND * 16); });
 }
 
+// One query row of a key tile in an online softmax: scores si [kKeys] of which the row sees the
+// first `see` (<= 0: none, its scores zeroed: they weigh 0 in P V); updates the row's running max
+// mx, sum l and output oi (rescaled), leaving exp(s - mx) in si for P V.
+template <int ND>
+inline void online_row(float* si, int64_t see, float& mx, float& l, float* oi) {
+  if (see <= 0) {
+    std::memset(si, 0, sizeof(float) * kKeys);
+    return;
+  }
+  for (int64_t j = see; j < kKeys; ++j) si[j] = kNegInf;
+  v16 m4 = load(si);
+  for (int c = 1; c < 4; ++c) m4 = vmax(m4, load(si + c * 16));
+  const float m_new = std::max(mx, hmax(m4));
+  const float alpha = std::exp(mx - m_new);  // 0 on the row's first keys (mx = -inf)
+  v16 sum = v16{};
+  for (int c = 0; c < 4; ++c) {
+    const v16 p = vexp(load(si + c * 16) - splat(m_new));
+    store(si + c * 16, p);
+    sum += p;
+  }
+  l = l * alpha + hsum(sum);
+  mx = m_new;
+  if (alpha != 1.0f)
+    for (int c = 0; c < ND; ++c) store(oi + c * 16, load(oi + c * 16) * splat(alpha));
+}
+
+// A row's result from its running output oi, max mx and sum l: out = oi / l, lse = mx + log l (a
+// row that saw no key: 0 and -inf).
+template <int ND>
+inline void finish_row(const float* oi, float mx, float l, float* out, float* lse) {
+  const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+  for (int c = 0; c < ND; ++c) store(out + c * 16, load(oi + c * 16) * splat(inv));
+  *lse = l > 0.0f ? mx + std::log(l) : kNegInf;
+}
+
 // Online-softmax attention of `rows` (<= kRows) queries over keys 0 .. n-1, query i seeing keys
 // 0 .. limit[i]; per key tile j0 of kn keys, scores(j0, kn, s) writes s[i][j] = scale * q_i . k_(j0+j)
 // (rows i, kKeys columns: finite past kn, they are masked) and values(j0, kn, p, o) adds
@@ -196,38 +231,11 @@ void attend_rows(int rows, const int64_t* limit, int64_t n, Scores&& scores, Val
   for (int64_t j0 = 0; j0 < n; j0 += kKeys) {
     const int kn = static_cast<int>(std::min<int64_t>(kKeys, n - j0));
     scores(j0, kn, s);
-    for (int i = 0; i < rows; ++i) {
-      float* si = s + i * kKeys;
-      const int64_t see = std::min<int64_t>(kn, limit[i] - j0 + 1);  // keys of this tile row i sees
-      if (see <= 0) {  // row i sees none of these keys (causal only): they weigh 0
-        std::memset(si, 0, sizeof(float) * kKeys);
-        continue;
-      }
-      for (int64_t j = see; j < kKeys; ++j) si[j] = kNegInf;
-      v16 m4 = load(si);
-      for (int c = 1; c < 4; ++c) m4 = vmax(m4, load(si + c * 16));
-      const float m_new = std::max(mx[i], hmax(m4));
-      const float alpha = std::exp(mx[i] - m_new);  // 0 on the first tile (mx = -inf)
-      v16 sum = v16{};
-      for (int c = 0; c < 4; ++c) {
-        const v16 p = vexp(load(si + c * 16) - splat(m_new));
-        store(si + c * 16, p);
-        sum += p;
-      }
-      l[i] = l[i] * alpha + hsum(sum);
-      mx[i] = m_new;
-      if (alpha != 1.0f) {
-        float* oi = o + i * D;
-        for (int c = 0; c < ND; ++c) store(oi + c * 16, load(oi + c * 16) * splat(alpha));
-      }
-    }
+    for (int i = 0; i < rows; ++i)  // the keys of this tile row i sees (none: causal only, they weigh 0)
+      online_row<ND>(s + i * kKeys, std::min<int64_t>(kn, limit[i] - j0 + 1), mx[i], l[i], o + i * D);
     values(j0, kn, s, o);
   }
-  for (int i = 0; i < rows; ++i) {
-    const float inv = l[i] > 0.0f ? 1.0f / l[i] : 0.0f;
-    for (int c = 0; c < ND; ++c) store(out + i * D + c * 16, load(o + i * D + c * 16) * splat(inv));
-    lse[i] = l[i] > 0.0f ? mx[i] + std::log(l[i]) : kNegInf;
-  }
+  for (int i = 0; i < rows; ++i) finish_row<ND>(o + i * D, mx[i], l[i], out + i * D, lse + i);
 }
 
 #if defined(__clang__) || (defined(__GNUC__) && __GNUC__ >= 12)
@@ -1135,40 +1143,12 @@ void run_prefill(const float* q, const std::vector<Source<KV>>& src, const int64
           const int kn = static_cast<int>(std::min<int64_t>(kKeys, n - j0));
           pack_tile<D, true>(kt, kn, [&](int j) { return k + sl[a + j0 + j] * from.ks1; });
           scores_rows<ND>(qs, D, kt, scale, s, rows);
-          for (int i = 0; i < rows; ++i) {
-            float* si = s + i * kKeys;
-            const int64_t see = std::min<int64_t>(kn, lim[i] - j0);  // keys of this tile row i sees
-            if (see <= 0) {
-              std::memset(si, 0, sizeof(float) * kKeys);
-              continue;
-            }
-            for (int64_t j = see; j < kKeys; ++j) si[j] = kNegInf;
-            v16 m4 = load(si);
-            for (int c = 1; c < 4; ++c) m4 = vmax(m4, load(si + c * 16));
-            const float m_new = std::max(mx[i], hmax(m4));
-            const float alpha = std::exp(mx[i] - m_new);  // 0 on the row's first keys (mx = -inf)
-            v16 sum = v16{};
-            for (int c = 0; c < 4; ++c) {
-              const v16 p = vexp(load(si + c * 16) - splat(m_new));
-              store(si + c * 16, p);
-              sum += p;
-            }
-            l[i] = l[i] * alpha + hsum(sum);
-            mx[i] = m_new;
-            if (alpha != 1.0f) {
-              float* oi = o + i * D;
-              for (int c = 0; c < ND; ++c) store(oi + c * 16, load(oi + c * 16) * splat(alpha));
-            }
-          }
+          for (int i = 0; i < rows; ++i)  // the keys of this tile row i sees
+            online_row<ND>(s + i * kKeys, std::min<int64_t>(kn, lim[i] - j0), mx[i], l[i], o + i * D);
           values_rows<ND>(s, [&](int j) { return v + sl[a + j0 + j] * from.vs1; }, kn, o, rows);
         }
       }
-      for (int i = 0; i < rows; ++i) {
-        const int64_t r = at(i);
-        const float inv = l[i] > 0.0f ? 1.0f / l[i] : 0.0f;
-        for (int c = 0; c < ND; ++c) store(out + r * D + c * 16, load(o + i * D + c * 16) * splat(inv));
-        lse[r] = l[i] > 0.0f ? mx[i] + std::log(l[i]) : kNegInf;
-      }
+      for (int i = 0; i < rows; ++i) finish_row<ND>(o + i * D, mx[i], l[i], out + at(i) * D, lse + at(i));
     }
   });
 }

@@ -24,7 +24,7 @@ from promptcache.engine.serving_core.kvpool import KVPool
 from promptcache.kernels import attention as cpu_attention
 from promptcache.models.splice import KVSpec
 from refusals import refused_in_child
-from test_gather_runs import DOCS, rope_of, tables
+from test_gather_runs import DOCS, attend_all, rope_of, rows_over_documents, serve_questions, tables
 
 
 @pytest.fixture(scope="module")
@@ -175,41 +175,6 @@ def test_bad_prefill_runs_are_refused_with_what_is_wrong(op):
         ("op(q[0], k, k, slots, lengths, 1.0, st, sr, ro, cos, sin, src, 0, row, lim)", r"q must be \[X, G, M, D\]")])
 
 
-def rows_over_documents(pool, gen, limited: bool, values=torch.float32):
-    """Prefill rows (chunks of 2-6 tokens after 0-5 earlier own tokens) over a prompt prefix held
-    in the pool (not shifted), then documents in a random order at positions where they were not
-    stored: two held in the pool, two store tensors (one cut in two by recompute: slices of one
-    tensor), one other store tensor, then own tokens; a decode row beside them. ``limited``: each
-    document seen up to a non-decreasing prefix (selective recompute's rows)."""
-    prefix = pool.allocate(3)  # 12 tokens
-    docs = [pool.allocate(2), pool.allocate(3)]  # 8 and 12 tokens
-    as_pool = lambda x: x.to(values).to(pool.buf.dtype)  # noqa: E731 (values: the precision they hold)
-    store = as_pool(torch.randn(2, 2, 2, 20, pool.buf.shape[-1], generator=gen))
-    views = [pool.views(d, 4 * len(d))[0] for d in docs]
-    held = [(f"pool{i}", v, pool.slots(d, 0, v.shape[3])) for i, (d, v) in enumerate(zip(docs, views))]
-    kept = [("store", store[:, :, :, :9], None), ("store[11:]", store[:, :, :, 11:], None),
-            ("other", as_pool(torch.randn(2, 2, 2, 7, pool.buf.shape[-1], generator=gen)), None)]
-    rows = []
-    for i in range(5):
-        t = 1 if i == 4 else int(torch.randint(2, 7, (1,), generator=gen))
-        done = 0 if i == 4 else int(torch.randint(0, 6, (1,), generator=gen))
-        order = torch.randperm(5, generator=gen).tolist()
-        parts = [("prefix", pool.views(prefix, 12)[0], pool.slots(prefix, 0, 12))] + [(held + kept)[j] for j in order]
-        shifts = [0] + [int(torch.randint(-6, 40, (1,), generator=gen)) for _ in order]
-        lims = None
-        if limited and i < 4:
-            lims = [None] + [torch.randint(0, v.shape[3] + 1, (t,), generator=gen).sort().values for _, v, _ in parts[1:]]
-        own = pool.slots(pool.allocate(3), 0, done + t)
-        rows.append(paged.PagedRow([0] * t, list(range(t)), [(k, v) for k, v, _ in parts], own,
-                                   shared_slots=[s for _, _, s in parts], shared_shift=shifts, shared_limits=lims))
-    return rows
-
-
-def attend_all(pool, rows, query, rope):
-    plan = paged.build_plan(pool, rows, rope=rope)
-    return [paged.attend(plan, layer, query) for layer in range(2)], plan
-
-
 # rotary frequencies for every layer (partial: 8 of 16 channels rotate), and a row a layer (Gemma 3's
 # bases per layer type); prefill rows reading whole documents (recompute 0) and prefixes of them
 @pytest.mark.parametrize("per_layer", [False, True])
@@ -221,7 +186,7 @@ def test_prefill_rows_over_shifted_documents_in_one_call_equal_the_per_segment_p
                   tokens=512, block_size=4)
     pool.buf.copy_(torch.randn(pool.buf.shape, generator=gen))
     rope = torch.stack([rope_of(8), rope_of(8) / 7]) if per_layer else rope_of(8)
-    rows = rows_over_documents(pool, gen, limited)
+    rows = rows_over_documents(pool, gen, limited=limited)
     n = sum(len(r.ids) for r in rows)
     query = torch.randn((1, 6, n, 16), generator=gen)  # 3 query heads a KV head
     calls = {"prefill": 0, "attend": 0, "limits": 0}
@@ -239,7 +204,8 @@ def test_prefill_rows_over_shifted_documents_in_one_call_equal_the_per_segment_p
     monkeypatch.setattr(cpu_attention, "limits_kernel_for", counted("limits"))
     got, plan = attend_all(pool, rows, query, rope)
     pr = plan.prefill_runs
-    assert pr is not None and len(pr.runs.sources) == 2 and pr.query_row.shape[0] == n - 1  # the store tensor, the other
+    assert pr is not None and pr.query_row.shape[0] == n - 1  # every row's queries but the decode row's
+    assert len(pr.runs.sources) == 2  # the store tensor, the other
     assert pr.limits.shape == (n - 1, 7)  # the prefix, five documents, own tokens: a run each
     assert not plan.prefills and not plan.segments and not plan.limited  # every segment folded
     assert calls == {"prefill": 2, "attend": 0, "limits": 0}  # one call a layer for every prefill row
@@ -264,7 +230,8 @@ def test_bfloat16_prefill_rows_stay_within_rounding(op, monkeypatch):
         pool = KVPool(KVSpec(layers=2, kv_heads=2, head_dim=16, dtype=dtype), torch.device("cpu"), tokens=512,
                       block_size=4)
         pool.buf.copy_(torch.randn(pool.buf.shape, generator=torch.Generator().manual_seed(9)).bfloat16())
-        pools.append((pool, rows_over_documents(pool, torch.Generator().manual_seed(4), True, values=torch.bfloat16)))
+        rows = rows_over_documents(pool, torch.Generator().manual_seed(4), values=torch.bfloat16, limited=True)
+        pools.append((pool, rows))
     (pool, rows), (pool32, rows32) = pools
     n = sum(len(r.ids) for r in rows)
     query = torch.randn((1, 6, n, 16), generator=torch.Generator().manual_seed(1)).bfloat16()
@@ -298,44 +265,18 @@ def test_a_float16_store_tensor_keeps_its_own_call(op, monkeypatch):
         assert (a - b).abs().max().item() < 1e-5
 
 
-def serve_questions(pc, store, monkeypatch, fold: bool):
-    """Questions over the documents in three orders, at recompute 0, 0.5 and "auto", served
-    together: (greedy tokens, each step's logits, whether each step's prefill rows were folded
-    with key limits, whether folded at all)."""
-    from promptcache.engine.decoding.sampling import SamplingParams
-    from promptcache.engine.serving_core.request import Request
-    from promptcache.engine.serving_core.scheduler import ServingScheduler
+def folded_rows(plan, rows) -> tuple[bool, bool]:
+    """Whether the step's prefill rows were folded, and folded with rows of key limits."""
+    folded = plan.prefill_runs is not None
+    return folded, folded and any(r.shared_limits is not None and any(x is not None for x in r.shared_limits)
+                                  for r in rows)
 
-    monkeypatch.setattr(paged, "FOLD_PREFILL", fold)
-    logits, limited, folded = [], [], []
-    build = paged.build_plan
 
-    def recorded_plan(*args, **kwargs):
-        plan = build(*args, **kwargs)
-        folded.append(plan.prefill_runs is not None)
-        limited.append(plan.prefill_runs is not None and any(
-            r.shared_limits is not None and any(x is not None for x in r.shared_limits) for r in args[1]))
-        return plan
-
-    def forward(pool, rows):
-        out = paged.paged_forward(pc.runner, pool, rows)
-        logits.append(out.float().clone())
-        return out
-
-    monkeypatch.setattr(paged, "build_plan", recorded_plan)
-    sched = ServingScheduler(pc.runner, KVPool(pc.runner.spec, pc.device, 2048, 16), token_budget=512,
-                             planner=pc.core.planner, forward=forward)
-    orders = [["paris", "tokyo", "rome"], ["rome", "paris", "tokyo"], ["tokyo", "rome", "paris"]]
-    reqs = [Request(store.prompt("Which city is old?", ids, recompute=r),
-                    SamplingParams(max_new_tokens=6, temperature=0.0), pc.tokenizer)
-            for ids in orders for r in (0.0, 0.5, "auto")]
-    for r in reqs:
-        sched.add(r)
-    while sched.has_work:
-        sched.step()
-    monkeypatch.setattr(paged, "build_plan", build)
-    assert all(r.error is None for r in reqs), [r.error for r in reqs]
-    return [r.token_ids for r in reqs], logits, limited, folded
+def serve(pc, store, monkeypatch, fold: bool):
+    """``serve_questions`` at recompute 0, 0.5 and "auto", the prefill fold on or off."""
+    tokens, logits, seen = serve_questions(pc, store, monkeypatch, fold, "FOLD_PREFILL", folded_rows,
+                                           (0.0, 0.5, "auto"))
+    return tokens, logits, [limited for _, limited in seen], [folded for folded, _ in seen]
 
 
 # served end to end: questions' own tokens and recomputed tokens as prefill rows over documents
@@ -353,10 +294,10 @@ def test_served_prefill_rows_over_documents_equal_the_per_segment_path(op, famil
     store = DocumentStore(pc, independent=True)
     for k, v in DOCS.items():
         store.add(k, v)
-    tokens, logits, limited, folded = serve_questions(pc, store, monkeypatch, fold=True)
+    tokens, logits, limited, folded = serve(pc, store, monkeypatch, fold=True)
     assert any(folded) == (family != "gemma3_window6")
     assert any(limited) == (family != "gemma3_window6")  # recomputed rows seeing prefixes of documents
-    want_tokens, want_logits, _, old = serve_questions(pc, store, monkeypatch, fold=False)
+    want_tokens, want_logits, _, old = serve(pc, store, monkeypatch, fold=False)
     assert not any(old)
     assert tokens == want_tokens
     assert len(logits) == len(want_logits)

@@ -266,8 +266,8 @@ def build_plan(pool: KVPool, rows: list[PagedRow], scale: float | None = None, k
             valid = torch.arange(width, device=dev)[None, :] < plan.decode_lengths[:, None]  # [B, width]
             hk, b = pool.buf.shape[2], len(decodes)
             plan.decode_bias = _bias(valid[None, :, None, :].expand(hk, b, 1, width).reshape(hk * b, 1, width))
-        plan.decodes_only = not plan.prefills and not ptable.rows and all(idx.numel() == off for _, idx in plan.segments) \
-            and all(sh is None for sh in plan.segment_shift)
+        plan.decodes_only = not plan.prefills and not ptable.rows \
+            and all(idx.numel() == off for _, idx in plan.segments) and all(sh is None for sh in plan.segment_shift)
     if ptable.rows:
         plan.prefill_runs = ptable.prefills()
     return _shifted(plan, rope)
