@@ -41,9 +41,11 @@ GATHER_MAX = 256
 # Segments read in place from a store tensor are runs of their own (the gather op over runs); prefill
 # rows: FOLD_PREFILL.
 FOLD_SHARED = True
-# Prefill rows (chunks, selective recompute's rows) read their segments (pool slots or a store's
-# tensors, at any shift) and own tokens with the native kernel as runs of one slot list, each query
-# seeing its prefix of each (``attend_prefill_runs``): every prefill row of a step in one call a layer.
+# Prefill rows (chunks, selective recompute's rows) that read documents read them (pool slots or a
+# store's tensors, at any shift) and their own tokens with the native kernel as runs of one slot
+# list, each query seeing its prefix of each (``attend_prefill_runs``): every such row of a step in
+# one call a layer (a RAG batch's admission 1.6-1.8x faster: eval/results/batch.md). A row reading
+# no document keeps the causal call (a plain 2K prompt's prefill was 6-15% slower over runs).
 FOLD_PREFILL = True
 # Without the native CPU kernel (kernels/attention.py; it reads decode rows' own keys by slot
 # itself), decode rows' own tokens are attended with plain matrix products (one batched product,

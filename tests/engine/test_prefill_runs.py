@@ -247,6 +247,28 @@ def test_bfloat16_prefill_rows_stay_within_rounding(op, monkeypatch):
         assert err <= err_old + 2 ** -9 * w.abs().max().item(), (err, err_old)
 
 
+def test_a_row_reading_no_document_keeps_the_causal_call(op, monkeypatch):
+    """A prefill row without shared segments (a plain prompt's chunk) keeps the causal call (its
+    key tiles packed once for every query tile, bfloat16 products), beside a row folded into runs;
+    both equal the per-segment path."""
+    gen = torch.Generator().manual_seed(6)
+    pool = KVPool(KVSpec(layers=2, kv_heads=2, head_dim=16, dtype=torch.float32), torch.device("cpu"), tokens=128,
+                  block_size=4)
+    pool.buf.copy_(torch.randn(pool.buf.shape, generator=gen))
+    doc = pool.allocate(2)
+    rows = [paged.PagedRow([0] * 4, list(range(4)), [], pool.slots(pool.allocate(2), 0, 6)),
+            paged.PagedRow([0] * 3, list(range(3)), [("doc", pool.views(doc, 8)[0])], pool.slots(pool.allocate(1), 0, 3),
+                           shared_slots=[pool.slots(doc, 0, 8)], shared_shift=[5])]
+    query = torch.randn((1, 4, 7, 16), generator=gen)
+    got, plan = attend_all(pool, rows, query, rope_of(16))
+    assert [p[:2] for p in plan.prefills] == [(0, 4)] and plan.prefill_runs.queries == slice(4, 7)
+    monkeypatch.setattr(paged, "FOLD_PREFILL", False)
+    want, old = attend_all(pool, rows, query, rope_of(16))
+    assert old.prefill_runs is None and len(old.prefills) == 2
+    for a, b in zip(got, want):
+        assert (a - b).abs().max().item() < 1e-5
+
+
 def test_a_float16_store_tensor_keeps_its_own_call(op, monkeypatch):
     """A store tensor the op cannot read in place (float16 beside a float32 pool) stays a segment
     of its own, merged after the folded rows' call."""
@@ -254,10 +276,13 @@ def test_a_float16_store_tensor_keeps_its_own_call(op, monkeypatch):
                   block_size=4)
     pool.buf.copy_(torch.randn(pool.buf.shape, generator=torch.Generator().manual_seed(2)))
     half = torch.randn(2, 2, 2, 6, 16).half()
-    row = paged.PagedRow([0] * 3, [0, 1, 2], [("half", half)], pool.slots(pool.allocate(1), 0, 3))
+    doc = pool.allocate(1)
+    row = paged.PagedRow([0] * 3, [0, 1, 2], [("doc", pool.views(doc, 4)[0]), ("half", half)],
+                         pool.slots(pool.allocate(1), 0, 3), shared_slots=[pool.slots(doc, 0, 4), None])
     query = torch.randn((1, 4, 3, 16), generator=torch.Generator().manual_seed(3))
     got, plan = attend_all(pool, [row], query, rope_of(16))
-    assert plan.prefill_runs is not None and len(plan.segments) == 1 and plan.prefill_runs.limits.shape == (3, 1)
+    assert plan.prefill_runs is not None and len(plan.segments) == 1  # the float16 tensor
+    assert plan.prefill_runs.limits.tolist() == [[4, 1], [4, 2], [4, 3]]  # the pool's document, own tokens
     monkeypatch.setattr(paged, "FOLD_PREFILL", False)
     want, old = attend_all(pool, [row], query, rope_of(16))
     assert old.prefill_runs is None

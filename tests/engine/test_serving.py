@@ -529,20 +529,16 @@ def test_a_step_with_a_chunk_or_a_segment_some_rows_skip_takes_the_general_path(
     assert not paged.build_plan(pool, [paged.PagedRow([0, 0], [0, 1], seg, a)]).decodes_only
 
 
-@pytest.mark.parametrize("fold", [False, True])
 @pytest.mark.parametrize("runs", [1, 3, 6])
 @pytest.mark.parametrize("head_dim", [8, 16])
-def test_a_chunk_whose_earlier_tokens_lie_in_pieces_attends_as_plain_causal_attention(runs, head_dim, fold, monkeypatch,
-                                                                                      device):
+def test_a_chunk_whose_earlier_tokens_lie_in_pieces_attends_as_plain_causal_attention(runs, head_dim, monkeypatch, device):
     """A prefill chunk whose row's earlier own tokens lie in several pool runs (a reused prefix's
     blocks, then blocks of its own) reads each run in place, or all of them gathered past
-    SEGMENTS_MAX runs, or (``fold``, with the native kernel) its own slot list in the prefill op's
-    runs; each way it equals causal softmax attention over the row's tokens in order."""
+    SEGMENTS_MAX runs; either way it equals causal softmax attention over the row's tokens in order."""
     import promptcache.models.splice as cache
     import promptcache.engine.serving_core.paged as paged
 
     monkeypatch.setattr(tunables, "DENSE_MAX", 0)  # the per-part path (dense.py: test_dense_attention.py)
-    monkeypatch.setattr(paged, "FOLD_PREFILL", fold)
 
     g = torch.Generator().manual_seed(runs * head_dim)
     spec = cache.KVSpec(layers=2, kv_heads=2, head_dim=head_dim, dtype=torch.float32)
@@ -556,15 +552,10 @@ def test_a_chunk_whose_earlier_tokens_lie_in_pieces_attends_as_plain_causal_atte
     new = pool.slots(pieces[runs], 0, 5)
     own = torch.cat([earlier, new])
     plan = paged.build_plan(pool, [paged.PagedRow([0] * 5, list(range(5)), [], own)])
-    folded = fold and paged.cpu_attention.gathers(pool.buf)  # the native op reads this head dim and device
-    assert (plan.prefill_runs is not None) == folded
-    if folded:
-        assert plan.prefill_runs.slots[0].tolist() == own.tolist() and not plan.prefills
-    else:
-        (_, _, new_part, parts), = plan.prefills
-        assert isinstance(new_part, slice)
-        assert len(parts) == (runs if runs <= paged.SEGMENTS_MAX else 1)
-        assert all(isinstance(p, slice) for p in parts) == (runs <= paged.SEGMENTS_MAX)
+    (_, _, new_part, parts), = plan.prefills  # no document: the causal path, not the prefill op's runs
+    assert isinstance(new_part, slice) and plan.prefill_runs is None
+    assert len(parts) == (runs if runs <= paged.SEGMENTS_MAX else 1)
+    assert all(isinstance(p, slice) for p in parts) == (runs <= paged.SEGMENTS_MAX)
     query = torch.randn((1, 6, 5, head_dim), generator=g).to(device)  # 6 query heads over 2 kv heads
     got = paged.attend(plan, 1, query)  # [1, 5, Hq, D]
     k, v = pool.buf[1, 0][:, own], pool.buf[1, 1][:, own]  # [Hk, n, D]
