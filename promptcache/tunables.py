@@ -38,9 +38,15 @@ GATHER_MAX = 256
 # call as its own tokens (their slots prepended to its own): no partial result per segment and no
 # merge, where cascade attention's per-segment calls and merges cost more than reading a short
 # shared prefix once per row (a RAG batch: one or two small shared runs per row; eval/results/batch.md).
-# Prefill chunks keep cascade attention (a segment read once for all their queries), and segments
-# read in place from a store tensor stay cascade segments (they have no pool slots).
+# Segments read in place from a store tensor are runs of their own (the gather op over runs); prefill
+# rows: FOLD_PREFILL.
 FOLD_SHARED = True
+# Prefill rows (chunks, selective recompute's rows) that read documents read them (pool slots or a
+# store's tensors, at any shift) and their own tokens with the native kernel as runs of one slot
+# list, each query seeing its prefix of each (``attend_prefill_runs``): every such row of a step in
+# one call a layer (a RAG batch's admission 1.6-1.8x faster: eval/results/batch.md). A row reading
+# no document keeps the causal call (a plain 2K prompt's prefill was 6-15% slower over runs).
+FOLD_PREFILL = True
 # Without the native CPU kernel (kernels/attention.py; it reads decode rows' own keys by slot
 # itself), decode rows' own tokens are attended with plain matrix products (one batched product,
 # softmax, one product) from this many rows on, with torch's fused CPU attention below it. The fused kernel

@@ -24,6 +24,11 @@
 //   several rows read alike (a document: the same source and slots, anywhere in the rows, at any
 //   rotation) are read together, each row's queries rotated by its own run, over packed key tiles
 //   (run_groups), and merged with the rest of each row by log-sum-exp;
+// and torch.ops.promptcache_native.attend_prefill_runs(q, k, v, slots, lengths, scale, run_starts, run_src,
+//   run_rot, cos, sin, sources, layer, query_row, limits) -> (out, lse): prefill rows over the same
+//   runs, q [X, G, M, D] (M queries), query i of row query_row[i] seeing the first limits[i, j] keys
+//   of the row's run j (int64 [M, R]): documents under selective recompute's prompt order and the
+//   row's own tokens (causal) in one online softmax; out [X, G, M, D], lse [X, G, M];
 // and torch.ops.promptcache_native.attend_limits(q, k, v, scale, limits) -> (out, lse): attend's
 //   shapes, query row r (of every head) seeing keys 0 .. limits[r] - 1 (int64 [M], 1 .. N).
 //
@@ -170,6 +175,41 @@ void values_rows(const float* p, Row&& row, int kn, float* o, int rows) {
   remainder<ND, rr>(rows - i, [&](auto r) { values<ND, r>(p + i * kKeys, row, kn, o + i * ND * 16); });
 }
 
+// One query row of a key tile in an online softmax: scores si [kKeys] of which the row sees the
+// first `see` (<= 0: none, its scores zeroed: they weigh 0 in P V); updates the row's running max
+// mx, sum l and output oi (rescaled), leaving exp(s - mx) in si for P V.
+template <int ND>
+inline void online_row(float* si, int64_t see, float& mx, float& l, float* oi) {
+  if (see <= 0) {
+    std::memset(si, 0, sizeof(float) * kKeys);
+    return;
+  }
+  for (int64_t j = see; j < kKeys; ++j) si[j] = kNegInf;
+  v16 m4 = load(si);
+  for (int c = 1; c < 4; ++c) m4 = vmax(m4, load(si + c * 16));
+  const float m_new = std::max(mx, hmax(m4));
+  const float alpha = std::exp(mx - m_new);  // 0 on the row's first keys (mx = -inf)
+  v16 sum = v16{};
+  for (int c = 0; c < 4; ++c) {
+    const v16 p = vexp(load(si + c * 16) - splat(m_new));
+    store(si + c * 16, p);
+    sum += p;
+  }
+  l = l * alpha + hsum(sum);
+  mx = m_new;
+  if (alpha != 1.0f)
+    for (int c = 0; c < ND; ++c) store(oi + c * 16, load(oi + c * 16) * splat(alpha));
+}
+
+// A row's result from its running output oi, max mx and sum l: out = oi / l, lse = mx + log l (a
+// row that saw no key: 0 and -inf).
+template <int ND>
+inline void finish_row(const float* oi, float mx, float l, float* out, float* lse) {
+  const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+  for (int c = 0; c < ND; ++c) store(out + c * 16, load(oi + c * 16) * splat(inv));
+  *lse = l > 0.0f ? mx + std::log(l) : kNegInf;
+}
+
 // Online-softmax attention of `rows` (<= kRows) queries over keys 0 .. n-1, query i seeing keys
 // 0 .. limit[i]; per key tile j0 of kn keys, scores(j0, kn, s) writes s[i][j] = scale * q_i . k_(j0+j)
 // (rows i, kKeys columns: finite past kn, they are masked) and values(j0, kn, p, o) adds
@@ -191,38 +231,11 @@ void attend_rows(int rows, const int64_t* limit, int64_t n, Scores&& scores, Val
   for (int64_t j0 = 0; j0 < n; j0 += kKeys) {
     const int kn = static_cast<int>(std::min<int64_t>(kKeys, n - j0));
     scores(j0, kn, s);
-    for (int i = 0; i < rows; ++i) {
-      float* si = s + i * kKeys;
-      const int64_t see = std::min<int64_t>(kn, limit[i] - j0 + 1);  // keys of this tile row i sees
-      if (see <= 0) {  // row i sees none of these keys (causal only): they weigh 0
-        std::memset(si, 0, sizeof(float) * kKeys);
-        continue;
-      }
-      for (int64_t j = see; j < kKeys; ++j) si[j] = kNegInf;
-      v16 m4 = load(si);
-      for (int c = 1; c < 4; ++c) m4 = vmax(m4, load(si + c * 16));
-      const float m_new = std::max(mx[i], hmax(m4));
-      const float alpha = std::exp(mx[i] - m_new);  // 0 on the first tile (mx = -inf)
-      v16 sum = v16{};
-      for (int c = 0; c < 4; ++c) {
-        const v16 p = vexp(load(si + c * 16) - splat(m_new));
-        store(si + c * 16, p);
-        sum += p;
-      }
-      l[i] = l[i] * alpha + hsum(sum);
-      mx[i] = m_new;
-      if (alpha != 1.0f) {
-        float* oi = o + i * D;
-        for (int c = 0; c < ND; ++c) store(oi + c * 16, load(oi + c * 16) * splat(alpha));
-      }
-    }
+    for (int i = 0; i < rows; ++i)  // the keys of this tile row i sees (none: causal only, they weigh 0)
+      online_row<ND>(s + i * kKeys, std::min<int64_t>(kn, limit[i] - j0 + 1), mx[i], l[i], o + i * D);
     values(j0, kn, s, o);
   }
-  for (int i = 0; i < rows; ++i) {
-    const float inv = l[i] > 0.0f ? 1.0f / l[i] : 0.0f;
-    for (int c = 0; c < ND; ++c) store(out + i * D + c * 16, load(o + i * D + c * 16) * splat(inv));
-    lse[i] = l[i] > 0.0f ? mx[i] + std::log(l[i]) : kNegInf;
-  }
+  for (int i = 0; i < rows; ++i) finish_row<ND>(o + i * D, mx[i], l[i], out + i * D, lse + i);
 }
 
 #if defined(__clang__) || (defined(__GNUC__) && __GNUC__ >= 12)
@@ -1063,6 +1076,83 @@ void run_gather(const Q* q, const std::vector<Source<KV>>& src, const int64_t* s
 }
 
 
+// Prefill rows over runs of their keys (attend_prefill_runs): query qi of row qrow[qi] sees the first
+// limits[qi, i] keys of its row's run i (a document's prefix under selective recompute's prompt
+// order, causal over the row's own tokens), each run read with the query rotated by the run's
+// rotation (Runs), ONE online softmax over all of them. A work item is one head and a tile of
+// consecutive queries of one row (all their query heads, up to kRows): each key tile of each run is
+// packed once for the tile, scored with the tile's queries rotated once per run (float32), masked
+// past each query's limit; key tiles past the tile's longest limit are not read.
+struct PrefillItem {
+  int64_t x, q0, q1, g0, g1;
+};
+
+template <int ND, class KV>
+void run_prefill(const float* q, const std::vector<Source<KV>>& src, const int64_t* slots, int64_t width,
+                 const int64_t* lengths, int64_t heads, int64_t g, int64_t m, const int64_t* qrow,
+                 const int64_t* limits, float scale, float* out, float* lse, const Runs& rt) {
+  constexpr int D = ND * 16;
+  const int64_t R = rt.width;
+  const int64_t per = std::max<int64_t>(1, kRows / g), gh = std::min<int64_t>(g, kRows);
+  std::vector<PrefillItem> items;
+  for (int64_t x = 0; x < heads; ++x)
+    for (int64_t q0 = 0; q0 < m;) {
+      int64_t q1 = q0 + 1;
+      while (q1 < m && q1 - q0 < per && qrow[q1] == qrow[q0]) ++q1;
+      for (int64_t g0 = 0; g0 < g; g0 += gh) items.push_back({x, q0, q1, g0, std::min(g, g0 + gh)});
+      q0 = q1;
+    }
+  at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t lo, int64_t hi) {
+    std::vector<float> buf(2 * kRows * D + kRows * D + D * kKeys + kRows * kKeys + 64);
+    float* base = buf.data() + (64 - reinterpret_cast<uintptr_t>(buf.data()) / sizeof(float) % 16) % 16;
+    float *qg = base, *qr = qg + kRows * D, *o = qr + kRows * D, *kt = o + kRows * D, *s = kt + D * kKeys;
+    float mx[kRows], l[kRows];
+    int64_t lim[kRows];
+    for (int64_t w = lo; w < hi; ++w) {
+      const PrefillItem& it = items[w];
+      const int64_t gn = it.g1 - it.g0, b = qrow[it.q0];
+      const int rows = static_cast<int>((it.q1 - it.q0) * gn);
+      auto at = [&](int i) { return ((it.x * g + it.g0 + i % gn) * m + it.q0 + i / gn); };  // tile row -> output row
+      for (int i = 0; i < rows; ++i) {
+        std::memcpy(qg + i * D, q + at(i) * D, sizeof(float) * D);
+        mx[i] = kNegInf;
+        l[i] = 0.0f;
+      }
+      std::memset(o, 0, sizeof(float) * rows * D);
+      const int64_t* st = rt.starts + b * R;
+      const int64_t* sl = slots + b * width;
+      for (int64_t ri = 0; ri < R; ++ri) {
+        const int64_t a = st[ri], e = ri + 1 < R ? st[ri + 1] : lengths[b];
+        int64_t n = 0;
+        for (int i = 0; i < rows; ++i) {
+          lim[i] = limits[(it.q0 + i / gn) * R + ri];
+          n = std::max(n, lim[i]);
+        }
+        n = std::min(n, e - a);
+        if (n <= 0) continue;
+        const int64_t rot = rt.rot[b * R + ri];
+        const Source<KV>& from = src[rt.src[b * R + ri] + 1];
+        const float* qs = qg;
+        if (rot >= 0) {
+          for (int i = 0; i < rows; ++i) rotated_query(qg + i * D, rt, rot, D, qr + i * D);
+          qs = qr;
+        }
+        const KV* k = from.k + it.x * from.ks0;
+        const KV* v = from.v + it.x * from.vs0;
+        for (int64_t j0 = 0; j0 < n; j0 += kKeys) {
+          const int kn = static_cast<int>(std::min<int64_t>(kKeys, n - j0));
+          pack_tile<D, true>(kt, kn, [&](int j) { return k + sl[a + j0 + j] * from.ks1; });
+          scores_rows<ND>(qs, D, kt, scale, s, rows);
+          for (int i = 0; i < rows; ++i)  // the keys of this tile row i sees
+            online_row<ND>(s + i * kKeys, std::min<int64_t>(kn, lim[i] - j0), mx[i], l[i], o + i * D);
+          values_rows<ND>(s, [&](int j) { return v + sl[a + j0 + j] * from.vs1; }, kn, o, rows);
+        }
+      }
+      for (int i = 0; i < rows; ++i) finish_row<ND>(o + i * D, mx[i], l[i], out + at(i) * D, lse + at(i));
+    }
+  });
+}
+
 template <class F>
 void by_head_dim(int64_t d, F&& f) {
   switch (d / 16) {
@@ -1111,6 +1201,65 @@ struct RunArgs {
   int64_t layer;
 };
 
+// The runs' arguments (RunArgs) checked against rows b of slots [b, width] up to lengths len, over
+// the pool's k (slots_n tokens, heads, head dim d); bound: tokens of each source (the pool's first).
+Runs checked_runs(const RunArgs* ra, int64_t b, const int64_t* sl, int64_t width, const int64_t* len, int64_t heads,
+                  int64_t d, const at::Tensor& k, std::vector<int64_t>& bound, const char* name) {
+  Runs rt;
+  const at::Tensor *st = ra->starts, *sr = ra->src, *ro = ra->rot, *co = ra->cos, *si = ra->sin;
+  TORCH_CHECK(st->device().is_cpu() && sr->device().is_cpu() && ro->device().is_cpu() && co->device().is_cpu() &&
+                  si->device().is_cpu(), name, ": run_starts, run_src, run_rot, cos and sin must be CPU tensors");
+  TORCH_CHECK(st->scalar_type() == at::kLong && sr->scalar_type() == at::kLong && ro->scalar_type() == at::kLong &&
+                  st->dim() == 2 && st->size(0) == b && st->size(1) >= 1 && sr->sizes() == st->sizes() &&
+                  ro->sizes() == st->sizes() && st->is_contiguous() && sr->is_contiguous() && ro->is_contiguous(),
+              name, ": run_starts, run_src and run_rot must be contiguous int64 [B, R], B = ", b, ", R >= 1; got ",
+              st->scalar_type(), " ", st->sizes(), ", ", sr->scalar_type(), " ", sr->sizes(), " and ",
+              ro->scalar_type(), " ", ro->sizes());
+  TORCH_CHECK(co->scalar_type() == at::kFloat && si->scalar_type() == at::kFloat && co->dim() == 2 &&
+                  si->sizes() == co->sizes() && co->is_contiguous() && si->is_contiguous(),
+              name, ": cos and sin must be contiguous float32 [S, r] of one shape; got ", co->scalar_type(), " ",
+              co->sizes(), " and ", si->scalar_type(), " ", si->sizes());
+  const int64_t r = co->size(1), rows_n = co->size(0);
+  TORCH_CHECK(rows_n == 0 || (r % 2 == 0 && r >= 2 && r <= d), name, ": the rotary width r = ", r,
+              " (cos and sin [S, r]) must be even, 2 .. ", d, " (the head dim)");
+  for (size_t i = 0; i < ra->sources.size(); ++i) {
+    const at::Tensor& x = ra->sources[i];
+    TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == k.scalar_type() && x.dim() == 5 && x.size(0) > ra->layer &&
+                    ra->layer >= 0 && x.size(1) == 2 && x.size(2) == heads && x.size(4) == d && x.stride(4) == 1,
+                name, ": sources[", i, "] must be ", k.scalar_type(), " [L, 2, ", heads, ", n, ", d,
+                "] with L > layer ", ra->layer, " and its last dimension contiguous; got ", x.scalar_type(), " ",
+                x.sizes(), " strides ", x.strides());
+    bound.push_back(x.size(3));
+  }
+  rt.width = st->size(1);
+  rt.starts = st->data_ptr<int64_t>();
+  rt.src = sr->data_ptr<int64_t>();
+  rt.rot = ro->data_ptr<int64_t>();
+  rt.cos = co->data_ptr<float>();
+  rt.sin = si->data_ptr<float>();
+  rt.r = r;
+  rt.sources = static_cast<int64_t>(ra->sources.size());
+  for (int64_t i = 0; i < b; ++i) {
+    const int64_t* s0 = rt.starts + i * rt.width;
+    TORCH_CHECK(s0[0] == 0, name, ": row ", i, "'s first run starts at ", s0[0], " (must be 0)");
+    for (int64_t j = 0; j < rt.width; ++j) {
+      const int64_t end = j + 1 < rt.width ? s0[j + 1] : len[i];
+      TORCH_CHECK(s0[j] <= end && end <= len[i], name, ": row ", i, " run ", j, " starts at ", s0[j],
+                  " (runs start in order, at most at the row's length ", len[i], ")");
+      const int64_t rot = rt.rot[i * rt.width + j], from = rt.src[i * rt.width + j];
+      TORCH_CHECK(rot >= -1 && rot < rows_n, name, ": row ", i, " run ", j, " reads rotation ", rot,
+                  " (cos and sin hold ", rows_n, "; -1: none)");
+      TORCH_CHECK(from >= -1 && from < rt.sources, name, ": row ", i, " run ", j, " reads source ", from, " (",
+                  rt.sources, " sources; -1: the pool)");
+      for (int64_t x = s0[j]; x < end; ++x)
+        TORCH_CHECK(sl[i * width + x] >= 0 && sl[i * width + x] < bound[from + 1], name, ": row ", i, " slot ",
+                    sl[i * width + x], " is outside the ", bound[from + 1], " slots of ",
+                    from < 0 ? "k and v" : "its source");
+    }
+  }
+  return rt;
+}
+
 std::tuple<at::Tensor, at::Tensor> gather_checked(const at::Tensor& q_in, const at::Tensor& k, const at::Tensor& v,
                                                   const at::Tensor& slots, const at::Tensor& lengths, double scale,
                                                   const char* name, const RunArgs* ra) {
@@ -1137,57 +1286,7 @@ std::tuple<at::Tensor, at::Tensor> gather_checked(const at::Tensor& q_in, const 
   std::vector<int64_t> bound;  // tokens of each source (the pool's first)
   bound.push_back(slots_n);
   if (ra != nullptr) {  // runs of keys of other sources or read with the queries rotated
-    const at::Tensor *st = ra->starts, *sr = ra->src, *ro = ra->rot, *co = ra->cos, *si = ra->sin;
-    TORCH_CHECK(st->device().is_cpu() && sr->device().is_cpu() && ro->device().is_cpu() && co->device().is_cpu() &&
-                    si->device().is_cpu(), name, ": run_starts, run_src, run_rot, cos and sin must be CPU tensors");
-    TORCH_CHECK(st->scalar_type() == at::kLong && sr->scalar_type() == at::kLong && ro->scalar_type() == at::kLong &&
-                    st->dim() == 2 && st->size(0) == b && st->size(1) >= 1 && sr->sizes() == st->sizes() &&
-                    ro->sizes() == st->sizes() && st->is_contiguous() && sr->is_contiguous() && ro->is_contiguous(),
-                name, ": run_starts, run_src and run_rot must be contiguous int64 [B, R], B = ", b, ", R >= 1; got ",
-                st->scalar_type(), " ", st->sizes(), ", ", sr->scalar_type(), " ", sr->sizes(), " and ",
-                ro->scalar_type(), " ", ro->sizes());
-    TORCH_CHECK(co->scalar_type() == at::kFloat && si->scalar_type() == at::kFloat && co->dim() == 2 &&
-                    si->sizes() == co->sizes() && co->is_contiguous() && si->is_contiguous(),
-                name, ": cos and sin must be contiguous float32 [S, r] of one shape; got ", co->scalar_type(), " ",
-                co->sizes(), " and ", si->scalar_type(), " ", si->sizes());
-    const int64_t r = co->size(1), rows_n = co->size(0);
-    TORCH_CHECK(rows_n == 0 || (r % 2 == 0 && r >= 2 && r <= d), name, ": the rotary width r = ", r,
-                " (cos and sin [S, r]) must be even, 2 .. ", d, " (the head dim)");
-    for (size_t i = 0; i < ra->sources.size(); ++i) {
-      const at::Tensor& x = ra->sources[i];
-      TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == k.scalar_type() && x.dim() == 5 && x.size(0) > ra->layer &&
-                      ra->layer >= 0 && x.size(1) == 2 && x.size(2) == heads && x.size(4) == d && x.stride(4) == 1,
-                  name, ": sources[", i, "] must be ", k.scalar_type(), " [L, 2, ", heads, ", n, ", d,
-                  "] with L > layer ", ra->layer, " and its last dimension contiguous; got ", x.scalar_type(), " ",
-                  x.sizes(), " strides ", x.strides());
-      bound.push_back(x.size(3));
-    }
-    rt.width = st->size(1);
-    rt.starts = st->data_ptr<int64_t>();
-    rt.src = sr->data_ptr<int64_t>();
-    rt.rot = ro->data_ptr<int64_t>();
-    rt.cos = co->data_ptr<float>();
-    rt.sin = si->data_ptr<float>();
-    rt.r = r;
-    rt.sources = static_cast<int64_t>(ra->sources.size());
-    for (int64_t i = 0; i < b; ++i) {
-      const int64_t* s0 = rt.starts + i * rt.width;
-      TORCH_CHECK(s0[0] == 0, name, ": row ", i, "'s first run starts at ", s0[0], " (must be 0)");
-      for (int64_t j = 0; j < rt.width; ++j) {
-        const int64_t end = j + 1 < rt.width ? s0[j + 1] : len[i];
-        TORCH_CHECK(s0[j] <= end && end <= len[i], name, ": row ", i, " run ", j, " starts at ", s0[j],
-                    " (runs start in order, at most at the row's length ", len[i], ")");
-        const int64_t rot = rt.rot[i * rt.width + j], from = rt.src[i * rt.width + j];
-        TORCH_CHECK(rot >= -1 && rot < rows_n, name, ": row ", i, " run ", j, " reads rotation ", rot,
-                    " (cos and sin hold ", rows_n, "; -1: none)");
-        TORCH_CHECK(from >= -1 && from < rt.sources, name, ": row ", i, " run ", j, " reads source ", from, " (",
-                    rt.sources, " sources; -1: the pool)");
-        for (int64_t x = s0[j]; x < end; ++x)
-          TORCH_CHECK(sl[i * width + x] >= 0 && sl[i * width + x] < bound[from + 1], name, ": row ", i, " slot ",
-                      sl[i * width + x], " is outside the ", bound[from + 1], " slots of ",
-                      from < 0 ? "k and v" : "its source");
-      }
-    }
+    rt = checked_runs(ra, b, sl, width, len, heads, d, k, bound, name);
   } else {
     for (int64_t i = 0; i < b; ++i)
       for (int64_t j = 0; j < len[i]; ++j)
@@ -1236,6 +1335,78 @@ std::tuple<at::Tensor, at::Tensor> attend_gather_runs(const at::Tensor& q, const
                                                       const at::Tensor& sin, at::TensorList sources, int64_t layer) {
   const RunArgs ra{&run_starts, &run_src, &run_rot, &cos, &sin, sources, layer};
   return gather_checked(q, k, v, slots, lengths, scale, "promptcache_native.attend_gather_runs", &ra);
+}
+
+// Prefill rows over runs of their keys (run_prefill): the step's prefill queries q [X, G, M, D] (M
+// queries, G query heads of each KV head), query qi of row query_row[qi] seeing the first
+// limits[qi, i] keys of the row's run i (int64 [M, R], 0 .. the run's keys); rows, runs, sources
+// and rotations as attend_gather_runs's. Returns out [X, G, M, D], lse [X, G, M] (float32; a query
+// that sees no key: 0 and -inf). bfloat16 queries are widened (exact), products and sums float32.
+std::tuple<at::Tensor, at::Tensor> attend_prefill_runs(const at::Tensor& q_in, const at::Tensor& k, const at::Tensor& v,
+                                                       const at::Tensor& slots, const at::Tensor& lengths, double scale,
+                                                       const at::Tensor& run_starts, const at::Tensor& run_src,
+                                                       const at::Tensor& run_rot, const at::Tensor& cos,
+                                                       const at::Tensor& sin, at::TensorList sources, int64_t layer,
+                                                       const at::Tensor& query_row, const at::Tensor& limits) {
+  const char* name = "promptcache_native.attend_prefill_runs";
+  TORCH_CHECK(q_in.dim() == 4 && k.dim() == 3 && v.dim() == 3, name, ": q must be [X, G, M, D], k and v [X, S, D]");
+  check_common(q_in, k, v, name);
+  const at::Tensor q = q_in.to(at::kFloat).contiguous();
+  const int64_t heads = q.size(0), g = q.size(1), m = q.size(2), d = q.size(3), slots_n = k.size(1);
+  TORCH_CHECK(k.size(0) == heads && v.size(0) == heads && v.size(1) == slots_n && k.size(2) == d && v.size(2) == d,
+              name, ": q ", q.sizes(), ", k ", k.sizes(), ", v ", v.sizes(), " do not match");
+  TORCH_CHECK(slots.device().is_cpu() && lengths.device().is_cpu() && slots.scalar_type() == at::kLong &&
+                  lengths.scalar_type() == at::kLong && slots.dim() == 2 && slots.is_contiguous() &&
+                  lengths.dim() == 1 && lengths.size(0) == slots.size(0) && lengths.is_contiguous(),
+              name, ": slots must be int64 [B, W] and lengths int64 [B]; got ", slots.scalar_type(), " ",
+              slots.sizes(), " and ", lengths.scalar_type(), " ", lengths.sizes());
+  const int64_t b = slots.size(0), width = slots.size(1);
+  const int64_t* sl = slots.data_ptr<int64_t>();
+  const int64_t* len = lengths.data_ptr<int64_t>();
+  for (int64_t i = 0; i < b; ++i)
+    TORCH_CHECK(len[i] >= 0 && len[i] <= width, name, ": row ", i, " has length ", len[i], " (slots hold ", width, ")");
+  std::vector<int64_t> bound{slots_n};
+  const RunArgs ra{&run_starts, &run_src, &run_rot, &cos, &sin, sources, layer};
+  const Runs rt = checked_runs(&ra, b, sl, width, len, heads, d, k, bound, name);
+  const int64_t runs_n = rt.width;
+  TORCH_CHECK(query_row.device().is_cpu() && query_row.scalar_type() == at::kLong && query_row.dim() == 1 &&
+                  query_row.size(0) == m && query_row.is_contiguous(),
+              name, ": query_row must be contiguous int64 [M], M = ", m, "; got ", query_row.scalar_type(), " ",
+              query_row.sizes());
+  TORCH_CHECK(limits.device().is_cpu() && limits.scalar_type() == at::kLong && limits.dim() == 2 && limits.size(0) == m &&
+                  limits.size(1) == runs_n && limits.is_contiguous(),
+              name, ": limits must be contiguous int64 [M, R] = [", m, ", ", runs_n, "]; got ", limits.scalar_type(), " ",
+              limits.sizes());
+  const int64_t* qrow = query_row.data_ptr<int64_t>();
+  const int64_t* lim = limits.data_ptr<int64_t>();
+  for (int64_t i = 0; i < m; ++i) {
+    TORCH_CHECK(qrow[i] >= 0 && qrow[i] < b, name, ": query ", i, " is of row ", qrow[i], " (", b, " rows)");
+    const int64_t* st = rt.starts + qrow[i] * runs_n;
+    for (int64_t j = 0; j < runs_n; ++j) {
+      const int64_t keys = (j + 1 < runs_n ? st[j + 1] : len[qrow[i]]) - st[j];
+      TORCH_CHECK(lim[i * runs_n + j] >= 0 && lim[i * runs_n + j] <= keys, name, ": query ", i, " sees ",
+                  lim[i * runs_n + j], " keys of run ", j, " of row ", qrow[i], " (it holds ", keys, ")");
+    }
+  }
+  const auto f32 = q.options().dtype(at::kFloat);
+  at::Tensor out = at::empty({heads, g, m, d}, f32);
+  at::Tensor lse = at::empty({heads, g, m}, f32);
+  if (heads == 0 || g == 0 || m == 0) return {out, lse};
+  by_kv_type(k, v, [&](auto* kp, auto* vp) {
+    using KV = std::remove_const_t<std::remove_pointer_t<decltype(kp)>>;
+    std::vector<Source<KV>> src;
+    src.push_back({kp, vp, k.stride(0), k.stride(1), v.stride(0), v.stride(1), slots_n});
+    for (const at::Tensor& x : sources) {  // layer `layer` of each: keys [.., 0], values [.., 1]
+      const KV* base = reinterpret_cast<const KV*>(static_cast<const char*>(x.data_ptr()));
+      const KV* xk = base + layer * x.stride(0);
+      src.push_back({xk, xk + x.stride(1), x.stride(2), x.stride(3), x.stride(2), x.stride(3), x.size(3)});
+    }
+    by_head_dim(d, [&](auto nd) {
+      run_prefill<decltype(nd)::value>(q.data_ptr<float>(), src, sl, width, len, heads, g, m, qrow, lim,
+                                       static_cast<float>(scale), out.data_ptr<float>(), lse.data_ptr<float>(), rt);
+    });
+  });
+  return {out, lse};
 }
 
 std::tuple<at::Tensor, at::Tensor> attend_checked(const at::Tensor& q_in, const at::Tensor& k, const at::Tensor& v,
@@ -1323,6 +1494,9 @@ TORCH_LIBRARY(promptcache_native, m) {
   m.def("attend_limits(Tensor q, Tensor k, Tensor v, float scale, Tensor limits) -> (Tensor, Tensor)");
   m.def("attend_gather_runs(Tensor q, Tensor k, Tensor v, Tensor slots, Tensor lengths, float scale, Tensor run_starts, "
         "Tensor run_src, Tensor run_rot, Tensor cos, Tensor sin, Tensor[] sources, int layer) -> (Tensor, Tensor)");
+  m.def("attend_prefill_runs(Tensor q, Tensor k, Tensor v, Tensor slots, Tensor lengths, float scale, Tensor run_starts, "
+        "Tensor run_src, Tensor run_rot, Tensor cos, Tensor sin, Tensor[] sources, int layer, Tensor query_row, "
+        "Tensor limits) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(promptcache_native, CPU, m) {
@@ -1330,4 +1504,5 @@ TORCH_LIBRARY_IMPL(promptcache_native, CPU, m) {
   m.impl("attend_gather", &attend_gather);
   m.impl("attend_limits", &attend_limits);
   m.impl("attend_gather_runs", &attend_gather_runs);
+  m.impl("attend_prefill_runs", &attend_prefill_runs);
 }

@@ -2,8 +2,9 @@
 ``torch.ops.promptcache_native`` (``attend``: queries over keys, causal chunks too;
 ``attend_gather``: decode rows over their own keys read from the pool by slot; ``attend_gather_runs``:
 the same with runs of a row's keys read with its queries rotated, for documents read in place at
-another position); ``kernel_for``, ``gather_kernel_for`` and ``gather_runs_kernel_for`` hand them to
-``engine/serving_core/paged.py``.
+another position; ``attend_prefill_runs``: prefill rows over such runs, each query seeing a prefix
+of each run); ``kernel_for``, ``gather_kernel_for``, ``gather_runs_kernel_for`` and
+``prefill_runs_kernel_for`` hand them to ``engine/serving_core/paged.py``.
 
 Why: torch's fused CPU attention (``_scaled_dot_product_flash_attention_for_cpu``) does its matrix
 products through MKL's sgemm, which on an AMD CPU takes its AVX2 path: on the 2-core AMD EPYC
@@ -38,7 +39,7 @@ import torch
 from .build import NativeKernels
 
 __all__ = ["ENV_SWITCH", "available", "gather_kernel_for", "gather_runs_kernel_for", "kernel_for", "limits_kernel_for",
-           "unavailable_reason"]
+           "prefill_runs_kernel_for", "unavailable_reason"]
 
 ENV_SWITCH = "PROMPTCACHE_NATIVE_ATTENTION"
 
@@ -54,6 +55,10 @@ def _register_fakes(ops) -> None:
 
     @torch.library.register_fake("promptcache_native::attend_gather_runs")
     def _(q, k, v, slots, lengths, scale, run_starts, run_src, run_rot, cos, sin, sources, layer):
+        return q.new_empty(q.shape, dtype=torch.float32), q.new_empty(q.shape[:3], dtype=torch.float32)
+
+    @torch.library.register_fake("promptcache_native::attend_prefill_runs")
+    def _(q, k, v, slots, lengths, scale, run_starts, run_src, run_rot, cos, sin, sources, layer, query_row, limits):
         return q.new_empty(q.shape, dtype=torch.float32), q.new_empty(q.shape[:3], dtype=torch.float32)
 
     @torch.library.register_fake("promptcache_native::attend_limits")
@@ -130,3 +135,17 @@ def gather_runs_kernel_for(q: torch.Tensor, kv: torch.Tensor):
     bfloat16 there, as torch's ``.to(torch.bfloat16)``, for bfloat16 products); the rest of each
     row with its queries in float32."""
     return _KERNELS.ops.attend_gather_runs if kv.dtype in KV_DTYPES and _covers(q, KV_DTYPES) else None
+
+
+def prefill_runs_kernel_for(q: torch.Tensor, kv: torch.Tensor):
+    """The native op for a step's prefill queries ``q`` [X, G, M, D] over runs of their rows' keys
+    (as ``gather_runs_kernel_for``'s) when it covers them, else None. Called as
+    ``op(q, k, v, slots, lengths, scale, run_starts, run_src, run_rot, cos, sin, sources, layer,
+    query_row, limits) -> (out [X, G, M, D], lse [X, G, M])`` (float32): query i belongs to row
+    ``query_row[i]`` (int64 [M]) and sees the first ``limits[i, j]`` keys of that row's run j (int64
+    [M, R], 0 .. the run's keys: a document's prefix in selective recompute's prompt order, causal
+    over the row's own tokens), each run read with the query rotated by the run's rotation, one
+    online softmax over all of them. A tile of consecutive queries of one row (all their query
+    heads) packs each key tile of its runs once; key tiles past its longest limit are not read.
+    bfloat16 queries are widened (exact): float32 products and sums."""
+    return _KERNELS.ops.attend_prefill_runs if kv.dtype in KV_DTYPES and _covers(q, KV_DTYPES) else None

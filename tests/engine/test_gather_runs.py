@@ -244,11 +244,13 @@ def test_bad_runs_are_refused_with_what_is_wrong(op):
         ("op(q, k, k, slots, lengths, 1.0, st[:1], sr[:1], ro[:1], cos, sin, src, 0)", r"\[B, R\], B = 2")])
 
 
-def rows_over_documents(pool, gen, chunk=False, values=torch.float32):
+def rows_over_documents(pool, gen, chunk=False, values=torch.float32, limited=None):
     """Decode rows over a prompt prefix held in the pool (not shifted), then documents in a random
     order at positions where they were not stored: two held in the pool, two store tensors (one
     cut in two by recompute: slices of one tensor), then own tokens; ``chunk``: a prefill chunk of
-    3 beside them reading the same documents."""
+    3 beside them reading the same documents. ``limited`` (not None): the first four rows prefill
+    chunks instead (2-6 tokens after 0-5 earlier own tokens), the fifth a decode row; True: each
+    chunk sees each document up to a non-decreasing prefix (selective recompute's rows)."""
     prefix = pool.allocate(3)  # 12 tokens
     docs = [pool.allocate(2), pool.allocate(3)]  # 8 and 12 tokens
     as_pool = lambda x: x.to(values).to(pool.buf.dtype)  # noqa: E731 (values: the precision they hold)
@@ -259,13 +261,20 @@ def rows_over_documents(pool, gen, chunk=False, values=torch.float32):
             ("other", as_pool(torch.randn(2, 2, 2, 7, pool.buf.shape[-1], generator=gen)), None)]
     rows = []
     for i in range(5 + chunk):
-        t = 3 if chunk and i == 5 else 1
+        if limited is None:
+            t, done = (3 if chunk and i == 5 else 1), 5
+        else:
+            t = 1 if i == 4 else int(torch.randint(2, 7, (1,), generator=gen))
+            done = 0 if i == 4 else int(torch.randint(0, 6, (1,), generator=gen))
         order = torch.randperm(5, generator=gen).tolist()
         parts = [("prefix", pool.views(prefix, 12)[0], pool.slots(prefix, 0, 12))] + [(held + kept)[j] for j in order]
         shifts = [0] + [int(torch.randint(-6, 40, (1,), generator=gen)) for _ in order]
-        own = pool.slots(pool.allocate(2), 0, 5 + t)
+        lims = None
+        if limited and i < 4:
+            lims = [None] + [torch.randint(0, v.shape[3] + 1, (t,), generator=gen).sort().values for _, v, _ in parts[1:]]
+        own = pool.slots(pool.allocate(2 if limited is None else 3), 0, done + t)
         rows.append(paged.PagedRow([0] * t, list(range(t)), [(k, v) for k, v, _ in parts], own,
-                                   shared_slots=[s for _, _, s in parts], shared_shift=shifts))
+                                   shared_slots=[s for _, _, s in parts], shared_shift=shifts, shared_limits=lims))
     return rows
 
 
@@ -346,20 +355,27 @@ DOCS = {
 }
 
 
-def serve_questions(pc, store, monkeypatch, fold: bool):
-    """Questions over the documents in three orders (splice and recompute "auto"), served together:
-    (greedy tokens, each step's logits, whether each step's decode rows read shifted runs)."""
+def shifted_decodes(plan, rows) -> bool:
+    """Whether the step's decode rows read shifted runs."""
+    return plan.decode_runs is not None and plan.decode_runs.shifts.numel() > 0
+
+
+def serve_questions(pc, store, monkeypatch, fold: bool, flag: str = "FOLD_SHARED", seen=shifted_decodes,
+                    recomputes=(0.0, "auto")):
+    """Questions over the documents in three orders (splice, at each of ``recomputes``), served
+    together with ``paged``'s ``flag`` set to ``fold``: (greedy tokens, each step's logits,
+    ``seen(plan, rows)`` of each step's plan)."""
     from promptcache.engine.decoding.sampling import SamplingParams
     from promptcache.engine.serving_core.request import Request
     from promptcache.engine.serving_core.scheduler import ServingScheduler
 
-    monkeypatch.setattr(paged, "FOLD_SHARED", fold)
-    logits, shifted = [], []
+    monkeypatch.setattr(paged, flag, fold)
+    logits, records = [], []
     build = paged.build_plan
 
-    def recorded_plan(*args, **kwargs):
-        plan = build(*args, **kwargs)
-        shifted.append(plan.decode_runs is not None and plan.decode_runs.shifts.numel() > 0)
+    def recorded_plan(pool, rows, *args, **kwargs):
+        plan = build(pool, rows, *args, **kwargs)
+        records.append(seen(plan, rows))
         return plan
 
     def forward(pool, rows):
@@ -373,14 +389,14 @@ def serve_questions(pc, store, monkeypatch, fold: bool):
     orders = [["paris", "tokyo", "rome"], ["rome", "paris", "tokyo"], ["tokyo", "rome", "paris"]]
     reqs = [Request(store.prompt("Which city is old?", ids, recompute=r),
                     SamplingParams(max_new_tokens=6, temperature=0.0), pc.tokenizer)
-            for ids in orders for r in (0.0, "auto")]
+            for ids in orders for r in recomputes]
     for r in reqs:
         sched.add(r)
     while sched.has_work:
         sched.step()
     monkeypatch.setattr(paged, "build_plan", build)
     assert all(r.error is None for r in reqs), [r.error for r in reqs]
-    return [r.token_ids for r in reqs], logits, shifted
+    return [r.token_ids for r in reqs], logits, records
 
 
 # served end to end: documents read in place at another position than they were stored at; rotary

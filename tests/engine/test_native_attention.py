@@ -328,7 +328,7 @@ def test_the_serving_engine_attends_through_it_and_stays_exact(op, monkeypatch):
     from tiny import make_model, make_tokenizer
     from trip import PROMPTS, SCHEMA, serve_together
 
-    calls = {"kernel_for": [], "gather_kernel_for": [], "gather_runs_kernel_for": []}
+    calls = {"kernel_for": [], "gather_kernel_for": [], "gather_runs_kernel_for": [], "prefill_runs_kernel_for": []}
 
     def counted(name):
         real = getattr(cpu_attention, name)
@@ -346,8 +346,9 @@ def test_the_serving_engine_attends_through_it_and_stays_exact(op, monkeypatch):
     reqs = serve_together(pc, PROMPTS)
     for name, used in calls.items():  # head dim 16: every CPU attention call went native
         assert all(used), name
-    # decode rows read by slot: over the schema's modules (store tensors) in runs, or their own keys
-    assert calls["kernel_for"] and calls["gather_kernel_for"] + calls["gather_runs_kernel_for"]
+    # prefill rows and decode rows read by slot: over the schema's modules (store tensors) in runs,
+    # or their own keys
+    assert calls["prefill_runs_kernel_for"] and calls["gather_kernel_for"] + calls["gather_runs_kernel_for"]
     schema = pc.schema("trip").layout
     for prompt, req in zip(PROMPTS, reqs):
         ref, _, _ = definition_state(pc.model, schema, pc.layout(prompt))

@@ -364,7 +364,8 @@ def test_a_decode_row_reads_its_shared_pool_runs_and_store_tensors_in_its_gather
     """FOLD_SHARED: a decode row's shared segments held in the pool join its own slots in the native
     gather, and so does a store tensor read in place (a run of a source of its own: no cascade
     segment left for the row); a store tensor the op cannot read (another dtype) stays a segment; a
-    chunk keeps cascade attention; FOLD_SHARED off leaves every segment to cascade attention."""
+    chunk reads the pool run with its own tokens in the prefill op's runs (FOLD_PREFILL,
+    test_prefill_runs.py); FOLD_SHARED off leaves the decode row's segments to cascade attention."""
     import promptcache.engine.serving_core.paged as paged
 
     monkeypatch.setattr(paged.cpu_attention, "gathers", lambda buf: True)
@@ -385,10 +386,18 @@ def test_a_decode_row_reads_its_shared_pool_runs_and_store_tensors_in_its_gather
     runs = plan.decode_runs  # the pool run, the store tensor (source 0), the row's own slots
     assert runs.starts.tolist() == [[0, 16, 32]] and runs.src.tolist() == [[-1, 0, -1]]
     assert len(runs.sources) == 1 and runs.sources[0].data_ptr() == stored.data_ptr()
-    assert sorted(idx.tolist() for _, idx in plan.segments) == [[0], [1, 2, 3, 4, 5]]  # float16; the chunk's run
+    assert sorted(idx.tolist() for _, idx in plan.segments) == [[0]]  # float16
+    chunk = plan.prefill_runs  # the chunk: the pool run, then its own slots
+    assert not plan.prefills and chunk.runs.starts.tolist() == [[0, 16]] and chunk.lengths.tolist() == [21]
+    assert chunk.slots[0].tolist() == run.tolist() + own[1].tolist() and chunk.queries == slice(1, 6)
+    assert chunk.limits.tolist() == [[16, n] for n in range(1, 6)]
     monkeypatch.setattr(paged, "FOLD_SHARED", False)
     plan = paged.build_plan(pool, rows)
     assert plan.decode_lengths.tolist() == [3] and plan.decode_runs is None
+    assert sorted(idx.tolist() for _, idx in plan.segments) == [[0], [0], [0]]
+    monkeypatch.setattr(paged, "FOLD_PREFILL", False)
+    plan = paged.build_plan(pool, rows)
+    assert plan.prefill_runs is None
     assert sorted(idx.tolist() for _, idx in plan.segments) == [[0], [0], [0, 1, 2, 3, 4, 5]]
 
 
@@ -430,6 +439,7 @@ def test_a_prompt_stored_in_scattered_blocks_is_read_together_and_stays_exact(to
     import promptcache.engine.serving_core.paged as paged
 
     monkeypatch.setattr(tunables, "DENSE_MAX", 0)  # the per-part path (dense.py reads every pool run by slot)
+    monkeypatch.setattr(paged, "FOLD_PREFILL", False)  # segments, not runs of the native prefill op
     grouped = []
     group = paged._group_segments
     monkeypatch.setattr(paged, "_group_segments",
@@ -542,8 +552,8 @@ def test_a_chunk_whose_earlier_tokens_lie_in_pieces_attends_as_plain_causal_atte
     new = pool.slots(pieces[runs], 0, 5)
     own = torch.cat([earlier, new])
     plan = paged.build_plan(pool, [paged.PagedRow([0] * 5, list(range(5)), [], own)])
-    (_, _, new_part, parts), = plan.prefills
-    assert isinstance(new_part, slice)
+    (_, _, new_part, parts), = plan.prefills  # no document: the causal path, not the prefill op's runs
+    assert isinstance(new_part, slice) and plan.prefill_runs is None
     assert len(parts) == (runs if runs <= paged.SEGMENTS_MAX else 1)
     assert all(isinstance(p, slice) for p in parts) == (runs <= paged.SEGMENTS_MAX)
     query = torch.randn((1, 6, 5, head_dim), generator=g).to(device)  # 6 query heads over 2 kv heads

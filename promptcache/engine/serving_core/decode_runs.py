@@ -1,4 +1,4 @@
-"""Decode rows' keys as runs for the native gather op: every row's documents in one call a layer.
+"""Rows' keys as runs for the native gather ops: every row's documents in one call a layer.
 
 A decode row reads its shared segments (a prompt's prefix held in the pool, documents read in place
 from a store's tensors, each at whatever position the row puts it) and its own tokens. The native
@@ -15,6 +15,11 @@ rows' parts once a step (``paged.build_plan``); ``DecodeRuns`` is what every lay
     document a recompute cut apart are tokens of one source), read at the layer's index;
   * ``shifts`` [S]: the step's distinct shifts; ``rotation`` builds cos/sin [S, r] once a step per
     distinct rotary frequencies (Gemma 3: a base per layer type).
+
+Prefill rows (chunks, selective recompute's rows) take the same table (``RunTable(merge=False)``:
+one run per segment, as each has its own key limits) and ``PrefillRuns``: their queries, each
+query's row and how many keys of each run it sees (a document's prefix in prompt order, causal
+over the row's own tokens), for the native ``attend_prefill_runs``.
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ import torch
 
 from .dense import rotation
 
-__all__ = ["DecodeRuns", "RunTable"]
+__all__ = ["DecodeRuns", "PrefillRuns", "RunTable"]
 
 
 @dataclass
@@ -53,13 +58,30 @@ class DecodeRuns:
         return self.memo[row]
 
 
-class RunTable:
-    """Collects decode rows' parts (``pool``, ``view``, ``own``) and builds their ``DecodeRuns``.
-    ``buf``: the pool's buffer [L, 2, Hk, S, D] (a store tensor is read in place only in its dtype
-    and layout)."""
+@dataclass
+class PrefillRuns:
+    """The run table of a step's prefill rows (``RunTable.prefills``)."""
 
-    def __init__(self, buf: torch.Tensor):
+    runs: DecodeRuns
+    slots: torch.Tensor  # [B, W] int64: each row's slot list (padded with 0)
+    lengths: torch.Tensor  # [B] int64
+    queries: slice | torch.Tensor  # the step's queries (packed index) of these rows, in row order
+    query_row: torch.Tensor  # [M] int64: each query's row
+    limits: torch.Tensor  # [M, R] int64: keys of each run of its row each query sees
+
+
+class RunTable:
+    """Collects rows' parts (``pool``, ``view``, ``own``) and builds their ``DecodeRuns``.
+    ``buf``: the pool's buffer [L, 2, Hk, S, D] (a store tensor is read in place only in its dtype
+    and layout). ``merge``: adjacent parts of one source and shift are one run (decode rows; prefill
+    rows keep a run a part, each with its own key limits)."""
+
+    def __init__(self, buf: torch.Tensor, merge: bool = True):
         self.buf = buf
+        self.merge = merge
+        self._limits: list[torch.Tensor] = []  # prefill rows: per query [t, runs] of the rows so far
+        self._queries: list[tuple[int, int]] = []  # prefill rows: their queries [q0, q1)
+        self._slot_lists: list[torch.Tensor] = []
         self.rows: list[list[tuple[int, int, int]]] = []  # per row: (first slot, source, shift) of each run
         self._row: list[tuple[int, int, int]] = []  # the row being added: its runs, its slots' parts
         self._parts: list[torch.Tensor] = []
@@ -105,10 +127,41 @@ class RunTable:
     def _add(self, slots: torch.Tensor, src: int, shift: int) -> None:
         if shift or src >= 0:
             self.used = True
-        if not self._row or self._row[-1][1:] != (src, shift):
+        if not self.merge or not self._row or self._row[-1][1:] != (src, shift):
             self._row.append((self._at, src, shift))
         self._parts.append(slots)
         self._at += slots.shape[0]
+
+    def prefill(self, slots: torch.Tensor, q0: int, t: int, limits: list[torch.Tensor | None]) -> None:
+        """A prefill row's own tokens (pool slots ``slots`` [done + t], the last t its queries
+        ``q0 .. q0 + t``) after its shared parts (``limits``: per part added, the keys [t] each query
+        sees, or None: all of them); ends the row (``merge=False`` tables only)."""
+        if len(limits) != len(self._row):
+            raise ValueError(f"a prefill row has {len(self._row)} shared parts and {len(limits)} key limits")
+        cols = [torch.full((t,), p.shape[0], dtype=torch.long) if lim is None else lim.to("cpu", torch.long)
+                for lim, p in zip(limits, self._parts)]
+        n = slots.shape[0]
+        cols.append(torch.arange(n - t + 1, n + 1, dtype=torch.long))  # causal over its own tokens
+        self._limits.append(torch.stack(cols, dim=1))
+        self._queries.append((q0, q0 + t))
+        self._slot_lists.append(self.own(slots))
+
+    def prefills(self) -> PrefillRuns:
+        """The ``PrefillRuns`` of the prefill rows so far (``prefill``)."""
+        lengths = [len(s) for s in self._slot_lists]
+        runs = self.build(lengths)
+        width = runs.starts.shape[1]
+        slots = torch.zeros((len(lengths), max(lengths)), dtype=torch.long)
+        for i, s in enumerate(self._slot_lists):
+            slots[i, : len(s)] = s.cpu()
+        limits = torch.cat([torch.nn.functional.pad(lim, (0, width - lim.shape[1])) for lim in self._limits])
+        rows = torch.cat([torch.full((q1 - q0,), i, dtype=torch.long) for i, (q0, q1) in enumerate(self._queries)])
+        spans = self._queries
+        if all(a[1] == b[0] for a, b in zip(spans, spans[1:])):
+            queries: slice | torch.Tensor = slice(spans[0][0], spans[-1][1])
+        else:
+            queries = torch.cat([torch.arange(q0, q1, dtype=torch.long) for q0, q1 in spans])
+        return PrefillRuns(runs, slots, torch.tensor(lengths, dtype=torch.long), queries, rows, limits.contiguous())
 
     def build(self, lengths: list[int]) -> DecodeRuns:
         """The table of the rows so far (``lengths``: each row's slots), padded to the most runs."""

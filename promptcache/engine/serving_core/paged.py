@@ -17,7 +17,9 @@ queries to:
     the native CPU kernel, which reads them by slot). With the native kernel a decode row reads
     its shared segments with its own tokens too, as runs of one slot list (pool runs, or a store
     tier's tensors read in place; a segment read shifted with the row's query rotated back once
-    per run: ``decode_runs.py``): every decode row of a step in one call a layer.
+    per run: ``decode_runs.py``): every decode row of a step in one call a layer. Prefill rows
+    (chunks, selective recompute's rows with key limits) read their segments and own tokens the
+    same way in one more call (``attend_prefill_runs``: each query sees a prefix of each run).
 
 Without the native CPU kernel (turned off, or a GPU: the path where every op is a kernel launch)
 a step of rotary or learned-position rows is attended in ONE call a layer instead (``dense.py``:
@@ -65,9 +67,9 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from ...models.relocate import rope_spec
 from ...models.splice import SpliceCache
 from ... import tunables
-from ...tunables import DECODE_MATMUL_ROWS, FOLD_SHARED, GATHER_MAX, SEGMENTS_MAX  # read at call time (tests set them here)
+from ...tunables import DECODE_MATMUL_ROWS, FOLD_PREFILL, FOLD_SHARED, GATHER_MAX, SEGMENTS_MAX  # read at call time (tests set them here)
 from ...kernels import attention as cpu_attention
-from .decode_runs import DecodeRuns, RunTable
+from .decode_runs import DecodeRuns, PrefillRuns, RunTable
 from .dense import DenseStep, attend_dense, dense_step, pool_run, rotate, rotation
 from .kvpool import KVPool
 
@@ -155,6 +157,9 @@ class StepPlan:
     # decode rows whose folded segments are read shifted or from a store's tensors (the native gather
     # op over runs; ``decode_runs.py``): None where every folded key is the pool's, read as it is
     decode_runs: DecodeRuns | None = None
+    # prefill rows over runs (the native ``attend_prefill_runs``: ``decode_runs.PrefillRuns``): their
+    # folded segments and own tokens, each query seeing a prefix of each run; None: none folded
+    prefill_runs: PrefillRuns | None = None
     decode_bias: torch.Tensor | None = None  # [Hk * B, 1, K] float32: 0 where valid, -inf at padding (every layer's)
     decode_kpos: torch.Tensor | None = None  # [B, K] (host) position IDs of decode_slots, -1 at padding (KeyRule)
     # prefill chunks (q0, q1, new, earlier): query rows [q0, q1), the pool slots of the chunk's own
@@ -208,21 +213,27 @@ def build_plan(pool: KVPool, rows: list[PagedRow], scale: float | None = None, k
     # row goes through it (one call a layer); the fallback gathers copies padded to the longest row
     gather_max = None if cpu_attention.gathers(pool.buf) else GATHER_MAX
     table = RunTable(pool.buf)  # decode rows' shared segments folded into their slot lists, as runs
+    ptable = RunTable(pool.buf, merge=False)  # prefill rows' segments and own tokens, a run each
     for row in rows:
         t = len(row.ids)
         limits, shifts = row.limits(), row.shifts()
         decode = t == 1 and (gather_max is None or len(row.own) <= gather_max) and all(x is None for x in limits)
-        fold = decode and gather_max is None and FOLD_SHARED
+        fold = gather_max is None and (FOLD_SHARED if decode else FOLD_PREFILL)
+        folded: list[torch.Tensor | None] = []  # a prefill row's key limits of each folded segment
+        into = table if decode else ptable
         given = row.shared_slots if row.shared_slots is not None else [None] * len(row.shared)
         for i, (key, view) in enumerate(row.shared):
-            # a decode row reads its segments with its own tokens (one softmax): pool segments by slot,
+            # a row reads its segments with its own tokens (one softmax): pool segments by slot,
             # store tensors in place; a shifted one where its queries can be rotated (rotary models:
-            # the gather op rotates the row's query once per run of keys at one shift)
+            # the gather ops rotate the row's queries once per run of keys at one shift)
             if fold and (not shifts[i] or rope is not None):
+                lim = None if decode or limits[i] is None else _checked_limits(limits[i], view.shape[3], t)
                 if given[i] is not None:
-                    table.pool(given[i], shifts[i])
+                    into.pool(given[i], shifts[i])
+                    folded.append(lim)
                     continue
-                if table.view(view, shifts[i]):
+                if into.view(view, shifts[i]):
+                    folded.append(lim)
                     continue
             if limits[i] is not None:
                 _add_limited(plan, view, off, limits[i], None, shifts[i])
@@ -232,7 +243,10 @@ def build_plan(pool: KVPool, rows: list[PagedRow], scale: float | None = None, k
             entry[2].extend([shifts[i]] * t)
         if decode:
             decodes.append((off, table.own(row.own)))
-        else:  # a chunk, or a decode row with a long own part (read in place, not padded into the gather)
+        elif folded:  # a prefill row over runs: its folded segments and own tokens in one native call a layer
+            ptable.prefill(row.own, off, t, folded)
+        else:  # a chunk reading no document (the causal call's packed tiles and bfloat16 products: a long
+            # prompt's prefill 6-15% faster than over runs), or a decode row with a long own part
             done = len(row.own) - t
             plan.prefills.append((off, off + t, _parts(row.own[done:], 1)[0], _parts(row.own[:done], SEGMENTS_MAX)))
         off += t
@@ -253,9 +267,20 @@ def build_plan(pool: KVPool, rows: list[PagedRow], scale: float | None = None, k
             valid = torch.arange(width, device=dev)[None, :] < plan.decode_lengths[:, None]  # [B, width]
             hk, b = pool.buf.shape[2], len(decodes)
             plan.decode_bias = _bias(valid[None, :, None, :].expand(hk, b, 1, width).reshape(hk * b, 1, width))
-        plan.decodes_only = not plan.prefills and all(idx.numel() == off for _, idx in plan.segments) \
-            and all(sh is None for sh in plan.segment_shift)
+        plan.decodes_only = not plan.prefills and not ptable.rows \
+            and all(idx.numel() == off for _, idx in plan.segments) and all(sh is None for sh in plan.segment_shift)
+    if ptable.rows:
+        plan.prefill_runs = ptable.prefills()
     return _shifted(plan, rope)
+
+
+def _checked_limits(limits: torch.Tensor, n: int, t: int) -> torch.Tensor:
+    """A prefill row's key limits [t] of a segment of ``n`` keys, checked (0 .. n each)."""
+    limits = limits.to("cpu", torch.long)
+    if limits.shape != (t,) or bool((limits < 0).any()) or bool((limits > n).any()):
+        raise ValueError(f"key limits of a shared segment of {n} tokens must be {t} values (one per query) in 0..{n}, "
+                         f"got {limits.tolist()}")
+    return limits
 
 
 def _build_dense(pool: KVPool, rows: list[PagedRow], scale: float | None, rope: torch.Tensor | None
@@ -298,7 +323,8 @@ def _build_dense(pool: KVPool, rows: list[PagedRow], scale: float | None, rope: 
 def _shifted(plan: StepPlan, rope: torch.Tensor | None) -> StepPlan:
     """The plan with the rotary frequencies its shifted segments need (kept only where a segment is shifted)."""
     if any(sh is not None for sh in plan.segment_shift + plan.limited_shift) \
-            or (plan.decode_runs is not None and plan.decode_runs.shifts.numel()):
+            or (plan.decode_runs is not None and plan.decode_runs.shifts.numel()) \
+            or (plan.prefill_runs is not None and plan.prefill_runs.runs.shifts.numel()):
         plan.rope = rope
     return plan
 
@@ -551,6 +577,10 @@ def attend(plan: StepPlan, layer: int, query: torch.Tensor, scaling: float | Non
         o, l = _attend_own(plan, layer, qd, kbuf, vbuf, qs)
         out[:, :, plan.decode_q] = o.transpose(1, 2)
         lse[:, :, plan.decode_q] = l.transpose(1, 2)
+    if plan.prefill_runs is not None:  # prefill rows over runs: every one in one native call
+        o, l = _attend_prefill_runs(plan, layer, q, kbuf, vbuf, qs)
+        rows = plan.prefill_runs.queries
+        out[:, :, rows], lse[:, :, rows] = o, l
     for q0, q1, new, earlier in plan.prefills:  # prefill chunks: own keys, causal among the new ones
         t, rows = q1 - q0, slice(q0, q1)
         # the chunk among itself (causal, no mask tensor), then its earlier own tokens (no mask):
@@ -832,6 +862,23 @@ def _attend_own(plan: StepPlan, layer: int, q: torch.Tensor, kbuf: torch.Tensor,
     o, l = _attend(q.view(hk * b, g, d), ks, vs, plan.decode_bias if bias is None else bias, scale,
                    fused=b < DECODE_MATMUL_ROWS)
     return o.view(hk, b, g, d), l.view(hk, b, g)
+
+
+def _attend_prefill_runs(plan: StepPlan, layer: int, q: torch.Tensor, kbuf: torch.Tensor, vbuf: torch.Tensor,
+                         scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The prefill rows' queries (of q [Hk, G, N, D]) over their runs (``plan.prefill_runs``): their
+    folded segments, each query seeing its prefix of each, and their own tokens, causal. Returns
+    (out [Hk, G, M, D], lse [Hk, G, M]) of the rows' M queries."""
+    pr = plan.prefill_runs
+    qp = q[:, :, pr.queries]
+    op = cpu_attention.prefill_runs_kernel_for(qp, kbuf)
+    if op is None:  # build_plan folds prefill rows only where the native op reads them
+        raise RuntimeError("prefill rows fold segments as runs but the native prefill op does not cover "
+                           f"queries {tuple(qp.shape)} {qp.dtype} over a {kbuf.dtype} pool")
+    runs = pr.runs
+    cos, sin = runs.rotation(*_layer_rope(plan, layer)) if plan.rope is not None else runs.rotation(0, None)
+    return op(qp, kbuf, vbuf, pr.slots, pr.lengths, scale, runs.starts, runs.src, runs.rot, cos, sin, runs.sources,
+              layer, pr.query_row, pr.limits)
 
 
 def _layer_kv(views: list[torch.Tensor], layer: int) -> tuple[torch.Tensor, torch.Tensor]:
