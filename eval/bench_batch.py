@@ -92,6 +92,32 @@ def make_store(pc, mode: str, texts: dict[str, str]):
     return store
 
 
+def paired_runs(args, measure, name: str, header: str, line, plot) -> list[dict]:
+    """For each of ``args.dtype``: an engine over ``args.model`` (packed linears where the CPU
+    runs them), the reuse store of the workload's documents, and the rows ``measure(pc, store,
+    pairs, args)`` gives; printed as JSON lines, then a table (``header``, ``line(row)``), saved as
+    ``name`` (CSV + PNG through ``plot``). What eval/rag_admission.py and eval/rag_decode_step.py share."""
+    from promptcache import EngineConfig, PromptCache, RunnerConfig
+    from promptcache.models.loading import load_model
+    from promptcache.models.native_dtype import bf16_native
+
+    rows = []
+    for dtype in args.dtype.split(","):
+        model, tok = load_model(args.model, device=args.device, dtype=dtype)
+        packed = args.device == "cpu" and (dtype == "float32" or (dtype == "bfloat16" and bf16_native("cpu")))
+        pc = PromptCache(model, tok, EngineConfig(runner=RunnerConfig(packed_linear=packed)))
+        texts, pairs = questions(tok, args)
+        store = make_store(pc, "reuse", texts)
+        for row in measure(pc, store, pairs, args):
+            rows.append(dict(model=args.model, dtype=dtype, **row))
+            print(json.dumps(rows[-1]), flush=True)
+    print(header)
+    for r in rows:
+        print(line(r))
+    save_table(name, rows, args.out, plot)
+    return rows
+
+
 def run_cell(args, mode: str, how: str, texts, pairs) -> dict:
     from promptcache import PromptCache
     from promptcache.models.loading import load_model

@@ -24,13 +24,12 @@ Writes ``rag_admission{--tag}.csv`` and ``.png`` to ``--out`` (default eval/resu
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
 
-from .bench_batch import SYSTEM, add_workload_args, make_store, questions
-from .common import RESULTS, add_model_args, pyplot, save_figure, save_table
+from .bench_batch import SYSTEM, add_workload_args, paired_runs
+from .common import RESULTS, add_model_args, pyplot, save_figure
 
 COUNTED = ("kernel_for", "limits_kernel_for", "prefill_runs_kernel_for")  # the prefill paths' native ops
 
@@ -122,25 +121,9 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--tag", default="")
     args = ap.parse_args(argv)
 
-    from promptcache import EngineConfig, PromptCache, RunnerConfig
-    from promptcache.models.loading import load_model
-    from promptcache.models.native_dtype import bf16_native
-
-    rows = []
-    for dtype in args.dtype.split(","):
-        model, tok = load_model(args.model, device=args.device, dtype=dtype)
-        packed = args.device == "cpu" and (dtype == "float32" or (dtype == "bfloat16" and bf16_native("cpu")))
-        pc = PromptCache(model, tok, EngineConfig(runner=RunnerConfig(packed_linear=packed)))
-        texts, pairs = questions(tok, args)
-        store = make_store(pc, "reuse", texts)
-        for row in measure(pc, store, pairs, args):
-            rows.append(dict(model=args.model, dtype=dtype, **row))
-            print(json.dumps(rows[-1]), flush=True)
-    print(f"{'dtype':<10}{'fold':<6}{'admitted s':>12}{'min s':>8}{'native calls/layer':>20}")
-    for r in rows:
-        print(f"{r['dtype']:<10}{r['fold']:<6}{r['admitted_s']:>12}{r['admitted_s_min']:>8}{r['attention_calls']:>20}")
-    save_table(f"rag_admission{args.tag}", rows, args.out, plot)
-    return rows
+    return paired_runs(args, measure, f"rag_admission{args.tag}",
+                       f"{'dtype':<10}{'fold':<6}{'admitted s':>12}{'min s':>8}{'native calls/layer':>20}",
+                       lambda r: f"{r['dtype']:<10}{r['fold']:<6}{r['admitted_s']:>12}{r['admitted_s_min']:>8}{r['attention_calls']:>20}", plot)
 
 
 if __name__ == "__main__":

@@ -30,13 +30,12 @@ twice: the second writes the same keys and values again). Writes ``rag_decode_st
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
 
-from .bench_batch import SYSTEM, add_workload_args, make_store, questions
-from .common import RESULTS, add_model_args, pyplot, save_figure, save_table
+from .bench_batch import SYSTEM, add_workload_args, paired_runs
+from .common import RESULTS, add_model_args, pyplot, save_figure
 
 
 ATTENTION_OPS = ("aten::index", "aten::_index_put_impl_")  # with promptcache_native::*: the attention's time
@@ -134,27 +133,11 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--tag", default="")
     args = ap.parse_args(argv)
 
-    from promptcache import EngineConfig, PromptCache, RunnerConfig
-    from promptcache.models.loading import load_model
-    from promptcache.models.native_dtype import bf16_native
-
-    rows = []
-    for dtype in args.dtype.split(","):
-        model, tok = load_model(args.model, device=args.device, dtype=dtype)
-        packed = args.device == "cpu" and (dtype == "float32" or (dtype == "bfloat16" and bf16_native("cpu")))
-        pc = PromptCache(model, tok, EngineConfig(runner=RunnerConfig(packed_linear=packed)))
-        texts, pairs = questions(tok, args)
-        store = make_store(pc, "reuse", texts)
-        for row in measure(pc, store, pairs, args):
-            rows.append(dict(model=args.model, dtype=dtype, **row))
-            print(json.dumps(rows[-1]), flush=True)
-    print(f"{'dtype':<10}{'fold':<6}{'step ms':>9}{'min ms':>8}{'attn ms':>9}{'aten':>8}{'native/layer':>14}"
-          f"{'index':>7}{'index_put':>10}{'logit diff':>12}")
-    for r in rows:
-        print(f"{r['dtype']:<10}{r['fold']:<6}{r['step_ms']:>9}{r['step_ms_min']:>8}{r['attention_ms']:>9}"
-              f"{r['aten_calls']:>8}{r['native_layer']:>14}{r['index']:>7}{r['index_put']:>10}{r['max_logit_diff']:>12}")
-    save_table(f"rag_decode_step{args.tag}", rows, args.out, plot)
-    return rows
+    return paired_runs(args, measure, f"rag_decode_step{args.tag}",
+                       f"{'dtype':<10}{'fold':<6}{'step ms':>9}{'min ms':>8}{'attn ms':>9}{'aten':>8}{'native/layer':>14}"
+                       f"{'index':>7}{'index_put':>10}{'logit diff':>12}",
+                       lambda r: f"{r['dtype']:<10}{r['fold']:<6}{r['step_ms']:>9}{r['step_ms_min']:>8}{r['attention_ms']:>9}"
+                                 f"{r['aten_calls']:>8}{r['native_layer']:>14}{r['index']:>7}{r['index_put']:>10}{r['max_logit_diff']:>12}", plot)
 
 
 if __name__ == "__main__":
