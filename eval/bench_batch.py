@@ -92,6 +92,34 @@ def make_store(pc, mode: str, texts: dict[str, str]):
     return store
 
 
+def workload_parser(description: str) -> argparse.ArgumentParser:
+    """The options eval/rag_admission.py and eval/rag_decode_step.py share: the model (SmolLM2 by
+    default), the workload, ``--out`` and ``--tag``."""
+    ap = argparse.ArgumentParser(description=description)
+    add_model_args(ap, "smollm2")
+    add_workload_args(ap)
+    ap.add_argument("--out", default=str(RESULTS))
+    ap.add_argument("--tag", default="")
+    return ap
+
+
+def fold_bars(rows, path, key: str, note, ylabel: str, what: str) -> None:
+    """A bar a row (its dtype and fold on/off) of ``row[key]``, each annotated with ``note(row)``;
+    titled with the model, the batch's questions and ``what``."""
+    plt = pyplot()
+    if plt is None:
+        return
+    fig, ax = plt.subplots(figsize=(5.5, 3.8))
+    labels = [f"{r['dtype']}\nfold {r['fold']}" for r in rows]
+    ax.bar(labels, [r[key] for r in rows], color=["C0" if r["fold"] == "on" else "C7" for r in rows])
+    for i, r in enumerate(rows):
+        ax.annotate(note(r), (i, r[key]), ha="center", va="bottom", fontsize=7)
+    ax.set_ylim(0, 1.2 * max(r[key] for r in rows))  # room for the labels
+    ax.set_ylabel(ylabel)
+    ax.set_title(f"{rows[0]['model']}: {what} of {rows[0]['rows']} RAG questions", fontsize=9)
+    save_figure(fig, path)
+
+
 def paired_runs(args, measure, name: str, header: str, line, plot) -> list[dict]:
     """For each of ``args.dtype``: an engine over ``args.model`` (packed linears where the CPU
     runs them), the reuse store of the workload's documents, and the rows ``measure(pc, store,

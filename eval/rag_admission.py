@@ -23,13 +23,11 @@ Writes ``rag_admission{--tag}.csv`` and ``.png`` to ``--out`` (default eval/resu
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 import time
 
-from .bench_batch import SYSTEM, add_workload_args, paired_runs
-from .common import RESULTS, add_model_args, pyplot, save_figure
+from .bench_batch import SYSTEM, fold_bars, paired_runs, workload_parser
 
 COUNTED = ("kernel_for", "limits_kernel_for", "prefill_runs_kernel_for")  # the prefill paths' native ops
 
@@ -97,28 +95,12 @@ def measure(pc, store, pairs, args) -> list[dict]:
 
 
 def plot(rows, path) -> None:
-    plt = pyplot()
-    if plt is None:
-        return
-    fig, ax = plt.subplots(figsize=(5.5, 3.8))
-    labels = [f"{r['dtype']}\nfold {r['fold']}" for r in rows]
-    ax.bar(labels, [r["admitted_s"] for r in rows], color=["C0" if r["fold"] == "on" else "C7" for r in rows])
-    for i, r in enumerate(rows):
-        ax.annotate(f"{r['attention_calls']:g} native calls/layer", (i, r["admitted_s"]), ha="center", va="bottom",
-                    fontsize=7)
-    ax.set_ylim(0, 1.2 * max(r["admitted_s"] for r in rows))  # room for the labels
-    ax.set_ylabel("s to admit the batch (median)")
-    ax.set_title(f"{rows[0]['model']}: admission of {rows[0]['rows']} RAG questions", fontsize=9)
-    save_figure(fig, path)
+    fold_bars(rows, path, "admitted_s", lambda r: f"{r['attention_calls']:g} native calls/layer", "s to admit the batch (median)", "admission")
 
 
 def main(argv=None) -> list[dict]:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    add_model_args(ap, "smollm2")
-    add_workload_args(ap)
+    ap = workload_parser(__doc__.split("\n")[0])
     ap.add_argument("--repeats", type=int, default=3, help="timed admissions each way")
-    ap.add_argument("--out", default=str(RESULTS))
-    ap.add_argument("--tag", default="")
     args = ap.parse_args(argv)
 
     return paired_runs(args, measure, f"rag_admission{args.tag}",

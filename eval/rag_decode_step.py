@@ -29,13 +29,11 @@ twice: the second writes the same keys and values again). Writes ``rag_decode_st
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 import time
 
-from .bench_batch import SYSTEM, add_workload_args, paired_runs
-from .common import RESULTS, add_model_args, pyplot, save_figure
+from .bench_batch import SYSTEM, fold_bars, paired_runs, workload_parser
 
 
 ATTENTION_OPS = ("aten::index", "aten::_index_put_impl_")  # with promptcache_native::*: the attention's time
@@ -109,28 +107,13 @@ def measure(pc, store, pairs, args) -> list[dict]:
 
 
 def plot(rows, path) -> None:
-    plt = pyplot()
-    if plt is None:
-        return
-    fig, ax = plt.subplots(figsize=(5.5, 3.8))
-    labels = [f"{r['dtype']}\nfold {r['fold']}" for r in rows]
-    ax.bar(labels, [r["step_ms"] for r in rows], color=["C0" if r["fold"] == "on" else "C7" for r in rows])
-    for i, r in enumerate(rows):
-        ax.annotate(f"{r['native_layer']:g} call(s)/layer\n{r['aten_calls']} aten", (i, r["step_ms"]), ha="center",
-                    va="bottom", fontsize=7)
-    ax.set_ylim(0, 1.2 * max(r["step_ms"] for r in rows))  # room for the labels
-    ax.set_ylabel("ms per decode step (median)")
-    ax.set_title(f"{rows[0]['model']}: decode step of {rows[0]['rows']} RAG questions", fontsize=9)
-    save_figure(fig, path)
+    fold_bars(rows, path, "step_ms", lambda r: f"{r['native_layer']:g} call(s)/layer\n{r['aten_calls']} aten",
+              "ms per decode step (median)", "decode step")
 
 
 def main(argv=None) -> list[dict]:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    add_model_args(ap, "smollm2")
-    add_workload_args(ap)
+    ap = workload_parser(__doc__.split("\n")[0])
     ap.add_argument("--steps", type=int, default=8, help="timed decode steps each way")
-    ap.add_argument("--out", default=str(RESULTS))
-    ap.add_argument("--tag", default="")
     args = ap.parse_args(argv)
 
     return paired_runs(args, measure, f"rag_decode_step{args.tag}",
