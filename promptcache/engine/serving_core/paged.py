@@ -849,7 +849,7 @@ def _attend_own(plan: StepPlan, layer: int, q: torch.Tensor, kbuf: torch.Tensor,
             raise RuntimeError("decode rows fold segments as runs but the native gather op does not cover "
                                f"queries {tuple(q.shape)} {q.dtype} over a {kbuf.dtype} pool")
         runs = plan.decode_runs
-        cos, sin = runs.rotation(*_layer_rope(plan, layer)) if plan.rope is not None else runs.rotation(0, None)
+        cos, sin = _run_rotation(plan, runs, layer)
         return gather(q, kbuf, vbuf, plan.decode_slots, plan.decode_lengths, scale, runs.starts, runs.src, runs.rot,
                       cos, sin, runs.sources, layer)
     gather = cpu_attention.gather_kernel_for(q, kbuf) if bias is None else None
@@ -876,9 +876,14 @@ def _attend_prefill_runs(plan: StepPlan, layer: int, q: torch.Tensor, kbuf: torc
         raise RuntimeError("prefill rows fold segments as runs but the native prefill op does not cover "
                            f"queries {tuple(qp.shape)} {qp.dtype} over a {kbuf.dtype} pool")
     runs = pr.runs
-    cos, sin = runs.rotation(*_layer_rope(plan, layer)) if plan.rope is not None else runs.rotation(0, None)
+    cos, sin = _run_rotation(plan, runs, layer)
     return op(qp, kbuf, vbuf, pr.slots, pr.lengths, scale, runs.starts, runs.src, runs.rot, cos, sin, runs.sources,
               layer, pr.query_row, pr.limits)
+
+
+def _run_rotation(plan: StepPlan, runs: DecodeRuns, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [S, r] rotating queries back by each of ``runs``' shifts at ``layer``'s frequencies."""
+    return runs.rotation(*_layer_rope(plan, layer)) if plan.rope is not None else runs.rotation(0, None)
 
 
 def _layer_kv(views: list[torch.Tensor], layer: int) -> tuple[torch.Tensor, torch.Tensor]:
