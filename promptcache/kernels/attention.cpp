@@ -542,6 +542,21 @@ struct Source {
   int64_t ks0, ks1, vs0, vs1, n;
 };
 
+// The sources a gather over runs reads: the pool's k and v (source -1, index 0 here), then layer
+// `layer` of each store tensor [L, 2, Hk, n, D] in `sources` (keys [.., 0], values [.., 1]).
+template <class KV>
+std::vector<Source<KV>> sources_of(const KV* kp, const KV* vp, const at::Tensor& k, const at::Tensor& v,
+                                   int64_t slots_n, at::TensorList sources, int64_t layer) {
+  std::vector<Source<KV>> src;
+  src.push_back({kp, vp, k.stride(0), k.stride(1), v.stride(0), v.stride(1), slots_n});
+  for (const at::Tensor& x : sources) {
+    const KV* base = reinterpret_cast<const KV*>(static_cast<const char*>(x.data_ptr()));
+    const KV* xk = base + layer * x.stride(0);
+    src.push_back({xk, xk + x.stride(1), x.stride(2), x.stride(3), x.stride(2), x.stride(3), x.size(3)});
+  }
+  return src;
+}
+
 // Runs of a row's keys (attend_gather_runs): run i of row b holds slots [starts[b, i], starts[b, i + 1])
 // (the last: up to lengths[b]) of source src[b, i] (-1: the pool's k and v; s >= 0: sources[s]), read
 // with the row's queries rotated by row rot[b, i] of (cos, sin) [S, r] (-1: as they are). A document
@@ -1299,14 +1314,8 @@ std::tuple<at::Tensor, at::Tensor> gather_checked(const at::Tensor& q_in, const 
   if (heads == 0 || b == 0 || g == 0) return {out, lse};
   by_kv_type(k, v, [&](auto* kp, auto* vp) {
     using KV = std::remove_const_t<std::remove_pointer_t<decltype(kp)>>;
-    std::vector<Source<KV>> src;
-    src.push_back({kp, vp, k.stride(0), k.stride(1), v.stride(0), v.stride(1), slots_n});
-    if (ra != nullptr)
-      for (const at::Tensor& x : ra->sources) {  // layer `layer` of each: keys [.., 0], values [.., 1]
-        const KV* base = reinterpret_cast<const KV*>(static_cast<const char*>(x.data_ptr()));
-        const KV* xk = base + ra->layer * x.stride(0);
-        src.push_back({xk, xk + x.stride(1), x.stride(2), x.stride(3), x.stride(2), x.stride(3), x.size(3)});
-      }
+    const std::vector<Source<KV>> src = ra != nullptr ? sources_of(kp, vp, k, v, slots_n, ra->sources, ra->layer)
+                                                      : sources_of(kp, vp, k, v, slots_n, at::TensorList(), 0);
     auto go = [&](auto* qp) {
       by_head_dim(d, [&](auto nd) {
         run_gather<decltype(nd)::value>(qp, src, sl, width, len, heads, b, g, static_cast<float>(scale),
@@ -1394,13 +1403,7 @@ std::tuple<at::Tensor, at::Tensor> attend_prefill_runs(const at::Tensor& q_in, c
   if (heads == 0 || g == 0 || m == 0) return {out, lse};
   by_kv_type(k, v, [&](auto* kp, auto* vp) {
     using KV = std::remove_const_t<std::remove_pointer_t<decltype(kp)>>;
-    std::vector<Source<KV>> src;
-    src.push_back({kp, vp, k.stride(0), k.stride(1), v.stride(0), v.stride(1), slots_n});
-    for (const at::Tensor& x : sources) {  // layer `layer` of each: keys [.., 0], values [.., 1]
-      const KV* base = reinterpret_cast<const KV*>(static_cast<const char*>(x.data_ptr()));
-      const KV* xk = base + layer * x.stride(0);
-      src.push_back({xk, xk + x.stride(1), x.stride(2), x.stride(3), x.stride(2), x.stride(3), x.size(3)});
-    }
+    const std::vector<Source<KV>> src = sources_of(kp, vp, k, v, slots_n, sources, layer);
     by_head_dim(d, [&](auto nd) {
       run_prefill<decltype(nd)::value>(q.data_ptr<float>(), src, sl, width, len, heads, g, m, qrow, lim,
                                        static_cast<float>(scale), out.data_ptr<float>(), lse.data_ptr<float>(), rt);
