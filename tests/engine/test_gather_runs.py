@@ -399,12 +399,9 @@ def serve_questions(pc, store, monkeypatch, fold: bool, flag: str = "FOLD_SHARED
     return [r.token_ids for r in reqs], logits, records
 
 
-# served end to end: documents read in place at another position than they were stored at; rotary
-# (Llama), partial rotary (GPT-NeoX, a quarter of the channels), a base per layer type (Gemma 3,
-# window past every prompt), query norms (Qwen3). A sliding window the rows reach past (Gemma 3 with
-# a 6-position window) keeps the keyed path (a bias per key position): no runs there, the same answers
-@pytest.mark.parametrize("family", ["llama", "gpt_neox", "gemma3_text", "qwen3", "gemma3_window6"])
-def test_served_decode_rows_over_shifted_documents_equal_the_per_segment_path(op, family, monkeypatch):
+def family_store(family: str):
+    """(engine, independent DocumentStore holding DOCS) on a tiny model of ``family``
+    (``gemma3_window6``: Gemma 3 with a 6-position sliding window)."""
     from promptcache import PromptCache
     from promptcache.rag import DocumentStore
     from tiny import gemma3_model, make_model, make_tokenizer
@@ -414,6 +411,16 @@ def test_served_decode_rows_over_shifted_documents_equal_the_per_segment_path(op
     store = DocumentStore(pc, independent=True)
     for k, v in DOCS.items():
         store.add(k, v)
+    return pc, store
+
+
+# served end to end: documents read in place at another position than they were stored at; rotary
+# (Llama), partial rotary (GPT-NeoX, a quarter of the channels), a base per layer type (Gemma 3,
+# window past every prompt), query norms (Qwen3). A sliding window the rows reach past (Gemma 3 with
+# a 6-position window) keeps the keyed path (a bias per key position): no runs there, the same answers
+@pytest.mark.parametrize("family", ["llama", "gpt_neox", "gemma3_text", "qwen3", "gemma3_window6"])
+def test_served_decode_rows_over_shifted_documents_equal_the_per_segment_path(op, family, monkeypatch):
+    pc, store = family_store(family)
     tokens, logits, shifted = serve_questions(pc, store, monkeypatch, fold=True)
     assert any(shifted) == (family != "gemma3_window6")  # decode rows read documents shifted, in runs
     want_tokens, want_logits, old = serve_questions(pc, store, monkeypatch, fold=False)

@@ -24,7 +24,7 @@ from promptcache.engine.serving_core.kvpool import KVPool
 from promptcache.kernels import attention as cpu_attention
 from promptcache.models.splice import KVSpec
 from refusals import refused_in_child
-from test_gather_runs import DOCS, attend_all, rope_of, rows_over_documents, serve_questions, tables
+from test_gather_runs import attend_all, family_store, rope_of, rows_over_documents, serve_questions, tables
 
 
 @pytest.fixture(scope="module")
@@ -310,15 +310,7 @@ def serve(pc, store, monkeypatch, fold: bool):
 # with a 6-position window) keeps the keyed path (a bias per key position): nothing folded there
 @pytest.mark.parametrize("family", ["llama", "gpt_neox", "gemma3_text", "qwen3", "gemma3_window6"])
 def test_served_prefill_rows_over_documents_equal_the_per_segment_path(op, family, monkeypatch):
-    from promptcache import PromptCache
-    from promptcache.rag import DocumentStore
-    from tiny import gemma3_model, make_model, make_tokenizer
-
-    model = gemma3_model(6) if family == "gemma3_window6" else make_model(family)
-    pc = PromptCache(model, make_tokenizer())
-    store = DocumentStore(pc, independent=True)
-    for k, v in DOCS.items():
-        store.add(k, v)
+    pc, store = family_store(family)
     tokens, logits, limited, folded = serve(pc, store, monkeypatch, fold=True)
     assert any(folded) == (family != "gemma3_window6")
     assert any(limited) == (family != "gemma3_window6")  # recomputed rows seeing prefixes of documents
