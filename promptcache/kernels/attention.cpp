@@ -367,20 +367,33 @@ void values_dot_rows(const float* p, uint16_t* ph, const uint16_t* vt, int kn, f
   remainder<ND, rr>(rows - i, [&](auto r) { values_dot<ND, r>(ph + i * kKeys, vt, kn, o + i * ND * 16); });
 }
 
-// One key tile (kn keys; rows from key(j), val(j)) packed in pairs, zeros past kn.
+// One key tile (kn keys; rows from key(j), val(j)) packed in pairs, zeros past kn. K^T's 32-bit
+// pairs are transposed as float32 K^T's floats are (pack_tile over D / 2 lanes of the same bits,
+// 16 x 16 in registers) where D / 2 fills whole vectors; V's pairs of key rows interleaved 16 dims at
+// a time (each row's 16 bits widened to 32, the second's shifted into the upper half). A tile was
+// packed element by element before: as many stores as the products' instructions.
 template <int D, class Key, class Val>
 inline void pack_tile_dot(uint16_t* kt, uint16_t* vt, int kn, Key&& key, Val&& val) {
-  for (int j = 0; j < kKeys; ++j) {  // K^T: 32-bit pairs transposed
-    uint32_t row[D / 2] = {};
-    if (j < kn) std::memcpy(row, key(j), sizeof row);
-    for (int p = 0; p < D / 2; ++p) std::memcpy(kt + (p * kKeys + j) * 2, row + p, sizeof(uint32_t));
-  }
-  for (int jp = 0; jp < kKeys / 2; ++jp)
-    for (int e = 0; e < 2; ++e) {
-      const int j = 2 * jp + e;
-      const uint16_t* vj = j < kn ? val(j) : nullptr;
-      for (int d = 0; d < D; ++d) vt[(jp * D + d) * 2 + e] = vj != nullptr ? vj[d] : 0;
+  if constexpr (D % 32 == 0) {
+    pack_tile<D / 2, true>(reinterpret_cast<float*>(kt), kn,
+                           [&](int j) { return reinterpret_cast<const float*>(key(j)); });
+  } else {
+    for (int j = 0; j < kKeys; ++j) {  // K^T: 32-bit pairs transposed
+      uint32_t row[D / 2] = {};
+      if (j < kn) std::memcpy(row, key(j), sizeof row);
+      for (int p = 0; p < D / 2; ++p) std::memcpy(kt + (p * kKeys + j) * 2, row + p, sizeof(uint32_t));
     }
+  }
+  const __m256i zero = _mm256_setzero_si256();
+  for (int jp = 0; jp < kKeys / 2; ++jp) {
+    const uint16_t* a = 2 * jp < kn ? val(2 * jp) : nullptr;
+    const uint16_t* b = 2 * jp + 1 < kn ? val(2 * jp + 1) : nullptr;
+    for (int c = 0; c < D; c += 16) {
+      const __m512i lo = _mm512_cvtepu16_epi32(a != nullptr ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + c)) : zero);
+      const __m512i hi = _mm512_cvtepu16_epi32(b != nullptr ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + c)) : zero);
+      _mm512_storeu_si512(vt + (jp * D + c) * 2, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+    }
+  }
 }
 #else
 constexpr bool kDot = false;
