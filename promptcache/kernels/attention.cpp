@@ -367,20 +367,33 @@ void values_dot_rows(const float* p, uint16_t* ph, const uint16_t* vt, int kn, f
   remainder<ND, rr>(rows - i, [&](auto r) { values_dot<ND, r>(ph + i * kKeys, vt, kn, o + i * ND * 16); });
 }
 
-// One key tile (kn keys; rows from key(j), val(j)) packed in pairs, zeros past kn.
+// One key tile (kn keys; rows from key(j), val(j)) packed in pairs, zeros past kn. K^T's 32-bit
+// pairs are transposed as float32 K^T's floats are (pack_tile over D / 2 lanes of the same bits,
+// 16 x 16 in registers) where D / 2 fills whole vectors; V's pairs of key rows interleaved 16 dims at
+// a time (each row's 16 bits widened to 32, the second's shifted into the upper half). A tile was
+// packed element by element before: as many stores as the products' instructions.
 template <int D, class Key, class Val>
 inline void pack_tile_dot(uint16_t* kt, uint16_t* vt, int kn, Key&& key, Val&& val) {
-  for (int j = 0; j < kKeys; ++j) {  // K^T: 32-bit pairs transposed
-    uint32_t row[D / 2] = {};
-    if (j < kn) std::memcpy(row, key(j), sizeof row);
-    for (int p = 0; p < D / 2; ++p) std::memcpy(kt + (p * kKeys + j) * 2, row + p, sizeof(uint32_t));
-  }
-  for (int jp = 0; jp < kKeys / 2; ++jp)
-    for (int e = 0; e < 2; ++e) {
-      const int j = 2 * jp + e;
-      const uint16_t* vj = j < kn ? val(j) : nullptr;
-      for (int d = 0; d < D; ++d) vt[(jp * D + d) * 2 + e] = vj != nullptr ? vj[d] : 0;
+  if constexpr (D % 32 == 0) {
+    pack_tile<D / 2, true>(reinterpret_cast<float*>(kt), kn,
+                           [&](int j) { return reinterpret_cast<const float*>(key(j)); });
+  } else {
+    for (int j = 0; j < kKeys; ++j) {  // K^T: 32-bit pairs transposed
+      uint32_t row[D / 2] = {};
+      if (j < kn) std::memcpy(row, key(j), sizeof row);
+      for (int p = 0; p < D / 2; ++p) std::memcpy(kt + (p * kKeys + j) * 2, row + p, sizeof(uint32_t));
     }
+  }
+  const __m256i zero = _mm256_setzero_si256();
+  for (int jp = 0; jp < kKeys / 2; ++jp) {
+    const uint16_t* a = 2 * jp < kn ? val(2 * jp) : nullptr;
+    const uint16_t* b = 2 * jp + 1 < kn ? val(2 * jp + 1) : nullptr;
+    for (int c = 0; c < D; c += 16) {
+      const __m512i lo = _mm512_cvtepu16_epi32(a != nullptr ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + c)) : zero);
+      const __m512i hi = _mm512_cvtepu16_epi32(b != nullptr ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + c)) : zero);
+      _mm512_storeu_si512(vt + (jp * D + c) * 2, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+    }
+  }
 }
 #else
 constexpr bool kDot = false;
@@ -1096,17 +1109,23 @@ void run_gather(const Q* q, const std::vector<Source<KV>>& src, const int64_t* s
 // order, causal over the row's own tokens), each run read with the query rotated by the run's
 // rotation (Runs), ONE online softmax over all of them. A work item is one head and a tile of
 // consecutive queries of one row (all their query heads, up to kRows): each key tile of each run is
-// packed once for the tile, scored with the tile's queries rotated once per run (float32), masked
-// past each query's limit; key tiles past the tile's longest limit are not read.
+// packed once for the tile, scored with the tile's queries rotated once per run, masked past each
+// query's limit; key tiles past the tile's longest limit are not read. q float32: float32 queries
+// (rotated in float32), products and sums. q bfloat16 bits (uint16_t, a bfloat16 model's queries
+// over its bfloat16 pool where the CPU has AVX-512 BF16): K^T and V packed in pairs, the queries
+// rotated in float32 and rounded back to bfloat16 (as torch's .to(bfloat16), as the decode group
+// pass does), bfloat16 products summed in float32, the probabilities rounded to bfloat16 before
+// P V (as the causal call's and torch's bfloat16 attention): twice the float32 lane rate.
 struct PrefillItem {
   int64_t x, q0, q1, g0, g1;
 };
 
-template <int ND, class KV>
-void run_prefill(const float* q, const std::vector<Source<KV>>& src, const int64_t* slots, int64_t width,
+template <int ND, class KV, class Q>
+void run_prefill(const Q* q, const std::vector<Source<KV>>& src, const int64_t* slots, int64_t width,
                  const int64_t* lengths, int64_t heads, int64_t g, int64_t m, const int64_t* qrow,
                  const int64_t* limits, float scale, float* out, float* lse, const Runs& rt) {
   constexpr int D = ND * 16;
+  constexpr bool dot = !std::is_same_v<Q, float>;
   const int64_t R = rt.width;
   const int64_t per = std::max<int64_t>(1, kRows / g), gh = std::min<int64_t>(g, kRows);
   std::vector<PrefillItem> items;
@@ -1120,7 +1139,17 @@ void run_prefill(const float* q, const std::vector<Source<KV>>& src, const int64
   at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t lo, int64_t hi) {
     std::vector<float> buf(2 * kRows * D + kRows * D + D * kKeys + kRows * kKeys + 64);
     float* base = buf.data() + (64 - reinterpret_cast<uintptr_t>(buf.data()) / sizeof(float) % 16) % 16;
-    float *qg = base, *qr = qg + kRows * D, *o = qr + kRows * D, *kt = o + kRows * D, *s = kt + D * kKeys;
+    float *o = base + 2 * kRows * D, *kt = o + kRows * D, *s = kt + D * kKeys;
+    // the tile's queries and their rotation: float32 in `buf`, bfloat16 bits in `half` (with K^T, V
+    // in pairs and the rounded probabilities)
+    std::vector<uint16_t> half(dot ? 2 * kRows * D + 2 * D * kKeys + kRows * kKeys : 0);
+    Q *qg, *qr;
+    if constexpr (dot) {
+      qg = half.data();
+    } else {
+      qg = base;
+    }
+    qr = qg + kRows * D;
     float mx[kRows], l[kRows];
     int64_t lim[kRows];
     for (int64_t w = lo; w < hi; ++w) {
@@ -1129,7 +1158,7 @@ void run_prefill(const float* q, const std::vector<Source<KV>>& src, const int64
       const int rows = static_cast<int>((it.q1 - it.q0) * gn);
       auto at = [&](int i) { return ((it.x * g + it.g0 + i % gn) * m + it.q0 + i / gn); };  // tile row -> output row
       for (int i = 0; i < rows; ++i) {
-        std::memcpy(qg + i * D, q + at(i) * D, sizeof(float) * D);
+        std::memcpy(qg + i * D, q + at(i) * D, sizeof(Q) * D);
         mx[i] = kNegInf;
         l[i] = 0.0f;
       }
@@ -1147,7 +1176,7 @@ void run_prefill(const float* q, const std::vector<Source<KV>>& src, const int64
         if (n <= 0) continue;
         const int64_t rot = rt.rot[b * R + ri];
         const Source<KV>& from = src[rt.src[b * R + ri] + 1];
-        const float* qs = qg;
+        const Q* qs = qg;
         if (rot >= 0) {
           for (int i = 0; i < rows; ++i) rotated_query(qg + i * D, rt, rot, D, qr + i * D);
           qs = qr;
@@ -1156,11 +1185,25 @@ void run_prefill(const float* q, const std::vector<Source<KV>>& src, const int64
         const KV* v = from.v + it.x * from.vs0;
         for (int64_t j0 = 0; j0 < n; j0 += kKeys) {
           const int kn = static_cast<int>(std::min<int64_t>(kKeys, n - j0));
-          pack_tile<D, true>(kt, kn, [&](int j) { return k + sl[a + j0 + j] * from.ks1; });
-          scores_rows<ND>(qs, D, kt, scale, s, rows);
-          for (int i = 0; i < rows; ++i)  // the keys of this tile row i sees
-            online_row<ND>(s + i * kKeys, std::min<int64_t>(kn, lim[i] - j0), mx[i], l[i], o + i * D);
-          values_rows<ND>(s, [&](int j) { return v + sl[a + j0 + j] * from.vs1; }, kn, o, rows);
+          const auto see = [&] {  // the keys of this tile row i sees
+            for (int i = 0; i < rows; ++i)
+              online_row<ND>(s + i * kKeys, std::min<int64_t>(kn, lim[i] - j0), mx[i], l[i], o + i * D);
+          };
+          if constexpr (dot) {
+#if defined(__AVX512BF16__)
+            uint16_t *kp = half.data() + 2 * kRows * D, *vp = kp + D * kKeys, *ph = vp + D * kKeys;
+            pack_tile_dot<D>(kp, vp, kn, [&](int j) { return k + sl[a + j0 + j] * from.ks1; },
+                             [&](int j) { return v + sl[a + j0 + j] * from.vs1; });
+            scores_dot_rows<ND>(qs, D, kp, scale, s, rows);
+            see();
+            values_dot_rows<ND>(s, ph, vp, kn, o, rows);
+#endif
+          } else {
+            pack_tile<D, true>(kt, kn, [&](int j) { return k + sl[a + j0 + j] * from.ks1; });
+            scores_rows<ND>(qs, D, kt, scale, s, rows);
+            see();
+            values_rows<ND>(s, [&](int j) { return v + sl[a + j0 + j] * from.vs1; }, kn, o, rows);
+          }
         }
       }
       for (int i = 0; i < rows; ++i) finish_row<ND>(o + i * D, mx[i], l[i], out + at(i) * D, lse + at(i));
@@ -1350,7 +1393,9 @@ std::tuple<at::Tensor, at::Tensor> attend_gather_runs(const at::Tensor& q, const
 // queries, G query heads of each KV head), query qi of row query_row[qi] seeing the first
 // limits[qi, i] keys of the row's run i (int64 [M, R], 0 .. the run's keys); rows, runs, sources
 // and rotations as attend_gather_runs's. Returns out [X, G, M, D], lse [X, G, M] (float32; a query
-// that sees no key: 0 and -inf). bfloat16 queries are widened (exact), products and sums float32.
+// that sees no key: 0 and -inf). bfloat16 queries over a bfloat16 pool take bfloat16 products where
+// the CPU has AVX-512 BF16 (run_prefill); any other bfloat16 queries are widened (exact), products
+// and sums float32.
 std::tuple<at::Tensor, at::Tensor> attend_prefill_runs(const at::Tensor& q_in, const at::Tensor& k, const at::Tensor& v,
                                                        const at::Tensor& slots, const at::Tensor& lengths, double scale,
                                                        const at::Tensor& run_starts, const at::Tensor& run_src,
@@ -1360,7 +1405,8 @@ std::tuple<at::Tensor, at::Tensor> attend_prefill_runs(const at::Tensor& q_in, c
   const char* name = "promptcache_native.attend_prefill_runs";
   TORCH_CHECK(q_in.dim() == 4 && k.dim() == 3 && v.dim() == 3, name, ": q must be [X, G, M, D], k and v [X, S, D]");
   check_common(q_in, k, v, name);
-  const at::Tensor q = q_in.to(at::kFloat).contiguous();
+  const bool dot = kDot && q_in.scalar_type() == at::kBFloat16 && k.scalar_type() == at::kBFloat16;
+  const at::Tensor q = (dot ? q_in : q_in.to(at::kFloat)).contiguous();
   const int64_t heads = q.size(0), g = q.size(1), m = q.size(2), d = q.size(3), slots_n = k.size(1);
   TORCH_CHECK(k.size(0) == heads && v.size(0) == heads && v.size(1) == slots_n && k.size(2) == d && v.size(2) == d,
               name, ": q ", q.sizes(), ", k ", k.sizes(), ", v ", v.sizes(), " do not match");
@@ -1405,8 +1451,16 @@ std::tuple<at::Tensor, at::Tensor> attend_prefill_runs(const at::Tensor& q_in, c
     using KV = std::remove_const_t<std::remove_pointer_t<decltype(kp)>>;
     const std::vector<Source<KV>> src = sources_of(kp, vp, k, v, slots_n, sources, layer);
     by_head_dim(d, [&](auto nd) {
-      run_prefill<decltype(nd)::value>(q.data_ptr<float>(), src, sl, width, len, heads, g, m, qrow, lim,
-                                       static_cast<float>(scale), out.data_ptr<float>(), lse.data_ptr<float>(), rt);
+      constexpr int ND = decltype(nd)::value;
+      if constexpr (std::is_same_v<KV, uint16_t>) {
+        if (dot) {
+          run_prefill<ND>(reinterpret_cast<const uint16_t*>(q.data_ptr<at::BFloat16>()), src, sl, width, len, heads,
+                          g, m, qrow, lim, static_cast<float>(scale), out.data_ptr<float>(), lse.data_ptr<float>(), rt);
+          return;
+        }
+      }
+      run_prefill<ND>(q.data_ptr<float>(), src, sl, width, len, heads, g, m, qrow, lim, static_cast<float>(scale),
+                      out.data_ptr<float>(), lse.data_ptr<float>(), rt);
     });
   });
   return {out, lse};

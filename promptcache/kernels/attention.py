@@ -147,5 +147,8 @@ def prefill_runs_kernel_for(q: torch.Tensor, kv: torch.Tensor):
     over the row's own tokens), each run read with the query rotated by the run's rotation, one
     online softmax over all of them. A tile of consecutive queries of one row (all their query
     heads) packs each key tile of its runs once; key tiles past its longest limit are not read.
-    bfloat16 queries are widened (exact): float32 products and sums."""
+    bfloat16 queries over a bfloat16 pool take bfloat16 products (float32 sums, the rotated queries
+    and the probabilities rounded to bfloat16) where the CPU has AVX-512 BF16, as the decode rows'
+    group pass and the causal call do; other bfloat16 queries are widened (exact): float32 products
+    and sums."""
     return _KERNELS.ops.attend_prefill_runs if kv.dtype in KV_DTYPES and _covers(q, KV_DTYPES) else None

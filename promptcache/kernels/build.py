@@ -121,14 +121,17 @@ class NativeKernels:
         # second), worth waiting for; a build (minutes) is waited on only as PROMPTCACHE_KERNEL_WAIT says
         wait = max(wait_seconds(), LOADING_WAIT_S) if library.exists() else None
         with BuildLock(folder, self.what, wait):
-            before = _mtime(library)
-            if before is None:
-                log.info("building the %s for this environment in %s (once; up to a few minutes "
-                         "on a busy machine)", self.what, folder)
-            cpp_extension.load(name=name, sources=[str(self.source)], build_directory=str(folder),
-                               extra_cflags=list(CFLAGS), extra_ldflags=["-fopenmp"], is_python_module=False,
-                               verbose=False)
-            built = _mtime(library) != before
+            # built already: loaded as it is. Its name is the source's digest, so it is this source's
+            # build; torch's loader runs ninja, whose build file names the source's path: the same
+            # source in another checkout (worktrees sharing one environment) rebuilt it every time
+            built = not (library.exists() and _loaded(library, self.what))
+            if built:
+                if not library.exists():
+                    log.info("building the %s for this environment in %s (once; up to a few minutes "
+                             "on a busy machine)", self.what, folder)
+                cpp_extension.load(name=name, sources=[str(self.source)], build_directory=str(folder),
+                                   extra_cflags=list(CFLAGS), extra_ldflags=["-fopenmp"], is_python_module=False,
+                                   verbose=False)
         ops = getattr(torch.ops, self.namespace)
         if self.on_load is not None:
             self.on_load(ops)
@@ -137,8 +140,11 @@ class NativeKernels:
         return ops
 
 
-def _mtime(path: Path) -> int | None:
+def _loaded(library: Path, what: str) -> bool:
+    """Whether the built ``library`` loads (a library left unloadable is built again)."""
     try:
-        return path.stat().st_mtime_ns
-    except FileNotFoundError:
-        return None
+        torch.ops.load_library(str(library))
+    except (OSError, RuntimeError) as exc:
+        log.warning("the built %s (%s) does not load (%s): building it again", what, library, exc)
+        return False
+    return True

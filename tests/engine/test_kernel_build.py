@@ -83,6 +83,23 @@ def test_two_environments_do_not_rebuild_each_other(tiny, tmp_path):
     assert so_a.stat().st_mtime_ns == stamp
 
 
+def test_the_same_source_in_another_checkout_loads_the_built_kernel(tiny, tmp_path):
+    """Worktrees share one environment: the same source at another path is the same kernel (its
+    name is the source's digest), loaded as built, not rebuilt (torch's ninja file names the
+    source's path: it rebuilt each checkout's kernel over the other's)."""
+    prefix = str(tmp_path / "venv")
+    assert "tiny kernel built in" in _run(tiny, prefix)
+    other = tmp_path / "checkout" / "tiny.cpp"
+    other.parent.mkdir()
+    other.write_text(tiny.read_text())
+    assert _folder(other, prefix) == _folder(tiny, prefix)
+    so = next(_folder(tiny, prefix).glob("*.so"))
+    stamp = so.stat().st_mtime_ns
+    again = _run(other, prefix)
+    assert "tiny kernel loaded in" in again and "building" not in again, again
+    assert so.stat().st_mtime_ns == stamp
+
+
 def test_a_killed_build_does_not_block_the_next_process(tiny, tmp_path):
     prefix = str(tmp_path / "venv")
     folder = _folder(tiny, prefix)

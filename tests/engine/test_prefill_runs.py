@@ -73,9 +73,10 @@ def prefill_tables(rows, limits, r):
     return slots, lengths, starts, src, rot, cos, sin, row, lim.contiguous()
 
 
-def reference(q, kbuf, vbuf, sources, layer, rows, limits, r, scale):
+def reference(q, kbuf, vbuf, sources, layer, rows, limits, r, scale, rounded: bool = False):
     """out [X, G, M, D], lse [X, G, M] in float64: each query's keys, every run's up to its limit,
-    scored with the query rotated back by the run's shift (``dense.rotation``/``rotate``)."""
+    scored with the query rotated back by the run's shift (``dense.rotation``/``rotate``);
+    ``rounded``: each rotated query rounded to bfloat16 (what bfloat16 products read)."""
     x, g, m, d = q.shape
     rope = rope_of(r)
     out, lse = torch.zeros(x, g, m, d, dtype=torch.float64), torch.zeros(x, g, m, dtype=torch.float64)
@@ -92,6 +93,7 @@ def reference(q, kbuf, vbuf, sources, layer, rows, limits, r, scale):
                 if shift:
                     cos, sin = rotation(-torch.tensor([float(shift)], dtype=torch.float64), rope)
                     qr = rotate(qr, cos.double(), sin.double(), swap=False)
+                    qr = qr.to(torch.bfloat16).double() if rounded else qr
                 idx = torch.tensor(slots[:n])
                 scores.append(qr @ k[:, idx].double().transpose(1, 2) * scale)  # [X, G, n]
                 values.append(v[:, idx].double())
@@ -120,9 +122,19 @@ def test_prefill_runs_equal_attention_with_limits_and_rotations(op, b, g, d, r, 
     assert out.shape == (3, g, m, d) and lse.shape == (3, g, m) and out.dtype == lse.dtype == torch.float32
     ro, rl = reference(q.float(), buf[1, 0].float(), buf[1, 1].float(), [s.float() for s in sources], 1, rows,
                        limits, r, d ** -0.5)
-    # bfloat16: the same values widened, float32 products and sums (exact inputs): float32's rounding
-    assert (out.double() - ro).abs().max().item() < 1e-5 * max(1.0, ro.abs().max().item())
-    assert (lse.double() - rl).abs().max().item() < 1e-5 * max(1.0, rl.abs().max().item())
+    if dtype == torch.float32:  # float32 products and sums: float32's rounding
+        assert (out.double() - ro).abs().max().item() < 1e-5 * max(1.0, ro.abs().max().item())
+        assert (lse.double() - rl).abs().max().item() < 1e-5 * max(1.0, rl.abs().max().item())
+    else:  # bfloat16 products where the CPU has them: the rotated queries and the probabilities rounded to
+        # bfloat16; no further from the exact result than the rotated queries' rounding takes it, plus
+        # the probabilities' rounding
+        bo, bl = reference(q.float(), buf[1, 0].float(), buf[1, 1].float(), [s.float() for s in sources], 1, rows,
+                           limits, r, d ** -0.5, rounded=True)
+        vmax = buf.float().abs().max().item()
+        err, base = (out.double() - ro).abs().max().item(), (bo - ro).abs().max().item()
+        assert err <= 2 * base + 2 ** -8 * vmax, (err, base)
+        err, base = (lse.double() - rl).abs().max().item(), (bl - rl).abs().max().item()
+        assert err <= 2 * base + 1e-5 * max(1.0, rl.abs().max().item()), (err, base)
 
 
 def test_queries_of_rows_out_of_order_and_a_query_seeing_no_key(op):
@@ -222,9 +234,10 @@ def test_prefill_rows_over_shifted_documents_in_one_call_equal_the_per_segment_p
 
 
 def test_bfloat16_prefill_rows_stay_within_rounding(op, monkeypatch):
-    """A bfloat16 model's prefill rows over a bfloat16 pool and store: the fold (queries widened and
-    rotated in float32) is as close to the same attention in float32 (over the same bfloat16
-    values) as the per-segment path, within bfloat16's rounding."""
+    """A bfloat16 model's prefill rows over a bfloat16 pool and store: the fold (queries rotated in
+    float32 and rounded to bfloat16, bfloat16 products where the CPU has them) is as close to the
+    same attention in float32 (over the same bfloat16 values) as the per-segment path, within
+    bfloat16's rounding."""
     pools = []
     for dtype in (torch.bfloat16, torch.float32):
         pool = KVPool(KVSpec(layers=2, kv_heads=2, head_dim=16, dtype=dtype), torch.device("cpu"), tokens=512,
