@@ -60,9 +60,10 @@ def test_a_kept_plan_grown_step_by_step_attends_as_a_plan_built_afresh(store, mo
     reqs = batch(pool, torch.randn((2, 2, 2, 4, 16), generator=g) if store else None)
     steps = SPARE_KEYS + 4  # past the spare keys: one rebuild on the way
     plans = []
-    for _ in range(steps):
+    for i in range(steps):
         rows = [r.row() for r in reqs]
-        plan = paged.build_plan(pool, rows, rope=ROPE)
+        with torch.inference_mode(i % 3 == 0):  # built inside inference mode (paged_forward), grown outside, ...
+            plan = paged.build_plan(pool, rows, rope=ROPE)
         plans.append(plan)
         fresh = KVPool.__new__(KVPool)  # the same pool's buffer, with no plan kept
         fresh.__dict__.update(pool.__dict__, decode_plans=DecodePlans(pool.block_size))

@@ -373,9 +373,11 @@ class DecodePlans:
         for i, k in enumerate(self.rows):
             at.append(i * w + k.keys)
             slot.append(k.blocks[k.own // bs] * bs + k.own % bs)  # own token k.own's slot (its block table)
-        where = torch.tensor([at, slot], dtype=torch.long, device=step.slots.device)
-        step.slots.index_put_((where[0],), where[1])
-        step.mask.view(-1).index_fill_(0, where[0], 0.0)  # [B, 1, 1, W]: one query a row, key (i, j) at i * W + j
+        # (a step built inside inference mode, as ``paged_forward`` builds it, is updated in place only there)
+        with torch.inference_mode():
+            where = torch.tensor([at, slot], dtype=torch.long, device=step.slots.device)
+            step.slots.index_put_((where[0],), where[1])
+            step.mask.view(-1).index_fill_(0, where[0], 0.0)  # [B, 1, 1, W]: one query a row, key (i, j) at i * W + j
         step.memo.clear()  # the biases derived from the mask
         for k in self.rows:
             k.own += 1
