@@ -3,8 +3,9 @@
 Without the native CPU kernel (the path a GPU takes), the plan of a step whose rows are the last
 step's requests one token further is the last one with each row's new key appended: it must
 attend exactly as a plan built afresh for the same rows, across the rebuild when a row outgrows
-its spare keys, with segments read shifted and a store tensor merged in; and a batch whose
-membership changed must get a plan built for it.
+its spare keys, with segments read shifted and a store tensor merged in; a batch whose
+membership changed must get a plan built for it; and the scheduler's requests, served with kept
+plans, must decode the oracle's tokens.
 """
 
 from __future__ import annotations
@@ -105,3 +106,23 @@ def test_a_batch_whose_membership_changed_gets_a_plan_of_its_own(monkeypatch):
     kept = paged.build_plan(pool, rows, rope=ROPE)
     reqs[2].blocks[1], reqs[2].blocks[2] = reqs[2].blocks[2], reqs[2].blocks[1]
     assert paged.build_plan(pool, [r.row() for r in reqs], rope=ROPE) is not kept
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_served_requests_grow_kept_plans_and_equal_the_oracle(family, monkeypatch):
+    """The scheduler's decode steps (native kernel off) reuse the kept plan, and the greedy tokens
+    are the oracle's: prompts with gaps and shared modules, decoding together for 12 tokens."""
+    from oracle import definition_greedy
+    from test_serving import engine, pml, serve
+    from tiny import make_tokenizer
+    from trip import PROMPTS
+
+    monkeypatch.setattr(paged.cpu_attention, "gathers", lambda buf: False)
+    pc = engine(family, make_tokenizer())
+    schema = pc.schema("trip").layout
+    reqs, sched = serve(pc, [pml(pc, p) for p in PROMPTS], max_new=12, budget=64)
+    kept = sched.pool.decode_plans
+    assert kept.reused >= 8 and kept.built >= 1  # most decode steps grew the kept plan
+    for prompt, req in zip(PROMPTS, reqs):
+        assert req.error is None
+        assert req.token_ids == definition_greedy(pc.model, schema, pc.layout(prompt), 12, eos=3), prompt
