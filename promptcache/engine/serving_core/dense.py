@@ -73,6 +73,9 @@ class DenseStep:
     # (``DecodePlans``) grows ``slots`` and ``mask`` in place past them and counts on itself
     lengths: tuple[int, ...] = ()
     memo: dict = field(default_factory=dict)  # ``mask`` as ``bias`` and ``batched_bias`` give it
+    # the layers' buffers (``_Work``), made at the first layer and kept while the step is (a grown
+    # decode step keeps them: its shapes do not change)
+    work: dict = field(default_factory=dict)
 
     def bias(self, kv_heads: int, groups: int) -> torch.Tensor:
         """``mask`` as every layer adds it to the scores of queries [Hk, B, G * T, D]: [1, B, G * T, W],
@@ -247,6 +250,47 @@ def rotate(k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, swap: bool) ->
     return torch.cat([rot * cos + swapped * sin, k[..., r:]], dim=-1)
 
 
+@dataclass(eq=False)
+class _Work:
+    """The buffers every layer of a step gathers its keys and values into and rotates its keys in,
+    and their views, made once (``_work``): a layer's Python is then its tensor calls alone. A
+    B = 48 step allocated and freed four tensors of 8 MB a layer on the CPU, whose frees and
+    first touches made the layer's host time grow with B (eval/results/host_overhead.md)."""
+
+    gathered: torch.Tensor  # [2, Hk, B * W, D] in the pool's dtype: ``index_select``'s out
+    widened: torch.Tensor | None  # the same in float32 where the pool is not (else None)
+    k: torch.Tensor  # [Hk, B, W, D] float32 keys as gathered (a view)
+    v: torch.Tensor  # [Hk, B, W, D] float32 values (a view)
+    rotated: torch.Tensor | None  # [Hk, B, W, D] float32 keys rotated (None: nothing shifted)
+    # rotate-half of the first r channels: (to, from) pairs of views copied, then product and addcmul
+    copies: tuple = ()
+    head: tuple = ()  # (rotated[..., :r], k[..., :r], swapped [Hk, B, W, r])
+    tail: tuple | None = None  # (rotated[..., r:], k[..., r:]) where r < D
+
+
+def _work(step: DenseStep, kv: torch.Tensor, hk: int, d: int) -> _Work:
+    """``step``'s buffers for one layer's pool buffer kv [2, Hk, S, D] (made at the first layer)."""
+    key = (kv.dtype, kv.device, hk, d, torch.is_inference_mode_enabled())
+    work = step.work.get(key)
+    if work is not None:
+        return work
+    b, w = step.rows, step.width
+    gathered = torch.empty((2, hk, b * w, d), dtype=kv.dtype, device=kv.device)
+    widened = None if kv.dtype == torch.float32 else torch.empty(gathered.shape, dtype=torch.float32, device=kv.device)
+    k, v = (gathered if widened is None else widened).view(2, hk, b, w, d).unbind(0)
+    rotated, copies, head, tail = None, (), (), None
+    if step.cos is not None:
+        r = step.cos.shape[-1]
+        h = r // 2
+        rotated = torch.empty_like(k)
+        swapped = torch.empty((hk, b, w, r), dtype=torch.float32, device=kv.device)
+        copies = ((swapped[..., : r - h], k[..., h:r]), (swapped[..., r - h:], k[..., :h]))
+        head = (rotated[..., :r], k[..., :r], swapped)
+        tail = (rotated[..., r:], k[..., r:]) if r < d else None
+    work = step.work[key] = _Work(gathered, widened, k, v, rotated, copies, head, tail)
+    return work
+
+
 def attend_dense(step: DenseStep, q: torch.Tensor, kv: torch.Tensor, scale: float,
                  lse: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Queries q [Hk, G, N, D] (float32) over the step's keys in one layer's pool buffer
@@ -258,12 +302,21 @@ def attend_dense(step: DenseStep, q: torch.Tensor, kv: torch.Tensor, scale: floa
     keys, the fused attention over views."""
     hk, g, n, d = q.shape
     b, t, w = step.rows, step.queries, step.width
-    # keys and values in one gather (indexing: twice index_select's speed here on the CPU): [Hk, B, W, D] each
-    k, v = kv[:, :, step.slots].view(2, hk, b, w, d).unbind(0)
-    if k.dtype != torch.float32:
-        k, v = k.float(), v.float()
-    if step.cos is not None:
-        k = rotate(k, step.cos, step.sin, step.swap)
+    # keys and values in one gather into the step's buffers: [Hk, B, W, D] each
+    work = _work(step, kv, hk, d)
+    torch.index_select(kv, 2, step.slots, out=work.gathered)
+    if work.widened is not None:
+        work.widened.copy_(work.gathered)
+    k, v = work.k, work.v
+    if work.rotated is not None:  # ``rotate`` into the buffers: k * cos + rotate_half(k) * sin
+        for to, source in work.copies:
+            to.copy_(source)
+        out_head, k_head, swapped = work.head
+        torch.mul(k_head, step.cos, out=out_head)
+        out_head.addcmul_(swapped, step.sin)
+        if work.tail is not None:
+            work.tail[0].copy_(work.tail[1])
+        k = work.rotated
     if t == 1 and not lse:  # decode rows: batched by (row, KV head), their G queries each, as views
         out = torch.nn.functional.scaled_dot_product_attention(
             q.permute(2, 0, 1, 3), k.transpose(0, 1), v.transpose(0, 1), attn_mask=step.mask, scale=scale)
