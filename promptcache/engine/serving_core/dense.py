@@ -298,8 +298,10 @@ def attend_dense(step: DenseStep, q: torch.Tensor, kv: torch.Tensor, scale: floa
     [Hk, G, N, D], or, for a step of decode rows without ``lse``, [N, Hk * G, D] (the layout the
     model reads back). Without ``lse``: torch's fused attention (one call; on a GPU its
     memory-efficient kernel, which takes the bias); with it: the same softmax as matrix products.
-    A decode step is ~11 ops a layer: one gather of keys and values, three to rotate the shifted
-    keys, the fused attention over views."""
+    A decode step is ~11 ops a layer: one gather of keys and values, four to rotate the shifted
+    keys (two copies swapping the halves, a product, an addcmul), the fused attention over views;
+    the gather and the rotation write into buffers made at the step's first layer (``_work``),
+    so a layer allocates and frees none of its keys."""
     hk, g, n, d = q.shape
     b, t, w = step.rows, step.queries, step.width
     # keys and values in one gather into the step's buffers: [Hk, B, W, D] each
