@@ -13,7 +13,10 @@ then its own ``--question`` tokens. The rows carry their block tables and their 
 slots (``PagedRow.own_blocks``, ``shared_runs``) as the scheduler's do. Two steps are measured per batch size B:
 
 * ``prefill``: every row's question tokens in one step (B chunks of ``--question`` tokens);
-* ``decode``: one new token per row after ``--generated`` generated tokens.
+* ``decode``: one new token per row after ``--generated`` generated tokens; every run of the step
+  (warm-up, timed, profiled, planned) is the next decode step: each row one token further, as the
+  scheduler builds them (the same block table and segments, its own slots one longer), so a decode
+  plan kept across steps (``dense.DecodePlans``) is grown as in serving, not handed back unchanged.
 
 For each (native kernel, compile, step, B):
 
@@ -51,6 +54,16 @@ For each (native kernel, compile, step, B):
   subtracting from the unprofiled ``wall_ms`` went below zero on steps of thousands of small
   ops). On a GPU this is the time the host needs to issue a step, which bounds the step when it
   exceeds the kernels' device time;
+* ``host_min_ms``: the least ``host_ms`` of the ``--repeats`` profiled runs (the machine's other
+  load lands in host time between ops: the least is the closest to the step's own);
+* host time's parts (medians; the self time of the profile's events that are not kernels):
+  ``outside_ms`` (outside every recorded event: Python between ops: the step's inputs and plan,
+  the model's modules when eager, the forward's own Python), ``dynamo_ms`` (the compiled
+  function's guards and wrappers: TorchDynamo's cache lookup, the compiled region, AOT's
+  wrappers), ``graph_ms`` (inductor's generated Python calling its kernels), ``attention_py_ms``
+  (the attention function's or op's own Python, outside its aten calls), ``views_ms`` (views,
+  allocations and metadata ops: ``NO_COMPUTE``); the rest of ``host_ms`` is the dispatcher's and the
+  profiler's time inside computing ops' parents;
 * ``plan_ms``: of that, the step's inputs and attention plan alone (``step_inputs``,
   ``build_plan``: once a step), median of ``--repeats``.
 
@@ -88,6 +101,17 @@ ATTENTION_RANGE = "promptcache::attention"
 COMPILED_ATTENTION_OP = "promptcache::paged_attention"  # graphs.py's opaque attention op a layer
 # inductor's generated CPU kernels, as the profiler names them with ``cpp.enable_kernel_profile``
 INDUCTOR_KERNEL = "cpp_fused"
+# host time's parts measured in the profile (self time of these events), and ``outside_ms``: the
+# time outside every recorded event (Python between them: the step's inputs and plan, the model's
+# modules run eagerly, the forward's own Python)
+HOST_PARTS = {
+    "dynamo_ms": ("TorchDynamo Cache Lookup", "Torch-Compiled Region", "Pregraph bytecode", "AOTDispatcher"),
+    "graph_ms": ("## Call CompiledFxGraph",),  # inductor's generated Python calling its kernels
+    "attention_py_ms": (ATTENTION_RANGE, COMPILED_ATTENTION_OP),  # the attention function's own Python
+    "views_ms": tuple(NO_COMPUTE),  # views, allocations, metadata ops
+    "outside_ms": (),
+}
+TIMES = ("kernel_ms", "host_ms", *HOST_PARTS)
 
 
 def build(args):
@@ -107,7 +131,7 @@ def build(args):
         model, tok = load_model(args.model, torch_dtype=dtype, device=args.device)
     runner = ModelRunner(model, tok, torch.device(args.device))
     batch = max(args.batches)
-    own = args.question + args.generated + 1
+    own = args.question + args.generated + 1 + ADVANCES
     tokens = (args.docs * args.doc_len + args.system + batch * own) * 2 + 1024
     pool = KVPool(runner.spec, runner.device, tokens, block_size=16)
     vocab = model.get_input_embeddings().num_embeddings
@@ -148,7 +172,8 @@ def rows_for(args, runner, pool, docs, system, vocab, batch: int, step: str):
             shifts.append(at)  # stored at 0.., read at ``at``..
             at += args.doc_len
         n_own = args.question if step == "prefill" else args.question + args.generated + 1
-        own_blocks = pool.allocate(pool.blocks_for(n_own))
+        # a decode row's blocks hold the tokens of every step it is advanced by (``advance``)
+        own_blocks = pool.allocate(pool.blocks_for(n_own + (ADVANCES if step == "decode" else 0)))
         owned.append(own_blocks)
         own_pos = list(range(at, at + n_own))
         t = args.question if step == "prefill" else 1
@@ -158,6 +183,27 @@ def rows_for(args, runner, pool, docs, system, vocab, batch: int, step: str):
                              shared_slots=shared_slots, shared_shift=shifts, own_blocks=own_blocks,
                              shared_runs=[(int(s[0]), len(s)) for s in shared_slots]))
     return rows, owned
+
+
+ADVANCES = 64  # decode steps a cell's rows can be advanced by
+
+
+def advance(pool, rows: list, slots: dict) -> list:
+    """The next decode step's rows: each the same request one token further, as the scheduler
+    builds them (the same block table, segments and runs; its own slots one longer: a slice of
+    ``slots[id(block table)]``, every slot its blocks hold)."""
+    from promptcache.engine.serving_core.paged import PagedRow
+
+    out = []
+    for r in rows:
+        n = r.own.shape[0] + 1
+        if n > len(r.own_blocks) * pool.block_size:
+            raise RuntimeError(f"a decode row was advanced past its {len(r.own_blocks)} blocks: raise ADVANCES")
+        pos = r.own_pos + [r.own_pos[-1] + 1]
+        out.append(PagedRow([r.ids[0]], pos[-1:], r.shared, slots[id(r.own_blocks)][:n], shared_pos=r.shared_pos,
+                            own_pos=pos, shared_slots=r.shared_slots, shared_shift=r.shared_shift,
+                            own_blocks=r.own_blocks, shared_runs=r.shared_runs))
+    return out
 
 
 def profile_step(step, layers: int, cuda: bool = False) -> dict:
@@ -184,10 +230,20 @@ def profile_step(step, layers: int, cuda: bool = False) -> dict:
 
     compute = [e for e in events if (e.name.startswith(OP_PREFIXES) and e.name not in NO_COMPUTE)
                or INDUCTOR_KERNEL in e.name]
+    compute_set = set(compute)
     if cuda:
         kernel_us = sum(getattr(e, "self_device_time_total", 0) for e in events if e.device_type == DeviceType.CUDA)
     else:
         kernel_us = sum(e.self_cpu_time_total for e in compute)
+    # host time's parts: the self time of the events that are not kernels, by what they are
+    parts = dict.fromkeys(HOST_PARTS, 0.0)
+    for e in events:
+        if e in compute_set:
+            continue
+        part = next((k for k, names in HOST_PARTS.items() if names and e.name.startswith(names)), None)
+        if part is not None:
+            parts[part] += e.self_cpu_time_total / 1000
+    parts["outside_ms"] = profiled_ms - sum(e.cpu_time_total for e in events if e.cpu_parent is None) / 1000
     attn = [e for e in aten if inside_attention(e)]
     calls = sum(1 for e in attn if not e.cpu_parent.name.startswith(OP_PREFIXES))
     direct = sum(1 for e in aten if e.cpu_parent is None or not e.cpu_parent.name.startswith(OP_PREFIXES))
@@ -195,7 +251,8 @@ def profile_step(step, layers: int, cuda: bool = False) -> dict:
                 calls_layer=round(direct / layers, 1),
                 attn_layer=round(len(attn) / layers, 1),
                 attn_calls_layer=round(calls / layers, 1),
-                kernel_ms=round(kernel_us / 1000, 3), host_ms=round(profiled_ms - kernel_us / 1000, 3))
+                kernel_ms=round(kernel_us / 1000, 3), host_ms=round(profiled_ms - kernel_us / 1000, 3),
+                **{k: round(v, 3) for k, v in parts.items()})
 
 
 def measure(args) -> list[dict]:
@@ -230,31 +287,41 @@ def measure(args) -> list[dict]:
     for step in ("prefill", "decode"):
         for batch in args.batches:
             rows, owned = rows_for(args, runner, pool, docs, system, vocab, batch, step)
+            state = {"rows": rows}
+            slots = {id(blocks): pool.slots(blocks, 0, len(blocks) * pool.block_size) for blocks in owned}
 
-            def run():
-                logits = forward(pool, rows)
+            def next_rows():  # a decode step's rows are the last step's one token further; a prefill's the same
+                if step == "decode":
+                    state["rows"] = advance(pool, state["rows"], slots)
+                return state["rows"]
+
+            def run(now):
+                logits = forward(pool, now)
                 if logits.device.type == "cuda":
                     torch.cuda.synchronize()
                 return logits
 
-            run()  # warm-up (and, compiled, the graph's first compile)
+            run(next_rows())  # warm-up (and, compiled, the graph's first compile)
             compiled = steps is not None and steps.shape_for(rows) is not None
             walls = []
-            for _ in range(args.repeats):
+            for _ in range(args.repeats):  # (the rows built before the clock starts: measured are the step's own costs)
+                now = next_rows()
                 t0 = time.perf_counter()
-                run()
+                run(now)
                 walls.append((time.perf_counter() - t0) * 1000)
             # the counts repeat exactly; the times are the median of --repeats profiled runs
-            profs = [profile_step(run, layers, cuda=runner.device.type == "cuda") for _ in range(args.repeats)]
-            prof = dict(profs[0], **{k: round(statistics.median(p[k] for p in profs), 3)
-                                     for k in ("kernel_ms", "host_ms")})
+            profs = [profile_step(lambda now=next_rows(): run(now), layers, cuda=runner.device.type == "cuda")
+                     for _ in range(args.repeats)]
+            prof = dict(profs[0], **{k: round(statistics.median(p[k] for p in profs), 3) for k in TIMES},
+                        host_min_ms=min(p["host_ms"] for p in profs))
             wall = statistics.median(walls)
             plans = []
             for _ in range(args.repeats):  # the step's inputs and plan alone (once a step, before the forward)
+                now = next_rows()
                 t0 = time.perf_counter()
-                paged.step_inputs(pool, rows)
-                paged.build_plan(pool, rows, keys=paged.key_rule(runner.adapter),
-                                 rope=paged.query_rope(runner.adapter, rows))
+                paged.step_inputs(pool, now)
+                paged.build_plan(pool, now, keys=paged.key_rule(runner.adapter),
+                                 rope=paged.query_rope(runner.adapter, now))
                 plans.append((time.perf_counter() - t0) * 1000)
             out.append(dict(native=native, compile=args.compile, compiled=compiled, step=step, batch=batch,
                             tokens=sum(len(r.ids) for r in rows), **prof, wall_ms=round(wall, 3),
@@ -340,7 +407,9 @@ def main(argv=None) -> None:
         print(f"native {r['native']:3} {ran:8} {r['step']:7} B={r['batch']:3}  aten/forward {r['aten_forward']:6}  "
               f"aten/layer {r['aten_layer']:7} ({r['calls_layer']} calls)  attention aten/layer {r['attn_layer']:6} "
               f"({r['attn_calls_layer']} calls)  wall {r['wall_ms']:8.2f} ms  kernels {r['kernel_ms']:8.2f} ms  "
-              f"host {r['host_ms']:8.2f} ms (plan {r.get('plan_ms', 0):.2f} ms)")
+              f"host {r['host_ms']:8.2f} ms (least {r.get('host_min_ms', 0):.2f}; plan {r.get('plan_ms', 0):.2f}, "
+              f"outside ops {r.get('outside_ms', 0):.2f}, dynamo {r.get('dynamo_ms', 0):.2f}, "
+              f"graph {r.get('graph_ms', 0):.2f}, attention Python {r.get('attention_py_ms', 0):.2f} ms)")
     save_table(f"host_overhead{args.tag}", rows, args.out, plot)
 
 

@@ -22,9 +22,9 @@ from promptcache.engine.serving_core.kvpool import KVPool
 from promptcache.models.splice import KVSpec
 
 
-def make_pool(seed: int, head_dim: int = 16) -> KVPool:
+def make_pool(seed: int, head_dim: int = 16, dtype: torch.dtype = torch.float32) -> KVPool:
     g = torch.Generator().manual_seed(seed)
-    pool = KVPool(KVSpec(layers=2, kv_heads=2, head_dim=head_dim, dtype=torch.float32), torch.device("cpu"),
+    pool = KVPool(KVSpec(layers=2, kv_heads=2, head_dim=head_dim, dtype=dtype), torch.device("cpu"),
                   tokens=1024, block_size=4)
     pool.buf.copy_(torch.randn(pool.buf.shape, generator=g))
     return pool
@@ -77,6 +77,24 @@ def test_one_padded_call_equals_the_per_part_path(case, monkeypatch):
     assert bool(plan.segments) == case.startswith("store") and bool(plan.limited) == (case == "store-limited")
     assert got.shape == want.shape == (1, 9, 6, 16)
     assert torch.allclose(got, want, atol=1e-5, rtol=0), (got - want).abs().max()
+
+
+@pytest.mark.parametrize("dtype, channels", [(torch.float32, 8), (torch.bfloat16, 16), (torch.bfloat16, 8)])
+def test_the_layers_buffers_gather_widen_and_rotate_as_the_per_part_path(dtype, channels, monkeypatch):
+    """A step's layers gather, widen (a pool not in float32) and rotate their keys in buffers made at
+    the first layer (``DenseStep.work``): rotary over the first 8 of 16 channels (the rest copied)
+    or all of them, each layer equal to the per-part path, and the same again when the buffers
+    are reused (layer 0 after layer 1, then layer 1 again)."""
+    pool = make_pool(seed=11, dtype=dtype)
+    rows = rows_of(pool, shifts=(3, 11))
+    rope = 1.0 / (10000 ** (torch.arange(0, channels, 2, dtype=torch.float32) / channels))
+    query = torch.randn((1, 6, 9, 16), generator=torch.Generator().manual_seed(9))
+    got, want, plan = both(pool, rows, query, monkeypatch, rope)
+    assert plan.dense.swap == (channels == 16) and len(plan.dense.work) == 1
+    assert torch.allclose(got, want, atol=1e-5, rtol=0), (got - want).abs().max()
+    per_part = paged.build_plan(pool, rows, rope=rope)  # DENSE_MAX is 0 now (``both``)
+    assert torch.allclose(paged.attend(plan, 0, query), paged.attend(per_part, 0, query), atol=1e-5, rtol=0)
+    assert torch.equal(paged.attend(plan, 1, query), got) and len(plan.dense.work) == 1
 
 
 def test_one_padded_call_is_causal_attention_over_segments_then_own_tokens(monkeypatch):

@@ -23,6 +23,17 @@ built once (``dense_step``) and every layer runs one padded attention over it (`
     step): rotary scores depend only on the difference of positions, so this equals rotating the
     queries back by it, as the per-part path does.
 
+A decode batch's step is kept across steps (``DecodePlans``, one a pool: ``KVPool.decode_plans``):
+when the next step's rows are the same requests one token further, each row's new key is appended
+in place (its slot into ``slots``, its column unmasked: three tensor ops a step whatever B) instead
+of rebuilding the step from the rows (~1 ms of host time at 48 rows). It is built with
+``SPARE_KEYS`` padded keys a row beyond the longest (masked until used), and rebuilt when a row
+outgrows them or the batch's membership changes (a request finished, paused or joined, a prefill
+chunk in the step). The same requests are recognized by what the scheduler hands every step
+unchanged (the request's block table, its shared segments, their runs and shifts: the same
+objects, held here so their ids cannot be reused), each own part exactly one token longer, and the
+block tables' contents equal; a step repeated on the very same rows gets the kept step as it is.
+
 Softmax runs in float32 as matrix products (scores, max, exp, sum, product, divide), and the
 log-sum-exp comes back too where segments held outside the pool (a store tier's tensors) are
 still merged in afterwards by the caller. Attention that reads key positions beyond rotation
@@ -36,9 +47,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["DenseStep", "attend_dense", "dense_step", "pool_run", "rotate", "rotation", "run_slots"]
+__all__ = ["DecodePlans", "DenseStep", "SPARE_KEYS", "attend_dense", "dense_step", "pool_run", "rotate", "rotation",
+           "run_slots"]
 
 log = logging.getLogger(__name__)
+
+SPARE_KEYS = 16  # padded keys a row beyond the longest when a decode plan is built: a rebuild every 16 steps
 
 
 @dataclass(frozen=True)
@@ -55,7 +69,13 @@ class DenseStep:
     cos: torch.Tensor | None = None  # [B, W, r] float32 rotation of each key (None: nothing shifted)
     sin: torch.Tensor | None = None  # [B, W, r] float32, signs folded in for the rotate-half form
     swap: bool = False  # the rotation covers every channel (r = D): halves swapped by a flip
+    # keys each row read when built (the first ``lengths[i]`` of its W); a decode plan kept across steps
+    # (``DecodePlans``) grows ``slots`` and ``mask`` in place past them and counts on itself
+    lengths: tuple[int, ...] = ()
     memo: dict = field(default_factory=dict)  # ``mask`` as ``bias`` and ``batched_bias`` give it
+    # the layers' buffers (``_Work``), made at the first layer and kept while the step is (a grown
+    # decode step keeps them: its shapes do not change)
+    work: dict = field(default_factory=dict)
 
     def bias(self, kv_heads: int, groups: int) -> torch.Tensor:
         """``mask`` as every layer adds it to the scores of queries [Hk, B, G * T, D]: [1, B, G * T, W],
@@ -132,13 +152,14 @@ def _as_tensor(slots, dev) -> torch.Tensor:
 
 def dense_step(rows: list, segments: list[list[tuple[Slots, int, torch.Tensor | None]]], kv_heads: int,
                head_dim: int, rope: torch.Tensor | None, dev, most: int,
-               owns: list[list[tuple[int, int]] | torch.Tensor] | None = None) -> DenseStep | None:
+               owns: list[list[tuple[int, int]] | torch.Tensor] | None = None, spare: int = 0) -> DenseStep | None:
     """The metadata of a step of ``rows`` (``PagedRow``), ``segments[r]``: row r's shared segments
     read from the pool, in order, as (slots: a run (first, count) or a LongTensor [n], shift,
     limits [t] or None); ``owns[r]``: row r's own slots as runs (first, count), or None / a
     tensor: ``rows[r].own``. Where every slot is given as runs (the scheduler's rows) the step's
     slot list is built from Python ints in a constant number of ops (``run_slots``), else by
-    concatenating a tensor a part. None where the padded scores of one query head a KV head would
+    concatenating a tensor a part. ``spare``: padded keys a row beyond the longest (masked; a
+    decode plan kept across steps grows into them). None where the padded scores of one query head a KV head would
     exceed ``most`` elements (the caller keeps the per-part path)."""
     b = len(rows)
     ts = [len(r.ids) for r in rows]
@@ -148,7 +169,7 @@ def dense_step(rows: list, segments: list[list[tuple[Slots, int, torch.Tensor | 
     n_own = [sum(k for _, k in o) if isinstance(o, list) else o.shape[0] for o in owns]
     n_shared = [sum(x) for x in sizes]
     lens = [n + o for n, o in zip(n_shared, n_own)]
-    t, w = max(ts), max(lens)
+    t, w = max(ts), max(lens) + spare
     size = kv_heads * b * t * w
     if size > most:
         log.info("a step of %d rows (%d queries, %d keys at most a row) would pad %d scores a layer (more than %d): "
@@ -204,7 +225,7 @@ def dense_step(rows: list, segments: list[list[tuple[Slots, int, torch.Tensor | 
         both = both.repeat_interleave(torch.tensor(counts, device=dev), dim=0, output_size=b * w)  # [B * W, 2, r]
         cos, sin = both.view(b, w, 2, -1).unbind(2)  # [B, W, r] each
         swap = cos.shape[2] == head_dim
-    return DenseStep(b, t, w, slots, mask, qidx, back, cos, sin, swap)
+    return DenseStep(b, t, w, slots, mask, qidx, back, cos, sin, swap, tuple(lens))
 
 
 def rotation(shift: torch.Tensor, rope: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -229,6 +250,47 @@ def rotate(k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, swap: bool) ->
     return torch.cat([rot * cos + swapped * sin, k[..., r:]], dim=-1)
 
 
+@dataclass(eq=False)
+class _Work:
+    """The buffers every layer of a step gathers its keys and values into and rotates its keys in,
+    and their views, made once (``_work``): a layer's Python is then its tensor calls alone. A
+    B = 48 step allocated and freed four tensors of 8 MB a layer on the CPU, whose frees and
+    first touches made the layer's host time grow with B (eval/results/host_overhead.md)."""
+
+    gathered: torch.Tensor  # [2, Hk, B * W, D] in the pool's dtype: ``index_select``'s out
+    widened: torch.Tensor | None  # the same in float32 where the pool is not (else None)
+    k: torch.Tensor  # [Hk, B, W, D] float32 keys as gathered (a view)
+    v: torch.Tensor  # [Hk, B, W, D] float32 values (a view)
+    rotated: torch.Tensor | None  # [Hk, B, W, D] float32 keys rotated (None: nothing shifted)
+    # rotate-half of the first r channels: (to, from) pairs of views copied, then product and addcmul
+    copies: tuple = ()
+    head: tuple = ()  # (rotated[..., :r], k[..., :r], swapped [Hk, B, W, r])
+    tail: tuple | None = None  # (rotated[..., r:], k[..., r:]) where r < D
+
+
+def _work(step: DenseStep, kv: torch.Tensor, hk: int, d: int) -> _Work:
+    """``step``'s buffers for one layer's pool buffer kv [2, Hk, S, D] (made at the first layer)."""
+    key = (kv.dtype, kv.device, hk, d, torch.is_inference_mode_enabled())
+    work = step.work.get(key)
+    if work is not None:
+        return work
+    b, w = step.rows, step.width
+    gathered = torch.empty((2, hk, b * w, d), dtype=kv.dtype, device=kv.device)
+    widened = None if kv.dtype == torch.float32 else torch.empty(gathered.shape, dtype=torch.float32, device=kv.device)
+    k, v = (gathered if widened is None else widened).view(2, hk, b, w, d).unbind(0)
+    rotated, copies, head, tail = None, (), (), None
+    if step.cos is not None:
+        r = step.cos.shape[-1]
+        h = r // 2
+        rotated = torch.empty_like(k)
+        swapped = torch.empty((hk, b, w, r), dtype=torch.float32, device=kv.device)
+        copies = ((swapped[..., : r - h], k[..., h:r]), (swapped[..., r - h:], k[..., :h]))
+        head = (rotated[..., :r], k[..., :r], swapped)
+        tail = (rotated[..., r:], k[..., r:]) if r < d else None
+    work = step.work[key] = _Work(gathered, widened, k, v, rotated, copies, head, tail)
+    return work
+
+
 def attend_dense(step: DenseStep, q: torch.Tensor, kv: torch.Tensor, scale: float,
                  lse: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Queries q [Hk, G, N, D] (float32) over the step's keys in one layer's pool buffer
@@ -236,16 +298,27 @@ def attend_dense(step: DenseStep, q: torch.Tensor, kv: torch.Tensor, scale: floa
     [Hk, G, N, D], or, for a step of decode rows without ``lse``, [N, Hk * G, D] (the layout the
     model reads back). Without ``lse``: torch's fused attention (one call; on a GPU its
     memory-efficient kernel, which takes the bias); with it: the same softmax as matrix products.
-    A decode step is ~11 ops a layer: one gather of keys and values, three to rotate the shifted
-    keys, the fused attention over views."""
+    A decode step is ~11 ops a layer: one gather of keys and values, four to rotate the shifted
+    keys (two copies swapping the halves, a product, an addcmul), the fused attention over views;
+    the gather and the rotation write into buffers made at the step's first layer (``_work``),
+    so a layer allocates and frees none of its keys."""
     hk, g, n, d = q.shape
     b, t, w = step.rows, step.queries, step.width
-    # keys and values in one gather (indexing: twice index_select's speed here on the CPU): [Hk, B, W, D] each
-    k, v = kv[:, :, step.slots].view(2, hk, b, w, d).unbind(0)
-    if k.dtype != torch.float32:
-        k, v = k.float(), v.float()
-    if step.cos is not None:
-        k = rotate(k, step.cos, step.sin, step.swap)
+    # keys and values in one gather into the step's buffers: [Hk, B, W, D] each
+    work = _work(step, kv, hk, d)
+    torch.index_select(kv, 2, step.slots, out=work.gathered)
+    if work.widened is not None:
+        work.widened.copy_(work.gathered)
+    k, v = work.k, work.v
+    if work.rotated is not None:  # ``rotate`` into the buffers: k * cos + rotate_half(k) * sin
+        for to, source in work.copies:
+            to.copy_(source)
+        out_head, k_head, swapped = work.head
+        torch.mul(k_head, step.cos, out=out_head)
+        out_head.addcmul_(swapped, step.sin)
+        if work.tail is not None:
+            work.tail[0].copy_(work.tail[1])
+        k = work.rotated
     if t == 1 and not lse:  # decode rows: batched by (row, KV head), their G queries each, as views
         out = torch.nn.functional.scaled_dot_product_attention(
             q.permute(2, 0, 1, 3), k.transpose(0, 1), v.transpose(0, 1), attn_mask=step.mask, scale=scale)
@@ -270,3 +343,98 @@ def attend_dense(step: DenseStep, q: torch.Tensor, kv: torch.Tensor, scale: floa
         return out, None
     l = total.log_().add_(top).view(hk, b, g, t).transpose(1, 2).reshape(hk, g, b * t)
     return out, (l.index_select(2, step.back) if step.back is not None else l)
+
+
+# -- a decode batch's step kept across steps ------------------------------------------------------
+@dataclass(eq=False)
+class _Kept:
+    """What a kept row must match: the scheduler's objects (by identity), its block table's
+    contents and its own tokens so far."""
+
+    blocks: list[int]
+    table: list[int]  # a copy of ``blocks``' contents
+    shared: list
+    runs: list | None
+    shift: list[int] | None
+    slots: list | None
+    own: int  # own tokens (keys) of the row in the kept plan
+    keys: int  # every key of the row in the kept plan (shared + own)
+
+
+class DecodePlans:
+    """The last decode step's plan of a pool (``KVPool.decode_plans``), reused and grown in place
+    while its rows continue (``reuse``), replaced by the next one built (``keep``)."""
+
+    def __init__(self, block_size: int):
+        self.block_size = block_size
+        self.plan = None  # the kept StepPlan (its ``dense`` is grown in place)
+        self.rows: list[_Kept] = []
+        self.scale = self.rope = self.most = None  # what the kept plan was built with
+        self.reused = 0  # steps that reused the kept plan (grown or as it was)
+        self.built = 0  # decode plans kept after a rebuild
+
+    @staticmethod
+    def keepable(rows: list) -> bool:
+        """Rows a kept plan can follow: every row one token, no key limits, a block table."""
+        return all(len(r.ids) == 1 and r.own_blocks is not None and r.shared_limits is None for r in rows)
+
+    def forget(self) -> None:
+        self.plan, self.rows = None, []
+
+    def keep(self, rows: list, plan, scale, rope, most: int) -> None:
+        """Keep ``plan`` (built for ``rows``, with spare keys: ``dense_step(spare=SPARE_KEYS)``) for the
+        next step; where ``rows`` are no decode batch (or no plan was built) the last one is forgotten."""
+        step: DenseStep | None = plan.dense if plan is not None else None
+        if step is None or not self.keepable(rows):
+            self.forget()
+            return
+        lengths = step.lengths
+        self.plan, self.scale, self.rope, self.most = plan, scale, rope, most
+        self.rows = [_Kept(r.own_blocks, list(r.own_blocks), r.shared, r.shared_runs, r.shared_shift, r.shared_slots,
+                           r.own.shape[0], n) for r, n in zip(rows, lengths)]
+        self.built += 1
+
+    def reuse(self, rows: list, scale, rope, most: int):
+        """The kept plan for ``rows`` (grown by one own key a row where they are one token further),
+        or None where it does not fit them (the caller builds a new one and ``keep``s it). ``scale``,
+        ``rope`` and ``most`` (``tunables.DENSE_MAX``): as the plan would be built."""
+        plan = self.plan
+        if plan is None or len(rows) != len(self.rows) or scale != self.scale or rope is not self.rope \
+                or most != self.most:
+            return None
+        grow = None
+        for r, k in zip(rows, self.rows):
+            if len(r.ids) != 1 or r.own_blocks is not k.blocks or r.shared is not k.shared \
+                    or r.shared_runs is not k.runs or r.shared_shift is not k.shift or r.shared_slots is not k.slots \
+                    or r.shared_limits is not None or r.own_blocks != k.table:
+                return None
+            d = r.own.shape[0] - k.own
+            if grow is None:
+                grow = d
+            if d != grow or d not in (0, 1):
+                return None
+        if grow:
+            if not self._grow(plan.dense):
+                return None
+        self.reused += 1
+        return plan
+
+    def _grow(self, step: DenseStep) -> bool:
+        """Each row's next own token appended to ``step`` in place: its slot, its key unmasked."""
+        w, bs = step.width, self.block_size
+        if any(k.keys >= w for k in self.rows):  # a row outgrew the spare keys: rebuild
+            return False
+        at, slot = [], []
+        for i, k in enumerate(self.rows):
+            at.append(i * w + k.keys)
+            slot.append(k.blocks[k.own // bs] * bs + k.own % bs)  # own token k.own's slot (its block table)
+        # (a step built inside inference mode, as ``paged_forward`` builds it, is updated in place only there)
+        with torch.inference_mode():
+            where = torch.tensor([at, slot], dtype=torch.long, device=step.slots.device)
+            step.slots.index_put_((where[0],), where[1])
+            step.mask.view(-1).index_fill_(0, where[0], 0.0)  # [B, 1, 1, W]: one query a row, key (i, j) at i * W + j
+        step.memo.clear()  # the biases derived from the mask
+        for k in self.rows:
+            k.own += 1
+            k.keys += 1
+        return True

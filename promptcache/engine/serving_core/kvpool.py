@@ -35,6 +35,7 @@ import torch
 from ...models.splice import KVSpec
 from ...errors import PromptCacheError
 from ...tunables import BLOCK_SIZE
+from .dense import DecodePlans
 
 log = logging.getLogger(__name__)
 
@@ -87,6 +88,8 @@ class KVPool:
         self._entries: dict[str, SharedEntry] = {}
         self._idle: OrderedDict[str, SharedEntry] = OrderedDict()  # refs == 0, least recently used first
         self.evictions = 0
+        # the last decode step's plan over this pool's slots, grown in place while its rows continue
+        self.decode_plans = DecodePlans(block_size)
 
     # -- capacity ---------------------------------------------------------------------------------
     def blocks_for(self, tokens: int) -> int:

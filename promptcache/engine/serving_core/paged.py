@@ -70,7 +70,7 @@ from ... import tunables
 from ...tunables import DECODE_MATMUL_ROWS, FOLD_PREFILL, FOLD_SHARED, GATHER_MAX, SEGMENTS_MAX  # read at call time (tests set them here)
 from ...kernels import attention as cpu_attention
 from .decode_runs import DecodeRuns, PrefillRuns, RunTable
-from .dense import DenseStep, attend_dense, dense_step, pool_run, rotate, rotation
+from .dense import SPARE_KEYS, DenseStep, attend_dense, dense_step, pool_run, rotate, rotation
 from .kvpool import KVPool
 
 __all__ = ["KeyRule", "PagedRow", "StepPlan", "attend", "attention_swapped", "build_plan", "key_rule", "paged_forward",
@@ -203,7 +203,7 @@ def build_plan(pool: KVPool, rows: list[PagedRow], scale: float | None = None, k
     if keys is not None:
         return _shifted(_build_keyed(pool, rows, scale, keys), rope)
     if not cpu_attention.gathers(pool.buf):  # no native kernel (a GPU): one attention call a layer
-        plan = _build_dense(pool, rows, scale, rope)
+        plan = _dense_plan(pool, rows, scale, rope)
         if plan is not None:
             return plan
     plan, dev = StepPlan(pool, scale), pool.buf.device
@@ -283,11 +283,26 @@ def _checked_limits(limits: torch.Tensor, n: int, t: int) -> torch.Tensor:
     return limits
 
 
-def _build_dense(pool: KVPool, rows: list[PagedRow], scale: float | None, rope: torch.Tensor | None
-                 ) -> StepPlan | None:
+def _dense_plan(pool: KVPool, rows: list[PagedRow], scale: float | None, rope: torch.Tensor | None
+                ) -> StepPlan | None:
+    """``_build_dense``'s plan, or the last decode step's grown by a key a row where these rows
+    are its requests one token further (``dense.DecodePlans``: a decode plan is built with spare keys
+    and kept for the next step)."""
+    kept = pool.decode_plans
+    plan = kept.reuse(rows, scale, rope, tunables.DENSE_MAX)
+    if plan is not None:
+        return plan
+    plan = _build_dense(pool, rows, scale, rope, spare=SPARE_KEYS if kept.keepable(rows) else 0)
+    kept.keep(rows, plan, scale, rope, tunables.DENSE_MAX)  # (forgets the last one where rows are no decode batch)
+    return plan
+
+
+def _build_dense(pool: KVPool, rows: list[PagedRow], scale: float | None, rope: torch.Tensor | None,
+                 spare: int = 0) -> StepPlan | None:
     """The plan of ``_attend_pooled``: each row's shared segments held in the pool and its own
     tokens as one ``DenseStep``; segments outside the pool (a store tier's tensors) stay cascade
-    segments merged in after it. None where the step is too large to pad (``tunables.DENSE_MAX``)."""
+    segments merged in after it; ``spare`` padded keys a row (``dense_step``). None where the step
+    is too large to pad (``tunables.DENSE_MAX``)."""
     plan, dev = StepPlan(pool, scale), pool.buf.device
     by_key: dict[str, tuple[torch.Tensor, list[int], list[int]]] = {}
     in_pool, owns, off = [], [], 0
@@ -311,7 +326,7 @@ def _build_dense(pool: KVPool, rows: list[PagedRow], scale: float | None, rope: 
         owns.append(None if row.own_blocks is None else pool.slot_runs(row.own_blocks, row.own.shape[0]))
         off += t
     plan.dense = dense_step(rows, in_pool, pool.buf.shape[2], pool.buf.shape[4], rope, dev, tunables.DENSE_MAX,
-                            owns=owns)
+                            owns=owns, spare=spare)
     if plan.dense is None:
         return None
     grouped = _group_segments([(v, q, None, sh) for v, q, sh in by_key.values()], dev)
