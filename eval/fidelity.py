@@ -709,7 +709,8 @@ def parse_args(argv):
     ap.add_argument("--margin", type=float, default=CONFIDENT,
                     help="the confident stratum: full prefill's answer margin above this (summary order 'confident')")
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--combine", nargs="+", type=Path, help="summarize these per-prompt CSVs only")
+    ap.add_argument("--combine", nargs="+", type=Path,
+                    help="summarize these per-prompt CSVs only (the rows of --methods and the ends they share)")
     ap.add_argument("--out", type=Path, default=RESULTS)
     ap.add_argument("--tag", default="")
     ap.add_argument("--markdown", action="store_true", help="also print the summary as Markdown tables")
@@ -740,7 +741,8 @@ def main(argv=None) -> list[dict]:
     args = parse_args(argv)
     stem = f"fidelity{args.tag}"
     if args.combine:
-        rows = read_rows(args.combine)
+        keep = {*args.methods, "splice", "full_recompute", "bf16_full", "full_prefill"}  # and the rows they share
+        rows = [r for r in read_rows(args.combine) if r["method"] in keep]
         write_csv(f"{stem}.csv", rows, args.out)  # the pooled per-prompt rows, rescored
     else:
         check_methods(args.methods)
