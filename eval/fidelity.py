@@ -2,7 +2,8 @@
 
     python -m eval.fidelity --model smollm2 [--n 60] [--tasks fact1 fact2 single twohop] [--margin 0.5]
         [--methods default cacheblend epic ape prophet tail] [--budgets 0 0.05 0.1 0.15 0.2 0.3 1]
-        [--calibrate 20] [--first 0] [--out eval/figures] [--tag _smollm2]
+        [--default-budgets 0.5 0.8] [--format chat|completion] [--calibrate 20] [--first 0] [--out eval/figures]
+        [--tag _smollm2]
     python -m eval.fidelity --combine A.csv B.csv ... --out eval/figures --tag _smollm2   # summary + PNG only
 
 Prompts: ``eval/fidelity_tasks.py`` (single-hop and two-hop questions over 4-8 documents, ~1K
@@ -12,6 +13,13 @@ The default tasks are ``fact1`` / ``fact2`` (a city a person lives in, distinct 
 the earlier ``single`` / ``twohop`` (access codes of near-identical doors; still runnable by name).
 The documents go into a ``DocumentStore(pc)`` (the default mode: each document encoded alone at
 ``add()``, reused in any subset and order); each method answers the same prompt from those states.
+
+**Format.** ``--format chat`` (the default where the tokenizer has a chat template: SmolLM2) wraps
+the prompt in the template with ``SYSTEM``; ``--format completion`` (the default without one: Gemma
+3 270M, a base model, which answered nothing in the chat fallback's "System: / User: /
+Assistant:") is plain text a base model continues with the city: ``COMPLETION_SYSTEM`` (an
+instruction and two solved examples, the same for every prompt, so a shared prefix), the
+documents, "Question: In which city does Kofi live?" and "Answer:".
 
 **The answer.** Greedy decoding after the prompt, at most ``--answer-tokens`` (16) tokens, stopped
 at the first newline, sentence end or EOS; the answer is the decoded text's first line up to its
@@ -96,6 +104,53 @@ BUDGETS = (0.0, 0.05, 0.1, 0.15, 0.2, 0.3, 1.0)
 ANSWER_TOKENS = 16
 ORDERS = ("listed", "shuffled")
 ENCODINGS = {"alone": False, "prefixed": True, "system": SYSTEM}  # method prefix -> DocumentStore(prefixed=...)
+
+# -- prompt formats ---------------------------------------------------------------------------------
+# ``chat``: the tokenizer's chat template (SmolLM2's), the system text ``SYSTEM``, the question with
+# its instruction ("... Answer with the city name only."). ``completion``, for a base model (Gemma 3
+# 270M's package has no chat template): plain text a base model continues with the answer,
+#   COMPLETION_SYSTEM (an instruction and two solved examples)\n\n documents \n\n Question: ...?\nAnswer:
+# the shared part (instruction and examples) a prefix every prompt starts with, so it is a store's
+# ``system`` text. The examples' people and cities are in no task's lists.
+FORMATS = ("chat", "completion")
+COMPLETION_SYSTEM = ("Each question is answered from the documents before it, with one city name.\n\n"
+                     "About Mirela. Mirela lives in Tallinn.\nQuestion: In which city does Mirela live?\n"
+                     "Answer: Tallinn\n\n"
+                     "About Tomas. Tomas lives in Dublin. Delivery memo. The parcel is for Tomas.\n"
+                     "Question: In which city does the person named in the delivery memo live?\nAnswer: Dublin")
+# a "chat template" that renders the completion format: system text, a blank line, the user's text
+# (documents and question), then "\nAnswer:" as the generation prompt; roles get no headers
+COMPLETION_TEMPLATE = ("{%- for m in messages -%}{{ m['content'] }}{% if m['role'] == 'system' %}\n\n{% endif %}"
+                       "{%- endfor -%}{% if add_generation_prompt %}\nAnswer:{% endif %}")
+
+
+def default_format(tokenizer) -> str:
+    """``chat`` where the tokenizer has a chat template, else ``completion`` (a base model)."""
+    return "chat" if getattr(tokenizer, "chat_template", None) else "completion"
+
+
+def use_format(pc, fmt: str) -> str:
+    """Make ``pc``'s prompts ``fmt`` (``FORMATS``) and return their system text. ``completion``
+    sets ``COMPLETION_TEMPLATE`` as the tokenizer's chat template (before any prompt is laid out:
+    the span tokenizer keeps what it rendered)."""
+    if fmt not in FORMATS:
+        raise ValueError(f"--format: unknown {fmt!r} (known: {', '.join(FORMATS)})")
+    if fmt == "chat":
+        return SYSTEM
+    if getattr(pc.tok, "tok", None) is not pc.tokenizer:
+        raise ValueError(f"--format completion: the model's span tokenizer ({type(pc.tok).__name__}) does not render "
+                         "through its Hugging Face tokenizer's chat template")
+    pc.tokenizer.chat_template = COMPLETION_TEMPLATE
+    return COMPLETION_SYSTEM
+
+
+def question_of(sample: dict, fmt: str) -> str:
+    """The new text after the documents: ``Question: ...`` (in ``completion`` without the answer
+    instruction, which the examples carry: "In which city does Kofi live?")."""
+    q = sample["input"]
+    if fmt == "completion":
+        q = q.split("? ", 1)[0] + "?" if "? " in q else q
+    return f"Question: {q}"
 
 
 def split_method(method: str) -> tuple[str, str]:
@@ -207,15 +262,16 @@ def full_greedy(model, tok, ids: list[int], eos: frozenset[int], max_new: int
 class Prompt:
     """One sample in one document order over a ``DocumentStore`` namespace holding its documents."""
 
-    def __init__(self, pc, sample: dict, shuffled: bool):
+    def __init__(self, pc, sample: dict, shuffled: bool, fmt: str = "chat"):
         self.pc, self.sample, self.shuffled = pc, sample, shuffled
+        self.format, self.system = fmt, COMPLETION_SYSTEM if fmt == "completion" else SYSTEM  # ``use_format``'s
         self.namespace = f"fidelity:{sample['_id']}"
         self.ids = [f"{sample['_id']}:{k}" for k in range(len(sample["notes"]))]
         self.stores: dict[tuple[str | None, str], object] = {}
         self.store(None)  # the default store encodes and holds every document
         if shuffled:
             random.Random(f"{sample['_id']}:order").shuffle(self.ids)
-        self.question = f"Question: {sample['input']}"
+        self.question = question_of(sample, fmt)
 
     def store(self, selection: str | None, encoding: str = "alone"):
         """A ``DocumentStore(pc)`` in the default mode on this prompt's namespace with ``selection``
@@ -224,7 +280,8 @@ class Prompt:
         from promptcache.rag import DocumentStore
 
         if (selection, encoding) not in self.stores:
-            s = DocumentStore(self.pc, namespace=self.namespace, selection=selection, prefixed=ENCODINGS[encoding])
+            prefixed = self.system if encoding == "system" else ENCODINGS[encoding]
+            s = DocumentStore(self.pc, namespace=self.namespace, selection=selection, prefixed=prefixed)
             for k, text in enumerate(self.sample["notes"]):
                 s.add(f"{self.sample['_id']}:{k}", text)
             self.stores[(selection, encoding)] = s
@@ -237,11 +294,11 @@ class Prompt:
                 self.pc.store.discard(s.state_key(s.unit_ids(s.get(d))))
 
     def token_ids(self) -> list[int]:
-        return list(self.store(None).layout(self.question, self.ids, system=SYSTEM).token_ids)
+        return list(self.store(None).layout(self.question, self.ids, system=self.system).token_ids)
 
     def doc_tokens(self) -> int:
         """The prompt's document tokens (a budget's share is of these)."""
-        layout = self.store(None).layout(self.question, self.ids, system=SYSTEM)
+        layout = self.store(None).layout(self.question, self.ids, system=self.system)
         return sum(len(s) for s in layout.spans if s.kind == "cached" and s.source == "module")
 
 
@@ -290,7 +347,7 @@ def engine_answer(p: Prompt, selection: str | None, budget: float, max_new: int,
     ``follows``) the answer is full prefill's; else the method decodes its own on the same cache
     (``cache_greedy``)."""
     enc, sel = split_method(selection or "")
-    res = p.store(sel or None, enc).prefill(p.question, p.ids, system=SYSTEM, recompute=budget,
+    res = p.store(sel or None, enc).prefill(p.question, p.ids, system=p.system, recompute=budget,
                                             reserve=max_new + 1, keep_cache=True)
     logits, ttft = res.logits.float().clone(), res.ttft
     text = full[1] if follows(p.pc, res, full[0]) else answer_text(cache_greedy(p.pc, res, eos, max_new))
@@ -305,7 +362,7 @@ def kvshare_answer(p: Prompt, budget: float, max_new: int, eos: frozenset[int]) 
     answer token attends to most; TTFT is the prefill's."""
     from .fidelity_kvshare import greedy_with_refresh
 
-    res = p.store(None).prefill(p.question, p.ids, system=SYSTEM, recompute=budget, reserve=max_new + 1,
+    res = p.store(None).prefill(p.question, p.ids, system=p.system, recompute=budget, reserve=max_new + 1,
                                 keep_cache=True)
     logits, ttft = res.logits.float().clone(), res.ttft
     try:
@@ -324,7 +381,7 @@ class Reference:
         from .recompute_reference import from_layout, independent_kv
 
         self.pc, self.eos = p.pc, eos
-        self.p = from_layout(p.store(None).layout(p.question, p.ids, system=SYSTEM))
+        self.p = from_layout(p.store(None).layout(p.question, p.ids, system=p.system))
         self.base = independent_kv(p.pc.model, self.p)
 
     def answer(self, budget: float, max_new: int) -> dict:
@@ -347,15 +404,19 @@ def correct(sample: dict, text: str) -> int:
     return int(all(a in text.replace(" ", "") for a in sample["answers"]))
 
 
-def runs_for(methods: list[str], budgets: list[float]) -> list[tuple[str, float, str | None]]:
+def runs_for(methods: list[str], budgets: list[float], default_budgets: list[float] = ()
+             ) -> list[tuple[str, float, str | None]]:
     """(row label, budget, engine selection or ``reference``) of every run a prompt needs: the
-    shared splice (budget 0) and plain prefill (budget 1) once, each method at the rest."""
+    shared splice (budget 0) and plain prefill (budget 1) once, each method at the rest, and
+    ``default`` (where it is among ``methods``) also at ``default_budgets`` (its line to where it
+    would meet a target)."""
     from promptcache.engine.prefill.recompute import KEY_SCALES
 
     out, shared0 = [], False
     for m in methods:
         sel = selection_of(m)
-        for b in budgets:
+        mine = budgets if m != "default" else sorted(set(budgets) | set(default_budgets))
+        for b in mine:
             if b >= 1.0:  # every selection recomputes everything: one plain prefill in prompt order
                 continue
             if b == 0.0 and split_method(m)[0] == "alone" and sel != "reference" and sel not in KEY_SCALES:
@@ -394,6 +455,7 @@ def evaluate_prompt(p: Prompt, runs, eos, max_new: int, bf16=None) -> list[dict]
 
     load = load_avg()
     return [score(dict(task=s["dataset"], sample=s["_id"], documents=len(s["notes"]), order=ORDERS[p.shuffled],
+                       format=p.format,
                  method=label, budget=b, prompt_tokens=len(ids), document_tokens=p.doc_tokens(),
                  cached_tokens=a["cached"],
                  recomputed=round(a["recomputed"], 4), exact=int(a["exact"]),
@@ -633,21 +695,27 @@ def parse_args(argv):
     ap.add_argument("--methods", nargs="+", default=list(METHODS),
                     help=f"{', '.join(METHODS)}, or any engine selection name")
     ap.add_argument("--budgets", nargs="+", type=float, default=list(BUDGETS), help="fractions; 1 = full recompute")
+    ap.add_argument("--default-budgets", nargs="+", type=float, default=[],
+                    help="more budgets for the default method alone (0.5 0.8: where it would meet 0.90)")
     ap.add_argument("--orders", nargs="+", default=list(ORDERS), choices=ORDERS)
     ap.add_argument("--doc-tokens", type=int, default=1000, help="about this many document tokens a prompt")
     ap.add_argument("--answer-tokens", type=int, default=ANSWER_TOKENS)
+    ap.add_argument("--format", choices=FORMATS, help="chat (the tokenizer's chat template) or completion (a base "
+                    "model: 'Question: ...?\\nAnswer:' after two solved examples); default: chat where the tokenizer "
+                    "has a chat template")
     ap.add_argument("--calibrate", type=int, default=0, help="bfloat16 full prefill on the first N samples a task")
     ap.add_argument("--full-only", action="store_true",
                     help="full prefill's answers alone (a row per prompt, method full_prefill): a model's accuracy")
     ap.add_argument("--margin", type=float, default=CONFIDENT,
                     help="the confident stratum: full prefill's answer margin above this (summary order 'confident')")
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--combine", nargs="+", type=Path, help="summarize these per-prompt CSVs only")
+    ap.add_argument("--combine", nargs="+", type=Path,
+                    help="summarize these per-prompt CSVs only (the rows of --methods and the ends they share)")
     ap.add_argument("--out", type=Path, default=RESULTS)
     ap.add_argument("--tag", default="")
     ap.add_argument("--markdown", action="store_true", help="also print the summary as Markdown tables")
     args = ap.parse_args(argv)
-    for b in args.budgets:
+    for b in (*args.budgets, *args.default_budgets):
         if not 0.0 <= b <= 1.0:
             ap.error(f"--budgets: {b} is not a fraction in [0, 1]")
     return args
@@ -673,7 +741,8 @@ def main(argv=None) -> list[dict]:
     args = parse_args(argv)
     stem = f"fidelity{args.tag}"
     if args.combine:
-        rows = read_rows(args.combine)
+        keep = {*args.methods, "splice", "full_recompute", "bf16_full", "full_prefill"}  # and the rows they share
+        rows = [r for r in read_rows(args.combine) if r["method"] in keep]
         write_csv(f"{stem}.csv", rows, args.out)  # the pooled per-prompt rows, rescored
     else:
         check_methods(args.methods)
@@ -709,14 +778,16 @@ def run(args, save) -> list[dict]:
     torch.set_num_threads(max(1, args.threads))
     pc = PromptCache.from_pretrained(args.model)
     eos = frozenset(pc.runner.eos_ids)
+    fmt = args.format or default_format(pc.tokenizer)
+    use_format(pc, fmt)
     bf16 = load_model(args.model, dtype="bfloat16")[0] if args.calibrate else None
-    runs, rows = ([] if args.full_only else runs_for(args.methods, args.budgets)), []
+    runs, rows = ([] if args.full_only else runs_for(args.methods, args.budgets, args.default_budgets)), []
     tasks = {t: fidelity_tasks.samples(t, args.first + args.n, doc_tokens=args.doc_tokens) for t in args.tasks}
     for k in range(args.first, args.first + args.n):  # task by task within a sample: a run stopped early has both
         for task in args.tasks:
             sample = tasks[task][k]
             for order in args.orders:
-                p = Prompt(pc, sample, order == "shuffled")
+                p = Prompt(pc, sample, order == "shuffled", fmt)
                 got = evaluate_prompt(p, runs, eos, args.answer_tokens, bf16 if k < args.calibrate else None)
                 rows += got
                 print(f"[{task} {k} {order}] full {got[0]['full_answer']!r}: " + " ".join(

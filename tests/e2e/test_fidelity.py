@@ -104,6 +104,8 @@ def test_shared_ends_stand_for_every_method_they_equal():
     out = fidelity.expand_shared(rows, ["default", "ape", "cacheblend"])
     assert sorted((r["method"], r["budget"]) for r in out) == [
         ("ape", 0.0), ("ape", 1.0), ("cacheblend", 1.0), ("default", 0.0), ("default", 1.0)]
+    runs = fidelity.runs_for(["default", "epic"], [0.0, 0.1], default_budgets=[0.5, 0.1])  # the default's more
+    assert [(m, b) for m, b, _ in runs] == [("splice", 0.0), ("default", 0.1), ("default", 0.5), ("epic", 0.1)]
     # documents encoded after the prompts' prefix (system:M) are another splice: their budget 0 runs
     runs = fidelity.runs_for(["default", "system:default", "system:prophet"], [0.0, 0.1])
     assert [(m, b, sel) for m, b, sel in runs] == [
@@ -198,3 +200,29 @@ def test_a_refresh_during_decoding_of_exact_states_changes_nothing(tmp_path):
                           "--methods", "kvshare", "--budgets", "0.2", "--doc-tokens", "160", "--answer-tokens", "4",
                           "--out", str(tmp_path)])
     assert any(s["method"] == "kvshare" and s["budget"] == 0.2 for s in rows)
+
+
+def test_a_base_model_gets_the_completion_format():
+    """Without a chat template the study's prompts are plain text a base model continues with the
+    answer: the examples, the documents, "Question: ...?" and "\\nAnswer:" (no role headers, no
+    answer instruction); with one, the chat format as before."""
+    from promptcache import PromptCache
+
+    pc = PromptCache.from_pretrained("embedded:demo")
+    assert fidelity.default_format(pc.tokenizer) == "chat"
+    sample = fidelity_tasks.samples("fact1", 1, doc_tokens=160)[0]
+    chat = fidelity.Prompt(pc, sample, shuffled=False)
+    assert chat.system == fidelity.SYSTEM and chat.question.endswith("Answer with the city name only.")
+    pc.tokenizer.chat_template = None
+    assert fidelity.default_format(pc.tokenizer) == "completion"
+    pc = PromptCache.from_pretrained("embedded:demo")  # a fresh span tokenizer: it keeps what it rendered
+    assert fidelity.use_format(pc, "completion") == fidelity.COMPLETION_SYSTEM
+    p = fidelity.Prompt(pc, sample, shuffled=False, fmt="completion")
+    name = re.search(r"does (\w+) live", sample["input"]).group(1)
+    text = pc.tokenizer.decode(p.token_ids(), skip_special_tokens=True)
+    expected = (fidelity.COMPLETION_SYSTEM + "\n\n" + "\n\n".join(sample["notes"]) + "\n\n"
+                + f"Question: In which city does {name} live?\nAnswer:")
+    assert "".join(text.split()) == "".join(expected.split())  # the tiny tokenizer drops newlines
+    assert "System:" not in text and "Assistant" not in text
+    with pytest.raises(ValueError, match="--format: unknown 'x'"):
+        fidelity.use_format(pc, "x")
