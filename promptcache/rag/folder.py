@@ -12,11 +12,14 @@ Layout (independent states, written atomically with ``fsutil``)::
                                  "sha256"}, ...]}
     docs/<digest[:32]>.safetensors   one state "kv" [L, 2, H, n, D] in the codec format
                                  (portable key, model digest, checksum in its header): the
-                                 document's unit (its tokens, then unit_suffix) encoded alone
+                                 document's unit (its tokens, then unit_suffix) encoded after
+                                 encode_prefix (alone where it is empty)
     prefixes/<digest[:32]>.safetensors   a prompt prefix (BOS, template header, system text)
                                  encoded alone, written by stores whose units carry their separator
 
 ``unit_suffix`` and ``prefixes`` may be absent (folders written before them: no suffix, none).
+``encode_prefix`` is the folder's encoding (``recorded_prefix``): a store opened with ``prefixed``
+and ``system`` left out takes it; a store that asks for another finds it among ``read``'s problems.
 
 Reading checks every field of the index (a wrong type, a null or a missing field is a
 ``DocumentStoreError`` naming the file, the document and the field), then each document against

@@ -5,9 +5,9 @@ The document API and its prompt plans; the folder a store persists to is ``folde
 chain mechanism (``engine.serving_core.chains``: ``chained``, ``stored_run``), the one the server's prefix reuse
 uses.
 
-    store = DocumentStore(pc, "docs.pcache")           # persisted; reopened with its states
+    store = DocumentStore(pc, "docs.pcache", system="Answer briefly.")   # persisted; reopened with its states
     store.add("paris", "Paris is the capital of France ...", {"source": "wiki"})
-    out = store.generate("What is Paris famous for?", doc_ids=["paris"], system="Answer briefly.")
+    out = store.generate("What is Paris famous for?", doc_ids=["paris"])  # the store's system text
 
 The prompt is written as the text would be: a cached prefix (BOS, the chat template's header,
 the system text, the user header), then each document followed by ``separator`` ("\n\n"),
@@ -26,16 +26,9 @@ the default is the last, reuse):
   Works with every supported family (nothing is relocated); a model whose states cannot be moved
   (learned absolute positions) gets this mode by default.
 * **Independent** (``independent=True``, the paper's position-independent modules). Each document
-  is encoded once, alone (no context, positions from 0; ``prefixed=True``: after the store's
-  ``encode_prefix``, the prefix of a request without a system text, or ``prefixed=SYSTEM`` with
-  that system text, only the document's states kept; a prompt whose prefix is ``encode_prefix``
-  holds its first document exact, not recomputed),
-  stored and persisted; at prompt time it is moved to its position exactly (``models.relocate``);
-  the separators and the question run through the model. The prefix keeps the attention sink
-  where the prompt has it, not on the document's first token mid-prompt: it lowered the memo
-  task's first-token KL (0.12 -> 0.05) and lost answers on both tasks; after the prompts' own
-  prefix it cut the KL 1.9-3.5x and agreed about as often: an option (docs/rag.md).
-  Cheapest to reuse (any subset, any order), but a document never sees the documents before it, which costs answers (at ``recompute=0`` far fewer than full prefill's on
+  is encoded once (see *Where documents are encoded* below), stored and persisted; at prompt time
+  it is moved to its position exactly (``models.relocate``); the separators and the question run
+  through the model. Cheapest to reuse (any subset, any order), but a document never sees the documents before it, which costs answers (at ``recompute=0`` far fewer than full prefill's on
   the retrieval study). ``recompute=r`` (the engine's selective recompute; the default selection
   ``qmatch`` recomputes the documents the question names, then the others from the first) is the
   quality knob; small fractions kept the most answers (figures: eval/results/quality.md). The default, ``recompute="auto"``,
@@ -51,6 +44,24 @@ the default is the last, reuse):
   then the other documents as in ``independent``, their drift recomputed (``recompute``, default
   ``"auto"``). Exact when the whole request is a stored chain. It does not write chains: past the
   chain its states are approximate.
+
+**Where documents are encoded** (``encode_prefix``; issue 51). By default each document is encoded
+after the prefix of a request with the store's ``system`` text (BOS, the chat template's header,
+that system text, the user header; no system text where ``system`` is None), only the document's
+own states kept. Requests that pass no ``system`` use the store's, so their prefix is
+``encode_prefix`` and their first document sits where it was encoded: a plain prefill's states,
+exact and never recomputed; a request with another system text (``""``: none) reads every
+document approximately, as the others. The prefix keeps the attention sink where the prompt has it,
+not on a document's first token mid-prompt: on the fidelity study (60 prompts a task, 15%
+recomputed) it agreed with full prefill as often as documents encoded alone on SmolLM2 and
+significantly more often on Gemma 3 270M, with a lower first-token KL and a higher TTFT ratio on
+both (docs/rag.md). ``prefixed=False`` encodes documents alone from position 0 (the default before);
+``prefixed=True`` asks for the default's encoding explicitly; ``prefixed="..."`` after the prefix
+of a request with that system text (it wins over ``system`` for the encoding).
+``attach_separator=True`` units are encoded alone (``prefixed`` left out or False; True or a text
+with it is a ValueError). A folder records its encoding: a store opening one with ``prefixed`` and
+``system`` left out takes the folder's (logged); an explicit other one is refused
+(``DocumentStoreError`` naming both) unless ``reencode=True``.
 
 Works with any retriever: the caller passes document ids. Keys come from ``promptcache.keys``
 (``alone_key``, salted by the namespace), so documents and the prefix live in the engine's store
@@ -106,10 +117,11 @@ class DocumentStore:
     lookup; ``canonical_order``: chains order a request's documents by id; ``separator``: text
     after each document; ``selection``: which reused tokens ``recompute`` chooses (an engine
     selection, default the engine's ``config.recompute.selection``: ``qmatch``; ``ape`` adds APE's
-    temperature, docs/rag.md has what each kept); ``prefixed``: documents are encoded after
-    ``encode_prefix`` or alone from position 0 (the default, ``False``; a folder records which):
-    ``True`` encodes them after the prefix of a request without a system text, a string after
-    the prefix of a request with that system text (the prompts' own, when they share one)."""
+    temperature, docs/rag.md has what each kept); ``system``: the system text of requests that
+    pass none; ``prefixed``: what documents are encoded after (``encode_prefix``). Left out, the
+    prefix of a request with ``system`` (on a folder: the encoding it records; with
+    ``attach_separator``: nothing); ``True`` the same, asked explicitly; ``False`` nothing (alone
+    from position 0); a string the prefix of a request with that system text."""
 
     def __init__(self, pc: PromptCache, path: str | Path | None = None, namespace: str | None = None,
                  reencode: bool = False, *, exact: bool = False, independent: bool = False, hybrid: bool = False,
@@ -341,10 +353,10 @@ class DocumentStore:
         return self._key(token_ids, self._state_namespace)
 
     def _encode(self, token_ids) -> torch.Tensor:
-        """A document's independent states [L, 2, H, n, D]: alone from position 0, or after
-        ``encode_prefix`` (the prefix of a request without a system text: BOS and the chat
-        template's header, where the model puts its attention sink) at positions
-        ``len(encode_prefix)``.., only the document's own states kept."""
+        """A document's independent states [L, 2, H, n, D]: after ``encode_prefix`` (a request's
+        prefix: BOS, the chat template's header and system text, where the model puts its attention
+        sink) at positions ``len(encode_prefix)``.., only the document's own states kept; alone from
+        position 0 where it is empty."""
         n = len(self.encode_prefix)
         kv = self.pc.encode_span(list(self.encode_prefix) + list(token_ids))
         return kv[:, :, :, n:].contiguous() if n else kv
