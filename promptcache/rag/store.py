@@ -192,8 +192,8 @@ class DocumentStore:
         return self._sep if self.attach_separator else ()
 
     def unit_ids(self, doc: Document) -> tuple[int, ...]:
-        """Token ids of ``doc``'s stored unit (encoded alone from position 0): the document, and its
-        separator when the store has ``attach_separator``."""
+        """Token ids of ``doc``'s stored unit (encoded after ``encode_prefix``): the document, and its
+        separator when the store has ``attach_separator`` (then encoded alone from position 0)."""
         return doc.token_ids + self._suffix
 
     @property

@@ -93,6 +93,25 @@ def test_summary_counts_agreement_lost_and_won_per_order():
     assert listed["prompts"] == 3 and listed["agreement"] == round(2 / 3, 4)  # s0, s2 agree; s4 does not
 
 
+def test_two_methods_are_paired_on_the_prompts_both_ran(tmp_path, capsys):
+    from eval import fidelity_paired
+
+    # prompt s0 listed: both agree; s0 shuffled: only B; s1 listed: only B; s1 shuffled: only A (B lacks s2)
+    agree = {("s0", "listed"): (1, 1), ("s0", "shuffled"): (0, 1), ("s1", "listed"): (0, 1), ("s1", "shuffled"): (1, 0)}
+    rows = [row(s, o, m, 0.15, x[k], 1, 1) for (s, o), x in agree.items() for k, m in enumerate(("alone:default", "default"))]
+    rows += [row("s2", "listed", "alone:default", 0.15, 1, 1, 1), row("s0", "listed", "default", 0.3, 0, 1, 1)]
+    (t,) = fidelity_paired.table(rows, "alone:default", "default", 0.15)
+    assert (t["prompts"], t["both"], t["only_a"], t["only_b"]) == (4, 1, 1, 2)
+    assert (t["agreement_a"], t["agreement_b"]) == (0.5, 0.75) and t["mcnemar_p"] == 1.0  # 1 against 2: no difference
+    path = tmp_path / "rows.csv"
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+    assert fidelity_paired.main([str(path), "--methods", "alone:default", "default", "--budget", "0.15"]) == [t]
+    assert "| single | 4 | 0.50 | 0.75 | 1 / 1 / 2 | 1 |" in capsys.readouterr().out
+
+
 def test_shared_ends_stand_for_every_method_they_equal():
     """The splice (budget 0) is every selection without a key scale; APE scales keys even at 0
     and the CacheBlend reference reuses another state, so they run their own."""
