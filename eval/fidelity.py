@@ -11,8 +11,10 @@ tokens of documents), each asked with its documents in the listed order and in a
 The default tasks are ``fact1`` / ``fact2`` (a city a person lives in, distinct people and cities,
 "Answer with the city name only."), which full prefill answers more often and more surely than
 the earlier ``single`` / ``twohop`` (access codes of near-identical doors; still runnable by name).
-The documents go into a ``DocumentStore(pc)`` (the default mode: each document encoded alone at
-``add()``, reused in any subset and order); each method answers the same prompt from those states.
+The documents go into a ``DocumentStore(pc)`` (the default mode: each document encoded at ``add()``,
+reused in any subset and order; since issue 51 encoded after the prefix of a request without a
+system text, the store having none, while the prompts carry one); each method answers the same
+prompt from those states.
 
 **Format.** ``--format chat`` (the default where the tokenizer has a chat template: SmolLM2) wraps
 the prompt in the template with ``SYSTEM``; ``--format completion`` (the default without one: Gemma
@@ -60,11 +62,15 @@ Methods (``METHODS``; any other engine selection name is accepted as itself):
   of the document tokens that token attends to most recomputed in the prompt's context; TTFT is
   the prefill's (``recomputed`` counts the prefill's tokens).
 
-A method's name may carry how the documents were encoded at ``add()`` (``ENCODINGS``):
-``prefixed:M`` (after the prefix of a request without a system text, ``DocumentStore(prefixed=True)``)
-or ``system:M`` (after the prompts' own prefix, system text included: ``DocumentStore(prefixed=SYSTEM)``;
-the first document then sits where it was encoded and its states are full prefill's). Such a
-method runs its own budget 0 (its splice is not the alone-encoded one).
+A method's name may carry how the documents were encoded at ``add()`` (``ENCODINGS``); a name
+without one (``default``, ``prophet``) runs on the store's default encoding, ``DocumentStore(pc)``'s
+(which changed in issue 51: results before it ran on documents encoded alone, now ``alone:M``):
+``alone:M`` (alone from position 0, ``DocumentStore(prefixed=False)``, the default before issue 51),
+``prefixed:M`` (after the prefix of a request without a system text, ``DocumentStore(prefixed=True)``:
+today's default encoding, asked for by name) or ``system:M`` (after the prompts' own prefix, system
+text included: ``DocumentStore(prefixed=SYSTEM)``, as ``DocumentStore(system=SYSTEM)`` encodes; the
+first document then sits where it was encoded and its states are full prefill's). Such a method runs
+its own budget 0 (the shared splice is the default encoding's).
 
 Budget ``b``: ``round(b * C)`` of the prompt's ``C`` reused document tokens are recomputed. At
 ``0`` every selection without a key scale is the same splice, and at ``1`` every engine selection
@@ -103,7 +109,9 @@ METHODS = {"default": None, "epic": "epic", "ape": "ape", "prophet": "qattn", "t
 BUDGETS = (0.0, 0.05, 0.1, 0.15, 0.2, 0.3, 1.0)
 ANSWER_TOKENS = 16
 ORDERS = ("listed", "shuffled")
-ENCODINGS = {"alone": False, "prefixed": True, "system": SYSTEM}  # method prefix -> DocumentStore(prefixed=...)
+# method prefix -> DocumentStore(prefixed=...); DEFAULT_ENCODING (no prefix): ``prefixed`` left out
+DEFAULT_ENCODING = "store"
+ENCODINGS = {DEFAULT_ENCODING: None, "alone": False, "prefixed": True, "system": SYSTEM}
 
 # -- prompt formats ---------------------------------------------------------------------------------
 # ``chat``: the tokenizer's chat template (SmolLM2's), the system text ``SYSTEM``, the question with
@@ -154,9 +162,10 @@ def question_of(sample: dict, fmt: str) -> str:
 
 
 def split_method(method: str) -> tuple[str, str]:
-    """(encoding, method): ``system:default`` -> (``system``, ``default``); no prefix: ``alone``."""
+    """(encoding, method): ``system:default`` -> (``system``, ``default``); no prefix: the store's
+    default encoding (``DEFAULT_ENCODING``)."""
     enc, sep, rest = method.partition(":")
-    return (enc, rest) if sep and enc in ENCODINGS else ("alone", method)
+    return (enc, rest) if sep and enc in ENCODINGS else (DEFAULT_ENCODING, method)
 
 
 def selection_of(method: str) -> str | None:
@@ -164,7 +173,7 @@ def selection_of(method: str) -> str | None:
     ``system:prophet`` -> ``system:qattn``; ``default`` -> None (the store's default)."""
     enc, m = split_method(method)
     sel = METHODS.get(m, m)
-    return sel if enc == "alone" else f"{enc}:{sel or ''}"
+    return sel if enc == DEFAULT_ENCODING else f"{enc}:{sel or ''}"
 
 
 # -- answers --------------------------------------------------------------------------------------
@@ -273,7 +282,7 @@ class Prompt:
             random.Random(f"{sample['_id']}:order").shuffle(self.ids)
         self.question = question_of(sample, fmt)
 
-    def store(self, selection: str | None, encoding: str = "alone"):
+    def store(self, selection: str | None, encoding: str = DEFAULT_ENCODING):
         """A ``DocumentStore(pc)`` in the default mode on this prompt's namespace with ``selection``
         (None: the store's default), its documents encoded as ``encoding`` says (``ENCODINGS``); a
         second store of an encoding finds the documents' states already stored."""
@@ -281,7 +290,8 @@ class Prompt:
 
         if (selection, encoding) not in self.stores:
             prefixed = self.system if encoding == "system" else ENCODINGS[encoding]
-            s = DocumentStore(self.pc, namespace=self.namespace, selection=selection, prefixed=prefixed)
+            kw = {} if prefixed is None else {"prefixed": prefixed}  # None: the store's default encoding
+            s = DocumentStore(self.pc, namespace=self.namespace, selection=selection, **kw)
             for k, text in enumerate(self.sample["notes"]):
                 s.add(f"{self.sample['_id']}:{k}", text)
             self.stores[(selection, encoding)] = s
@@ -419,7 +429,7 @@ def runs_for(methods: list[str], budgets: list[float], default_budgets: list[flo
         for b in mine:
             if b >= 1.0:  # every selection recomputes everything: one plain prefill in prompt order
                 continue
-            if b == 0.0 and split_method(m)[0] == "alone" and sel != "reference" and sel not in KEY_SCALES:
+            if b == 0.0 and split_method(m)[0] == DEFAULT_ENCODING and sel != "reference" and sel not in KEY_SCALES:
                 shared0 = True
                 continue
             out.append((m, b, sel))
@@ -488,7 +498,7 @@ def expand_shared(rows: list[dict], methods: list[str]) -> list[dict]:
     for r in rows:
         for m in methods:
             sel = selection_of(m)
-            own_splice = sel == "reference" or sel in KEY_SCALES or split_method(m)[0] != "alone"
+            own_splice = sel == "reference" or sel in KEY_SCALES or split_method(m)[0] != DEFAULT_ENCODING
             if (r["method"] == "splice" and not own_splice) or r["method"] == "full_recompute":
                 out.append({**r, "method": m})
     return out
@@ -728,7 +738,7 @@ def check_methods(methods: list[str]) -> None:
 
     def known(m: str) -> bool:  # an encoding prefix goes with an engine selection only
         enc, base = split_method(m)
-        return (base in METHODS or base in SELECTIONS) and (enc == "alone" or METHODS.get(base) not in ("reference",
+        return (base in METHODS or base in SELECTIONS) and (enc == DEFAULT_ENCODING or METHODS.get(base) not in ("reference",
                                                                                                    "kvshare"))
 
     bad = [m for m in methods if not known(m)]

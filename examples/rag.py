@@ -1,10 +1,11 @@
 """RAG with a simple real retriever (BM25) over a small shipped corpus.
 
-``add`` encodes each document once, alone, and persists it; each question retrieves the top
-documents, in the retriever's order, and the default ``DocumentStore`` mode reuses their stored
-states in that order (any subset, any order): the question runs through the model, with a small
-part of the documents' tokens recomputed in the prompt's context (the default selection,
-``qmatch``: the documents the question names, then the others in prompt order; docs/rag.md).
+``add`` encodes each document once, after the prompts' prefix (the store's ``system`` text), and
+persists it; each question retrieves the top documents, in the retriever's order, and the default
+``DocumentStore`` mode reuses their stored states in that order (any subset, any order; the first
+sits where it was encoded, exact): the question runs through the model, with a small part of the
+other documents' tokens recomputed in the prompt's context (the default selection, ``qmatch``: the
+documents the question names, then the others in prompt order; docs/rag.md).
 The first question after ``add`` already reuses them, and so does a second run over the same
 ``--store`` (read from disk). ``--exact`` keeps exact chains instead: answers equal a plain
 prefill's, and a request reuses only leading documents an earlier one stored in the same order.
@@ -27,6 +28,7 @@ from promptcache import PromptCache
 from promptcache.rag import DocumentStore
 
 CORPUS = Path(__file__).resolve().parent / "corpus"
+SYSTEM = "Answer from the documents only."
 QUESTIONS = ["Why does bread dough rise?", "What causes spring tides?", "Which shrine has thousands of gates?"]
 
 
@@ -76,14 +78,14 @@ def main(argv=None) -> None:
     retriever = BM25(docs)
     pc = PromptCache.from_pretrained(args.model, device=args.device, dtype=args.dtype)
     with tempfile.TemporaryDirectory() as tmp:
-        store = DocumentStore(pc, args.store or Path(tmp) / "docs", exact=args.exact)
+        store = DocumentStore(pc, args.store or Path(tmp) / "docs", exact=args.exact, system=SYSTEM)
         new = [doc_id for doc_id in docs if doc_id not in store]
         for doc_id in new:
             store.add(doc_id, docs[doc_id], {"source": f"corpus/{doc_id}.txt"})
         print(f"{len(new)} documents encoded and stored, {len(store) - len(new)} served from the store's folder")
         for q in QUESTIONS:
             top = retriever.search(q, k=2)
-            out = store.generate(q, top, system="Answer from the documents only.", max_new_tokens=args.max_new_tokens)
+            out = store.generate(q, top, max_new_tokens=args.max_new_tokens)  # the store's system text
             print(f"\nQ: {q}\n   retrieved: {', '.join(top)}")
             print(f"   A: {out.text!r}")
             prompt = out.cached_tokens + out.new_tokens

@@ -12,11 +12,14 @@ Layout (independent states, written atomically with ``fsutil``)::
                                  "sha256"}, ...]}
     docs/<digest[:32]>.safetensors   one state "kv" [L, 2, H, n, D] in the codec format
                                  (portable key, model digest, checksum in its header): the
-                                 document's unit (its tokens, then unit_suffix) encoded alone
+                                 document's unit (its tokens, then unit_suffix) encoded after
+                                 encode_prefix (alone where it is empty)
     prefixes/<digest[:32]>.safetensors   a prompt prefix (BOS, template header, system text)
                                  encoded alone, written by stores whose units carry their separator
 
 ``unit_suffix`` and ``prefixes`` may be absent (folders written before them: no suffix, none).
+``encode_prefix`` is the folder's encoding (``recorded_prefix``): a store opened with ``prefixed``
+and ``system`` left out takes it; a store that asks for another finds it among ``read``'s problems.
 
 Reading checks every field of the index (a wrong type, a null or a missing field is a
 ``DocumentStoreError`` naming the file, the document and the field), then each document against
@@ -57,6 +60,7 @@ class DocumentFolder:
         self.path, self.pc, self.suffix, self.encode_prefix = Path(path), pc, tuple(suffix), tuple(encode_prefix)
         self.sums: dict[str, str] = {}
         self.prefixes: dict[str, dict] = {}  # prefix token digest -> its index record
+        self._parsed: dict | None = None  # the index as ``recorded_prefix`` read it, for ``read`` to check
 
     @property
     def index(self) -> Path:
@@ -100,22 +104,47 @@ class DocumentFolder:
                  "prefixes": list(self.prefixes.values())}
         atomic_write(self.index, json.dumps(index, indent=1))
 
+    def _load(self) -> tuple[dict, list[dict]]:
+        """(the parsed index, its field-checked document records); read once at opening."""
+        if self._parsed is None:
+            try:
+                self._parsed = jsonsafe.loads(self.index.read_text(encoding="utf-8"))
+            except (OSError, ValueError) as e:
+                raise DocumentStoreError(f"{self.index} is unreadable or corrupted: {e}") from None
+        return self._parsed, check_index(self._parsed, self.index)
+
+    def recorded_prefix(self) -> tuple[int, ...] | None:
+        """The tokens the folder's documents were encoded after (its ``encode_prefix``; () alone, as
+        in a folder written before the field), or None where its tokenizer is not this engine's (the
+        tokens mean nothing here)."""
+        index, _ = self._load()
+        if index["tokenizer"] != self.pc.tokenizer_fingerprint:
+            return None
+        return tuple(index.get("encode_prefix", ()))
+
+    def describe(self, prefix) -> str:
+        """An encoding in words: "alone from position 0" or "after a 12-token prefix ('...')"."""
+        if not prefix:
+            return "alone from position 0"
+        decode = getattr(getattr(self.pc, "tokenizer", None), "decode", None)  # the model's tokenizer, where it has one
+        text = decode(list(prefix)) if decode is not None else ""
+        return f"after a {len(prefix)}-token prefix" + (f" ({text!r:.80})" if text else "")
+
     def read(self) -> tuple[list[dict], list[str]]:
-        """(the index's document records, field-checked; what differs from this engine's model and
-        tokenizer, empty when nothing does)."""
-        try:
-            index = jsonsafe.loads(self.index.read_text(encoding="utf-8"))
-        except (OSError, ValueError) as e:
-            raise DocumentStoreError(f"{self.index} is unreadable or corrupted: {e}") from None
-        docs = check_index(index, self.index)
+        """(the index's document records, field-checked; what differs from this engine's model,
+        tokenizer, document encoding (``encode_prefix``) and unit suffix, empty when nothing does)."""
+        index, docs = self._load()
+        self._parsed = None
         problems = [f"model {k.removesuffix('_sha256')} differs"
                     for k in ("architecture", "config_sha256", "weights_sha256", "dtype")
                     if index["model"].get(k) != self.pc.model_fingerprint.get(k)]
         if index["tokenizer"] != self.pc.tokenizer_fingerprint:
             problems.append("tokenizer differs")
-        if tuple(index.get("encode_prefix", ())) != self.encode_prefix:  # a folder without the field: encoded alone
-            problems.append(f"documents were encoded after {len(index.get('encode_prefix', ()))} prefix tokens, "
-                            f"this store encodes them after {len(self.encode_prefix)} (DocumentStore(prefixed=...))")
+        held = tuple(index.get("encode_prefix", ()))  # a folder without the field: encoded alone
+        if held != self.encode_prefix and "tokenizer differs" not in problems:
+            problems.append(f"its documents were encoded {self.describe(held)}, this store asks for them encoded "
+                            f"{self.describe(self.encode_prefix)} (DocumentStore(prefixed=..., system=...); both left "
+                            "out open a folder with its own encoding)")
         if tuple(index.get("unit_suffix", ())) != self.suffix:
             problems.append("documents were stored " + ("without" if self.suffix else "with") + " their separator "
                             "(attach_separator)")

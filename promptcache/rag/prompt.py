@@ -1,8 +1,8 @@
 """``DocumentPrompt``: a question over ``DocumentStore`` documents, as frozen data.
 
 A reuse (independent or hybrid) store registers itself with the engine's planner
-(``engine/planner.py``) and plans its prompts at admission: documents encoded alone read in
-place at their positions, part of their states recomputed as the request's own prefill rows
+(``engine/planner.py``) and plans its prompts at admission: documents' stored states (encoded
+after ``encode_prefix``, or alone) read in place at their positions, part of their states recomputed as the request's own prefill rows
 (``DocumentStore.plan_prompt``). An exact (chain) store's prompt is a ``TokenPrompt`` that reuses
 the engine's prefix chains (``DocumentStore.prompt``): it never reaches here.
 """

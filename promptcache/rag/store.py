@@ -5,9 +5,9 @@ The document API and its prompt plans; the folder a store persists to is ``folde
 chain mechanism (``engine.serving_core.chains``: ``chained``, ``stored_run``), the one the server's prefix reuse
 uses.
 
-    store = DocumentStore(pc, "docs.pcache")           # persisted; reopened with its states
+    store = DocumentStore(pc, "docs.pcache", system="Answer briefly.")   # persisted; reopened with its states
     store.add("paris", "Paris is the capital of France ...", {"source": "wiki"})
-    out = store.generate("What is Paris famous for?", doc_ids=["paris"], system="Answer briefly.")
+    out = store.generate("What is Paris famous for?", doc_ids=["paris"])  # the store's system text
 
 The prompt is written as the text would be: a cached prefix (BOS, the chat template's header,
 the system text, the user header), then each document followed by ``separator`` ("\n\n"),
@@ -26,16 +26,9 @@ the default is the last, reuse):
   Works with every supported family (nothing is relocated); a model whose states cannot be moved
   (learned absolute positions) gets this mode by default.
 * **Independent** (``independent=True``, the paper's position-independent modules). Each document
-  is encoded once, alone (no context, positions from 0; ``prefixed=True``: after the store's
-  ``encode_prefix``, the prefix of a request without a system text, or ``prefixed=SYSTEM`` with
-  that system text, only the document's states kept; a prompt whose prefix is ``encode_prefix``
-  holds its first document exact, not recomputed),
-  stored and persisted; at prompt time it is moved to its position exactly (``models.relocate``);
-  the separators and the question run through the model. The prefix keeps the attention sink
-  where the prompt has it, not on the document's first token mid-prompt: it lowered the memo
-  task's first-token KL (0.12 -> 0.05) and lost answers on both tasks; after the prompts' own
-  prefix it cut the KL 1.9-3.5x and agreed about as often: an option (docs/rag.md).
-  Cheapest to reuse (any subset, any order), but a document never sees the documents before it, which costs answers (at ``recompute=0`` far fewer than full prefill's on
+  is encoded once (see *Where documents are encoded* below), stored and persisted; at prompt time
+  it is moved to its position exactly (``models.relocate``); the separators and the question run
+  through the model. Cheapest to reuse (any subset, any order), but a document never sees the documents before it, which costs answers (at ``recompute=0`` far fewer than full prefill's on
   the retrieval study). ``recompute=r`` (the engine's selective recompute; the default selection
   ``qmatch`` recomputes the documents the question names, then the others from the first) is the
   quality knob; small fractions kept the most answers (figures: eval/results/quality.md). The default, ``recompute="auto"``,
@@ -51,6 +44,24 @@ the default is the last, reuse):
   then the other documents as in ``independent``, their drift recomputed (``recompute``, default
   ``"auto"``). Exact when the whole request is a stored chain. It does not write chains: past the
   chain its states are approximate.
+
+**Where documents are encoded** (``encode_prefix``; issue 51). By default each document is encoded
+after the prefix of a request with the store's ``system`` text (BOS, the chat template's header,
+that system text, the user header; no system text where ``system`` is None), only the document's
+own states kept. Requests that pass no ``system`` use the store's, so their prefix is
+``encode_prefix`` and their first document sits where it was encoded: a plain prefill's states,
+exact and never recomputed; a request with another system text (``""``: none) reads every
+document approximately, as the others. The prefix keeps the attention sink where the prompt has it,
+not on a document's first token mid-prompt: on the fidelity study (60 prompts a task, 15%
+recomputed) it agreed with full prefill as often as documents encoded alone on SmolLM2 and
+significantly more often on Gemma 3 270M, with a lower first-token KL and a higher TTFT ratio on
+both (docs/rag.md). ``prefixed=False`` encodes documents alone from position 0 (the default before);
+``prefixed=True`` asks for the default's encoding explicitly; ``prefixed="..."`` after the prefix
+of a request with that system text (it wins over ``system`` for the encoding).
+``attach_separator=True`` units are encoded alone (``prefixed`` left out or False; True or a text
+with it is a ValueError). A folder records its encoding: a store opening one with ``prefixed`` and
+``system`` left out takes the folder's (logged); an explicit other one is refused
+(``DocumentStoreError`` naming both) unless ``reencode=True``.
 
 Works with any retriever: the caller passes document ids. Keys come from ``promptcache.keys``
 (``alone_key``, salted by the namespace), so documents and the prefix live in the engine's store
@@ -106,15 +117,16 @@ class DocumentStore:
     lookup; ``canonical_order``: chains order a request's documents by id; ``separator``: text
     after each document; ``selection``: which reused tokens ``recompute`` chooses (an engine
     selection, default the engine's ``config.recompute.selection``: ``qmatch``; ``ape`` adds APE's
-    temperature, docs/rag.md has what each kept); ``prefixed``: documents are encoded after
-    ``encode_prefix`` or alone from position 0 (the default, ``False``; a folder records which):
-    ``True`` encodes them after the prefix of a request without a system text, a string after
-    the prefix of a request with that system text (the prompts' own, when they share one)."""
+    temperature, docs/rag.md has what each kept); ``system``: the system text of requests that
+    pass none; ``prefixed``: what documents are encoded after (``encode_prefix``). Left out, the
+    prefix of a request with ``system`` (on a folder: the encoding it records; with
+    ``attach_separator``: nothing); ``True`` the same, asked explicitly; ``False`` nothing (alone
+    from position 0); a string the prefix of a request with that system text."""
 
     def __init__(self, pc: PromptCache, path: str | Path | None = None, namespace: str | None = None,
                  reencode: bool = False, *, exact: bool = False, independent: bool = False, hybrid: bool = False,
                  canonical_order: bool = False, separator: str = "\n\n", selection: str | None = None,
-                 attach_separator: bool = False, prefixed: bool | str = False):
+                 attach_separator: bool = False, prefixed: bool | str | None = None, system: str | None = None):
         if sum(map(bool, (exact, independent, hybrid))) > 1:
             raise ValueError("DocumentStore: exact=True, independent=True and hybrid=True exclude each other "
                              "(pick one mode)")
@@ -130,24 +142,49 @@ class DocumentStore:
         self.canonical_order = bool(canonical_order)
         self._sep = tuple(pc.tok.encode(separator)) if separator else ()
         self.attach_separator = bool(attach_separator) and bool(self._sep)
-        if self.attach_separator and prefixed:
-            raise ValueError("DocumentStore: attach_separator=True stores units encoded alone from position 0 (what "
-                             "vLLM's connector serves); prefixed=True encodes documents after a prefix: pick one")
-        if not isinstance(prefixed, (bool, str)):
-            raise TypeError(f"DocumentStore: prefixed must be True, False or a system text, got {type(prefixed).__name__}")
-        # what each document is encoded after: a request's prefix (with the system text ``prefixed`` names)
-        self.encode_prefix = self._prefix(prefixed if isinstance(prefixed, str) else None)[0] if prefixed else ()
+        if system is not None and not isinstance(system, str):
+            raise TypeError(f"DocumentStore: system must be a text or None, got {type(system).__name__}")
+        self.system = system or None  # the system text of requests that pass none
+        asked = self._asked_prefix(prefixed)
+        self.path = Path(path) if path is not None else None
+        self.folder = DocumentFolder(self.path, pc, self._suffix) if self.path is not None else None
+        opened = self.folder is not None and self.folder.exists()
+        recorded = self.folder.recorded_prefix() if opened else None  # None: its tokenizer is another
+        if asked is None and recorded is not None:  # the default on a folder: the encoding it holds
+            asked = recorded
+            log.info("DocumentStore: %s holds documents encoded %s; opened with that encoding (the folder's setting)",
+                     self.path, self.folder.describe(recorded))
+        # what each document is encoded after: the prefix of a request with the store's system text, or nothing
+        self.encode_prefix = asked if asked is not None else self._prefix(self.system)[0]
         # the namespace of documents' state keys: a prefixed encoding's tokens salt it (worked out once)
         self._state_namespace = (f"{self.namespace}|after:{token_digest(self.encode_prefix)}" if self.encode_prefix
                                  else self.namespace)
-        self.path = Path(path) if path is not None else None
-        self.folder = DocumentFolder(self.path, pc, self._suffix, self.encode_prefix) if self.path is not None else None
+        if self.folder is not None:
+            self.folder.encode_prefix = self.encode_prefix  # what its index records, and what it checks
         self._docs: dict[str, Document] = {}
         self.whole_states = WholeStates()  # window-aware storage: documents encoded again, kept
         self._lock = threading.RLock()
-        if self.folder is not None and self.folder.exists():
+        if opened:
             self._open(reencode)
         self.source = pc.core.planner.add_source(self)  # the name its prompts carry (held weakly there)
+
+    def _asked_prefix(self, prefixed) -> tuple[int, ...] | None:
+        """The tokens ``prefixed`` and ``system`` ask documents to be encoded after, or None where
+        neither asks (the default: a folder's own encoding, else after the store's ``system``)."""
+        if prefixed is not None and not isinstance(prefixed, (bool, str)):
+            raise TypeError(f"DocumentStore: prefixed must be True, False or a system text, got {type(prefixed).__name__}")
+        if prefixed == "":
+            raise ValueError("DocumentStore: prefixed='' names no system text; pass prefixed=True (after the prefix "
+                             "of a request with the store's system text) or prefixed=False (alone)")
+        if self.attach_separator and prefixed:
+            raise ValueError("DocumentStore: attach_separator=True stores units encoded alone from position 0 (what "
+                             "vLLM's connector serves); prefixed=True or a system text encodes documents after a "
+                             "prefix: pick one (prefixed left out or False with attach_separator)")
+        if self.attach_separator or prefixed is False:
+            return ()
+        if prefixed is None and self.system is None:
+            return None
+        return self._prefix(prefixed if isinstance(prefixed, str) else self.system)[0]
 
     @property
     def _suffix(self) -> tuple[int, ...]:
@@ -155,8 +192,8 @@ class DocumentStore:
         return self._sep if self.attach_separator else ()
 
     def unit_ids(self, doc: Document) -> tuple[int, ...]:
-        """Token ids of ``doc``'s stored unit (encoded alone from position 0): the document, and its
-        separator when the store has ``attach_separator``."""
+        """Token ids of ``doc``'s stored unit (encoded after ``encode_prefix``): the document, and its
+        separator when the store has ``attach_separator`` (then encoded alone from position 0)."""
         return doc.token_ids + self._suffix
 
     @property
@@ -182,17 +219,19 @@ class DocumentStore:
         requests. Re-adding an id replaces it; identical text is encoded once."""
         if not isinstance(doc_id, str) or not doc_id:
             raise ValueError(f"a document id must be a non-empty string, got {doc_id!r}")
-        ids = self.pc.tok.encode(text)
-        if not ids:
-            raise ValueError(f"document '{doc_id}' is empty")
-        digest = token_digest(ids)
-        doc = Document(doc_id, text, dict(metadata or {}), len(ids), digest, tuple(ids))
+        doc = self._document(doc_id, text, metadata)
         if not self.exact or self.path is not None:
             self._stored(doc, verify=True)
         with self._lock:
             self._docs[doc_id] = doc
             self._save_index()
         return doc
+
+    def _document(self, doc_id: str, text: str, metadata: dict | None) -> Document:
+        ids = self.pc.tok.encode(text)
+        if not ids:
+            raise ValueError(f"document '{doc_id}' is empty")
+        return Document(doc_id, text, dict(metadata or {}), len(ids), token_digest(ids), tuple(ids))
 
     def remove(self, doc_id: str) -> None:
         with self._lock:
@@ -217,7 +256,7 @@ class DocumentStore:
         """Spans of the prompt in order: cached prefix, documents (and separators) at their
         positions, new question."""
         docs = self._order(doc_ids)
-        return self._layout(question, docs, system, 0 if self.independent else len(docs))[0]
+        return self._layout(question, docs, self._system(system), 0 if self.independent else len(docs))[0]
 
     def prefill(self, question: str, doc_ids: list[str], system: str | None = None, reserve: int = 0,
                 keep_cache: bool = False, *, recompute: float | str | None = None) -> PrefillResult:
@@ -226,7 +265,7 @@ class DocumentStore:
         reused documents' tokens computed afresh in the prompt's context (1.0 equals a plain
         prefill). Chains are exact and have nothing to recompute."""
         t0 = time.perf_counter()
-        r = self.pc.recompute_fraction(recompute)
+        r, system = self.pc.recompute_fraction(recompute), self._system(system)
         docs = self._order(doc_ids)
         if not self.exact:  # reuse: the longest stored chain first
             return self._prefill_independent(question, docs, system, reserve, keep_cache, t0, r)
@@ -256,7 +295,7 @@ class DocumentStore:
             check_recompute(recompute)
         if not self.exact:  # planned at admission (``plan_prompt``)
             self._order(doc_ids)
-            return DocumentPrompt(self.source, question, tuple(doc_ids), system, recompute)
+            return DocumentPrompt(self.source, question, tuple(doc_ids), self._system(system), recompute)
         if layout is None:
             layout = self.layout(question, doc_ids, system)  # checks the ids too
         return TokenPrompt(tuple(layout.token_ids), self.namespace, reuse=True, layout=layout)
@@ -287,6 +326,10 @@ class DocumentStore:
                               max_new_tokens=max_new_tokens, **sampling)
 
     # -- internals -------------------------------------------------------------------------------
+    def _system(self, system: str | None) -> str | None:
+        """A request's system text: its own, or the store's where it passes none ("": none at all)."""
+        return self.system if system is None else system
+
     def _get(self, doc_id: str) -> Document:
         doc = self._docs.get(doc_id)
         if doc is None:
@@ -310,10 +353,10 @@ class DocumentStore:
         return self._key(token_ids, self._state_namespace)
 
     def _encode(self, token_ids) -> torch.Tensor:
-        """A document's independent states [L, 2, H, n, D]: alone from position 0, or after
-        ``encode_prefix`` (the prefix of a request without a system text: BOS and the chat
-        template's header, where the model puts its attention sink) at positions
-        ``len(encode_prefix)``.., only the document's own states kept."""
+        """A document's independent states [L, 2, H, n, D]: after ``encode_prefix`` (a request's
+        prefix: BOS, the chat template's header and system text, where the model puts its attention
+        sink) at positions ``len(encode_prefix)``.., only the document's own states kept; alone from
+        position 0 where it is empty."""
         n = len(self.encode_prefix)
         kv = self.pc.encode_span(list(self.encode_prefix) + list(token_ids))
         return kv[:, :, :, n:].contiguous() if n else kv
@@ -372,7 +415,8 @@ class DocumentStore:
         (``engine/prefill/ordered.py``). An exact store's prompts are token chains (``TokenPrompt``)."""
         if self.exact:
             raise DocumentStoreError("an exact (chain) store's prompts are planned as token chains (TokenPrompt)")
-        plan, req = self._independent_plan(question, self._order(doc_ids), system, self.pc.recompute_fraction(recompute))
+        plan, req = self._independent_plan(question, self._order(doc_ids), self._system(system),
+                                           self.pc.recompute_fraction(recompute))
         return plan if req is None else self.pc.runner.recompute_plan(plan, req)
 
     def _found(self, question: str, docs: list[Document], system: str | None) -> tuple:
@@ -536,8 +580,12 @@ class DocumentStore:
                                          "build a store in another folder; reencode=True re-encodes it in place, "
                                          "replacing the stored states.")
             log.warning("re-encoding %d documents in %s: %s", len(records), self.path, "; ".join(problems))
-            for d in records:
-                self.add(d["id"], d["text"], d["metadata"])
+            docs = [self._document(d["id"], d["text"], d["metadata"]) for d in records]
+            for doc in docs:
+                self._stored(doc)  # its states file rewritten (atomically) in this store's encoding
+            with self._lock:  # the index last, once: until then the folder's index is its old, whole one
+                self._docs = {d.id: d for d in docs}
+                self._save_index()
             return
         for doc, f, expect in self.folder.opened(records):
             if self.folder.has_states(doc):

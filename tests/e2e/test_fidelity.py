@@ -93,6 +93,25 @@ def test_summary_counts_agreement_lost_and_won_per_order():
     assert listed["prompts"] == 3 and listed["agreement"] == round(2 / 3, 4)  # s0, s2 agree; s4 does not
 
 
+def test_two_methods_are_paired_on_the_prompts_both_ran(tmp_path, capsys):
+    from eval import fidelity_paired
+
+    # prompt s0 listed: both agree; s0 shuffled: only B; s1 listed: only B; s1 shuffled: only A (B lacks s2)
+    agree = {("s0", "listed"): (1, 1), ("s0", "shuffled"): (0, 1), ("s1", "listed"): (0, 1), ("s1", "shuffled"): (1, 0)}
+    rows = [row(s, o, m, 0.15, x[k], 1, 1) for (s, o), x in agree.items() for k, m in enumerate(("alone:default", "default"))]
+    rows += [row("s2", "listed", "alone:default", 0.15, 1, 1, 1), row("s0", "listed", "default", 0.3, 0, 1, 1)]
+    (t,) = fidelity_paired.table(rows, "alone:default", "default", 0.15)
+    assert (t["prompts"], t["both"], t["only_a"], t["only_b"]) == (4, 1, 1, 2)
+    assert (t["agreement_a"], t["agreement_b"]) == (0.5, 0.75) and t["mcnemar_p"] == 1.0  # 1 against 2: no difference
+    path = tmp_path / "rows.csv"
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+    assert fidelity_paired.main([str(path), "--methods", "alone:default", "default", "--budget", "0.15"]) == [t]
+    assert "| single | 4 | 0.50 | 0.75 | 1 / 1 / 2 | 1 |" in capsys.readouterr().out
+
+
 def test_shared_ends_stand_for_every_method_they_equal():
     """The splice (budget 0) is every selection without a key scale; APE scales keys even at 0
     and the CacheBlend reference reuses another state, so they run their own."""
@@ -113,7 +132,9 @@ def test_shared_ends_stand_for_every_method_they_equal():
         ("system:default", 0.1, "system:"), ("system:prophet", 0.0, "system:qattn"),
         ("system:prophet", 0.1, "system:qattn")]
     assert fidelity.split_method("system:default") == ("system", "default")
-    assert fidelity.split_method("qattn") == ("alone", "qattn")
+    assert fidelity.split_method("qattn") == (fidelity.DEFAULT_ENCODING, "qattn")  # the store's default encoding
+    assert fidelity.split_method("alone:default") == ("alone", "default")  # the default before issue 51
+    assert fidelity.selection_of("alone:default") == "alone:" and fidelity.selection_of("prophet") == "qattn"
 
 
 @pytest.mark.parametrize("task", fidelity_tasks.TASKS)
@@ -143,20 +164,21 @@ def test_tasks_are_seeded_and_answerable(task):
 
 def test_study_end_to_end_on_a_tiny_model(tmp_path):
     summary = fidelity.main(["--model", "embedded:demo", "--n", "1", "--methods", "default", "cacheblend",
-                             "system:default", "--budgets", "0",
+                             "system:default", "alone:default", "--budgets", "0",
                              "0.2", "1", "--doc-tokens", "160", "--answer-tokens", "4", "--calibrate", "1",
                              "--out", str(tmp_path), "--tag", "_t"])
     with open(tmp_path / "fidelity_t.csv") as f:
         rows = list(csv.DictReader(f))
     # 2 tasks x 2 orders x (splice, default@0.2, cacheblend@0 and @0.2, system:default@0 and @0.2,
-    # full_recompute, bf16_full)
-    assert len(rows) == 32 and {r["order"] for r in rows} == {"listed", "shuffled"}
+    # alone:default@0 and @0.2, full_recompute, bf16_full)
+    assert len(rows) == 40 and {r["order"] for r in rows} == {"listed", "shuffled"}
     for r in rows:
         if r["method"] == "full_recompute":  # every document token recomputed: a plain prefill
             assert r["exact"] == "1" and r["agree"] == "1" and float(r["first_token_kl"]) < 1e-6
-        if r["method"] in ("splice", "default", "cacheblend"):
-            assert r["exact"] == "0" and float(r["first_token_kl"]) > 0  # documents encoded alone drift
-        if r["method"] == "default":
+        if r["method"] in ("splice", "default", "cacheblend", "alone:default"):
+            # documents encoded alone, or after a prefix that is not the prompt's (the store has no system text), drift
+            assert r["exact"] == "0" and float(r["first_token_kl"]) > 0
+        if r["method"] in ("default", "alone:default") and float(r["budget"]) > 0:
             assert math.isclose(float(r["recomputed"]), 0.2, abs_tol=0.02)
         if r["method"] == "system:default":  # the first document is exact: 20% of the others' tokens
             assert r["exact"] == "0" and 0 < float(r["recomputed"]) < 0.2 or float(r["budget"]) == 0
@@ -165,7 +187,7 @@ def test_study_end_to_end_on_a_tiny_model(tmp_path):
     for name in ("fidelity_t_summary.csv", "fidelity_t_summary.png", "fidelity_t_ttft.png", "fidelity_t_margin.csv"):
         assert (tmp_path / name).exists()
     again = fidelity.main(["--combine", str(tmp_path / "fidelity_t.csv"), "--methods", "default", "cacheblend",
-                           "system:default", "--out", str(tmp_path), "--tag", "_c"])
+                           "system:default", "alone:default", "--out", str(tmp_path), "--tag", "_c"])
     assert again == summary
 
 

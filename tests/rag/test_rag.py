@@ -233,12 +233,12 @@ def test_damaged_index_is_a_clear_error_naming_file_and_field(tmp_path, damage, 
 def test_documents_and_schema_modules_share_one_key_scheme():
     from promptcache.keys import alone_key
 
-    store = make_store(independent=True)
+    store = make_store(independent=True, prefixed=False)  # encoded alone, keyed as a schema module is
     store.add("paris", DOCS["paris"])
     ids = store.pc.tok.encode(DOCS["paris"])
     key = alone_key(ids, store.pc.model_key, store.namespace)
     assert key in store.pc.store and torch.equal(store.pc.store.get(key)[0], store.pc.encode_span(ids))
-    other = DocumentStore(store.pc, namespace="tenant-b", independent=True)
+    other = DocumentStore(store.pc, namespace="tenant-b", independent=True, prefixed=False)
     other.add("paris", DOCS["paris"])
     assert alone_key(ids, store.pc.model_key, "tenant-b") in store.pc.store and key != alone_key(
         ids, store.pc.model_key, "tenant-b")
@@ -253,27 +253,11 @@ def test_prefixed_documents_are_stored_apart_from_alone_ones_and_hold_the_prefix
     anchor = list(store.encode_prefix)
     assert tuple(anchor) == tuple(store.layout("Q?", [], None).spans[0].token_ids)  # a system-less prefix
     assert alone_key(ids, store.pc.model_key, store.namespace) not in store.pc.store
-    alone = DocumentStore(store.pc)  # the default: alone, from position 0
+    alone = DocumentStore(store.pc, prefixed=False)  # alone, from position 0
     alone.add("paris", DOCS["paris"])
     (kv, _), (kv_alone, _) = store.pc.store.get(store.state_key(ids)), alone.pc.store.get(alone.state_key(ids))
     assert torch.equal(kv, store.pc.encode_span(anchor + ids)[:, :, :, len(anchor):])
     assert torch.equal(kv_alone, store.pc.encode_span(ids)) and not torch.equal(kv, kv_alone)
-
-
-def test_a_folder_encoded_otherwise_is_refused_naming_the_encoding_or_reencoded(tmp_path):
-    alone = make_store(path=tmp_path / "d")  # the default: alone
-    alone.add("paris", DOCS["paris"])
-    index = json.loads((tmp_path / "d" / "index.json").read_text())
-    assert index["encode_prefix"] == []
-    with pytest.raises(DocumentStoreError, match="encoded after 0 prefix tokens"):
-        make_store(path=tmp_path / "d", prefixed=True)
-    del index["encode_prefix"]  # a folder written before the field: its documents were encoded alone
-    (tmp_path / "d" / "index.json").write_text(json.dumps(index))
-    assert make_store(path=tmp_path / "d").ids() == ["paris"]
-    again = make_store(path=tmp_path / "d", reencode=True, prefixed=True)
-    assert again.ids() == ["paris"]
-    assert json.loads((tmp_path / "d" / "index.json").read_text())["encode_prefix"] == list(again.encode_prefix)
-    assert "disk" in make_store(path=tmp_path / "d", prefixed=True).prefill("Q?", ["paris"], recompute=0).hit_tiers
 
 
 def _doc_tokens(store, ids):
