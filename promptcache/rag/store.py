@@ -145,6 +145,7 @@ class DocumentStore:
         if system is not None and not isinstance(system, str):
             raise TypeError(f"DocumentStore: system must be a text or None, got {type(system).__name__}")
         self.system = system or None  # the system text of requests that pass none
+        self._warned_prefix = False  # a request with another prefix than the encoding's was logged
         asked = self._asked_prefix(prefixed)
         self.path = Path(path) if path is not None else None
         self.folder = DocumentFolder(self.path, pc, self._suffix) if self.path is not None else None
@@ -327,8 +328,19 @@ class DocumentStore:
 
     # -- internals -------------------------------------------------------------------------------
     def _system(self, system: str | None) -> str | None:
-        """A request's system text: its own, or the store's where it passes none ("": none at all)."""
-        return self.system if system is None else system
+        """A request's system text: its own, or the store's where it passes none ("": none at all).
+        The first request whose prefix is not the one documents were encoded after is logged (a
+        WARNING, once a store): its first document is then read approximately, and on the fidelity
+        study such prompts agreed less often on SmolLM2's single-hop task (docs/rag.md)."""
+        if system is None:
+            return self.system
+        if not self._warned_prefix and self.encode_prefix and not self.exact and self._prefix(system)[0] != self.encode_prefix:
+            self._warned_prefix = True
+            log.warning("DocumentStore %s: a request carries the system text %r, but the store's documents are "
+                        "encoded after another prefix (its first document is read approximately); give the store "
+                        "the prompts' system text: DocumentStore(..., system=...)", self.path or self.namespace,
+                        system[:60])
+        return system
 
     def _get(self, doc_id: str) -> Document:
         doc = self._docs.get(doc_id)

@@ -159,3 +159,21 @@ def test_a_reencode_that_fails_midway_leaves_the_old_index_whole(tmp_path, monke
     assert reopened.encode_prefix == () and reopened.ids() == ["paris", "tokyo"]
     res = reopened.prefill(Q, ["paris", "tokyo"], SYS, recompute=0)
     assert torch.max(torch.abs(res.logits - ref.logits)).item() <= TOL
+
+
+def test_a_request_with_another_prefix_than_the_encodings_is_logged_once(caplog):
+    pc = engine()
+    store = filled(DocumentStore(pc, system=SYS))
+    with caplog.at_level(logging.WARNING, logger="promptcache.rag.store"):
+        store.prefill(Q, ["paris"], recompute=0)  # the store's own system text: nothing to say
+        store.prefill(Q, ["paris"], SYS, recompute=0)
+        assert not caplog.records
+        store.prefill(Q, ["paris"], "Be kind.", recompute=0)
+        store.prefill(Q, ["tokyo"], "", recompute=0)
+    warned = [r for r in caplog.records if "DocumentStore(..., system=...)" in r.getMessage()]
+    assert len(warned) == 1 and "'Be kind.'" in warned[0].getMessage()
+    with caplog.at_level(logging.WARNING, logger="promptcache.rag.store"):
+        caplog.clear()
+        alone = filled(DocumentStore(engine(), prefixed=False))  # encoded alone: no prefix to match
+        alone.prefill(Q, ["paris"], "Be kind.", recompute=0)
+    assert not caplog.records
