@@ -103,7 +103,8 @@ def host_list(host: str, allowed: tuple[str, ...]) -> tuple[str, ...] | None:
     return LOOPBACK_HOSTS if host in LOOPBACK else None
 
 
-def _load_namespaces(pc, namespaces: list[str], schemas, compiled, documents, src_root) -> dict:
+def _load_namespaces(pc, namespaces: list[str], schemas, compiled, documents, src_root,
+                     documents_system: str | None = None) -> dict:
     """Every schema, compiled schema and document set, once per namespace (tenants never share a
     stored state); ``{namespace: DocumentStore}``. PMLError, artifact mismatches, document store
     errors: one line each (``guard``)."""
@@ -119,18 +120,21 @@ def _load_namespaces(pc, namespaces: list[str], schemas, compiled, documents, sr
             pc.load_compiled(d, namespace=ns)
         if documents:
             click.echo(f"Loading documents from {documents} (namespace '{ns}') ...", err=True)
-            docs[ns] = load_documents(pc, Path(documents), ns)
+            docs[ns] = load_documents(pc, Path(documents), ns, documents_system)
     return docs
 
 
-def load_documents(pc, folder: Path, namespace: str):
+def load_documents(pc, folder: Path, namespace: str, system: str | None = None):
     """A DocumentStore for ``namespace``: a persisted store (``index.json`` in ``folder``) or,
-    otherwise, every ``*.txt`` / ``*.md`` file in ``folder`` as a document whose id is the file stem."""
+    otherwise, every ``*.txt`` / ``*.md`` file in ``folder`` as a document whose id is the file stem.
+    ``system``: the store's system text (documents encoded after the prefix of a request with it;
+    requests without system messages carry it). A persisted store opened without one keeps the
+    encoding its folder records; with one that differs it is refused (the store's error)."""
     from ..rag import DocumentStore
 
     if (folder / "index.json").is_file():
-        return DocumentStore(pc, folder, namespace=namespace)
-    store = DocumentStore(pc, None, namespace=namespace)
+        return DocumentStore(pc, folder, namespace=namespace, system=system)
+    store = DocumentStore(pc, None, namespace=namespace, system=system)
     files = sorted(p for p in folder.iterdir() if p.suffix in (".txt", ".md"))
     if not files:
         raise click.UsageError(f"--documents {folder}: no index.json and no .txt/.md files")
@@ -188,6 +192,10 @@ def _keys(key_file: str | None, listed: tuple[str, ...], namespace: str) -> dict
               help="A compiled schema folder to load (repeatable).")
 @click.option("--documents", type=click.Path(exists=True, file_okay=False), default=None,
               help="A DocumentStore folder (index.json) or a folder of .txt/.md documents.")
+@click.option("--documents-system", default=None,
+              help="The system text of document requests: documents are encoded after the prompt prefix "
+                   "that carries it, so a request's first document is exact; requests with documents and no "
+                   "system message carry it. Default: none (a persisted store keeps the encoding it records).")
 @click.option("--api-key-file", type=click.Path(exists=True, dir_okay=False), default=None,
               help="Lines 'KEY NAMESPACE'; keys map to cache namespaces (tenants).")
 @click.option("--api-key", "api_key_list", multiple=True,
@@ -199,7 +207,7 @@ def _keys(key_file: str | None, listed: tuple[str, ...], namespace: str) -> dict
 @engine_options(defaults=SERVE_DEFAULTS)
 @guard
 def serve(model_arg, model, device, dtype, engine, config_file, server, src_root, schemas, compiled, documents,
-          api_key_file, api_key_list, model_name, vllm):
+          documents_system, api_key_file, api_key_list, model_name, vllm):
     """Serve an OpenAI-compatible API (chat, completions, models, health, metrics) and Anthropic's
     Messages API that reuse attention states across requests. MODEL (or --model): a Hugging Face id,
     a local directory, 'smollm2', 'gemma3-270m' or 'embedded'. Needs the 'serve' extra. On a CPU in float32 serve
@@ -224,7 +232,9 @@ def serve(model_arg, model, device, dtype, engine, config_file, server, src_root
     if vllm["gpu_memory_utilization"] is not None:
         settings = compute.call(_sized_pool, pc, settings, vllm["gpu_memory_utilization"])
     namespaces = sorted(set(keys.values())) if keys else [pc.config.namespace]
-    docs = compute.call(_load_namespaces, pc, namespaces, schemas, compiled, documents, src_root)
+    if documents_system is not None and documents is None:
+        raise click.UsageError("--documents-system needs --documents")
+    docs = compute.call(_load_namespaces, pc, namespaces, schemas, compiled, documents, src_root, documents_system)
     try:
         app = create_app(pc, api_keys=keys, documents=docs or None, max_queue=settings.max_queue,
                          model_name=model_name or model, block_size=settings.serving.block_size,

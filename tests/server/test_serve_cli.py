@@ -262,3 +262,35 @@ def test_serve_packs_linears_by_default_on_a_cpu_in_float32_and_a_user_setting_w
     assert off.runner.packed_linear is False
     env = engine_config({}, None, env={"PROMPTCACHE_PACKED_LINEAR": "0"}, defaults=serve_defaults("cpu", "float32"))
     assert env.runner.packed_linear is False
+
+
+def test_documents_system_encodes_the_served_documents_after_the_prompts_prefix(monkeypatch, tmp_path):
+    import uvicorn
+    from click.testing import CliRunner
+
+    from promptcache import PromptCache
+    from promptcache.models.embedded import embedded_model
+    from promptcache.rag import DocumentStoreError
+    from promptcache.server.cli import load_documents, serve
+
+    texts = tmp_path / "texts"
+    texts.mkdir()
+    (texts / "kyoto.txt").write_text("Kyoto has thousands of shrines.", encoding="utf-8")
+    pc = PromptCache(*embedded_model("embedded"))
+    store = load_documents(pc, texts, "default", "Answer briefly.")
+    assert store.system == "Answer briefly." and store.encode_prefix == store.layout("Q?", [], "Answer briefly.").spans[0].token_ids
+    assert store.prefill("Where?", ["kyoto"], recompute=0).exact  # no system message: the store's; first document exact
+    folder = tmp_path / "store"
+    from promptcache.rag import DocumentStore
+
+    DocumentStore(pc, folder).add("kyoto", "Kyoto has thousands of shrines.")  # encoded without a system text
+    assert load_documents(pc, folder, "default").system is None  # the folder's encoding kept
+    with pytest.raises(DocumentStoreError, match="reencode=True"):
+        load_documents(pc, folder, "default", "Answer briefly.")
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: None)
+    out = CliRunner().invoke(serve, ["embedded", "--documents-system", "Answer briefly."])
+    assert out.exit_code == 2 and "--documents-system needs --documents" in out.output
+    out = CliRunner().invoke(serve, ["embedded", "--documents", str(folder), "--documents-system", "Answer briefly."])
+    assert out.exit_code == 1 and "reencode=True" in out.output
+    out = CliRunner().invoke(serve, ["embedded", "--documents", str(texts), "--documents-system", "Answer briefly."])
+    assert out.exit_code == 0, out.output
