@@ -46,11 +46,12 @@ from collections import deque
 
 import torch
 
+from ... import tunables
 from ...tunables import MIN_CHUNK
 from ...kernels import attention as cpu_attention
 from .dense import pool_run
 from .kvpool import KVPool, PoolFull, SharedEntry
-from .paged import PagedRow, paged_forward
+from .paged import PagedRow, key_rule, paged_forward
 from .prefix import PrefixCache
 from ..prefill.plan import PrefillPlan
 from .request import PoolState, Request, Status, StepOutput
@@ -217,10 +218,11 @@ class ServingScheduler(RequestQueue):
             first = plan.publish(plan.new_ids[: self.pool.block_size])
             if first and first[0] in inflight and self.running:
                 return "later"
-        entries, shared, copied = self._resolve(plan)
+        own = self.pool.blocks_for(len(plan.new_ids) + req.params.max_new_tokens)
+        entries, shared, copied = self._resolve(plan, own)
         if shared is None:
             return self._no_room(req, entries, plan.cached_tokens)
-        blocks = self.pool.allocate(self.pool.blocks_for(len(plan.new_ids) + req.params.max_new_tokens))
+        blocks = self.pool.allocate(own)
         if blocks is None:
             return self._no_room(req, entries, plan.cached_tokens)
         # the views hold the segments' tokens in KV order: their positions, cut at the views' lengths
@@ -253,34 +255,69 @@ class ServingScheduler(RequestQueue):
                            "raise the pool size")
         return None
 
-    def _resolve(self, plan: PrefillPlan):
+    @property
+    def pools_documents(self) -> bool:
+        """Whether stored states this step could read in place (a store tier's tensors on the pool's
+        device and dtype: documents, modules) are copied into the pool once instead, as shared
+        read-only entries (``tunables.POOL_DOCUMENTS``): without the native CPU kernel (the path a GPU
+        takes) a step's attention is one call a layer over keys the pool holds (``dense.py``), where
+        each (document, shift) read from a store tensor is a call and a merge of its own. The native
+        kernel reads store tensors as runs of its one call, and models whose attention reads key
+        positions (ALiBi, sliding windows: ``paged.KeyRule``) keep their own path: there they stay in
+        place."""
+        if not tunables.POOL_DOCUMENTS or cpu_attention.gathers(self.pool.buf):
+            return False
+        return key_rule(self.runner.adapter) is None
+
+    def _resolve(self, plan: PrefillPlan, reserve: int = 0):
         """Pin the plan's segments: pool entries acquired, states on another device or dtype
-        promoted into the pool, the rest read in place. Returns (entries, shared (key, view, pool
-        slots or None for a store tensor read in place), bytes copied); shared is None when
-        promotion found no room."""
+        promoted into the pool, the rest read in place, or (``pools_documents``) promoted too while
+        ``reserve`` blocks (the request's own) stay available; a run of a stored segment
+        (``Segment.part_of``) then reads the whole one's entry. Returns (entries, shared (key, view,
+        pool slots or None for a store tensor read in place, shift), bytes copied); shared is None
+        when promotion found no room."""
         pool, copied = self.pool, 0
-        held = [pool.acquire(seg.key) for seg in plan.segments]  # first: pinned before anything is evicted
+        pooled = self.pools_documents
+        # the entry each segment reads: its own, or the whole stored segment it is a run of
+        homes = [seg.part_of[0] if pooled and seg.part_of is not None else seg.key for seg in plan.segments]
+        held = [pool.acquire(key) for key in homes]  # first: pinned before anything is evicted
         entries = [e for e in held if e is not None]
         for i, seg in enumerate(plan.segments):
-            if held[i] is None and seg.kv is None:
+            if held[i] is None and homes[i] != seg.key:  # another run of its document promoted it just now
+                held[i] = pool.acquire(homes[i])
+                if held[i] is not None:
+                    entries.append(held[i])
+            if held[i] is not None:
+                continue
+            if seg.kv is None:
                 if seg.load is None:
                     raise RuntimeError(f"plan segment {seg.key} is neither in the pool nor given")
                 seg.kv = seg.load()  # states made when first needed (a document moved to its position)
-            if held[i] is None and (seg.promote or not _in_place(seg.kv, pool)):
-                held[i] = pool.promote(seg.key, seg.kv, seg.positions)
-                if held[i] is None:
+            must = seg.promote or not _in_place(seg.kv, pool)
+            kv, first = (seg.part_of[1], seg.part_of[2]) if homes[i] != seg.key else (seg.kv, 0)
+            if not must and not (pooled and pool.available_blocks >= reserve + pool.blocks_for(kv.shape[3])):
+                continue  # read in place
+            at = int(seg.positions[0]) - seg.shift - first if seg.n else 0  # where the states were encoded
+            encoded = seg.positions - seg.shift if kv is seg.kv else torch.arange(at, at + kv.shape[3])
+            held[i] = pool.promote(homes[i], kv, encoded, copy=not must)
+            if held[i] is None:
+                if must:
                     return entries, None, copied
-                entries.append(held[i])
-                copied += seg.kv.numel() * seg.kv.element_size()
+                continue
+            entries.append(held[i])
+            copied += kv.numel() * kv.element_size()
         shared: list[tuple[str, torch.Tensor, torch.Tensor | None, int]] = []
         chain: list[SharedEntry] = []  # consecutive full pool entries read at one shift: coalesced into runs
         shift = 0
-        for seg, entry in zip(plan.segments, held):
-            if entry is None or seg.shift != shift:
+        for seg, entry, home in zip(plan.segments, held, homes):
+            if entry is None or seg.shift != shift or home != seg.key:
                 shared += self._runs(chain, shift)
                 chain, shift = [], seg.shift
             if entry is None:  # read in place from the store's tensor
                 shared.append((seg.key, seg.kv, None, seg.shift))
+                continue
+            if home != seg.key:  # a run of a stored segment the pool holds whole: its tokens' slots there
+                shared += self._part(entry, seg.part_of[2], seg.n, seg.shift)
                 continue
             chain.append(entry)
             if entry.n != len(entry.blocks) * pool.block_size:  # partial: ends a run
@@ -288,6 +325,19 @@ class ServingScheduler(RequestQueue):
                 chain = []
         shared += self._runs(chain, shift)
         return entries, shared, copied
+
+    def _part(self, entry: SharedEntry, first: int, n: int, shift: int
+              ) -> list[tuple[str, torch.Tensor, torch.Tensor, int]]:
+        """Tokens [first, first + n) of a pool entry as views of contiguous runs, as ``_runs`` gives them."""
+        out, off = [], 0
+        for start, count in self.pool.slot_runs(entry.blocks, entry.n):
+            lo, hi = max(first, off), min(first + n, off + count)
+            if lo < hi:
+                a, k = start + lo - off, hi - lo
+                out.append((f"pool:{a}:{k}", self.pool.buf[:, :, :, a : a + k],
+                            torch.arange(a, a + k, device=self.pool.buf.device), shift))
+            off += count
+        return out
 
     def _runs(self, chain: list[SharedEntry], shift: int) -> list[tuple[str, torch.Tensor, torch.Tensor, int]]:
         """Consecutive pool entries as views of contiguous runs: (key, view, the run's pool slots, shift)."""
