@@ -99,6 +99,12 @@ class ServingScheduler(RequestQueue):
         self.on_publish = on_publish  # (key, kv view [L, 2, H, n, D]) for each block a request published
         self.forward = forward or (lambda pool, rows: paged_forward(runner, pool, rows))
         self.steps = 0
+        # the last step's sampled ids on the device ([k], one a logits row) and the requests they were
+        # taken for, in order, where every one took its row's argmax and goes on decoding (else None):
+        # the next step's input ids when it decodes exactly those requests (``PagedRow.sampled``)
+        self._sampled: tuple[torch.Tensor, list[Request]] | None = None
+        self.device_ids = True  # keep them (False: every step's input ids are made from the host's)
+        self.device_id_steps = 0  # steps whose input ids were the last step's sampled ids, on the device
         self.prefill_tokens = 0
         self.published_blocks = 0  # own blocks requests shared under chain keys
         if pool.buf.device.type == "cpu":
@@ -133,11 +139,10 @@ class ServingScheduler(RequestQueue):
     def _schedule(self) -> tuple[list[Request], list[PagedRow], int]:
         """Decode rows of the running requests, then the next chunk of those still prefilling;
         and the budget left for new requests (prefill gets at least ``MIN_CHUNK`` a step)."""
-        reqs, rows = [], []
-        for r in self.running:
-            if not r.prefilling and not r.paused and r.pending is not None:
-                rows.append(self._row(r, [r.pending], [r.position], True))
-                reqs.append(r)
+        reqs = [r for r in self.running if not r.prefilling and not r.paused and r.pending is not None]
+        kept = self._sampled
+        same = kept is not None and len(kept[1]) == len(reqs) and all(a is b for a, b in zip(kept[1], reqs))
+        rows = [self._row(r, [r.pending], [r.position], True, sampled=kept[0] if same else None) for r in reqs]
         budget = max(self.token_budget - len(rows), MIN_CHUNK)
         for r in self.running:
             if budget <= 0:
@@ -150,14 +155,15 @@ class ServingScheduler(RequestQueue):
         return reqs, rows, max(budget, 0)
 
     def _row(self, r: Request, ids: list[int], pos: list[int], logits: bool,
-             limits: list[torch.Tensor | None] | None = None) -> PagedRow:
+             limits: list[torch.Tensor | None] | None = None, sampled: torch.Tensor | None = None) -> PagedRow:
         kv = r.kv
         done = len(kv.own_ids)
         kv.own_ids.extend(ids)  # their states are written by this step's forward
         kv.own_pos.extend(pos)
         return PagedRow(ids, pos, kv.shared, kv.slots[: done + len(ids)], logits=logits, shared_pos=kv.shared_pos,
                         shared_slots=kv.shared_slots, own_pos=kv.own_pos, shared_limits=limits,
-                        shared_shift=kv.shared_shift, own_blocks=kv.blocks, shared_runs=kv.shared_runs)
+                        shared_shift=kv.shared_shift, own_blocks=kv.blocks, shared_runs=kv.shared_runs,
+                        sampled=sampled)
 
     def _chunk(self, r: Request, budget: int) -> PagedRow:
         kv, plan = r.kv, r.kv.plan
@@ -354,6 +360,9 @@ class ServingScheduler(RequestQueue):
 
     # -- one step ---------------------------------------------------------------------------------
     def _run(self, reqs: list[Request], rows: list[PagedRow]) -> list[StepOutput]:
+        self._sampled = None
+        if rows[0].sampled is not None and len(rows) == rows[0].sampled.shape[0]:
+            self.device_id_steps += 1
         try:
             logits = self.forward(self.pool, rows)  # [k, V]
         except BaseException as e:
@@ -367,9 +376,12 @@ class ServingScheduler(RequestQueue):
         outs, k = [], 0
         decoded = 0
         # the argmax of every row in one call (float32: a bfloat16 argmax row by row costs 10x),
-        # read by the plain greedy requests
+        # read by the plain greedy requests; kept on the device for the next step's input ids, read
+        # back once here for the stop checks and the text
         greedy = sum(r.sampler.plain_greedy for r in reqs) > 1
-        best = logits.float().argmax(-1).tolist() if greedy else None
+        picks = logits.float().argmax(-1) if greedy else None
+        best = picks.tolist() if greedy else None
+        took = []  # the requests of the logits rows, in order
         for r, row in zip(reqs, rows):
             was_prefill = len(row.ids) > 1 or r.pending is None
             if not row.logits:
@@ -377,6 +389,7 @@ class ServingScheduler(RequestQueue):
                 continue
             lg = logits[k]
             k += 1
+            took.append(r)
             if was_prefill:
                 self.prefill_tokens += len(row.ids)
                 outs.append(self._guard(r, lambda: self._first_token(r, self._prefill_result(r, lg))))
@@ -388,6 +401,8 @@ class ServingScheduler(RequestQueue):
         if decoded:
             self.decode_forwards += 1
             self.decode_tokens += decoded
+        if self.device_ids and best is not None and all(r.pending == b for r, b in zip(took, best)):  # each its argmax
+            self._sampled = (picks, took)
         return outs
 
     def _prefill_result(self, req: Request, logits: torch.Tensor) -> PrefillResult:
