@@ -10,7 +10,9 @@ whose ids are made from the host's ints (``device_ids`` off the step before), so
 under the same load, interleaved. Per setting, medians over ``--steps`` steps: ``step_ms`` (the
 scheduler's step), ``inputs_ms`` (``paged.step_inputs``: ids, positions, write slots) and
 ``rest_ms`` (the step less its forward: scheduling and row building, the argmax read back, sampling,
-stop checks and outputs); a step whose ids did not come from where its setting says fails the run
+stop checks and outputs); and ``inputs_alone_us``: ``step_inputs`` alone on 48 decode rows built
+once, each setting's calls interleaved in blocks of 200 (median of 30 blocks, microseconds a call),
+the difference the served step's noise hides under load. A step whose ids did not come from where its setting says fails the run
 (the tokens are the same either way: tests/engine/test_device_ids.py). Writes ``device_ids{--tag}.csv`` and ``.png`` to ``--out`` (default eval/figures).
 """
 
@@ -21,48 +23,49 @@ import statistics
 import time
 from pathlib import Path
 
-from .bench_batch import SYSTEM, add_workload_args, make_store, questions
-from .common import add_model_args, pyplot, save_figure, save_table
-from .host_step import timed
+from .common import pyplot, save_figure, save_table
+from .host_step import add_batch_args, decoding_batch, end_batch, timed
 
 FIGURES = Path(__file__).resolve().parent / "figures"
 
 
-def measure(args) -> list[dict]:
+def inputs_alone(rows: int, blocks: int = 30, calls: int = 200) -> dict[bool, float]:
+    """Microseconds a ``step_inputs`` call on ``rows`` decode rows, with their ids kept on the device
+    (True) and made from the host's (False): the median of ``blocks`` interleaved blocks of ``calls``."""
     import torch
 
-    from promptcache import EngineConfig, PromptCache, RunnerConfig, SamplingParams
-    from promptcache.engine.serving_core import graphs, paged
-    from promptcache.engine.serving_core.request import Request
-    from promptcache.kernels import attention as cpu_attention
-    from promptcache.models.embedded import embedded_model, is_embedded
-    from promptcache.models.loading import load_model
+    from promptcache.engine.serving_core import paged
+    from promptcache.engine.serving_core.kvpool import KVPool
+    from promptcache.models.splice import KVSpec
 
-    torch.set_num_threads(1)
-    if is_embedded(args.model):
-        model, tok = embedded_model(args.model, dtype=getattr(torch, args.dtype))
-    else:
-        model, tok = load_model(args.model, device=args.device, dtype=args.dtype)
-    pc = PromptCache(model, tok, EngineConfig(runner=RunnerConfig(compile=args.compile == "on")))
-    texts, pairs = questions(tok, args)
-    store = make_store(pc, "fast", texts)
-    engine = pc.engine()
+    pool = KVPool(KVSpec(layers=1, kv_heads=1, head_dim=16, dtype=torch.float32), torch.device("cpu"), rows * 64, 16)
+    kept = torch.arange(rows)
+    tables = [pool.allocate(4) for _ in range(rows)]
+    made = {on: [paged.PagedRow([i], [30], [], pool.slots(b, 0, 31), own_blocks=b, sampled=kept if on else None)
+                 for i, b in enumerate(tables)] for on in (True, False)}
+    times = {True: [], False: []}
+    for _ in range(blocks):
+        for on, batch in made.items():
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                paged.step_inputs(pool, batch)
+            times[on].append(1e6 * (time.perf_counter() - t0) / calls)
+    return {on: statistics.median(v) for on, v in times.items()}
+
+
+def measure(args) -> list[dict]:
+    from promptcache.engine.serving_core import graphs, paged
+    from promptcache.kernels import attention as cpu_attention
+
+    _, engine, reqs = decoding_batch(args, 4 * args.steps)
     sched = engine.scheduler
-    params = SamplingParams(max_new_tokens=2 * args.steps + 64, temperature=0.0, ignore_eos=True)
-    reqs = [Request(store.prompt(q, ids, SYSTEM), params, pc.tokenizer) for q, ids in pairs]
-    for r in reqs:
-        engine.submit(r)
-    while engine.has_incoming or any(r.prefilling or not r.token_ids for r in reqs):
-        engine.step()
-    for _ in range(3):  # warm (a compiled graph of this batch's shape)
-        engine.step()
     spent = {"forward": [], "inputs": []}
     originals = [(sched, "forward", timed(sched, "forward", spent["forward"]))]
     for module in (graphs, paged):  # the name CompiledSteps.forward and paged_forward call
         originals.append((module, "step_inputs", timed(module, "step_inputs", spent["inputs"])))
     cells = {on: {"step": [], "forward": [], "inputs": []} for on in (True, False)}
     try:
-        for i in range(2 * args.steps):
+        for i in range(4 * args.steps):
             on = (i // 2) % 2 == 0  # T, T, F, F, ...: the second of a pair reads what the first left
             sched.device_ids = on
             for v in spent.values():
@@ -81,12 +84,8 @@ def measure(args) -> list[dict]:
     finally:
         for owner, name, original in reversed(originals):
             setattr(owner, name, original)
-    if any(r.finished for r in reqs) or len(sched.running) != len(reqs):
-        raise RuntimeError("a request finished or paused during the measured steps: the batch changed")
-    for r in reqs:
-        r.cancel()
-    while engine.has_work:
-        engine.step()
+    end_batch(engine, reqs)
+    alone = inputs_alone(len(reqs))
     out = []
     for on, cell in cells.items():
         ms = {k: [1e3 * x for x in v] for k, v in cell.items()}
@@ -94,7 +93,7 @@ def measure(args) -> list[dict]:
         out.append(dict(model=args.model, compile=args.compile, native="on" if cpu_attention.available() else "off",
                         device_ids="on" if on else "off", rows=len(reqs), steps=len(ms["step"]),
                         step_ms=round(statistics.median(ms["step"]), 3),
-                        inputs_ms=round(statistics.median(ms["inputs"]), 4),
+                        inputs_ms=round(statistics.median(ms["inputs"]), 4), inputs_alone_us=round(alone[on], 1),
                         rest_ms=round(statistics.median(rest), 3), load=round(os.getloadavg()[0], 2)))
     return out
 
@@ -117,12 +116,7 @@ def main(argv=None) -> None:
     import argparse
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    add_model_args(ap, model="embedded")
-    add_workload_args(ap)
-    ap.set_defaults(doc_tokens=64)
-    ap.add_argument("--compile", choices=("on", "off"), default="on")
-    ap.add_argument("--native", choices=("on", "off"), default="off",
-                    help="the native CPU attention kernel (off: the path a GPU takes)")
+    add_batch_args(ap)
     ap.add_argument("--steps", type=int, default=40, help="measured steps a setting")
     ap.add_argument("--tag", default="")
     ap.add_argument("--out", default=str(FIGURES))
