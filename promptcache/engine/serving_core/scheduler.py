@@ -303,8 +303,9 @@ class ServingScheduler(RequestQueue):
             kv, first = (seg.part_of[1], seg.part_of[2]) if homes[i] != seg.key else (seg.kv, 0)
             if not must and not (pooled and pool.available_blocks >= reserve + pool.blocks_for(kv.shape[3])):
                 continue  # read in place
-            at = int(seg.positions[0]) - seg.shift - first if seg.n else 0  # where the states were encoded
-            encoded = seg.positions - seg.shift if kv is seg.kv else torch.arange(at, at + kv.shape[3])
+            # the positions the states were encoded at (computed where the positions are: no device sync)
+            encoded = seg.positions - seg.shift if kv is seg.kv else \
+                torch.arange(kv.shape[3], device=seg.positions.device) + (seg.positions[:1] - seg.shift - first)
             held[i] = pool.promote(homes[i], kv, encoded, copy=not must)
             if held[i] is None:
                 if must:
