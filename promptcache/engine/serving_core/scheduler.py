@@ -288,6 +288,7 @@ class ServingScheduler(RequestQueue):
         homes = [seg.part_of[0] if pooled and seg.part_of is not None else seg.key for seg in plan.segments]
         held = [pool.acquire(key) for key in homes]  # first: pinned before anything is evicted
         entries = [e for e in held if e is not None]
+        room = pool.available_blocks - reserve if pooled else 0  # blocks copies may take (summed once)
         for i, seg in enumerate(plan.segments):
             if held[i] is None and homes[i] != seg.key:  # another run of its document promoted it just now
                 held[i] = pool.acquire(homes[i])
@@ -301,7 +302,7 @@ class ServingScheduler(RequestQueue):
                 seg.kv = seg.load()  # states made when first needed (a document moved to its position)
             must = seg.promote or not _in_place(seg.kv, pool)
             kv, first = (seg.part_of[1], seg.part_of[2]) if homes[i] != seg.key else (seg.kv, 0)
-            if not must and not (pooled and pool.available_blocks >= reserve + pool.blocks_for(kv.shape[3])):
+            if not must and not (pooled and room >= pool.blocks_for(kv.shape[3])):
                 continue  # read in place
             # the positions the states were encoded at (computed where the positions are: no device sync)
             encoded = seg.positions - seg.shift if kv is seg.kv else \
@@ -313,6 +314,7 @@ class ServingScheduler(RequestQueue):
                 continue
             entries.append(held[i])
             copied += kv.numel() * kv.element_size()
+            room -= len(held[i].blocks)
         shared: list[tuple[str, torch.Tensor, torch.Tensor | None, int]] = []
         chain: list[SharedEntry] = []  # consecutive full pool entries read at one shift: coalesced into runs
         shift = 0
