@@ -123,3 +123,45 @@ def test_alibi_and_the_native_kernel_read_documents_in_place(monkeypatch):
         pc = PromptCache(make_model(family), make_tokenizer())
         reqs, _, _, entries, _ = serve(pc, batch_store(pc), 0.0, native=native, pooled=True, monkeypatch=monkeypatch)
         assert entries == 0 and all(r.kv.bytes_copied == 0 for r in reqs), family
+
+
+def test_documents_the_pool_has_no_room_for_are_read_in_place(monkeypatch):
+    """A pool with one block beside the request's own: the copies that fit are made, the others read
+    in place and merged after the one call; the answer is the native path's."""
+    pc = PromptCache(make_model("llama"), make_tokenizer())
+    store = batch_store(pc)
+    spec = store.prompt("Which city is old? (0)", ORDERS[0], recompute=0.0)
+    plan = pc.core.planner.plan(spec)
+    own = -(-(len(plan.new_ids) + NEW) // 16)
+    runs = []
+    for native in (False, True):
+        logits, plans = [], []
+        with monkeypatch.context() as m:
+            if not native:
+                m.setattr(cpu_attention, "gathers", lambda buf: False)
+            build = paged.build_plan
+
+            def recorded(*args, **kwargs):
+                plans.append(build(*args, **kwargs))
+                return plans[-1]
+
+            def forward(pool, rows):
+                logits.append(paged.paged_forward(pc.runner, pool, rows))
+                return logits[-1]
+
+            m.setattr(paged, "build_plan", recorded)
+            pool = KVPool(pc.runner.spec, pc.device, 16 * (own + 1), 16)
+            sched = ServingScheduler(pc.runner, pool, token_budget=64, planner=pc.core.planner, forward=forward)
+            req = Request(spec, SamplingParams(max_new_tokens=NEW, temperature=0.0, ignore_eos=True), pc.tokenizer)
+            sched.add(req)
+            sched.step()
+            held = pool.stats()["entries"]
+            while sched.has_work:
+                sched.step()
+        assert req.error is None and pool.free_blocks == pool.num_blocks
+        runs.append((req.token_ids, logits, plans, held))
+    (tokens, logits, plans, held), (want_tokens, want, _, _) = runs
+    assert held == 1 and all(p.dense is not None and p.segments for p in plans)  # one copy, the rest in place
+    assert tokens == want_tokens
+    for got, ref in zip(logits, want):
+        assert got.numel() == 0 or (got - ref).abs().max().item() <= TOL
