@@ -1,12 +1,15 @@
 """Where a served decode step's time goes: the scheduler's step of a RAG batch, section by section.
 
-    nice -n 10 python -m eval.host_step [--model embedded] [--compile on] [--native off] [--questions 48]
-                                        [--docs 16] [--k 4] [--doc-tokens 64] [--steps 20]
+    nice -n 10 python -m eval.host_step [--model embedded] [--compile on] [--native off] [--pool-documents on]
+                                        [--questions 48] [--docs 16] [--k 4] [--doc-tokens 64] [--steps 20]
 
 ``eval/bench_batch.py``'s reuse workload (``--questions`` questions over ``--docs`` documents, ``--k``
 each, the default ``DocumentStore``: documents read in place from the store's tensors at whatever
 position a question puts them) is submitted to an engine (``--compile on``: ``RunnerConfig.compile``'s
-serving steps; ``--native off``: without the native CPU attention kernel, the path a GPU takes); the
+serving steps; ``--native off``: without the native CPU attention kernel, the path a GPU takes, where
+``--pool-documents on`` copies the documents into the pool so that they join the step's one attention
+call a layer, ``off`` reads them in place, a call and a merge per (document, shift): the
+``tunables.POOL_DOCUMENTS`` switch); the
 engine steps until every question decodes, then ``--steps`` decode steps of all of them are timed,
 each split into sections by timing the functions the step calls (wrapped for the run):
 
@@ -56,13 +59,25 @@ def timed(owner, name: str, into: list[float]):
     return original
 
 
-def measure(args) -> dict:
+def add_batch_args(ap) -> None:
+    """The model, the workload (documents of 64 tokens), ``--compile`` and ``--native``: what
+    ``decoding_batch`` reads (shared with eval/device_ids.py)."""
+    add_model_args(ap, model="embedded")
+    add_workload_args(ap)
+    ap.set_defaults(doc_tokens=64)
+    ap.add_argument("--compile", choices=("on", "off"), default="on")
+    ap.add_argument("--native", choices=("on", "off"), default="off",
+                    help="the native CPU attention kernel (off: the path a GPU takes)")
+
+
+def decoding_batch(args, steps: int):
+    """(model, engine, requests): the workload's questions submitted to an engine over ``args.model``
+    (``args.compile``), stepped until every one decodes, then 3 decode steps more (a compiled graph
+    of this batch's shape warmed); each may decode ``steps`` tokens more."""
     import torch
 
     from promptcache import EngineConfig, PromptCache, RunnerConfig, SamplingParams
-    from promptcache.engine.serving_core import graphs, paged
     from promptcache.engine.serving_core.request import Request
-    from promptcache.kernels import attention as cpu_attention
     from promptcache.models.embedded import embedded_model, is_embedded
     from promptcache.models.loading import load_model
 
@@ -75,15 +90,37 @@ def measure(args) -> dict:
     texts, pairs = questions(tok, args)
     store = make_store(pc, "fast", texts)
     engine = pc.engine()
-    sched = engine.scheduler
-    params = SamplingParams(max_new_tokens=args.steps + args.repeats + 64, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_new_tokens=steps + 64, temperature=0.0, ignore_eos=True)
     reqs = [Request(store.prompt(q, ids, SYSTEM), params, pc.tokenizer) for q, ids in pairs]
     for r in reqs:
         engine.submit(r)
     while engine.has_incoming or any(r.prefilling or not r.token_ids for r in reqs):
         engine.step()
-    for _ in range(3):  # warm (a compiled graph of this batch's shape)
+    for _ in range(3):
         engine.step()
+    return model, engine, reqs
+
+
+def end_batch(engine, reqs) -> None:
+    """Fail where the batch changed while it was measured (a request finished or paused); then
+    cancel it and step until the engine is idle."""
+    if any(r.finished for r in reqs) or len(engine.scheduler.running) != len(reqs):
+        raise RuntimeError("a request finished or paused during the measured steps: the batch changed")
+    for r in reqs:
+        r.cancel()
+    while engine.has_work:
+        engine.step()
+
+
+def measure(args) -> dict:
+    from promptcache import tunables
+    from promptcache.engine.serving_core import graphs, paged
+    from promptcache.engine.serving_core.request import Request
+    from promptcache.kernels import attention as cpu_attention
+
+    tunables.POOL_DOCUMENTS = args.pool_documents == "on"
+    model, engine, reqs = decoding_batch(args, args.steps + args.repeats)
+    sched = engine.scheduler
     spent = {k: [] for k in SECTIONS}
     originals = [(sched, "forward", timed(sched, "forward", spent["forward_ms"]))]
     for module in (graphs, paged):  # the names CompiledSteps.forward and paged_forward call
@@ -103,17 +140,12 @@ def measure(args) -> dict:
         for owner, name, original in reversed(originals):
             setattr(owner, name, original)
     profs = [profile_step(engine.step, model.config.num_hidden_layers) for _ in range(args.repeats)]
-    if any(r.finished for r in reqs) or len(sched.running) != len(reqs):
-        raise RuntimeError("a request finished or paused during the measured steps: the batch changed")
-    for r in reqs:
-        r.cancel()
-    while engine.has_work:
-        engine.step()
+    end_batch(engine, reqs)
     ms = {k: [1e3 * x for x in v] for k, v in spent.items()}
     call = [f - i - p for f, i, p in zip(ms["forward_ms"], ms["inputs_ms"], ms["plan_ms"])]
     rest = [1e3 * s - f - a - e for s, f, a, e in zip(steps, ms["forward_ms"], ms["sample_ms"], ms["emit_ms"])]
     row = dict(model=args.model, compile=args.compile, native="on" if cpu_attention.available() else "off",
-               rows=len(reqs), step_ms=round(1e3 * statistics.median(steps), 3),
+               pool_documents="on" if sched.pools_documents else "off", rows=len(reqs), step_ms=round(1e3 * statistics.median(steps), 3),
                **{k: round(statistics.median(v), 3) for k, v in ms.items()},
                call_ms=round(statistics.median(call), 3), rest_ms=round(statistics.median(rest), 3))
     row.update({k: round(statistics.median(p[k] for p in profs), 3) for k in TIMES},
@@ -129,7 +161,8 @@ def plot(rows: list[dict], path: Path) -> None:
         return
     parts = ("inputs_ms", "plan_ms", "call_ms", "sample_ms", "emit_ms", "rest_ms")
     fig, ax = plt.subplots(figsize=(9, 1.2 + 0.6 * len(rows)))
-    labels = [f"compile {r['compile']}, native {r['native']}, B={r['rows']}" for r in rows]
+    labels = [f"compile {r['compile']}, native {r['native']}, pool docs {r.get('pool_documents', 'off')}, "
+              f"B={r['rows']}" for r in rows]
     left = [0.0] * len(rows)
     for part in parts:
         width = [max(float(r[part]), 0.0) for r in rows]
@@ -144,12 +177,9 @@ def main(argv=None) -> None:
     import argparse
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    add_model_args(ap, model="embedded")
-    add_workload_args(ap)
-    ap.set_defaults(doc_tokens=64)
-    ap.add_argument("--compile", choices=("on", "off"), default="on")
-    ap.add_argument("--native", choices=("on", "off"), default="off",
-                    help="the native CPU attention kernel (off: the path a GPU takes)")
+    add_batch_args(ap)
+    ap.add_argument("--pool-documents", choices=("on", "off"), default="on",
+                    help="without the native kernel: documents copied into the pool (tunables.POOL_DOCUMENTS)")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--repeats", type=int, default=3, help="profiled steps")
     ap.add_argument("--tag", default="", help="appended to the CSV's name; rows of an existing one are kept")
@@ -163,7 +193,8 @@ def main(argv=None) -> None:
     rows = []
     if path.exists():  # a setting's row replaces its earlier one; the others' stay
         with path.open() as f:
-            rows = [r for r in csv.DictReader(f) if (r["compile"], r["native"]) != (row["compile"], row["native"])]
+            rows = [r for r in csv.DictReader(f) if (r["compile"], r["native"], r.get("pool_documents", "off"))
+                    != (row["compile"], row["native"], row["pool_documents"])]
     save_table(f"host_step{args.tag}", rows + [row], args.out, plot)
 
 

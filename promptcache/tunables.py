@@ -65,6 +65,12 @@ SEGMENTS_MAX = 4
 # and the bias are that times the query heads a KV head: 64 MB each at 4) keeps the per-part calls and
 # their merges (logged).
 DENSE_MAX = 1 << 22
+# On that path, stored states a request could read in place from a store tier's tensor (a document,
+# a module) are copied into the pool once instead, as a shared read-only entry every request reads
+# (the whole stored segment: the runs selective recompute leaves of it read as slots of that entry):
+# they then join the one call a layer. Read in place, each (document, shift) group was an attention
+# call and a merge of its own (~1,150 aten calls a layer for 48 RAG questions; eval/results/host_overhead.md).
+POOL_DOCUMENTS = True
 # Compiled steps (RunnerConfig.compile) of at most the last size's tokens are compiled; with CUDA
 # graphs a step's tokens and logits rows are padded up to one of these sizes, each pair one graph,
 # compiled once (lazily: only the pairs that occur). Steps larger than the last run eagerly: they

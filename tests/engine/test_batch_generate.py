@@ -138,11 +138,15 @@ def test_prefill_logits_are_the_first_token_generate_decodes(pc):
 
 def test_shared_module_states_are_read_in_place_by_every_request(pc):
     """Eight requests importing the same modules copy nothing: the states are read where the store
-    keeps them, and the pool holds only each request's own tokens (given back when they finish)."""
+    keeps them, and the pool holds only each request's own tokens (given back when they finish).
+    Without the native kernel (a GPU) the first copies them into the pool for all eight, and the
+    copy goes with the last of them."""
     engine = pc.engine()
     free = engine.pool.free_blocks
     outs = pc.generate([PmlPrompt(parse_prompt(PROMPTS[1]), recompute=0)] * 8, **GREEDY)
-    assert all(o.bytes_copied == 0 and o.cached_tokens > 0 for o in outs)
+    copied = [o.bytes_copied > 0 for o in outs]
+    assert copied == ([True] + [False] * 7 if engine.scheduler.pools_documents else [False] * 8)
+    assert all(o.cached_tokens > 0 for o in outs)
     assert len({tuple(o.token_ids) for o in outs}) == 1 and engine.pool.free_blocks == free
 
 

@@ -95,6 +95,9 @@ def _cut(seg: Segment, runs: list[tuple[int, int, int]], order: list[int], scale
             part = part.clone()
             part[:, 0].mul_(scale)  # keys only: q . (s k) = s (q . k)
             key += f"*{scale}"
+        # a kept run is a view of the stored states (a pool may hold them whole, once for every cut)
+        whole = seg.part_of if seg.part_of is not None else (seg.key, seg.kv, 0) if seg.kv is not None else None
+        within = (whole[0], whole[1], whole[2] + a) if kind == _KEPT and whole is not None else None
         out.append(Segment(key, part, seg.positions[a:b], promote=seg.promote, order=order[a] if ordered else None,
-                           shift=seg.shift))
+                           shift=seg.shift, part_of=within))
     return out

@@ -44,6 +44,10 @@ class Segment:
     # shift``): the pool reads them in place at any position (each query rotated back by ``shift``
     # for that segment on rotary models; ALiBi reads ``positions``), a private buffer places
     # ``load()`` (the states moved to ``positions``)
+    # a run of another stored segment (``ordered.py`` cuts a segment around its recomputed tokens): (that
+    # segment's key, its states [L, 2, H, N, D], the run's first token in them); ``kv`` is that run. A
+    # pool that holds stored segments (``ServingScheduler.pools_documents``) holds the whole one once
+    part_of: tuple[str, torch.Tensor, int] | None = None
 
     @property
     def n(self) -> int:

@@ -36,7 +36,9 @@ block tables' contents equal; a step repeated on the very same rows gets the kep
 
 Softmax runs in float32 as matrix products (scores, max, exp, sum, product, divide), and the
 log-sum-exp comes back too where segments held outside the pool (a store tier's tensors) are
-still merged in afterwards by the caller. Attention that reads key positions beyond rotation
+still merged in afterwards by the caller. The scheduler copies such segments into the pool on this
+path (``ServingScheduler.pools_documents``: a RAG batch's documents, once each, whole), so they
+are merged in only where the pool had no room for them or the switch is off. Attention that reads key positions beyond rotation
 (ALiBi, sliding windows: ``paged.KeyRule``) keeps the per-part path.
 """
 

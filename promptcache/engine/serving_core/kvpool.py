@@ -12,6 +12,9 @@ needed: then it is evicted, and ``spill(key, kv)`` (when given) hands its states
 store's tiers first, so a later request finds them there and they are promoted back on use.
 An idle entry whose key is ``pinned(key)`` (an Anthropic ``cache_control`` breakpoint's TTL) is
 not evicted while the pin lives.
+A *copy* entry (``promote(copy=True)``) holds states a store tier keeps and attention could read
+there, copied in so that a step without the native CPU kernel reads them in its one attention call
+a layer (``ServingScheduler.pools_documents``): it is freed when its last reader releases it.
 
 Allocation prefers one contiguous run of blocks (a request's own tokens then form one run, and
 attention reads a run as one view, and so does every later request that reads those tokens as a
@@ -56,6 +59,9 @@ class SharedEntry:
     positions: torch.Tensor  # [n] position IDs of the entry's tokens
     refs: int = 0  # requests reading it now
     views: list[torch.Tensor] = field(default_factory=list)  # runs as [L, 2, H, k, D] views
+    # a copy of states a store tier keeps and attention could read there (``promote(copy=True)``): dropped
+    # as soon as nobody reads it, never idle nor spilled
+    copy: bool = False
 
 
 def runs(blocks: list[int]) -> list[tuple[int, int]]:
@@ -225,6 +231,10 @@ class KVPool:
         assert entry.refs > 0, entry.key
         entry.refs -= 1
         if entry.refs == 0 and self._entries.get(entry.key) is entry:
+            if entry.copy:  # the store keeps the states: the copy goes at once
+                del self._entries[entry.key]
+                self.free(entry.blocks)
+                return
             self._idle[entry.key] = entry
 
     def publish(self, key: str, blocks: list[int], n: int, positions: torch.Tensor) -> SharedEntry | None:
@@ -236,14 +246,16 @@ class KVPool:
         self._entries[key] = self._idle[key] = e
         return e
 
-    def promote(self, key: str, kv: torch.Tensor, positions: torch.Tensor) -> SharedEntry | None:
+    def promote(self, key: str, kv: torch.Tensor, positions: torch.Tensor, copy: bool = False) -> SharedEntry | None:
         """Copy stored states kv [L, 2, H, n, D] into new blocks as an entry read by one request
-        (None: no room now)."""
+        (None: no room now). ``copy``: states a store tier keeps (a document read on the dense path:
+        ``ServingScheduler.pools_documents``): the entry's blocks are freed when its last reader
+        releases it, not kept idle or spilled."""
         blocks = self.allocate(self.blocks_for(kv.shape[3]))
         if blocks is None:
             return None
         self.write(blocks, 0, kv)
-        e = SharedEntry(key, blocks, kv.shape[3], positions, refs=1, views=self.views(blocks, kv.shape[3]))
+        e = SharedEntry(key, blocks, kv.shape[3], positions, refs=1, views=self.views(blocks, kv.shape[3]), copy=copy)
         self._entries[key] = e
         return e
 

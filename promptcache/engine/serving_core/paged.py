@@ -24,7 +24,10 @@ queries to:
 Without the native CPU kernel (turned off, or a GPU: the path where every op is a kernel launch)
 a step of rotary or learned-position rows is attended in ONE call a layer instead (``dense.py``:
 each row's pool-held segments and own tokens gathered by slot, one mask built once a step);
-segments outside the pool are merged into it as below.
+the scheduler puts the documents it would read from a store's tensors into the pool on that path
+(``ServingScheduler.pools_documents``), and segments still outside the pool are merged into it
+as below. A decode batch as the last step left it takes its input ids from the last step's argmax
+on the device (``PagedRow.sampled``), not from the host.
 
 Partial results are merged by log-sum-exp in float32, which is exact algebra: the result equals
 attention over the concatenated keys up to float rounding. A step of decode rows only (the steady
@@ -112,6 +115,10 @@ class PagedRow:
     # len(own) - 1 of these blocks), or None: a step then builds its slot lists from these Python
     # ints in one tensor a step (``KVPool.slot_runs``) instead of concatenating a tensor a row
     own_blocks: list[int] | None = None
+    # the last step's sampled ids [B] kept on the device, where this step's rows are exactly the B rows
+    # that sampled them, in order, each one token (a decode batch as the last step left it: the
+    # scheduler's ``_sampled``); the step's input ids are then this tensor itself, not ``ids`` copied in
+    sampled: torch.Tensor | None = None
 
     def limits(self) -> list[torch.Tensor | None]:
         return self.shared_limits if self.shared_limits is not None else [None] * len(self.shared)
@@ -1034,9 +1041,14 @@ def query_rope(adapter, rows: list[PagedRow]) -> torch.Tensor | None:
 
 def step_inputs(pool: KVPool, rows: list[PagedRow]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[int]]:
     """The packed step's ids [1, N], position IDs [1, N], pool slots its tokens go to [N], and
-    the packed index of each row's last token where the row wants logits."""
+    the packed index of each row's last token where the row wants logits. Ids kept on the device
+    (``PagedRow.sampled``: every row's, in order) are used as they are."""
     dev = pool.buf.device
-    ids = torch.tensor([[t for r in rows for t in r.ids]], dtype=torch.long, device=dev)
+    sampled = rows[0].sampled if rows else None
+    if sampled is not None and sampled.shape[0] == len(rows) and all(r.sampled is sampled for r in rows):
+        ids = sampled.view(1, -1)
+    else:
+        ids = torch.tensor([[t for r in rows for t in r.ids]], dtype=torch.long, device=dev)
     pos = torch.tensor([[p for r in rows for p in r.pos]], dtype=torch.long, device=dev)
     if all(r.own_blocks is not None for r in rows):  # from the block tables: one tensor, not a slice a row
         bs = pool.block_size

@@ -46,11 +46,12 @@ from collections import deque
 
 import torch
 
+from ... import tunables
 from ...tunables import MIN_CHUNK
 from ...kernels import attention as cpu_attention
 from .dense import pool_run
 from .kvpool import KVPool, PoolFull, SharedEntry
-from .paged import PagedRow, paged_forward
+from .paged import PagedRow, key_rule, paged_forward
 from .prefix import PrefixCache
 from ..prefill.plan import PrefillPlan
 from .request import PoolState, Request, Status, StepOutput
@@ -98,6 +99,12 @@ class ServingScheduler(RequestQueue):
         self.on_publish = on_publish  # (key, kv view [L, 2, H, n, D]) for each block a request published
         self.forward = forward or (lambda pool, rows: paged_forward(runner, pool, rows))
         self.steps = 0
+        # the last step's sampled ids on the device ([k], one a logits row) and the requests they were
+        # taken for, in order, where every one took its row's argmax and goes on decoding (else None):
+        # the next step's input ids when it decodes exactly those requests (``PagedRow.sampled``)
+        self._sampled: tuple[torch.Tensor, list[Request]] | None = None
+        self.device_ids = True  # keep them (False: every step's input ids are made from the host's)
+        self.device_id_steps = 0  # steps whose input ids were the last step's sampled ids, on the device
         self.prefill_tokens = 0
         self.published_blocks = 0  # own blocks requests shared under chain keys
         if pool.buf.device.type == "cpu":
@@ -132,11 +139,10 @@ class ServingScheduler(RequestQueue):
     def _schedule(self) -> tuple[list[Request], list[PagedRow], int]:
         """Decode rows of the running requests, then the next chunk of those still prefilling;
         and the budget left for new requests (prefill gets at least ``MIN_CHUNK`` a step)."""
-        reqs, rows = [], []
-        for r in self.running:
-            if not r.prefilling and not r.paused and r.pending is not None:
-                rows.append(self._row(r, [r.pending], [r.position], True))
-                reqs.append(r)
+        reqs = [r for r in self.running if not r.prefilling and not r.paused and r.pending is not None]
+        kept = self._sampled
+        same = kept is not None and len(kept[1]) == len(reqs) and all(a is b for a, b in zip(kept[1], reqs))
+        rows = [self._row(r, [r.pending], [r.position], True, sampled=kept[0] if same else None) for r in reqs]
         budget = max(self.token_budget - len(rows), MIN_CHUNK)
         for r in self.running:
             if budget <= 0:
@@ -149,14 +155,15 @@ class ServingScheduler(RequestQueue):
         return reqs, rows, max(budget, 0)
 
     def _row(self, r: Request, ids: list[int], pos: list[int], logits: bool,
-             limits: list[torch.Tensor | None] | None = None) -> PagedRow:
+             limits: list[torch.Tensor | None] | None = None, sampled: torch.Tensor | None = None) -> PagedRow:
         kv = r.kv
         done = len(kv.own_ids)
         kv.own_ids.extend(ids)  # their states are written by this step's forward
         kv.own_pos.extend(pos)
         return PagedRow(ids, pos, kv.shared, kv.slots[: done + len(ids)], logits=logits, shared_pos=kv.shared_pos,
                         shared_slots=kv.shared_slots, own_pos=kv.own_pos, shared_limits=limits,
-                        shared_shift=kv.shared_shift, own_blocks=kv.blocks, shared_runs=kv.shared_runs)
+                        shared_shift=kv.shared_shift, own_blocks=kv.blocks, shared_runs=kv.shared_runs,
+                        sampled=sampled)
 
     def _chunk(self, r: Request, budget: int) -> PagedRow:
         kv, plan = r.kv, r.kv.plan
@@ -217,10 +224,11 @@ class ServingScheduler(RequestQueue):
             first = plan.publish(plan.new_ids[: self.pool.block_size])
             if first and first[0] in inflight and self.running:
                 return "later"
-        entries, shared, copied = self._resolve(plan)
+        own = self.pool.blocks_for(len(plan.new_ids) + req.params.max_new_tokens)
+        entries, shared, copied = self._resolve(plan, own)
         if shared is None:
             return self._no_room(req, entries, plan.cached_tokens)
-        blocks = self.pool.allocate(self.pool.blocks_for(len(plan.new_ids) + req.params.max_new_tokens))
+        blocks = self.pool.allocate(own)
         if blocks is None:
             return self._no_room(req, entries, plan.cached_tokens)
         # the views hold the segments' tokens in KV order: their positions, cut at the views' lengths
@@ -253,34 +261,72 @@ class ServingScheduler(RequestQueue):
                            "raise the pool size")
         return None
 
-    def _resolve(self, plan: PrefillPlan):
+    @property
+    def pools_documents(self) -> bool:
+        """Whether stored states this step could read in place (a store tier's tensors on the pool's
+        device and dtype: documents, modules) are copied into the pool once instead, as shared
+        read-only entries (``tunables.POOL_DOCUMENTS``): without the native CPU kernel (the path a GPU
+        takes) a step's attention is one call a layer over keys the pool holds (``dense.py``), where
+        each (document, shift) read from a store tensor is a call and a merge of its own. The native
+        kernel reads store tensors as runs of its one call, and models whose attention reads key
+        positions (ALiBi, sliding windows: ``paged.KeyRule``) keep their own path: there they stay in
+        place."""
+        if not tunables.POOL_DOCUMENTS or cpu_attention.gathers(self.pool.buf):
+            return False
+        return key_rule(self.runner.adapter) is None
+
+    def _resolve(self, plan: PrefillPlan, reserve: int = 0):
         """Pin the plan's segments: pool entries acquired, states on another device or dtype
-        promoted into the pool, the rest read in place. Returns (entries, shared (key, view, pool
-        slots or None for a store tensor read in place), bytes copied); shared is None when
-        promotion found no room."""
+        promoted into the pool, the rest read in place, or (``pools_documents``) promoted too while
+        ``reserve`` blocks (the request's own) stay available; a run of a stored segment
+        (``Segment.part_of``) then reads the whole one's entry. Returns (entries, shared (key, view,
+        pool slots or None for a store tensor read in place, shift), bytes copied); shared is None
+        when promotion found no room."""
         pool, copied = self.pool, 0
-        held = [pool.acquire(seg.key) for seg in plan.segments]  # first: pinned before anything is evicted
+        pooled = self.pools_documents
+        # the entry each segment reads: its own, or the whole stored segment it is a run of
+        homes = [seg.part_of[0] if pooled and seg.part_of is not None else seg.key for seg in plan.segments]
+        held = [pool.acquire(key) for key in homes]  # first: pinned before anything is evicted
         entries = [e for e in held if e is not None]
+        room = pool.available_blocks - reserve if pooled else 0  # blocks copies may take (summed once)
         for i, seg in enumerate(plan.segments):
-            if held[i] is None and seg.kv is None:
+            if held[i] is None and homes[i] != seg.key:  # another run of its document promoted it just now
+                held[i] = pool.acquire(homes[i])
+                if held[i] is not None:
+                    entries.append(held[i])
+            if held[i] is not None:
+                continue
+            if seg.kv is None:
                 if seg.load is None:
                     raise RuntimeError(f"plan segment {seg.key} is neither in the pool nor given")
                 seg.kv = seg.load()  # states made when first needed (a document moved to its position)
-            if held[i] is None and (seg.promote or not _in_place(seg.kv, pool)):
-                held[i] = pool.promote(seg.key, seg.kv, seg.positions)
-                if held[i] is None:
+            must = seg.promote or not _in_place(seg.kv, pool)
+            kv, first = (seg.part_of[1], seg.part_of[2]) if homes[i] != seg.key else (seg.kv, 0)
+            if not must and not (pooled and room >= pool.blocks_for(kv.shape[3])):
+                continue  # read in place
+            # the positions the states were encoded at (computed where the positions are: no device sync)
+            encoded = seg.positions - seg.shift if kv is seg.kv else \
+                torch.arange(kv.shape[3], device=seg.positions.device) + (seg.positions[:1] - seg.shift - first)
+            held[i] = pool.promote(homes[i], kv, encoded, copy=not must)
+            if held[i] is None:
+                if must:
                     return entries, None, copied
-                entries.append(held[i])
-                copied += seg.kv.numel() * seg.kv.element_size()
+                continue
+            entries.append(held[i])
+            copied += kv.numel() * kv.element_size()
+            room -= len(held[i].blocks)
         shared: list[tuple[str, torch.Tensor, torch.Tensor | None, int]] = []
         chain: list[SharedEntry] = []  # consecutive full pool entries read at one shift: coalesced into runs
         shift = 0
-        for seg, entry in zip(plan.segments, held):
-            if entry is None or seg.shift != shift:
+        for seg, entry, home in zip(plan.segments, held, homes):
+            if entry is None or seg.shift != shift or home != seg.key:
                 shared += self._runs(chain, shift)
                 chain, shift = [], seg.shift
             if entry is None:  # read in place from the store's tensor
                 shared.append((seg.key, seg.kv, None, seg.shift))
+                continue
+            if home != seg.key:  # a run of a stored segment the pool holds whole: its tokens' slots there
+                shared += self._part(entry, seg.part_of[2], seg.n, seg.shift)
                 continue
             chain.append(entry)
             if entry.n != len(entry.blocks) * pool.block_size:  # partial: ends a run
@@ -288,6 +334,19 @@ class ServingScheduler(RequestQueue):
                 chain = []
         shared += self._runs(chain, shift)
         return entries, shared, copied
+
+    def _part(self, entry: SharedEntry, first: int, n: int, shift: int
+              ) -> list[tuple[str, torch.Tensor, torch.Tensor, int]]:
+        """Tokens [first, first + n) of a pool entry as views of contiguous runs, as ``_runs`` gives them."""
+        out, off = [], 0
+        for start, count in self.pool.slot_runs(entry.blocks, entry.n):
+            lo, hi = max(first, off), min(first + n, off + count)
+            if lo < hi:
+                a, k = start + lo - off, hi - lo
+                out.append((f"pool:{a}:{k}", self.pool.buf[:, :, :, a : a + k],
+                            torch.arange(a, a + k, device=self.pool.buf.device), shift))
+            off += count
+        return out
 
     def _runs(self, chain: list[SharedEntry], shift: int) -> list[tuple[str, torch.Tensor, torch.Tensor, int]]:
         """Consecutive pool entries as views of contiguous runs: (key, view, the run's pool slots, shift)."""
@@ -304,6 +363,9 @@ class ServingScheduler(RequestQueue):
 
     # -- one step ---------------------------------------------------------------------------------
     def _run(self, reqs: list[Request], rows: list[PagedRow]) -> list[StepOutput]:
+        self._sampled = None
+        if rows[0].sampled is not None and len(rows) == rows[0].sampled.shape[0]:
+            self.device_id_steps += 1
         try:
             logits = self.forward(self.pool, rows)  # [k, V]
         except BaseException as e:
@@ -317,9 +379,12 @@ class ServingScheduler(RequestQueue):
         outs, k = [], 0
         decoded = 0
         # the argmax of every row in one call (float32: a bfloat16 argmax row by row costs 10x),
-        # read by the plain greedy requests
+        # read by the plain greedy requests; kept on the device for the next step's input ids, read
+        # back once here for the stop checks and the text
         greedy = sum(r.sampler.plain_greedy for r in reqs) > 1
-        best = logits.float().argmax(-1).tolist() if greedy else None
+        picks = logits.float().argmax(-1) if greedy else None
+        best = picks.tolist() if greedy else None
+        took = []  # the requests of the logits rows, in order
         for r, row in zip(reqs, rows):
             was_prefill = len(row.ids) > 1 or r.pending is None
             if not row.logits:
@@ -327,6 +392,7 @@ class ServingScheduler(RequestQueue):
                 continue
             lg = logits[k]
             k += 1
+            took.append(r)
             if was_prefill:
                 self.prefill_tokens += len(row.ids)
                 outs.append(self._guard(r, lambda: self._first_token(r, self._prefill_result(r, lg))))
@@ -338,6 +404,8 @@ class ServingScheduler(RequestQueue):
         if decoded:
             self.decode_forwards += 1
             self.decode_tokens += decoded
+        if self.device_ids and best is not None and all(r.pending == b for r, b in zip(took, best)):  # each its argmax
+            self._sampled = (picks, took)
         return outs
 
     def _prefill_result(self, req: Request, logits: torch.Tensor) -> PrefillResult:
