@@ -53,7 +53,10 @@ Methods (``METHODS``; any other engine selection name is accepted as itself):
 * ``epic``: EPIC-style: the budget spread over every document's first tokens;
 * ``ape``: APE-style: the default's tokens recomputed, the other reused keys at temperature 1.25;
 * ``prophet``: query-aware (ProphetKV-style): the question's attention over the reused states
-  from a cheap pass (one forward of the question) picks the tokens (the engine's ``qattn``);
+  from a pass of the new tokens through every layer picks the tokens (the engine's ``qattn``);
+  ``qattn_fast`` (by its engine name) reads the first third of the layers and stops there, and the
+  layer study's ``qattn_eighth`` / ``qattn_half`` (``eval/engine_selections.py``) the first eighth
+  and half;
 * ``tail``: the last tokens before the question (the documents nearest it) recomputed;
 * ``kvshare``: KVShare-style, recompute that continues into decoding (``eval/fidelity_kvshare.py``):
   the default's prefill at the budget, then, after the first answer token, another budget's share

@@ -19,6 +19,7 @@ from promptcache.engine.prefill.question_pass import QuestionPass, question_atte
 from promptcache.engine.prefill.recompute import SCORED, choose, register_selection, top
 from promptcache.models import get_adapter
 from promptcache.models.splice import SpliceCache
+from test_recompute import SCHEMA, UNIONS  # a prompt whose reused modules drift
 from tiny import FAMILIES, make_model, make_tokenizer
 
 TOL = 1e-4
@@ -129,16 +130,6 @@ def test_a_question_pass_that_reads_nothing_is_refused_naming_the_field():
     assert SCORED["qattn"] == QuestionPass() and SCORED["qattn_fast"].layers(30) == range(0, 10)
 
 
-SCHEMA = """<schema name="s">
-  <system>You are a travel planner.</system>
-  <user>
-    <module name="a">Paris is the capital of France, famous for museums.</module>
-    <union><module name="b">Tokyo is a huge city in Japan with temples.</module></union>
-    <union><module name="c">Keep it cheap. Highlight the food.</module></union>
-    <module name="d">The quick brown fox jumps over the lazy dog.</module>
-  </user>
-</schema>"""
-UNIONS = '<prompt schema="s"><a/><b/><c/><d/><user>Which city has temples?</user></prompt>'
 
 
 def _engine(family: str, selection: str) -> PromptCache:
