@@ -93,6 +93,19 @@ def test_summary_counts_agreement_lost_and_won_per_order():
     assert listed["prompts"] == 3 and listed["agreement"] == round(2 / 3, 4)  # s0, s2 agree; s4 does not
 
 
+def test_methods_pair_with_one_on_the_same_prompts_at_the_same_budget():
+    # 5 prompts: the default agrees on s0-s2, the method on s1-s4; s9 has no default row (not paired)
+    rows = [row(f"s{i}", "listed", "default", 0.2, int(i < 3), 1, 1, speedup=5.0) for i in range(5)]
+    rows += [row(f"s{i}", "listed", "fast", 0.2, int(i >= 1), 1, 1, speedup=s) for i, s in
+             zip((0, 1, 2, 3, 4, 9), (4.0, 4.0, 5.0, 6.0, 6.0, 1.0))]
+    rows += [row("s0", "listed", "fast", 0.15, 1, 1, 1)]  # no default at 0.15: nothing to pair
+    (q,) = fidelity.paired(rows, "default")
+    assert (q["method"], q["budget"], q["prompts"], q["both"], q["against_only"], q["method_only"]) == \
+        ("fast", 0.2, 5, 2, 1, 2)
+    assert q["mcnemar_p"] == kept_share.mcnemar_p(1, 2) and q["method_ttft_x"] == 5.0 and q["against_ttft_x"] == 5.0
+    assert (q["method_agreement"], q["against_agreement"]) == (0.8, 0.6)
+
+
 def test_shared_ends_stand_for_every_method_they_equal():
     """The splice (budget 0) is every selection without a key scale; APE scales keys even at 0
     and the CacheBlend reference reuses another state, so they run their own."""
