@@ -239,3 +239,19 @@ def test_a_base_model_gets_the_completion_format():
     assert "System:" not in text and "Assistant" not in text
     with pytest.raises(ValueError, match="--format: unknown 'x'"):
         fidelity.use_format(pc, "x")
+
+
+def test_question_pass_cost_times_every_pass_and_the_full_pass_overlaps_itself(tmp_path):
+    from eval import question_pass_cost
+
+    rows = question_pass_cost.main(["--model", "embedded:demo", "--prompts", "1", "--repeats", "1",
+                                    "--out", str(tmp_path), "--tag", "_t"])
+    assert {r["what"] for r in rows} == {"splice", "eager_all", *question_pass_cost.PASSES}
+    assert len(rows) == 2 * (2 + len(question_pass_cost.PASSES))  # fact1 and fact2, one sample each
+    for r in rows:
+        assert r["seconds"] > 0 and r["new_tokens"] > 0
+        if r["what"] == "pass_all":
+            assert r["overlap"] == 1.0  # every layer's choice is itself
+        elif r["what"] in question_pass_cost.PASSES:
+            assert 0.0 <= r["overlap"] <= 1.0
+    assert (tmp_path / "question_pass_cost_t.csv").exists() and (tmp_path / "question_pass_cost_t.png").exists()
