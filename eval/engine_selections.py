@@ -9,10 +9,10 @@ measurements (eval/results/quality.md); the studies re-run them.
 
 from __future__ import annotations
 
-from promptcache.engine.prefill.recompute import (APE_KEY_SCALE, RecomputeRequest, fill, match_order, named_spans, qmatch,
-                                                  register_selection, tail, top)
+from promptcache.engine.prefill.recompute import (APE_KEY_SCALE, QuestionPass, RecomputeRequest, fill, match_order,
+                                                  named_spans, qattn, qmatch, register_selection, tail, top)
 
-__all__ = ["APE_MILD_KEY_SCALE", "APE_SHARP_KEY_SCALE", "SINK_SKIP", "ape_mild", "ape_named", "ape_sharp", "qattn_mix", "qdoc", "qmatch_later", "qnamed",
+__all__ = ["APE_MILD_KEY_SCALE", "APE_SHARP_KEY_SCALE", "SINK_SKIP", "ape_mild", "ape_named", "ape_sharp", "qattn_eighth", "qattn_half", "qattn_mix", "qdoc", "qmatch_later", "qnamed",
            "qtok", "span_mass"]
 
 APE_SHARP_KEY_SCALE = 1.1  # 1 / T = 1.1 (T = 0.91, sharper), against the library's ``ape`` at 0.8 (softer)
@@ -45,6 +45,21 @@ def qmatch_later(scores, req: RecomputeRequest, k: int) -> list[int]:
 
 register_selection("qattn_mix", qattn_mix, scores_from=0.5)  # the second half of the layers
 register_selection("qmatch_later", qmatch_later)
+
+
+def qattn_eighth(scores, req: RecomputeRequest, k: int) -> list[int]:
+    """``qattn``'s ranking from the first eighth of the layers (the pass stops there)."""
+    return qattn(scores, req, k)
+
+
+def qattn_half(scores, req: RecomputeRequest, k: int) -> list[int]:
+    """``qattn``'s ranking from the first half of the layers (the pass stops there)."""
+    return qattn(scores, req, k)
+
+
+# the layer study beside ``qattn`` (every layer) and ``qattn_fast`` (the first third): eval/results/fidelity.md
+register_selection("qattn_eighth", qattn_eighth, question_pass=QuestionPass(stop=1 / 8))
+register_selection("qattn_half", qattn_half, question_pass=QuestionPass(stop=1 / 2))
 
 
 def ape_sharp(scores, req: RecomputeRequest, k: int) -> list[int]:

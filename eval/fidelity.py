@@ -5,6 +5,7 @@
         [--default-budgets 0.5 0.8] [--format chat|completion] [--calibrate 20] [--first 0] [--out eval/figures]
         [--tag _smollm2]
     python -m eval.fidelity --combine A.csv B.csv ... --out eval/figures --tag _smollm2   # summary + PNG only
+        [--against system:default]   # and every method paired with that one
 
 Prompts: ``eval/fidelity_tasks.py`` (single-hop and two-hop questions over 4-8 documents, ~1K
 tokens of documents), each asked with its documents in the listed order and in a shuffled one.
@@ -55,7 +56,10 @@ Methods (``METHODS``; any other engine selection name is accepted as itself):
 * ``epic``: EPIC-style: the budget spread over every document's first tokens;
 * ``ape``: APE-style: the default's tokens recomputed, the other reused keys at temperature 1.25;
 * ``prophet``: query-aware (ProphetKV-style): the question's attention over the reused states
-  from a cheap pass (one forward of the question) picks the tokens (the engine's ``qattn``);
+  from a pass of the new tokens through every layer picks the tokens (the engine's ``qattn``);
+  ``qattn_fast`` (by its engine name) reads the first third of the layers and stops there, and the
+  layer study's ``qattn_eighth`` / ``qattn_half`` (``eval/engine_selections.py``) the first eighth
+  and half;
 * ``tail``: the last tokens before the question (the documents nearest it) recomputed;
 * ``kvshare``: KVShare-style, recompute that continues into decoding (``eval/fidelity_kvshare.py``):
   the default's prefill at the budget, then, after the first answer token, another budget's share
@@ -83,7 +87,9 @@ model's accuracy on the tasks (``eval/results/gemma3.md``: Gemma 3 270M beside S
 Writes ``fidelity{tag}.csv`` (a row per prompt, order, method, budget), ``fidelity{tag}_summary.csv``,
 ``fidelity{tag}_margin.csv`` (agreement where full prefill's margin is at least 0, 0.2, ... 0.8),
 ``fidelity{tag}_summary.png`` (agreement against budget, one line per method, per task and order)
-and ``fidelity{tag}_ttft.png`` (the agreement-vs-TTFT plane).
+and ``fidelity{tag}_ttft.png`` (the agreement-vs-TTFT plane); with ``--against M``,
+``fidelity{tag}_paired.csv``: every method against ``M`` at the same budget on the same prompts
+(agreed by both, by ``M`` only, by the method only, McNemar's p; both TTFT ratios).
 """
 
 from __future__ import annotations
@@ -683,6 +689,31 @@ def markdown(summary: list[dict]) -> str:
     return "\n".join(out)
 
 
+def paired(rows: list[dict], base: str) -> list[dict]:
+    """Each method against ``base`` at the same budget on the same prompts (task, sample, order),
+    both orders: prompts where both agree with full prefill, ``base`` only, the method only, and
+    McNemar's exact p on those two; the TTFT ratio of both (median)."""
+    key = lambda r: (r["task"], r["sample"], r["order"])
+    got = {(r["method"], float(r["budget"]), key(r)): r for r in rows}
+    out = []
+    for task, method, budget in sorted({(r["task"], r["method"], float(r["budget"])) for r in rows if r["method"] != base}):
+        pairs = [(int(got[(base, budget, k)]["agree"]), int(r["agree"]), float(got[(base, budget, k)]["speedup"]),
+                  float(r["speedup"]))
+                 for k, r in ((key(r), r) for r in rows if (r["task"], r["method"], float(r["budget"])) == (task, method, budget))
+                 if (base, budget, k) in got]
+        if not pairs:
+            continue
+        only_base, only = sum(a > b for a, b, _, _ in pairs), sum(b > a for a, b, _, _ in pairs)
+        out.append(dict(task=task, method=method, against=base, budget=budget, prompts=len(pairs),
+                        both=sum(a and b for a, b, _, _ in pairs), against_only=only_base, method_only=only,
+                        mcnemar_p=round(kept_share.mcnemar_p(only_base, only), 4),
+                        method_agreement=round(sum(b for _, b, _, _ in pairs) / len(pairs), 4),
+                        against_agreement=round(sum(a for a, _, _, _ in pairs) / len(pairs), 4),
+                        method_ttft_x=round(statistics.median(m for *_, m in pairs), 3),
+                        against_ttft_x=round(statistics.median(a for _, _, a, _ in pairs), 3)))
+    return out
+
+
 # -- the run --------------------------------------------------------------------------------------
 def read_rows(paths: list[Path]) -> list[dict]:
     """Per-prompt rows of earlier runs (split with ``--first``); a later file's row wins."""
@@ -724,6 +755,8 @@ def parse_args(argv):
     ap.add_argument("--out", type=Path, default=RESULTS)
     ap.add_argument("--tag", default="")
     ap.add_argument("--markdown", action="store_true", help="also print the summary as Markdown tables")
+    ap.add_argument("--against", help="also pair every method with this one at the same budget on the same prompts "
+                    "(fidelity{tag}_paired.csv: agreed by both / this one only / the method only, McNemar p)")
     args = ap.parse_args(argv)
     for b in (*args.budgets, *args.default_budgets):
         if not 0.0 <= b <= 1.0:
@@ -772,6 +805,15 @@ def main(argv=None) -> list[dict]:
                   f"[{s['agreement_low']:.2f}, {s['agreement_high']:.2f}]  acc {s['full_accuracy']:.2f}->"
                   f"{s['method_accuracy']:.2f}  lost {s['lost']:2d} won {s['won']:2d} p {s['mcnemar_p']:.3f}  "
                   f"KL {s['first_token_kl']:.3f}  TTFT x{s['speedup_median']}")
+    if args.against:
+        pairs = paired(expanded, args.against)
+        if pairs:
+            write_csv(f"{stem}_paired.csv", pairs, args.out)
+        for q in pairs:
+            print(f"{q['task']:7s} {q['method']:>20s} @{q['budget']:<5} vs {q['against']}: n={q['prompts']} agree "
+                  f"{q['method_agreement']:.2f} vs {q['against_agreement']:.2f} (both {q['both']}, {q['against']} only "
+                  f"{q['against_only']}, method only {q['method_only']}, p {q['mcnemar_p']:.3f})  TTFT x{q['method_ttft_x']} "
+                  f"vs x{q['against_ttft_x']}")
     if args.markdown:
         print(markdown(summary))
         print("\nAgreement (prompts) where full prefill's answer margin is at least x, both orders:\n")

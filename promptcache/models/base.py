@@ -33,7 +33,7 @@ import transformers
 from .splice import KVSpec, SpliceCache
 from ..errors import PromptCacheError
 from ..kernels import ordered_attention
-from .masks import additive as additive_mask, check as check_mask, slot_causal
+from .masks import BOOL_MASK_ATTENTION, additive as additive_mask, check as check_mask, slot_causal
 
 log = logging.getLogger(__name__)
 
@@ -284,7 +284,7 @@ class Adapter:
     def check_mask_support(self) -> None:
         """Raise ``UnsupportedModelError`` if custom masks cannot reach this model's attention."""
         impl = self.attn_implementation()
-        if impl not in ("sdpa", "eager"):
+        if impl != "eager" and impl not in BOOL_MASK_ATTENTION:
             raise UnsupportedModelError(
                 f"custom attention masks (write_slots / attention_mask) need attn_implementation 'sdpa' or "
                 f"'eager'; this {self.config.model_type} model uses '{impl}' (load it with attn_implementation='sdpa')"
@@ -305,7 +305,7 @@ class Adapter:
         attention: a 4D mask, which transformers' ``create_causal_mask`` passes through as is, bool
         for sdpa and additive float for eager. ALiBi adapters override (their hooks carry it)."""
         self.check_mask_support()
-        if self.attn_implementation() == "sdpa":
+        if self.attn_implementation() in BOOL_MASK_ATTENTION:
             return {"attention_mask": mask}
         return {"attention_mask": additive_mask(mask, self.kv_spec().dtype)}
 

@@ -5,6 +5,10 @@ from __future__ import annotations
 
 import torch
 
+# attention implementations (transformers' names) that take a bool mask, True = attend, as sdpa
+# does; an attention registered elsewhere that does adds its name (engine/prefill/question_pass.py)
+BOOL_MASK_ATTENTION: set[str] = {"sdpa"}
+
 
 def slot_causal(old_len: int, slots: torch.Tensor, kv_len: int) -> torch.Tensor:
     """The default mask of a slot write: query ``i`` sees every slot in [0, old_len) that this

@@ -93,23 +93,17 @@ def test_summary_counts_agreement_lost_and_won_per_order():
     assert listed["prompts"] == 3 and listed["agreement"] == round(2 / 3, 4)  # s0, s2 agree; s4 does not
 
 
-def test_two_methods_are_paired_on_the_prompts_both_ran(tmp_path, capsys):
-    from eval import fidelity_paired
-
-    # prompt s0 listed: both agree; s0 shuffled: only B; s1 listed: only B; s1 shuffled: only A (B lacks s2)
-    agree = {("s0", "listed"): (1, 1), ("s0", "shuffled"): (0, 1), ("s1", "listed"): (0, 1), ("s1", "shuffled"): (1, 0)}
-    rows = [row(s, o, m, 0.15, x[k], 1, 1) for (s, o), x in agree.items() for k, m in enumerate(("alone:default", "default"))]
-    rows += [row("s2", "listed", "alone:default", 0.15, 1, 1, 1), row("s0", "listed", "default", 0.3, 0, 1, 1)]
-    (t,) = fidelity_paired.table(rows, "alone:default", "default", 0.15)
-    assert (t["prompts"], t["both"], t["only_a"], t["only_b"]) == (4, 1, 1, 2)
-    assert (t["agreement_a"], t["agreement_b"]) == (0.5, 0.75) and t["mcnemar_p"] == 1.0  # 1 against 2: no difference
-    path = tmp_path / "rows.csv"
-    with open(path, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
-    assert fidelity_paired.main([str(path), "--methods", "alone:default", "default", "--budget", "0.15"]) == [t]
-    assert "| single | 4 | 0.50 | 0.75 | 1 / 1 / 2 | 1 |" in capsys.readouterr().out
+def test_methods_pair_with_one_on_the_same_prompts_at_the_same_budget():
+    # 5 prompts: the default agrees on s0-s2, the method on s1-s4; s9 has no default row (not paired)
+    rows = [row(f"s{i}", "listed", "default", 0.2, int(i < 3), 1, 1, speedup=5.0) for i in range(5)]
+    rows += [row(f"s{i}", "listed", "fast", 0.2, int(i >= 1), 1, 1, speedup=s) for i, s in
+             zip((0, 1, 2, 3, 4, 9), (4.0, 4.0, 5.0, 6.0, 6.0, 1.0))]
+    rows += [row("s0", "listed", "fast", 0.15, 1, 1, 1)]  # no default at 0.15: nothing to pair
+    (q,) = fidelity.paired(rows, "default")
+    assert (q["method"], q["budget"], q["prompts"], q["both"], q["against_only"], q["method_only"]) == \
+        ("fast", 0.2, 5, 2, 1, 2)
+    assert q["mcnemar_p"] == kept_share.mcnemar_p(1, 2) and q["method_ttft_x"] == 5.0 and q["against_ttft_x"] == 5.0
+    assert (q["method_agreement"], q["against_agreement"]) == (0.8, 0.6)
 
 
 def test_shared_ends_stand_for_every_method_they_equal():
@@ -248,3 +242,19 @@ def test_a_base_model_gets_the_completion_format():
     assert "System:" not in text and "Assistant" not in text
     with pytest.raises(ValueError, match="--format: unknown 'x'"):
         fidelity.use_format(pc, "x")
+
+
+def test_question_pass_cost_times_every_pass_and_the_full_pass_overlaps_itself(tmp_path):
+    from eval import question_pass_cost
+
+    rows = question_pass_cost.main(["--model", "embedded:demo", "--prompts", "1", "--repeats", "1",
+                                    "--out", str(tmp_path), "--tag", "_t"])
+    assert {r["what"] for r in rows} == {"splice", "eager_all", *question_pass_cost.PASSES}
+    assert len(rows) == 2 * (2 + len(question_pass_cost.PASSES))  # fact1 and fact2, one sample each
+    for r in rows:
+        assert r["seconds"] > 0 and r["new_tokens"] > 0
+        if r["what"] == "pass_all":
+            assert r["overlap"] == 1.0  # every layer's choice is itself
+        elif r["what"] in question_pass_cost.PASSES:
+            assert 0.0 <= r["overlap"] <= 1.0
+    assert (tmp_path / "question_pass_cost_t.csv").exists() and (tmp_path / "question_pass_cost_t.png").exists()

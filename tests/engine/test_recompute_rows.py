@@ -30,7 +30,7 @@ from trip import PROMPTS, SCHEMA
 
 TOL = 1e-4
 NEW = 6
-SELECTIONS = ["qmatch", "tail", "qattn", "ape"]  # by token ids, by position, by attention, scaling keys
+SELECTIONS = ["qmatch", "tail", "qattn", "qattn_fast", "ape"]  # by token ids, by position, by attention, scaling keys
 FRACTIONS = [0.0, 0.3, 1.0, "auto"]
 DOCS = {
     "paris": "Paris is the capital of France, famous for museums and cafes.",

@@ -19,13 +19,15 @@ shuffled, at the lowest TTFT (eval/results/quality.md). A number is still exactl
 
 Selections (``SELECTIONS``, by name; ``DEFAULT_SELECTION`` chosen by measurement, see
 eval/results/quality.md): each is ``(scores | None, request, budget) -> slots``. Question-aware
-selections need the question's attention over the reused cache (``SCORED``): one extra forward of
-the new tokens over the assembled cache in eager attention with hooks that capture the attention
-probabilities (``question_attention``); it costs about one r=0 prefill of the new tokens more in
-TTFT. The library keeps the selections it uses or that stand as baselines (``tail``, ``qattn``,
-``qattn_module``, ``qmatch``, and for documents ``epic`` (EPIC-style boundaries) and ``anchored``
-(boundaries, then ``qmatch``)); a study adds its own with ``register_selection`` (the studies'
-``qattn_mix`` and ``qmatch_later`` live in ``eval/engine_selections.py``), after which
+selections need the question's attention over the reused cache (``SCORED``: name -> the layers and
+queries that count, ``QuestionPass``): the new tokens run over the assembled cache through the
+read layers and stop there (``question_pass.question_scores``; no eager attention). ``qattn``
+reads every layer (about one r=0 prefill of the new tokens more in TTFT); ``qattn_fast`` the same
+ranking from the layers ``QATTN_FAST`` names (a fraction of that; eval/results/fidelity.md). The
+library keeps the selections it uses or that stand as baselines (``tail``, ``qattn``,
+``qattn_fast``, ``qattn_module``, ``qmatch``, and for documents ``epic`` (EPIC-style boundaries)
+and ``anchored`` (boundaries, then ``qmatch``)); a study adds its own with ``register_selection``
+(the studies' ``qattn_mix`` and ``qmatch_later`` live in ``eval/engine_selections.py``), after which
 ``RecomputeConfig(selection=name)`` accepts the name.
 """
 
@@ -39,10 +41,11 @@ import torch
 
 from ...layout import PromptLayout
 from .budget import AUTO, AUTO_FRACTION, DEFAULT_SELECTION, check_fraction, check_recompute, fraction_of
+from .question_pass import QuestionPass, question_attention, question_scores
 
 __all__ = ["APE_KEY_SCALE", "AUTO", "AUTO_FRACTION", "BOUNDARY_TOKENS", "DEFAULT_SELECTION", "KEY_SCALES",
-           "RecomputeRequest", "SCORED", "SELECTIONS", "SPARE_NAMED", "anchored", "ape", "boundaries", "check_fraction", "check_recompute", "check_selection", "choose", "epic",
-           "fraction_of", "recompute_request", "fill", "match_order", "named_spans", "register_selection",
+           "QuestionPass", "RecomputeRequest", "SCORED", "SELECTIONS", "SPARE_NAMED", "anchored", "ape", "boundaries", "check_fraction", "check_recompute", "check_selection", "choose", "epic",
+           "fraction_of", "recompute_request", "fill", "match_order", "named_spans", "question_attention", "question_scores", "register_selection",
            "run_recompute", "scale_reused_keys", "scaled_slots", "spared_slots", "tail", "top"]
 
 
@@ -98,31 +101,6 @@ def recompute_request(layout: PromptLayout, n_exact: int, fraction: float, selec
     return RecomputeRequest(fraction=fraction, selection=check_selection(selection), slot_order=slot_order,
                             slot_ids=slot_ids, slot_pos=slot_pos, new_order=new_order, candidates=cand, spans=spans,
                             new_ids=new_ids)
-
-
-# -- question attention ---------------------------------------------------------------------------
-def question_attention(adapter, run: Callable[[], object], n_cached: int) -> torch.Tensor | None:
-    """Attention probabilities the new tokens pay each cached slot, summed over heads and queries,
-    per layer: [L, n_cached]. ``run`` does the forward of the new tokens over the assembled cache,
-    with eager attention (sdpa returns no probabilities). None when the model's attention modules
-    return no probabilities (then selections fall back)."""
-    got: list[torch.Tensor] = []
-
-    def hook(_mod, _args, out):
-        if isinstance(out, tuple) and len(out) > 1 and isinstance(out[1], torch.Tensor) and out[1].dim() == 4:
-            got.append(out[1][..., :n_cached].float().sum(dim=(0, 1, 2)))  # [B, H, T, kv] -> [n_cached]
-
-    mods = [m for m in adapter.model.modules() if type(m).__name__.endswith("Attention")]
-    handles = [m.register_forward_hook(hook) for m in mods]
-    try:
-        with adapter.attention_as("eager"):
-            run()
-    finally:
-        for h in handles:
-            h.remove()
-    if not got:
-        return None
-    return torch.stack(got)
 
 
 # -- selections: (scores [n_cached] | None, request, budget) -> cached slots [<= budget] ------------
@@ -272,21 +250,33 @@ def ape(scores, req: RecomputeRequest, k: int) -> list[int]:
 
 APE_KEY_SCALE = 0.8  # 1 / T (T = 1.25, a softer attention): of 0.8, 0.9, 1.0 and 1.1 the lowest first-token KL (docs/rag.md)
 
-SELECTIONS: dict[str, Callable] = {"tail": tail, "qattn": qattn, "qattn_module": qattn_module, "qmatch": qmatch,
-                                   "epic": epic, "anchored": anchored, "ape": ape}
-# selections that read the question's attention: name -> first layer summed, as a fraction of the
-# layers (0.0: every layer; 0.5: the second half)
-SCORED: dict[str, float] = {"qattn": 0.0, "qattn_module": 0.0}
+def qattn_fast(scores, req: RecomputeRequest, k: int) -> list[int]:
+    """``qattn``'s ranking (the candidates the question attends to most) read from a cheap pass:
+    the layers and queries ``QATTN_FAST`` names, the forward stopped after the last of them."""
+    return qattn(scores, req, k)
+
+
+QATTN_FAST = QuestionPass(stop=1 / 3)  # the first third of the layers, every new token's queries
+
+SELECTIONS: dict[str, Callable] = {"tail": tail, "qattn": qattn, "qattn_fast": qattn_fast,
+                                   "qattn_module": qattn_module, "qmatch": qmatch, "epic": epic,
+                                   "anchored": anchored, "ape": ape}
+# selections that read the question's attention: name -> the layers and queries that count
+# (``QuestionPass``; the pass stops after its last read layer)
+SCORED: dict[str, QuestionPass] = {"qattn": QuestionPass(), "qattn_module": QuestionPass(),
+                                   "qattn_fast": QATTN_FAST}
 # selections that scale the reused candidates' keys (APE's temperature): name -> the key scale (1 / T)
 KEY_SCALES: dict[str, float] = {"ape": APE_KEY_SCALE}
 SPARE_NAMED: set[str] = set()  # of those, the ones that leave the named spans' keys as they are
 
 
 def register_selection(name: str, fn: Callable, *, scores_from: float | None = None,
-                       key_scale: float | None = None, spare_named: bool = False) -> None:
+                       question_pass: QuestionPass | None = None, key_scale: float | None = None,
+                       spare_named: bool = False) -> None:
     """Make ``fn`` (``(scores | None, request, budget) -> slots``) the selection ``name``.
-    ``scores_from``: the selection reads the question's attention, summed from this fraction of the
-    layers on (None: it reads none and costs no extra forward). ``key_scale``: the reused (not
+    ``question_pass``: the selection reads the question's attention over the layers and queries it
+    names; ``scores_from``: shorthand for ``QuestionPass(first=scores_from)`` (summed from this
+    fraction of the layers on). Neither: it reads none and costs no extra forward. ``key_scale``: the reused (not
     recomputed) candidate tokens' keys are multiplied by it (``KEY_SCALES``: APE's attention
     temperature, 1 / T); ``spare_named``: not those of the spans the question names (``named_spans``).
     A name already taken by another function is refused (registering the same function again is a
@@ -297,9 +287,13 @@ def register_selection(name: str, fn: Callable, *, scores_from: float | None = N
         raise ValueError(f"scores_from must be a fraction in [0, 1), got {scores_from!r}")
     if key_scale is not None and not (isinstance(key_scale, (int, float)) and 0.0 < key_scale < 10.0):
         raise ValueError(f"key_scale must be a number in (0, 10), got {key_scale!r}")
+    if scores_from is not None and question_pass is not None:
+        raise ValueError("pass either scores_from or question_pass, not both")
     SELECTIONS[name] = fn
     if scores_from is not None:
-        SCORED[name] = float(scores_from)
+        question_pass = QuestionPass(first=float(scores_from))
+    if question_pass is not None:
+        SCORED[name] = question_pass
     if key_scale is not None:
         KEY_SCALES[name] = float(key_scale)
     if spare_named:
@@ -374,10 +368,8 @@ def run_recompute(adapter, cache, req: RecomputeRequest, new_ids: list[int], new
             scale_reused_keys(cache, req, spared, scale)
         return adapter.forward(ids, pos, cache)[0], 0
     scores = None
-    if req.selection in SCORED:  # question over the reused state; appends the new tokens' states
-        per_layer = question_attention(adapter, lambda: adapter.forward(ids, pos, cache), n_cached)  # [L, n_cached]
-        if per_layer is not None:
-            scores = per_layer[int(per_layer.shape[0] * SCORED[req.selection]) :].sum(0)
+    if req.selection in SCORED:  # the question over the reused state (the cache keeps its length)
+        scores = question_scores(adapter, cache, ids, pos, SCORED[req.selection])  # [n_cached]
     chosen = choose(req, scores)
     if scale is not None:  # before the forward: the recomputed tokens and the question see the scaled keys
         scale_reused_keys(cache, req, sorted(set(chosen) | set(spared)), scale)

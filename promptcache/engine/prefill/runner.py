@@ -24,7 +24,7 @@ from ...layout import PromptLayout
 from ...models import get_adapter
 from .plan import PrefillPlan, Segment
 from .ordered import ordered_plan
-from .recompute import KEY_SCALES, SCORED, RecomputeRequest, choose, question_attention, run_recompute, scaled_slots
+from .recompute import KEY_SCALES, SCORED, RecomputeRequest, choose, question_scores, run_recompute, scaled_slots
 from .results import PrefillResult
 
 __all__ = ["ModelRunner", "eos_ids"]
@@ -107,23 +107,19 @@ class ModelRunner:
         return ordered_plan(plan, req, chosen, scaled_slots(req, chosen), KEY_SCALES.get(req.selection))
 
     def question_scores(self, plan: PrefillPlan, req: RecomputeRequest) -> torch.Tensor | None:
-        """The question's attention per cached slot ([n_cached], summed over heads, queries and the
-        layers ``SCORED`` names), for the selections that read it: one forward of the new tokens
-        over the plan assembled in a buffer of its own, in eager attention (the probabilities are
-        what no fused kernel returns; the one use of a private buffer on the serving path)."""
-        n_cached = plan.cached_tokens
+        """The question's attention per cached slot ([n_cached], summed over heads and the layers
+        and queries ``SCORED`` names), for the selections that read it: the new tokens over the plan
+        assembled in a buffer of its own (``question_pass.question_scores``: the probabilities
+        are what no fused kernel returns; the one use of a private buffer on the serving path)."""
         ids = torch.tensor([plan.new_ids], dtype=torch.long, device=self.device)  # [1, T]
         pos = torch.tensor([plan.new_pos], dtype=torch.long, device=self.device)  # [1, T]
-        cache = self.pool.acquire(n_cached + len(plan.new_ids), [(seg.placed, seg.n) for seg in plan.segments])
+        cache = self.pool.acquire(plan.cached_tokens + len(plan.new_ids), [(seg.placed, seg.n) for seg in plan.segments])
         try:
             cache.place(plan.segments)
             with self.lock:
-                per_layer = question_attention(self.adapter, lambda: self.adapter.forward(ids, pos, cache), n_cached)
+                return question_scores(self.adapter, cache, ids, pos, SCORED[req.selection])
         finally:
             self.pool.release(cache)
-        if per_layer is None:
-            return None
-        return per_layer[int(per_layer.shape[0] * SCORED[req.selection]) :].sum(0)
 
     def prefill_plain(self, token_ids: list[int], t0: float | None = None,
                       layout: PromptLayout | None = None) -> PrefillResult:
