@@ -83,10 +83,12 @@ def rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def make_store(pc, mode: str, texts: dict[str, str]):
+def make_store(pc, mode: str, texts: dict[str, str], selection: str | None = None):
+    """The workload's store: its system text is the requests' (``SYSTEM``), so documents are encoded
+    after the requests' own prefix (the store's default) and each request's first document is exact."""
     from promptcache.rag import DocumentStore
 
-    store = DocumentStore(pc, exact=mode == "exact")
+    store = DocumentStore(pc, exact=mode == "exact", system=SYSTEM, selection=selection)
     for doc_id, text in texts.items():
         store.add(doc_id, text)
     return store
@@ -154,7 +156,7 @@ def run_cell(args, mode: str, how: str, texts, pairs) -> dict:
 
     model, tok = load_model(args.model, device=args.device, dtype=args.dtype)
     pc = PromptCache(model, tok, EngineConfig(runner=RunnerConfig(packed_linear=args.packed)))
-    store = make_store(pc, mode, texts)
+    store = make_store(pc, mode, texts, args.selection)
     kw = dict(max_new_tokens=args.new_tokens, temperature=0.0, ignore_eos=True)
     store.generate("Warm up.", pairs[0][1], SYSTEM, max_new_tokens=2, temperature=0.0)  # kernels, pool pages
     before = rss_mb()
@@ -168,6 +170,7 @@ def run_cell(args, mode: str, how: str, texts, pairs) -> dict:
     generated = sum(len(o.token_ids) for o in outs)
     prompts = [list(store.layout(q, ids, SYSTEM).token_ids) for q, ids in pairs]
     return dict(system="promptcache", dtype=args.dtype, mode=mode, how=how, questions=len(pairs), packed=args.packed,
+                selection=args.selection or "default",
                 seconds=round(seconds, 2), generated=generated,
                 tok_s=round(generated / seconds, 2), reused=sum(o.reused_tokens for o in outs),
                 prompt_tokens=sum(map(len, prompts)), rss_added_mb=round(rss_mb() - before, 1)), prompts
@@ -209,6 +212,8 @@ def main(argv=None) -> None:
     add_workload_args(ap)
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--modes", default="exact,reuse")
+    ap.add_argument("--selection", default=None,
+                    help="the reuse store's recompute selection (default: the store's, the engine's qmatch)")
     ap.add_argument("--loop-questions", type=int, default=None,
                     help="time the loop over the first N questions only (default: all); its tok/s stands for all, "
                          "each question running alone (a short lease on a GPU)")

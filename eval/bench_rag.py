@@ -123,7 +123,8 @@ def run(args) -> list[dict]:
         pc = PromptCache(model, tok, EngineConfig(store=StoreConfig(host_budget=budget),
                                                 recompute=RecomputeConfig(fraction=args.recompute)))
         stores[mode] = DocumentStore(pc, exact=mode.startswith("exact") or mode == "no_cache",
-                                     independent=mode == "independent", canonical_order=mode == "exact_canonical")
+                                     independent=mode == "independent", canonical_order=mode == "exact_canonical",
+                                     system=system)
         for d, t in texts.items():
             stores[mode].add(d, t)
     ttft, hit = {m: [] for m in args.modes}, {m: [] for m in args.modes}

@@ -59,7 +59,7 @@ def run(args) -> tuple[dict, list[tuple[float, float]]]:
     model, tok = load_model(args.model, device=args.device, dtype=args.dtype)
     pc = PromptCache(model, tok, EngineConfig(runner=RunnerConfig(packed_linear=args.packed)))
     engine = pc.engine(ServingConfig(max_num_batched_tokens=args.budget))
-    store = DocumentStore(pc)
+    store = DocumentStore(pc, system=SYSTEM)  # documents encoded after the requests' prefix
     texts = document_texts(tok, args.docs, args.doc_tokens)
     for doc_id, text in texts.items():
         store.add(doc_id, text)
