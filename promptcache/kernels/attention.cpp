@@ -184,17 +184,25 @@ inline void online_row(float* si, int64_t see, float& mx, float& l, float* oi) {
     std::memset(si, 0, sizeof(float) * kKeys);
     return;
   }
-  for (int64_t j = see; j < kKeys; ++j) si[j] = kNegInf;
+  // the vectors holding seen keys (the last one's unseen lanes masked to -inf, lane by lane), the
+  // others zeroed without an exp (a causal or partial tile: often most of it)
+  const int live = static_cast<int>(std::min<int64_t>(see, kKeys) + 15) / 16;
+  if (see % 16 != 0 && see < kKeys) {
+    const v16 lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+    const v16 x = load(si + (live - 1) * 16);
+    store(si + (live - 1) * 16, lane < splat(static_cast<float>(see % 16)) ? x : splat(kNegInf));
+  }
   v16 m4 = load(si);
-  for (int c = 1; c < 4; ++c) m4 = vmax(m4, load(si + c * 16));
+  for (int c = 1; c < live; ++c) m4 = vmax(m4, load(si + c * 16));
   const float m_new = std::max(mx, hmax(m4));
   const float alpha = std::exp(mx - m_new);  // 0 on the row's first keys (mx = -inf)
   v16 sum = v16{};
-  for (int c = 0; c < 4; ++c) {
+  for (int c = 0; c < live; ++c) {
     const v16 p = vexp(load(si + c * 16) - splat(m_new));
     store(si + c * 16, p);
     sum += p;
   }
+  for (int c = live; c < 4; ++c) store(si + c * 16, v16{});
   l = l * alpha + hsum(sum);
   mx = m_new;
   if (alpha != 1.0f)
@@ -596,12 +604,20 @@ struct Runs {
 // One query (D channels; float32 or bfloat16 bits) rotated by row `row` of the runs' (cos, sin):
 // widened, rotated in float32 and stored back (bfloat16: rounded to nearest even, as torch's
 // .to(bfloat16) rounds it).
+// Where half the rotated channels fill whole vectors (r a multiple of 32: every rotary head dim the
+// engine runs), 16 channels at a time: the same products and sums, a vector store rounding them (a
+// query rotated once per run and query tile was a scalar loop as long as the tile's products).
 template <class Q>
 inline void rotated_query(const Q* q, const Runs& rt, int64_t row, int64_t d, Q* out) {
   const float* c = rt.cos + row * rt.r;
   const float* sn = rt.sin + row * rt.r;
   const int64_t h = rt.r / 2;
-  for (int64_t i = 0; i < rt.r; ++i) put(out + i, to_float(q[i]) * c[i] + to_float(q[i < h ? i + h : i - h]) * sn[i]);
+  if (h % 16 == 0) {
+    for (int64_t i = 0; i < rt.r; i += 16)
+      store(out + i, load(q + i) * load(c + i) + load(q + (i < h ? i + h : i - h)) * load(sn + i));
+  } else {
+    for (int64_t i = 0; i < rt.r; ++i) put(out + i, to_float(q[i]) * c[i] + to_float(q[i < h ? i + h : i - h]) * sn[i]);
+  }
   for (int64_t i = rt.r; i < d; ++i) out[i] = q[i];
 }
 
@@ -1107,17 +1123,21 @@ void run_gather(const Q* q, const std::vector<Source<KV>>& src, const int64_t* s
 // Prefill rows over runs of their keys (attend_prefill_runs): query qi of row qrow[qi] sees the first
 // limits[qi, i] keys of its row's run i (a document's prefix under selective recompute's prompt
 // order, causal over the row's own tokens), each run read with the query rotated by the run's
-// rotation (Runs), ONE online softmax over all of them. A work item is one head and a tile of
-// consecutive queries of one row (all their query heads, up to kRows): each key tile of each run is
-// packed once for the tile, scored with the tile's queries rotated once per run, masked past each
-// query's limit; key tiles past the tile's longest limit are not read. q float32: float32 queries
-// (rotated in float32), products and sums. q bfloat16 bits (uint16_t, a bfloat16 model's queries
-// over its bfloat16 pool where the CPU has AVX-512 BF16): K^T and V packed in pairs, the queries
-// rotated in float32 and rounded back to bfloat16 (as torch's .to(bfloat16), as the decode group
-// pass does), bfloat16 products summed in float32, the probabilities rounded to bfloat16 before
-// P V (as the causal call's and torch's bfloat16 attention): twice the float32 lane rate.
+// rotation (Runs), ONE online softmax over all of them. A work item is one head and a block of
+// consecutive queries of one row (all their query heads), read in query tiles of up to kRows: each
+// key tile of the row's runs is packed once for the block (when a query tile first reads it) and
+// kept for the block's later query tiles, scored with each tile's queries rotated once per run,
+// masked past each query's limit; key tiles past a query tile's longest limit are not read. A row's
+// queries are one block unless the items would not keep the threads busy: then each row's query
+// tiles are split in a few blocks (each packing the tiles it reads). A key tile was packed once per
+// query tile before: a row of 97 recomputed queries packed each of its documents' tiles 7 times.
+// q float32: float32 queries (rotated in float32), products and sums. q bfloat16 bits (uint16_t, a
+// bfloat16 model's queries over its bfloat16 pool where the CPU has AVX-512 BF16): K^T and V packed
+// in pairs, the queries rotated in float32 and rounded back to bfloat16 (as torch's .to(bfloat16),
+// as the decode group pass does), bfloat16 products summed in float32, the probabilities rounded to
+// bfloat16 before P V (as the causal call's and torch's bfloat16 attention): twice the float32 lane rate.
 struct PrefillItem {
-  int64_t x, q0, q1, g0, g1;
+  int64_t x, q0, q1, g0, g1;  // head x, queries [q0, q1) of one row, query heads [g0, g1)
 };
 
 template <int ND, class KV, class Q>
@@ -1126,87 +1146,119 @@ void run_prefill(const Q* q, const std::vector<Source<KV>>& src, const int64_t* 
                  const int64_t* limits, float scale, float* out, float* lse, const Runs& rt) {
   constexpr int D = ND * 16;
   constexpr bool dot = !std::is_same_v<Q, float>;
+  constexpr int64_t per_tile = packed_per_tile<Q>(D);  // packed elements of a key tile (Q's type)
   const int64_t R = rt.width;
   const int64_t per = std::max<int64_t>(1, kRows / g), gh = std::min<int64_t>(g, kRows);
+  // the rows' query ranges; blocks per range: enough items for 4 per thread where the rows are few
+  std::vector<std::pair<int64_t, int64_t>> ranges;
+  for (int64_t q0 = 0; q0 < m;) {
+    int64_t q1 = q0 + 1;
+    while (q1 < m && qrow[q1] == qrow[q0]) ++q1;
+    ranges.emplace_back(q0, q1);
+    q0 = q1;
+  }
+  const int64_t chunks = heads * static_cast<int64_t>(ranges.size()) * ((g + gh - 1) / gh);
+  const int64_t want = (4 * at::get_num_threads() + chunks - 1) / chunks;  // blocks a range (at most its tiles)
   std::vector<PrefillItem> items;
   for (int64_t x = 0; x < heads; ++x)
-    for (int64_t q0 = 0; q0 < m;) {
-      int64_t q1 = q0 + 1;
-      while (q1 < m && q1 - q0 < per && qrow[q1] == qrow[q0]) ++q1;
-      for (int64_t g0 = 0; g0 < g; g0 += gh) items.push_back({x, q0, q1, g0, std::min(g, g0 + gh)});
-      q0 = q1;
+    for (const auto& [r0, r1] : ranges) {
+      const int64_t tiles = (r1 - r0 + per - 1) / per, blocks = std::min(tiles, want);
+      for (int64_t k = 0; k < blocks; ++k) {
+        const int64_t q0 = r0 + tiles * k / blocks * per, q1 = std::min(r1, r0 + tiles * (k + 1) / blocks * per);
+        for (int64_t g0 = 0; g0 < g; g0 += gh) items.push_back({x, q0, q1, g0, std::min(g, g0 + gh)});
+      }
     }
   at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t lo, int64_t hi) {
-    std::vector<float> buf(2 * kRows * D + kRows * D + D * kKeys + kRows * kKeys + 64);
+    std::vector<float> buf(2 * kRows * D + kRows * D + kRows * kKeys + 64);
     float* base = buf.data() + (64 - reinterpret_cast<uintptr_t>(buf.data()) / sizeof(float) % 16) % 16;
-    float *o = base + 2 * kRows * D, *kt = o + kRows * D, *s = kt + D * kKeys;
-    // the tile's queries and their rotation: float32 in `buf`, bfloat16 bits in `half` (with K^T, V
-    // in pairs and the rounded probabilities)
-    std::vector<uint16_t> half(dot ? 2 * kRows * D + 2 * D * kKeys + kRows * kKeys : 0);
-    Q *qg, *qr;
+    float *o = base + 2 * kRows * D, *s = o + kRows * D;
+    // the tile's queries and their rotation: float32 in `buf`, bfloat16 bits in `half` (with the
+    // rounded probabilities)
+    std::vector<uint16_t> half(dot ? 2 * kRows * D + kRows * kKeys : 0);
+    Q* qg;
     if constexpr (dot) {
       qg = half.data();
     } else {
       qg = base;
     }
-    qr = qg + kRows * D;
+    Q* qr = qg + kRows * D;
+    // the block's packed key tiles (K^T in float32, or K^T and V in pairs): run i's tile t at
+    // packed + (first[i] + t) * per_tile, packed once (done[first[i] + t])
+    std::vector<Q> packed;
+    std::vector<int64_t> first(R + 1);
+    std::vector<char> done;
     float mx[kRows], l[kRows];
     int64_t lim[kRows];
     for (int64_t w = lo; w < hi; ++w) {
       const PrefillItem& it = items[w];
       const int64_t gn = it.g1 - it.g0, b = qrow[it.q0];
-      const int rows = static_cast<int>((it.q1 - it.q0) * gn);
-      auto at = [&](int i) { return ((it.x * g + it.g0 + i % gn) * m + it.q0 + i / gn); };  // tile row -> output row
-      for (int i = 0; i < rows; ++i) {
-        std::memcpy(qg + i * D, q + at(i) * D, sizeof(Q) * D);
-        mx[i] = kNegInf;
-        l[i] = 0.0f;
-      }
-      std::memset(o, 0, sizeof(float) * rows * D);
       const int64_t* st = rt.starts + b * R;
       const int64_t* sl = slots + b * width;
       for (int64_t ri = 0; ri < R; ++ri) {
-        const int64_t a = st[ri], e = ri + 1 < R ? st[ri + 1] : lengths[b];
-        int64_t n = 0;
+        const int64_t keys = (ri + 1 < R ? st[ri + 1] : lengths[b]) - st[ri];
+        first[ri + 1] = first[ri] + (keys + kKeys - 1) / kKeys;
+      }
+      if (static_cast<int64_t>(packed.size()) < first[R] * per_tile) packed.resize(first[R] * per_tile + 64);
+      Q* pk = packed.data() + (64 - reinterpret_cast<uintptr_t>(packed.data()) % 64) % 64 / sizeof(Q);
+      done.assign(first[R], 0);
+      for (int64_t t0 = it.q0; t0 < it.q1; t0 += per) {
+        const int64_t t1 = std::min(it.q1, t0 + per);
+        const int rows = static_cast<int>((t1 - t0) * gn);
+        auto at = [&](int i) { return ((it.x * g + it.g0 + i % gn) * m + t0 + i / gn); };  // tile row -> output row
         for (int i = 0; i < rows; ++i) {
-          lim[i] = limits[(it.q0 + i / gn) * R + ri];
-          n = std::max(n, lim[i]);
+          std::memcpy(qg + i * D, q + at(i) * D, sizeof(Q) * D);
+          mx[i] = kNegInf;
+          l[i] = 0.0f;
         }
-        n = std::min(n, e - a);
-        if (n <= 0) continue;
-        const int64_t rot = rt.rot[b * R + ri];
-        const Source<KV>& from = src[rt.src[b * R + ri] + 1];
-        const Q* qs = qg;
-        if (rot >= 0) {
-          for (int i = 0; i < rows; ++i) rotated_query(qg + i * D, rt, rot, D, qr + i * D);
-          qs = qr;
-        }
-        const KV* k = from.k + it.x * from.ks0;
-        const KV* v = from.v + it.x * from.vs0;
-        for (int64_t j0 = 0; j0 < n; j0 += kKeys) {
-          const int kn = static_cast<int>(std::min<int64_t>(kKeys, n - j0));
-          const auto see = [&] {  // the keys of this tile row i sees
-            for (int i = 0; i < rows; ++i)
-              online_row<ND>(s + i * kKeys, std::min<int64_t>(kn, lim[i] - j0), mx[i], l[i], o + i * D);
-          };
-          if constexpr (dot) {
+        std::memset(o, 0, sizeof(float) * rows * D);
+        for (int64_t ri = 0; ri < R; ++ri) {
+          const int64_t a = st[ri], e = ri + 1 < R ? st[ri + 1] : lengths[b];
+          int64_t n = 0;
+          for (int i = 0; i < rows; ++i) {
+            lim[i] = limits[(t0 + i / gn) * R + ri];
+            n = std::max(n, lim[i]);
+          }
+          n = std::min(n, e - a);
+          if (n <= 0) continue;
+          const int64_t rot = rt.rot[b * R + ri];
+          const Source<KV>& from = src[rt.src[b * R + ri] + 1];
+          const Q* qs = qg;
+          if (rot >= 0) {
+            for (int i = 0; i < rows; ++i) rotated_query(qg + i * D, rt, rot, D, qr + i * D);
+            qs = qr;
+          }
+          const KV* k = from.k + it.x * from.ks0;
+          const KV* v = from.v + it.x * from.vs0;
+          for (int64_t j0 = 0; j0 < n; j0 += kKeys) {
+            const int kn = static_cast<int>(std::min<int64_t>(kKeys, n - j0));
+            const int64_t tile = first[ri] + j0 / kKeys;
+            Q* kt = pk + tile * per_tile;
+            const int full = static_cast<int>(std::min<int64_t>(kKeys, e - a - j0));  // the tile's keys, packed once
+            const auto see = [&] {  // the keys of this tile row i sees
+              for (int i = 0; i < rows; ++i)
+                online_row<ND>(s + i * kKeys, std::min<int64_t>(kn, lim[i] - j0), mx[i], l[i], o + i * D);
+            };
+            if constexpr (dot) {
 #if defined(__AVX512BF16__)
-            uint16_t *kp = half.data() + 2 * kRows * D, *vp = kp + D * kKeys, *ph = vp + D * kKeys;
-            pack_tile_dot<D>(kp, vp, kn, [&](int j) { return k + sl[a + j0 + j] * from.ks1; },
-                             [&](int j) { return v + sl[a + j0 + j] * from.vs1; });
-            scores_dot_rows<ND>(qs, D, kp, scale, s, rows);
-            see();
-            values_dot_rows<ND>(s, ph, vp, kn, o, rows);
+              uint16_t *vp = kt + D * kKeys, *ph = qr + kRows * D;
+              if (!done[tile])
+                pack_tile_dot<D>(kt, vp, full, [&](int j) { return k + sl[a + j0 + j] * from.ks1; },
+                                 [&](int j) { return v + sl[a + j0 + j] * from.vs1; });
+              scores_dot_rows<ND>(qs, D, kt, scale, s, rows);
+              see();
+              values_dot_rows<ND>(s, ph, vp, kn, o, rows);
 #endif
-          } else {
-            pack_tile<D, true>(kt, kn, [&](int j) { return k + sl[a + j0 + j] * from.ks1; });
-            scores_rows<ND>(qs, D, kt, scale, s, rows);
-            see();
-            values_rows<ND>(s, [&](int j) { return v + sl[a + j0 + j] * from.vs1; }, kn, o, rows);
+            } else {
+              if (!done[tile]) pack_tile<D, true>(kt, full, [&](int j) { return k + sl[a + j0 + j] * from.ks1; });
+              scores_rows<ND>(qs, D, kt, scale, s, rows);
+              see();
+              values_rows<ND>(s, [&](int j) { return v + sl[a + j0 + j] * from.vs1; }, kn, o, rows);
+            }
+            done[tile] = 1;
           }
         }
+        for (int i = 0; i < rows; ++i) finish_row<ND>(o + i * D, mx[i], l[i], out + at(i) * D, lse + at(i));
       }
-      for (int i = 0; i < rows; ++i) finish_row<ND>(o + i * D, mx[i], l[i], out + at(i) * D, lse + at(i));
     }
   });
 }

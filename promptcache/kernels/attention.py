@@ -145,8 +145,9 @@ def prefill_runs_kernel_for(q: torch.Tensor, kv: torch.Tensor):
     ``query_row[i]`` (int64 [M]) and sees the first ``limits[i, j]`` keys of that row's run j (int64
     [M, R], 0 .. the run's keys: a document's prefix in selective recompute's prompt order, causal
     over the row's own tokens), each run read with the query rotated by the run's rotation, one
-    online softmax over all of them. A tile of consecutive queries of one row (all their query
-    heads) packs each key tile of its runs once; key tiles past its longest limit are not read.
+    online softmax over all of them. A row's key tiles are packed once (on first use) for all its
+    query tiles (consecutive queries, all their query heads); key tiles past a query tile's longest
+    limit are not read.
     bfloat16 queries over a bfloat16 pool take bfloat16 products (float32 sums, the rotated queries
     and the probabilities rounded to bfloat16) where the CPU has AVX-512 BF16, as the decode rows'
     group pass and the causal call do; other bfloat16 queries are widened (exact): float32 products
