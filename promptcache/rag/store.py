@@ -146,6 +146,7 @@ class DocumentStore:
             raise TypeError(f"DocumentStore: system must be a text or None, got {type(system).__name__}")
         self.system = system or None  # the system text of requests that pass none
         self._warned_prefix = False  # a request with another prefix than the encoding's was logged
+        self._encoding_system: str | None = None  # a request system text seen to match encode_prefix
         asked = self._asked_prefix(prefixed)
         self.path = Path(path) if path is not None else None
         self.folder = DocumentFolder(self.path, pc, self._suffix) if self.path is not None else None
@@ -334,7 +335,11 @@ class DocumentStore:
         study such prompts agreed less often on SmolLM2's single-hop task (docs/rag.md)."""
         if system is None:
             return self.system
-        if not self._warned_prefix and self.encode_prefix and not self.exact and self._prefix(system)[0] != self.encode_prefix:
+        if self._warned_prefix or not self.encode_prefix or self.exact or system == self._encoding_system:
+            return system
+        if self._prefix(system)[0] == self.encode_prefix:  # tokenized once, not on every request
+            self._encoding_system = system
+        else:
             self._warned_prefix = True
             log.warning("DocumentStore %s: a request carries the system text %r, but the store's documents are "
                         "encoded after another prefix (its first document is read approximately); give the store "
