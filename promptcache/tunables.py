@@ -83,7 +83,7 @@ COMPILE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
 # first step. Larger steps run as before. Finer sizes pad less and capture more graphs (each holds
 # its own padded gather buffers: ~2 x B x W x KV heads x head dim float32 values a layer's gather).
 GRAPH_BATCHES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
-GRAPH_WIDTH = 256
+GRAPH_WIDTH = 128
 # Buckets kept at once (least recently used dropped first, with their graph and buffers).
 GRAPHS_KEPT = 32
 

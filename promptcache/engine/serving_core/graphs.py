@@ -121,10 +121,12 @@ from .paged import PagedCache, PagedRow, StepPlan, attend, attention_swapped, bu
 
 log = logging.getLogger(__name__)
 
-__all__ = ["COMPILED_ATTENTION", "CapturedSteps", "CompiledSteps", "StaticBucket", "bucket_for", "compile_options",
+__all__ = ["COMPILED_ATTENTION", "STATIC_RANGE", "CapturedSteps", "CompiledSteps", "StaticBucket", "bucket_for", "compile_options",
            "compile_refusal"]
 
 COMPILED_ATTENTION = "promptcache_compiled"
+# the profiler range around a static step's forward (CapturedSteps): what a captured graph replays
+STATIC_RANGE = "promptcache.static_forward"
 
 
 def bucket_for(n: int, buckets: tuple[int, ...] = COMPILE_BUCKETS) -> int | None:
@@ -544,7 +546,8 @@ class CapturedSteps:
 
     def _replay(self, bucket: StaticBucket) -> torch.Tensor:
         runner = self.runner
-        with torch.inference_mode(), runner.lock, attention_swapped(runner, pc_plan=bucket.plan):
+        with torch.inference_mode(), runner.lock, attention_swapped(runner, pc_plan=bucket.plan), \
+                torch.profiler.record_function(STATIC_RANGE):
             if not self.capture:  # the CPU: the same step, uncaptured
                 bucket.logits = self._run(bucket)
                 return bucket.logits
