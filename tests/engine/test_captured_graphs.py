@@ -98,6 +98,7 @@ def test_served_pml_batch_through_static_steps_equals_the_eager_dense_path_and_t
     widths = {key[1] for key in steps.buckets}
     assert 4 in rows and 2 in rows  # 3 rows padded to 4; after one finished, 2
     assert len(widths) >= 2 and all(w % WIDTH == 0 for w in widths)  # re-bucketed as the keys grew
+    assert steps.capture_error is None, steps.capture_error
     assert steps.replayed == (steps.static_steps if steps.capture else 0)
     assert sched.device_id_steps > 0  # ids from the last argmax, on the device, into the ids buffer
     pool = sched.pool
@@ -184,6 +185,27 @@ def test_the_engine_asked_for_cuda_graphs_decodes_as_without_them(dense):
     assert outs[0] == outs[1]
 
 
+def test_a_capture_that_fails_is_logged_and_the_static_steps_run_uncaptured(dense, caplog):
+    """A GPU whose capture refuses an operation: a warning naming the error, and every step still
+    the eager dense path's (here a CPU told it captures, whose capture raises as CUDA's would)."""
+    pc = PromptCache(make_model("llama"), make_tokenizer())
+    pc.add_schema(SCHEMA)
+    want, want_logits, _ = serve(pc, pml_specs(pc), [6, 6, 6])
+    steps = CapturedSteps(pc.runner, batches=BATCHES, width=WIDTH)
+    steps.capture = True
+
+    def refused(bucket):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    steps._capture = refused
+    with caplog.at_level(logging.WARNING, logger="promptcache.engine.serving_core.graphs"):
+        got, got_logits, _ = serve(pc, pml_specs(pc), [6, 6, 6], forward=steps.forward)
+    assert_same_steps(got_logits, want_logits)
+    assert [r.token_ids for r in got] == [r.token_ids for r in want]
+    assert not steps.capture and "not permitted" in steps.capture_error and steps.replayed == 0
+    assert steps.static_steps >= 4 and "run uncaptured" in caplog.text
+
+
 def test_bad_bucket_sizes_are_refused():
     pc = PromptCache(make_model("llama"), make_tokenizer())
     with pytest.raises(ValueError, match="increasing"):
@@ -209,6 +231,7 @@ def test_captured_graphs_replay_the_eager_steps_on_the_gpu(dtype):
     want, want_logits, _ = serve(pc, pml_specs(pc), max_new)
     steps = CapturedSteps(pc.runner, batches=BATCHES, width=WIDTH)
     got, got_logits, _ = serve(pc, pml_specs(pc), max_new, forward=steps.forward)
+    assert steps.capture_error is None, steps.capture_error
     assert steps.capture and steps.capture_seconds and steps.replayed == steps.static_steps > 0
     assert len(steps.capture_seconds) == len(steps.buckets)  # each bucket captured once
     tol = TOL if dtype == "float32" else 5e-2

@@ -373,7 +373,9 @@ class CapturedSteps:
     steps over persistent buffers (captured as CUDA graphs on a GPU), every other step through
     ``fallback(pool, rows)`` (default ``paged_forward``). Counters: ``static_steps`` (steps run over
     a bucket's buffers), ``replayed`` (of them, replays of a captured graph), ``fallback_steps``;
-    ``capture_seconds``: bucket key -> seconds its capture took (warm run, capture and first replay)."""
+    ``capture_seconds``: bucket key -> seconds its capture took (warm run and capture). A capture
+    that fails (an operation that waits for the host, say) is logged as a warning and the static
+    steps run uncaptured from then on (``capture_error`` says why)."""
 
     def __init__(self, runner, fallback=None, batches: tuple[int, ...] | None = None, width: int | None = None,
                  kept: int | None = None):
@@ -387,6 +389,7 @@ class CapturedSteps:
         self.runner, self.batches, self.width, self.kept = runner, batches, width, max(1, kept)
         self.fallback = fallback or (lambda pool, rows: paged_forward(runner, pool, rows))
         self.capture = runner.device.type == "cuda"
+        self.capture_error: str | None = None  # why a capture failed (static steps then run uncaptured)
         adapter = runner.adapter
         # attention computed inline (ALiBi families, Falcon) or reading key positions: never a static step
         self.never = "the model's attention reads key positions (ALiBi)" if adapter.positional == "alibi" \
@@ -552,7 +555,15 @@ class CapturedSteps:
                 bucket.logits = self._run(bucket)
                 return bucket.logits
             if bucket.graph is None:
-                self._capture(bucket)
+                try:
+                    self._capture(bucket)
+                except RuntimeError as e:  # an op the capture refuses: correct steps, uncaptured
+                    self.capture, self.capture_error = False, f"{type(e).__name__}: {e}"
+                    log.warning("capturing the decode step of bucket %s failed (%s): static steps run uncaptured "
+                                "from now on", bucket.key, self.capture_error)
+                    bucket.dense.work.clear()
+                    bucket.logits = self._run(bucket)
+                    return bucket.logits
             bucket.graph.replay()
             self.replayed += 1
             return bucket.logits
