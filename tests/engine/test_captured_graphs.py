@@ -206,6 +206,39 @@ def test_a_capture_that_fails_is_logged_and_the_static_steps_run_uncaptured(dens
     assert steps.static_steps >= 4 and "run uncaptured" in caplog.text
 
 
+def test_a_bucket_whose_rows_drop_resets_the_rows_left_to_padding(dense):
+    """One bucket of 8 rows and 128 keys serves the batch from 3 rows to fewer (requests finished): the
+    rows they left write to the scratch slot again and attend to it alone, every padded key stays
+    masked, and the steps are the eager path's."""
+    pc = PromptCache(make_model("llama"), make_tokenizer())
+    pc.add_schema(SCHEMA)
+    want, want_logits, _ = serve(pc, pml_specs(pc), [12, 3, 12])
+    steps = CapturedSteps(pc.runner, batches=(8,), width=128)
+    got, got_logits, _ = serve(pc, pml_specs(pc), [12, 3, 12], forward=steps.forward)
+    assert_same_steps(got_logits, want_logits)
+    (bucket,) = steps.buckets.values()
+    b, w = bucket.last
+    assert b < 3 and bucket.key[:2] == (8, 128)  # it began with 3 rows
+    mask = bucket.dense.mask.view(8, 128)
+    assert bucket.write[b:].tolist() == [steps.scratch_slot] * (8 - b)
+    assert bucket.dense.slots.view(8, 128)[b:].eq(steps.scratch_slot).all()
+    assert mask[b:, 0].eq(0).all() and mask[b:, 1:].eq(float("-inf")).all() and mask[:b, w:].eq(float("-inf")).all()
+    assert bucket.ids[0, b:].eq(0).all() and bucket.pos[0, b:].eq(0).all()
+
+
+def test_buckets_past_the_number_kept_are_dropped_least_recently_used_first(dense, caplog):
+    """One bucket kept: each new (rows, width) drops the last one (logged) and makes its own buffers
+    again; the steps stay the eager path's."""
+    pc = PromptCache(make_model("llama"), make_tokenizer())
+    pc.add_schema(SCHEMA)
+    want, want_logits, _ = serve(pc, pml_specs(pc), [12, 3, 12])
+    steps = CapturedSteps(pc.runner, batches=BATCHES, width=WIDTH, kept=1)
+    with caplog.at_level(logging.INFO, logger="promptcache.engine.serving_core.graphs"):
+        got, got_logits, _ = serve(pc, pml_specs(pc), [12, 3, 12], forward=steps.forward)
+    assert_same_steps(got_logits, want_logits)
+    assert len(steps.buckets) == 1 and caplog.text.count("dropped (1 kept at most)") >= 2
+
+
 def test_bad_bucket_sizes_are_refused():
     pc = PromptCache(make_model("llama"), make_tokenizer())
     with pytest.raises(ValueError, match="increasing"):
