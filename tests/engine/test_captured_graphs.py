@@ -252,24 +252,34 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GP
 
 @cuda
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_captured_graphs_replay_the_eager_steps_on_the_gpu(dtype):
+def test_captured_graphs_replay_the_uncaptured_static_steps_on_the_gpu(dtype):
     """On a GPU: each bucket's step captured once, then replayed; the served batch's logits as the
-    eager paged steps' (float32 within 1e-4; bfloat16 within its rounding) and the same tokens."""
+    same static steps run uncaptured (the same shapes and kernels: float32 within 1e-4, bfloat16
+    within its rounding; compared up to the first step whose greedy tokens differ, after which the
+    two runs read other tokens), the same tokens in float32. (The tests above, run with
+    PROMPTCACHE_TEST_DEVICE=cuda, hold the captured steps to the eager paged path and the oracle.)"""
     from promptcache.models.loading import load_model
 
     model, tok = load_model("embedded", device="cuda", dtype=dtype)
     pc = PromptCache(model, tok)
     pc.add_schema(SCHEMA)
-    max_new = [12, 3, 12]
-    want, want_logits, _ = serve(pc, pml_specs(pc), max_new)
-    steps = CapturedSteps(pc.runner, batches=BATCHES, width=WIDTH)
-    got, got_logits, _ = serve(pc, pml_specs(pc), max_new, forward=steps.forward)
+    runs = []
+    for capture in (False, True):
+        steps = CapturedSteps(pc.runner, batches=BATCHES, width=WIDTH)
+        steps.capture = capture
+        runs.append((*serve(pc, pml_specs(pc), [12, 3, 12], forward=steps.forward)[:2], steps))
+    (plain, plain_logits, uncaptured), (got, got_logits, steps) = runs
     assert steps.capture_error is None, steps.capture_error
-    assert steps.capture and steps.capture_seconds and steps.replayed == steps.static_steps > 0
+    assert uncaptured.replayed == 0 and steps.replayed == steps.static_steps > 0
     assert len(steps.capture_seconds) == len(steps.buckets)  # each bucket captured once
-    tol = TOL if dtype == "float32" else 5e-2
-    assert len(got_logits) == len(want_logits)
-    for a, b in zip(got_logits, want_logits):
-        assert (a - b).abs().max().item() <= tol * max(1.0, b.abs().max().item())
+    tol = TOL if dtype == "float32" else 2e-2
+    compared = 0
+    for a, b in zip(got_logits, plain_logits):
+        assert a.shape == b.shape
+        assert (a - b).abs().max().item() <= tol * max(1.0, b.abs().max().item()), compared
+        compared += 1
+        if not torch.equal(a.argmax(-1), b.argmax(-1)):
+            break
+    assert compared >= 3
     if dtype == "float32":
-        assert [r.token_ids for r in got] == [r.token_ids for r in want]
+        assert [r.token_ids for r in got] == [r.token_ids for r in plain]
