@@ -202,8 +202,8 @@ def main(argv=None) -> list[dict]:
         row["x_read"] = round(row["step_ms"] / read_ms, 2)
         rows.append(row)
         print(json.dumps(row), flush=True)
-    print(f"{'batch':>6}{'step ms':>10}{'tok/s':>10}{'x read':>8}{'aten':>8}{'launches':>10}{'static':>8}{'replayed':>9}"
-          f"{'aten in static':>16}{'launches in static':>20}")
+    print(f"{'batch':>6}{'step ms':>10}{'tok/s':>10}{'x read':>8}{'aten':>8}{'launches':>10}{'static':>8}"
+          f"{'replayed':>9}{'aten in static':>16}{'launches in static':>20}")
     for r in rows:
         print(f"{r['batch']:>6}{r['step_ms']:>10}{r['tok_s']:>10}{r['x_read']:>8}{str(r['aten_calls']):>8}"
               f"{str(r['launches']):>10}{r['static_steps']:>8}{r['replayed']:>9}{str(r['static_aten']):>16}"

@@ -1,4 +1,4 @@
-"""Decode steps over persistent buffers (``engine/serving_core/graphs.py, ``CapturedSteps````, ``RunnerConfig.cuda_graphs``).
+"""Decode steps over persistent buffers (``serving_core/graphs.py``: ``CapturedSteps``, ``RunnerConfig.cuda_graphs``).
 
 On a CPU the static step runs uncaptured, the same buffers and calls a GPU captures and replays: a
 served decode through it must give, step by step, the float32 logits (within 1e-4) and greedy

@@ -121,8 +121,8 @@ from .paged import PagedCache, PagedRow, StepPlan, attend, attention_swapped, bu
 
 log = logging.getLogger(__name__)
 
-__all__ = ["COMPILED_ATTENTION", "STATIC_RANGE", "CapturedSteps", "CompiledSteps", "StaticBucket", "bucket_for", "compile_options",
-           "compile_refusal"]
+__all__ = ["COMPILED_ATTENTION", "STATIC_RANGE", "CapturedSteps", "CompiledSteps", "StaticBucket", "bucket_for",
+           "compile_options", "compile_refusal"]
 
 COMPILED_ATTENTION = "promptcache_compiled"
 # the profiler range around a static step's forward (CapturedSteps): what a captured graph replays
@@ -409,7 +409,8 @@ class CapturedSteps:
         why = self.refusal(pool, rows)
         plan = None
         if why is None:
-            plan = build_plan(pool, rows, keys=key_rule(self.runner.adapter), rope=query_rope(self.runner.adapter, rows))
+            adapter = self.runner.adapter
+            plan = build_plan(pool, rows, keys=key_rule(adapter), rope=query_rope(adapter, rows))
             why = self._plan_refusal(plan, pool)
         if why is not None:
             log.debug("a step of %d rows runs without the static buffers: %s", len(rows), why)
