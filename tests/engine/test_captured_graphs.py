@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from promptcache import EngineConfig, PromptCache, RunnerConfig
+from promptcache.engine import TokenPrompt
 from promptcache.engine.decoding.sampling import SamplingParams
 from promptcache.engine.serving_core import paged
 from promptcache.engine.serving_core.graphs import CapturedSteps
@@ -166,6 +167,46 @@ def test_steps_a_static_step_cannot_express_run_the_other_forward_with_a_debug_l
     assert "ALiBi" in CapturedSteps(bloom.runner).refusal(KVPool(bloom.runner.spec, bloom.device, 64, 16), rows)
     monkeypatch.setattr(cpu_attention, "gathers", lambda buf: True)
     assert "native CPU kernel" in steps.refusal(KVPool(pc.runner.spec, pc.device, 64, 16), rows)
+
+
+@pytest.mark.parametrize("window", [7, 200])
+def test_sliding_windows_run_static_steps_until_a_row_reaches_past_them(window, dense, caplog):
+    """Gemma 3 (sliding layers): while no row's keys reach past the window the plan reads no key
+    positions and the step is static; a window of 7 is passed at once, and those steps run the other
+    forward (logged). Either way the eager path's logits and tokens. (Token prompts: a PML prompt's
+    modules stay in the store's tensors for a windowed model, outside the pool.)"""
+    from tiny import gemma3_model
+
+    pc = PromptCache(gemma3_model(window), make_tokenizer())
+    specs = lambda: [TokenPrompt(ids, "ns") for ids in ((5, 9, 12, 40, 41, 7, 8, 30, 31), (5, 9, 13), (8, 8, 20))]  # noqa: E731
+    want, want_logits, _ = serve(pc, specs(), [6, 6, 6])
+    steps = CapturedSteps(pc.runner, batches=BATCHES, width=WIDTH)
+    with caplog.at_level(logging.DEBUG, logger="promptcache.engine.serving_core.graphs"):
+        got, got_logits, _ = serve(pc, specs(), [6, 6, 6], forward=steps.forward)
+    assert_same_steps(got_logits, want_logits)
+    assert [r.token_ids for r in got] == [r.token_ids for r in want]
+    if window == 7:
+        assert steps.static_steps == 0 and "a sliding window some row reaches past" in caplog.text
+    else:
+        assert steps.static_steps >= 4
+
+
+def test_documents_read_from_the_store_in_place_run_the_other_forward(dense, caplog, monkeypatch):
+    """With documents left in the store's tensors (``tunables.POOL_DOCUMENTS`` off) a decode step
+    merges segments from outside the pool: the other forward, logged, the same answer."""
+    from promptcache import tunables
+
+    monkeypatch.setattr(tunables, "POOL_DOCUMENTS", False)
+    pc = PromptCache(make_model("llama"), make_tokenizer())
+    store = rag(pc)
+    specs = lambda: [store.prompt(f"Which city is old? ({i})", ids, recompute=0.0)  # noqa: E731
+                     for i, ids in enumerate(ORDERS[:3])]
+    want, want_logits, _ = serve(pc, specs(), [4, 4, 4], budget=512)
+    steps = CapturedSteps(pc.runner, batches=BATCHES, width=WIDTH)
+    with caplog.at_level(logging.DEBUG, logger="promptcache.engine.serving_core.graphs"):
+        got, got_logits, _ = serve(pc, specs(), [4, 4, 4], forward=steps.forward, budget=512)
+    assert_same_steps(got_logits, want_logits)
+    assert steps.static_steps == 0 and "segments held outside the pool" in caplog.text
 
 
 def test_the_engine_asked_for_cuda_graphs_decodes_as_without_them(dense):
