@@ -178,7 +178,8 @@ def test_sliding_windows_run_static_steps_until_a_row_reaches_past_them(window, 
     from tiny import gemma3_model
 
     pc = PromptCache(gemma3_model(window), make_tokenizer())
-    specs = lambda: [TokenPrompt(ids, "ns") for ids in ((5, 9, 12, 40, 41, 7, 8, 30, 31), (5, 9, 13), (8, 8, 20))]  # noqa: E731
+    prompts = ((5, 9, 12, 40, 41, 7, 8, 30, 31), (5, 9, 13), (8, 8, 20))
+    specs = lambda: [TokenPrompt(ids, "ns") for ids in prompts]  # noqa: E731
     want, want_logits, _ = serve(pc, specs(), [6, 6, 6])
     steps = CapturedSteps(pc.runner, batches=BATCHES, width=WIDTH)
     with caplog.at_level(logging.DEBUG, logger="promptcache.engine.serving_core.graphs"):
