@@ -572,7 +572,8 @@ class CapturedSteps:
     def _capture(self, bucket: StaticBucket) -> None:
         """Record ``bucket``'s step as a CUDA graph: one eager run first (lazy allocations, kernel
         choices), then the capture into the shared memory pool (the buffers a layer gathers into
-        are made again inside it)."""
+        are made again inside it). Only the graph's output (the logits) stays held between replays:
+        it is read (cloned) before the next replay, of whatever bucket, may overwrite it."""
         t0 = time.perf_counter()
         dev = self.runner.device
         torch.cuda.synchronize(dev)
@@ -585,6 +586,10 @@ class CapturedSteps:
         with torch.cuda.graph(graph, pool=self._mempool):
             bucket.logits = self._run(bucket)
         bucket.graph = graph
+        # the gather buffers go back to the shared pool (the graph keeps their addresses): every replay
+        # writes them before reading them, so later captures may reuse them as the intermediates are;
+        # the buckets' graphs then hold about the largest one's memory, not the sum
+        bucket.dense.work.clear()
         torch.cuda.synchronize(dev)
         self.capture_seconds[bucket.key] = time.perf_counter() - t0
         log.info("captured the decode step of bucket %s (rows, keys a row, rotation) in %.2f s", bucket.key,
