@@ -24,7 +24,9 @@ step's copies into its buffers); on a CPU the same step runs uncaptured, with th
 kernel turned off (``PROMPTCACHE_NATIVE_ATTENTION=0``: the static step is the dense path's, which
 the kernel's path does not take). ``static_steps`` / ``replayed``: steps of the measured batch that
 ran over the static buffers / replayed a captured graph; ``device_ids``: steps whose input ids were
-the last step's argmax on the device; ``static_aten`` / ``static_launches``: the profiled step's aten
+the last step's argmax on the device; ``graphs_captured`` / ``capture_s``: CUDA graphs captured so far
+in the run and the seconds they took (``capture_error``: why a capture failed, if one did); ``static_aten``
+/ ``static_launches``: the profiled step's aten
 calls and launches inside the static forward (``graphs.STATIC_RANGE``): on a CPU the calls a capture
 would replay as one launch, on a GPU what the replay costs (the graph's launch).
 
@@ -126,9 +128,13 @@ def measure(pc, batch: int, args, seed: int) -> dict:
         r.cancel()
     while engine.has_work:
         engine.step()
+    c = engine.captured
+    captures = dict(graphs_captured=len(c.capture_seconds) if c else 0,
+                    capture_s=round(sum(c.capture_seconds.values()), 3) if c else 0.0,
+                    capture_error=(c.capture_error or "") if c else "")
     return dict(batch=batch, step_ms=round(1e3 * statistics.median(times), 3),
                 step_ms_min=round(1e3 * min(times), 3), tok_s=round(batch / statistics.median(times), 1), **counts,
-                **graphs)
+                **graphs, **captures)
 
 
 def _static_counts(engine) -> dict:
