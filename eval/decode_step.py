@@ -1,8 +1,9 @@
 """The serving core's decode step against the time to read the weights once.
 
     python -m eval.decode_step --model embedded:1b --device cuda --dtype bfloat16 [--batches 1 16 48]
-                               [--prompt-tokens 64] [--steps 32] [--bandwidth-tbs TB/S] [--compile] [--out DIR] [--tag T]
-    python -m eval.decode_step --quick      # seconds on a CPU: the demo model, batches 1 and 4
+                               [--prompt-tokens 64] [--steps 32] [--bandwidth-tbs TB/S] [--compile] [--cuda-graphs]
+                               [--out DIR] [--tag T]
+    python -m eval.decode_step --quick [--cuda-graphs]   # seconds on a CPU: the demo model, batches 1 and 4
 
 For each batch size B, B token prompts (``--prompt-tokens`` random tokens each, none shared) are
 submitted together to the engine ``generate`` runs on (``PromptCache.engine()``), greedy with EOS
@@ -16,7 +17,18 @@ of it) over the memory bandwidth. The bandwidth is ``--bandwidth-tbs`` if given 
 4.8 TB/s, ~4.3 reachable), else the one measured here as eval/bench_compile.py measures it (a 1 GiB
 device copy on CUDA, read and write counted; a sum over 1 GiB on a CPU; reported either way).
 ``x_read`` is the step over that floor (the issue's bar: <= 2 at batch 48). ``--compile``: the
-engine's compiled steps (CUDA graphs on a GPU) instead of eager ones.
+engine's compiled steps (piecewise CUDA graphs on a GPU) instead of eager ones. ``--cuda-graphs``:
+decode steps over persistent buffers (``RunnerConfig.cuda_graphs``), each bucket captured as one
+CUDA graph on a GPU and replayed (``launches`` then counts the graph's launch as one, beside the
+step's copies into its buffers); on a CPU the same step runs uncaptured, with the native attention
+kernel turned off (``PROMPTCACHE_NATIVE_ATTENTION=0``: the static step is the dense path's, which
+the kernel's path does not take). ``static_steps`` / ``replayed``: steps of the measured batch that
+ran over the static buffers / replayed a captured graph; ``device_ids``: steps whose input ids were
+the last step's argmax on the device; ``graphs_captured`` / ``capture_s``: CUDA graphs captured so far
+in the run and the seconds they took (``capture_error``: why a capture failed, if one did); ``static_aten``
+/ ``static_launches``: the profiled step's aten
+calls and launches inside the static forward (``graphs.STATIC_RANGE``): on a CPU the calls a capture
+would replay as one launch, on a GPU what the replay costs (the graph's launch).
 
 Writes decode_step{--tag}.csv and .png to ``--out`` (default eval/results/) and prints each row.
 """
@@ -25,12 +37,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import statistics
 import sys
 import time
 
 import torch
+
+from promptcache.engine.serving_core.graphs import STATIC_RANGE
 
 from .bench_compile import bandwidth as measured_bandwidth, weight_bytes
 from .common import RESULTS, add_model_args, pyplot, save_figure, save_table
@@ -66,10 +81,17 @@ def profiled(step, device: torch.device) -> dict:
     except RuntimeError as e:  # a build or driver without the profiler's pieces (CUPTI)
         print(f"note: torch.profiler failed ({e}): no call counts")
         step()
-        return dict(aten_calls=None, launches=None)
-    names = [e.name for e in prof.events()]
+        return dict(aten_calls=None, launches=None, static_aten=None, static_launches=None)
+    events = prof.events()
+    names = [e.name for e in events]
+    # the static step's forward (CapturedSteps): the calls a captured graph replays in one launch
+    ranges = [(e.time_range.start, e.time_range.end, e.thread) for e in events if e.name == STATIC_RANGE]
+    inside = [e for e in events if any(a <= e.time_range.start and e.time_range.end <= b and e.thread == t
+                                       for a, b, t in ranges)]
     return dict(aten_calls=sum(n.startswith("aten::") for n in names),
-                launches=sum("LaunchKernel" in n or n == "cudaGraphLaunch" for n in names))
+                launches=sum("LaunchKernel" in n or n == "cudaGraphLaunch" for n in names),
+                static_aten=sum(e.name.startswith("aten::") for e in inside),
+                static_launches=sum("LaunchKernel" in e.name or e.name == "cudaGraphLaunch" for e in inside))
 
 
 def measure(pc, batch: int, args, seed: int) -> dict:
@@ -99,13 +121,27 @@ def measure(pc, batch: int, args, seed: int) -> dict:
         times.append(time.perf_counter() - t)
     if any(r.finished for r in reqs):
         raise RuntimeError("a request finished during the timed steps: raise max_new_tokens")
+    before = _static_counts(engine)
     counts = profiled(engine.step, pc.device)
+    graphs = {k: v - before[k] for k, v in _static_counts(engine).items()}
     for r in reqs:
         r.cancel()
     while engine.has_work:
         engine.step()
+    c = engine.captured
+    captures = dict(graphs_captured=len(c.capture_seconds) if c else 0,
+                    capture_s=round(sum(c.capture_seconds.values()), 3) if c else 0.0,
+                    capture_error=(c.capture_error or "") if c else "")
     return dict(batch=batch, step_ms=round(1e3 * statistics.median(times), 3),
-                step_ms_min=round(1e3 * min(times), 3), tok_s=round(batch / statistics.median(times), 1), **counts)
+                step_ms_min=round(1e3 * min(times), 3), tok_s=round(batch / statistics.median(times), 1), **counts,
+                **graphs, **captures)
+
+
+def _static_counts(engine) -> dict:
+    """The engine's static-step counters so far (zeros without ``cuda_graphs``)."""
+    c = engine.captured
+    return dict(static_steps=c.static_steps if c else 0, replayed=c.replayed if c else 0,
+                device_ids=engine.scheduler.device_id_steps)
 
 
 def plot(rows, path) -> None:
@@ -134,6 +170,9 @@ def main(argv=None) -> list[dict]:
                     help="memory bandwidth in TB/s for the weights' read time (default: measured here)")
     ap.add_argument("--compile", action="store_true",
                     help="compiled steps (RunnerConfig.compile: CUDA graphs on a GPU; compiling takes minutes at first)")
+    ap.add_argument("--cuda-graphs", action="store_true",
+                    help="decode steps over persistent buffers, captured as CUDA graphs on a GPU (RunnerConfig."
+                         "cuda_graphs); on a CPU uncaptured, with the native attention kernel off")
     ap.add_argument("--quick", action="store_true", help="the demo model, batches 1 and 4, a few steps (CPU dry run)")
     ap.add_argument("--out", default=str(RESULTS))
     ap.add_argument("--tag", default="")
@@ -142,11 +181,14 @@ def main(argv=None) -> list[dict]:
         ap.set_defaults(**QUICK)
         args = ap.parse_args(argv)
 
+    if args.cuda_graphs and not str(args.device or "cpu").startswith("cuda"):
+        os.environ["PROMPTCACHE_NATIVE_ATTENTION"] = "0"  # the static step is the dense path's (read when first used)
     from promptcache import EngineConfig, PromptCache, RunnerConfig
     from promptcache.models.loading import load_model
 
     model, tok = load_model(args.model, device=args.device, dtype=args.dtype)
-    pc = PromptCache(model, tok, EngineConfig(runner=RunnerConfig(compile=args.compile)))
+    pc = PromptCache(model, tok, EngineConfig(runner=RunnerConfig(compile=args.compile,
+                                                                  cuda_graphs=args.cuda_graphs)))
     device = pc.device
     measured = measured_bandwidth(device)
     bandwidth = measured if args.bandwidth_tbs is None else args.bandwidth_tbs * 1e12
@@ -159,15 +201,19 @@ def main(argv=None) -> list[dict]:
     rows = []
     for i, batch in enumerate(args.batches):
         row = dict(model=args.model, dtype=args.dtype, device_name=name, compiled=args.compile,
+                   cuda_graphs=args.cuda_graphs,
                    **measure(pc, batch, args, seed=i),
                    weight_gb=round(wbytes / 1e9, 3), bandwidth_tbs=round(bandwidth / 1e12, 3),
                    measured_tbs=round(measured / 1e12, 3), read_ms=round(read_ms, 3))
         row["x_read"] = round(row["step_ms"] / read_ms, 2)
         rows.append(row)
         print(json.dumps(row), flush=True)
-    print(f"{'batch':>6}{'step ms':>10}{'tok/s':>10}{'x read':>8}{'aten':>8}{'launches':>10}")
+    print(f"{'batch':>6}{'step ms':>10}{'tok/s':>10}{'x read':>8}{'aten':>8}{'launches':>10}{'static':>8}"
+          f"{'replayed':>9}{'aten in static':>16}{'launches in static':>20}")
     for r in rows:
-        print(f"{r['batch']:>6}{r['step_ms']:>10}{r['tok_s']:>10}{r['x_read']:>8}{str(r['aten_calls']):>8}{str(r['launches']):>10}")
+        print(f"{r['batch']:>6}{r['step_ms']:>10}{r['tok_s']:>10}{r['x_read']:>8}{str(r['aten_calls']):>8}"
+              f"{str(r['launches']):>10}{r['static_steps']:>8}{r['replayed']:>9}{str(r['static_aten']):>16}"
+              f"{str(r['static_launches']):>20}")
     save_table(f"decode_step{args.tag}", rows, args.out, plot)
     return rows
 

@@ -77,6 +77,15 @@ POOL_DOCUMENTS = True
 # are bound by their matrix products and compiling gains nothing there; 128 holds the new tokens
 # of a 99%-cached 8K prompt (engine/serving_core/graphs.py).
 COMPILE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
+# Decode steps over persistent buffers (RunnerConfig.cuda_graphs, engine/serving_core/graphs.py):
+# a step's rows are padded up to one of these batch sizes and its keys a row up to a multiple of
+# GRAPH_WIDTH, each (batch, width, rotation) one bucket, on a GPU one CUDA graph captured at its
+# first step. Larger steps run as before. Finer sizes pad less and capture more graphs (a capture
+# takes a fraction of a second; the graphs share one memory pool, about the largest one's memory).
+GRAPH_BATCHES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+GRAPH_WIDTH = 128
+# Buckets kept at once (least recently used dropped first, with their graph and buffers).
+GRAPHS_KEPT = 32
 
 # -- window-aware storage (engine/prefill/window_reads.py) ----------------------------------------
 # Bytes of whole states encoded again for readers a trimming tier (disk, Redis) kept too little for,

@@ -72,6 +72,13 @@ class RunnerConfig:
         False, "Compile serving steps of few tokens (decode, short prefills) with torch.compile: on a CPU one "
                "graph with symbolic sizes, compiled at start; on a GPU padded buckets as CUDA graphs. Compiled "
                "graphs are kept on disk (inductor's cache).")
+    # decode steps run over persistent buffers, padded to buckets, captured as CUDA graphs on a GPU and
+    # replayed (engine/serving_core/graphs.py, CapturedSteps); any other step runs as before. Off by default: not yet
+    # measured on a GPU (docs/gpu.md); on a CPU the same step runs uncaptured (no gain: for tests)
+    cuda_graphs: bool = setting(
+        False, "Run decode steps over persistent buffers padded to bucket sizes, captured as CUDA graphs on a GPU "
+               "(one graph a bucket, at its first step) and replayed; other steps run as before. On a CPU the "
+               "same step runs uncaptured.")
 
     def __post_init__(self):
         if isinstance(self.encode_chunk, bool) or not isinstance(self.encode_chunk, int) or self.encode_chunk < 1:

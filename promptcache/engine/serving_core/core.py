@@ -8,7 +8,8 @@
 It owns the KV pool (``kvpool.py``, sized by ``ServingConfig``), the step loop
 (``serving.ServingScheduler``: one packed forward per step, chunked prefill, shared states read in
 place), the prefix chains (``prefix.PrefixCache``: token prompts' blocks, published as requests
-fill them) and, with ``RunnerConfig.compile``, the compiled steps. ``PromptCache.generate`` /
+fill them) and, with ``RunnerConfig.compile``, the compiled steps; with ``RunnerConfig.cuda_graphs``,
+decode steps over static buffers (CUDA graphs on a GPU: ``graphs.CapturedSteps``). ``PromptCache.generate`` /
 ``stream``, ``DocumentStore.generate``, ``promptcache chat`` and the server all submit requests
 here, so a list of prompts given to ``generate`` is batched as concurrent HTTP requests are.
 
@@ -34,7 +35,7 @@ from typing import Iterator
 from ...models import UnsupportedModelError
 from ...progress import Progress
 from ..prefill.config import ServingConfig
-from .graphs import CompiledSteps
+from .graphs import CapturedSteps, CompiledSteps
 from .kvpool import KVPool
 from .paged import paged_refusal
 from .prefix import PrefixCache
@@ -63,9 +64,13 @@ class Engine:
         if core.config.runner.compile:
             self.compiled = CompiledSteps(runner)
             self.compiled.warm()  # a first start compiles; later ones load from inductor's disk cache
+        forward = self.compiled.forward if self.compiled else None
+        self.captured: CapturedSteps | None = None
+        if core.config.runner.cuda_graphs:  # decode steps over static buffers; the rest as above
+            self.captured = CapturedSteps(runner, fallback=forward)
+            forward = self.captured.forward
         self.scheduler = ServingScheduler(runner, self.pool, c.max_num_batched_tokens, c.max_num_seqs,
-                                          on_publish=_write_through(store),
-                                          forward=self.compiled.forward if self.compiled else None,
+                                          on_publish=_write_through(store), forward=forward,
                                           planner=core.planner, chains=self.prefix)
         self.lock = threading.RLock()  # held while a step runs: one thread steps at a time
         self._incoming: deque[Request] = deque()  # appended from any thread, drained by the stepping one

@@ -1,4 +1,6 @@
-"""Compiled serving steps (``RunnerConfig.compile``, ``--compile``): ``CompiledSteps``.
+"""Serving steps run as graphs: compiled (``RunnerConfig.compile``, ``--compile``: ``CompiledSteps``) and
+decode steps over persistent buffers, captured as CUDA graphs (``RunnerConfig.cuda_graphs``: ``CapturedSteps``,
+the section at the end).
 
 A serving step of few tokens (decode rows, a short new-token prefill) is bound by launching
 kernels, not by computing them: hundreds of small ops per layer, each dispatched from Python.
@@ -50,32 +52,81 @@ tokens for every family the pool serves.
 On a CPU the linears, reading the weights, are most of a decode step, so a compiled step is only
 a little faster than the eager one, and each graph costs seconds of compiling at the first start
 (less from inductor's cache); hence opt-in. Figures: eval/results/compile.md.
+
+**Captured decode steps** (``CapturedSteps``, ``RunnerConfig.cuda_graphs``, ``--cuda-graphs``).
+
+A decode step on a GPU is bound by launching kernels, not by running them: ~840 launches a step on a
+1B model, each dispatched from Python, 57x the time to read the weights at batch 48
+(eval/results/cuda_checks_2026-11-28.md). A CUDA graph replays a recorded step's kernels in one
+launch, but only over the same memory: every input of the step must be a tensor that stays where it
+is. ``CapturedSteps.forward`` runs a step of decode rows as such a step:
+
+* **Buckets.** The rows are padded up to a batch size of ``tunables.GRAPH_BATCHES`` (B) and each
+  row's keys up to a multiple of ``tunables.GRAPH_WIDTH`` (W); a bucket is (B, W, the rotation of
+  shifted keys: none, or its channels). Each bucket owns its buffers: the input ids and position
+  IDs [1, B], the pool slots the new keys and values go to [B], the dense plan of the step
+  (``dense.DenseStep``: the gathered key slots [B * W], the mask [B, 1, 1, W], the rotation of
+  shifted keys cos/sin [B, W, r]) and, once it has run, the logits [1, B, V] the forward returned.
+* **A step** builds its plan as the eager dense path does (``paged.build_plan``: a decode batch's
+  plan is kept and grown across steps, ``dense.DecodePlans``), copies the rows' ids (the last
+  step's argmax where the scheduler kept it on the device: ``PagedRow.sampled``, a device copy),
+  positions, write slots and plan into the bucket's buffers, and runs the model's forward over
+  those buffers alone, through the same attention (``paged.attend`` on a plan holding the bucket's
+  ``DenseStep``: ``dense.attend_dense``). Pad rows (B above the rows) read token 0 at position 0,
+  write their keys to a scratch slot (one block of the pool, held while this object serves it)
+  and attend to that slot alone (finite values; their logits are dropped); pad keys (W above a
+  row's keys) are masked. A bucket's buffers outside the real rows are reset only when its
+  (rows, keys) changed since its last step.
+* **On a GPU** a bucket's first step runs once eagerly (allocations settle), is captured with
+  ``torch.cuda.graph`` (one memory pool shared by every bucket's graph: steps replay one at a
+  time) and replayed; later steps copy their inputs in and replay (the logits cloned out: the
+  next replay overwrites them). Captured lazily, only the buckets that occur, each logged with the
+  time it took; at most ``tunables.GRAPHS_KEPT`` kept (least recently used dropped).
+  **On a CPU** the identical step runs uncaptured (the same buffers and calls, no replay): how
+  its exactness is tested here (tests/engine/test_captured_graphs.py).
+
+What a static step cannot express takes the step's other forward (``fallback``: the compiled or
+eager ``paged_forward``), logged at debug level with the reason: a prefill row or one asking no
+logits, a row with key limits (selective recompute), more rows than the largest bucket, a model
+whose attention reads key positions (ALiBi, a sliding window some row reaches past), the native
+CPU kernel's path (it reads stored tensors in place), segments held outside the pool, a pool
+with no block free for the scratch slot. Never a wrong answer: the static step computes what
+``paged_forward`` computes on the dense path (float32 logits within 1e-4, the same greedy tokens).
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
+import math
 import os
 import threading
 import time
 import types
+from collections import OrderedDict
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
 from transformers import AttentionInterface
 
+from ... import tunables
 from ...errors import ConfigError
+from ...kernels import attention as cpu_attention
 from ...tunables import COMPILE_BUCKETS
+from .dense import DenseStep
 from .kvpool import KVPool
-from .paged import PagedRow, StepPlan, attend, attention_swapped, build_plan, key_rule, paged_forward, \
+from .paged import PagedCache, PagedRow, StepPlan, attend, attention_swapped, build_plan, key_rule, paged_forward, \
     paged_refusal, query_rope, step_inputs
 
 log = logging.getLogger(__name__)
 
-__all__ = ["COMPILED_ATTENTION", "CompiledSteps", "bucket_for", "compile_options", "compile_refusal"]
+__all__ = ["COMPILED_ATTENTION", "STATIC_RANGE", "CapturedSteps", "CompiledSteps", "StaticBucket", "bucket_for",
+           "compile_options", "compile_refusal"]
 
 COMPILED_ATTENTION = "promptcache_compiled"
+# the profiler range around a static step's forward (CapturedSteps): what a captured graph replays
+STATIC_RANGE = "promptcache.static_forward"
 
 
 def bucket_for(n: int, buckets: tuple[int, ...] = COMPILE_BUCKETS) -> int | None:
@@ -297,3 +348,249 @@ class CompiledSteps:
                                 for t, own in zip(lengths, blocks)])
             for own in blocks:
                 pool.free(own)
+
+
+# -- decode steps over persistent buffers, captured as CUDA graphs ---------------------------------
+
+@dataclass(eq=False)
+class StaticBucket:
+    """One bucket's persistent buffers (see the module's docstring) and, on a GPU, its graph."""
+
+    key: tuple  # (B, W, rotation: None or (r, swap))
+    ids: torch.Tensor  # [1, B]
+    pos: torch.Tensor  # [1, B]
+    write: torch.Tensor  # [B] pool slot each row's new key and value go to
+    dense: DenseStep  # rows B, queries 1, width W: slots [B * W], mask [B, 1, 1, W], cos / sin [B, W, r]
+    plan: StepPlan  # the plan every layer reads: ``dense`` over the pool
+    logits: torch.Tensor | None = None  # [1, B, V] the forward's (on a GPU: the graph's output)
+    graph: object | None = None  # torch.cuda.CUDAGraph once captured
+    last: tuple[int, int] | None = None  # (rows, keys a row) of its last step: the real region
+    steps: int = 0
+
+
+class CapturedSteps:
+    """``forward(pool, rows)``: a step's logits [k, V] as ``paged.paged_forward`` gives them; decode
+    steps over persistent buffers (captured as CUDA graphs on a GPU), every other step through
+    ``fallback(pool, rows)`` (default ``paged_forward``). Counters: ``static_steps`` (steps run over
+    a bucket's buffers), ``replayed`` (of them, replays of a captured graph), ``fallback_steps``;
+    ``capture_seconds``: bucket key -> seconds its capture took (warm run and capture). A capture
+    that fails (an operation that waits for the host, say) is logged as a warning and the static
+    steps run uncaptured from then on (``capture_error`` says why)."""
+
+    def __init__(self, runner, fallback=None, batches: tuple[int, ...] | None = None, width: int | None = None,
+                 kept: int | None = None):
+        batches = tuple(batches if batches is not None else tunables.GRAPH_BATCHES)
+        width = width if width is not None else tunables.GRAPH_WIDTH
+        kept = kept if kept is not None else tunables.GRAPHS_KEPT
+        if not batches or list(batches) != sorted(set(batches)) or batches[0] < 1:
+            raise ValueError(f"static step batch sizes must be increasing positive sizes, got {batches!r}")
+        if isinstance(width, bool) or not isinstance(width, int) or width < 1:
+            raise ValueError(f"static step key width must be an integer >= 1, got {width!r}")
+        self.runner, self.batches, self.width, self.kept = runner, batches, width, max(1, kept)
+        self.fallback = fallback or (lambda pool, rows: paged_forward(runner, pool, rows))
+        self.capture = runner.device.type == "cuda"
+        self.capture_error: str | None = None  # why a capture failed (static steps then run uncaptured)
+        adapter = runner.adapter
+        # attention computed inline (ALiBi families, Falcon) or reading key positions: never a static step
+        self.never = "the model's attention reads key positions (ALiBi)" if adapter.positional == "alibi" \
+            else "the model computes attention inline" if adapter.inline_attention else None
+        if self.never is not None:
+            log.info("static decode steps (cuda_graphs) do not apply to this model: %s; its steps run as before",
+                     self.never)
+        self.buckets: OrderedDict[tuple, StaticBucket] = OrderedDict()
+        self.pool: KVPool | None = None
+        self.scratch: list[int] | None = None  # the block whose first slot pad rows write to
+        self._mempool = None
+        self.static_steps = self.replayed = self.fallback_steps = 0
+        self.capture_seconds: dict[tuple, float] = {}
+
+    # -- the step -------------------------------------------------------------------------------
+    def forward(self, pool: KVPool, rows: list[PagedRow]) -> torch.Tensor:
+        why = self.refusal(pool, rows)
+        plan = None
+        if why is None:
+            adapter = self.runner.adapter
+            plan = build_plan(pool, rows, keys=key_rule(adapter), rope=query_rope(adapter, rows))
+            why = self._plan_refusal(plan, pool)
+        if why is not None:
+            log.debug("a step of %d rows runs without the static buffers: %s", len(rows), why)
+            self.fallback_steps += 1
+            return self.fallback(pool, rows)
+        dense: DenseStep = plan.dense
+        bucket = self._bucket(pool, dense)
+        self._load(bucket, pool, rows, dense)
+        logits = self._replay(bucket)
+        self.static_steps += 1
+        bucket.steps += 1
+        out = logits[0, : dense.rows]
+        # a graph's output lives in its memory pool and the next replay overwrites it
+        return out.clone() if self.capture else out
+
+    def refusal(self, pool: KVPool, rows: list[PagedRow]) -> str | None:
+        """Why these rows cannot run as a static step, from the rows alone (None: they may)."""
+        if self.never is not None:
+            return self.never
+        if not rows:
+            return "no rows"
+        if any(len(r.ids) != 1 or not r.logits for r in rows):
+            return "a prefill row (more than one token, or no logits)"
+        if any(r.shared_limits is not None and any(x is not None for x in r.shared_limits) for r in rows):
+            return "a row with key limits (selective recompute)"
+        if len(rows) > self.batches[-1]:
+            return f"{len(rows)} rows, more than the largest bucket ({self.batches[-1]})"
+        if cpu_attention.gathers(pool.buf):
+            return "the native CPU kernel reads this pool (its path, not the dense one)"
+        return None
+
+    def _plan_refusal(self, plan: StepPlan, pool: KVPool) -> str | None:
+        if plan.keys is not None:
+            return "a sliding window some row reaches past"
+        if plan.dense is None:
+            return "no dense plan (the padded scores would pass tunables.DENSE_MAX)"
+        if plan.segments or plan.limited:
+            return "segments held outside the pool (a store tier's tensors)"
+        d = plan.dense
+        if d.queries != 1 or d.qidx is not None or d.back is not None:
+            return "queries padded within a row"
+        b, w = bucket_for(d.rows, self.batches), self._width(d.width)
+        if pool.buf.shape[2] * b * w > tunables.DENSE_MAX:
+            return f"the bucket ({b} rows x {w} keys) would pass tunables.DENSE_MAX"
+        if not self._bind(pool):
+            return "no pool block free for the pad rows' scratch slot"
+        return None
+
+    def _width(self, w: int) -> int:
+        return self.width * math.ceil(w / self.width)
+
+    def _bind(self, pool: KVPool) -> bool:
+        """Serve ``pool`` (one at a time: another pool drops the buckets, their buffers read the
+        old one's layers) and hold its scratch block; False where no block is free for it."""
+        if pool is not self.pool:
+            if self.pool is not None:
+                log.info("static decode steps: a new KV pool, %d buckets dropped", len(self.buckets))
+                self.release()
+            self.pool = pool
+        if self.scratch is None:
+            self.scratch = pool.allocate(1)
+        return self.scratch is not None
+
+    def release(self) -> None:
+        """Drop every bucket (and graph) and give the scratch block back to its pool."""
+        self.buckets.clear()
+        if self.pool is not None and self.scratch is not None:
+            self.pool.free(self.scratch)
+        self.pool, self.scratch = None, None
+
+    @property
+    def scratch_slot(self) -> int:
+        return self.scratch[0] * self.pool.block_size
+
+    # -- buffers --------------------------------------------------------------------------------
+    def _bucket(self, pool: KVPool, dense: DenseStep) -> StaticBucket:
+        b, w = bucket_for(dense.rows, self.batches), self._width(dense.width)
+        rot = None if dense.cos is None else (dense.cos.shape[-1], dense.swap)
+        key = (b, w, rot)
+        bucket = self.buckets.get(key)
+        if bucket is not None:
+            self.buckets.move_to_end(key)
+            return bucket
+        while len(self.buckets) >= self.kept:
+            old, _ = self.buckets.popitem(last=False)
+            log.info("static decode steps: bucket %s dropped (%d kept at most)", old, self.kept)
+        dev, scratch = pool.buf.device, self.scratch_slot
+        long = dict(dtype=torch.long, device=dev)
+        slots = torch.full((b * w,), scratch, **long)
+        mask = torch.full((b, 1, 1, w), float("-inf"), dtype=torch.float32, device=dev)
+        cos = sin = None
+        if rot is not None:
+            cos = torch.zeros((b, w, rot[0]), dtype=torch.float32, device=dev)
+            sin = torch.zeros_like(cos)
+        step = DenseStep(b, 1, w, slots, mask, None, None, cos, sin, dense.swap if rot else False)
+        bucket = StaticBucket(key, torch.zeros((1, b), **long), torch.zeros((1, b), **long),
+                              torch.full((b,), scratch, **long), step, StepPlan(pool, None, dense=step))
+        self.buckets[key] = bucket
+        log.debug("static decode steps: bucket %s made", key)
+        return bucket
+
+    def _load(self, bucket: StaticBucket, pool: KVPool, rows: list[PagedRow], dense: DenseStep) -> None:
+        """The step's inputs and plan copied into ``bucket``'s buffers (device copies; the ids are the
+        last step's argmax on the device where the scheduler kept it)."""
+        b, w = dense.rows, dense.width
+        big, wide = bucket.key[0], bucket.key[1]
+        ids, pos, write, _ = step_inputs(pool, rows)
+        step = bucket.dense
+        slots, mask = step.slots.view(big, wide), step.mask.view(big, wide)
+        if bucket.last != (b, w):  # the real region moved: everything outside it reset to padding
+            scratch = self.scratch_slot
+            bucket.ids[:, b:].zero_()
+            bucket.pos[:, b:].zero_()
+            bucket.write[b:].fill_(scratch)
+            slots[b:].fill_(scratch)
+            mask[:, w:].fill_(float("-inf"))
+            mask[b:].fill_(float("-inf"))
+            mask[b:, 0] = 0.0  # a pad row attends to its own key at the scratch slot alone
+            bucket.last = (b, w)
+        bucket.ids[:, :b].copy_(ids)
+        bucket.pos[:, :b].copy_(pos)
+        bucket.write[:b].copy_(write)
+        slots[:b, :w].copy_(dense.slots.view(b, w))
+        mask[:b, :w].copy_(dense.mask.view(b, w))
+        if step.cos is not None:
+            step.cos[:b, :w].copy_(dense.cos)
+            step.sin[:b, :w].copy_(dense.sin)
+
+    # -- running ------------------------------------------------------------------------------------
+    def _run(self, bucket: StaticBucket) -> torch.Tensor:
+        """The model's forward over ``bucket``'s buffers alone: logits [1, B, V]."""
+        runner = self.runner
+        kwargs = {"position_ids": bucket.pos} if runner.adapter.passes_position_ids else {}
+        out = runner.model(input_ids=bucket.ids, past_key_values=PagedCache(bucket.plan.pool, bucket.write),
+                           use_cache=True, logits_to_keep=0, pc_plan=bucket.plan, **kwargs)
+        return out.logits
+
+    def _replay(self, bucket: StaticBucket) -> torch.Tensor:
+        runner = self.runner
+        with torch.inference_mode(), runner.lock, attention_swapped(runner, pc_plan=bucket.plan), \
+                torch.profiler.record_function(STATIC_RANGE):
+            if not self.capture:  # the CPU: the same step, uncaptured
+                bucket.logits = self._run(bucket)
+                return bucket.logits
+            if bucket.graph is None:
+                try:
+                    self._capture(bucket)
+                except RuntimeError as e:  # an op the capture refuses: correct steps, uncaptured
+                    self.capture, self.capture_error = False, f"{type(e).__name__}: {e}"
+                    log.warning("capturing the decode step of bucket %s failed (%s): static steps run uncaptured "
+                                "from now on", bucket.key, self.capture_error)
+                    bucket.dense.work.clear()
+                    bucket.logits = self._run(bucket)
+                    return bucket.logits
+            bucket.graph.replay()
+            self.replayed += 1
+            return bucket.logits
+
+    def _capture(self, bucket: StaticBucket) -> None:
+        """Record ``bucket``'s step as a CUDA graph: one eager run first (lazy allocations, kernel
+        choices), then the capture into the shared memory pool (the buffers a layer gathers into
+        are made again inside it). Only the graph's output (the logits) stays held between replays:
+        it is read (cloned) before the next replay, of whatever bucket, may overwrite it."""
+        t0 = time.perf_counter()
+        dev = self.runner.device
+        torch.cuda.synchronize(dev)
+        self._run(bucket)
+        torch.cuda.synchronize(dev)
+        bucket.dense.work.clear()
+        if self._mempool is None:
+            self._mempool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._mempool):
+            bucket.logits = self._run(bucket)
+        bucket.graph = graph
+        # the gather buffers go back to the shared pool (the graph keeps their addresses): every replay
+        # writes them before reading them, so later captures may reuse them as the intermediates are;
+        # the buckets' graphs then hold about the largest one's memory, not the sum
+        bucket.dense.work.clear()
+        torch.cuda.synchronize(dev)
+        self.capture_seconds[bucket.key] = time.perf_counter() - t0
+        log.info("captured the decode step of bucket %s (rows, keys a row, rotation) in %.2f s", bucket.key,
+                 self.capture_seconds[bucket.key])
