@@ -62,8 +62,9 @@ SEGMENTS_MAX = 4
 # over their keys gathered from the pool by slot (engine/serving_core/dense.py): queries padded to the
 # step's longest row, keys to its longest key list. A step whose padded scores would hold more than
 # this many elements for one query head a KV head (KV heads x rows x queries x keys; the float32 scores
-# and the bias are that times the query heads a KV head: 64 MB each at 4) keeps the per-part calls and
-# their merges (logged).
+# and the bias are that times the query heads a KV head: 64 MB each at 4) is attended in groups of rows
+# that each fit, a call a group (decode rows apart from prefill rows: dense.dense_steps); only a row
+# alone past it keeps the per-part calls and their merges (logged).
 DENSE_MAX = 1 << 22
 # On that path, stored states a request could read in place from a store tier's tensor (a document,
 # a module) are copied into the pool once instead, as a shared read-only entry every request reads

@@ -123,16 +123,40 @@ def test_one_padded_call_is_causal_attention_over_segments_then_own_tokens(monke
         off += t
 
 
-def test_a_step_too_large_to_pad_keeps_the_per_part_path(monkeypatch, caplog):
+def test_a_step_too_large_to_pad_in_one_call_is_split_in_groups(monkeypatch, caplog):
+    """Past ``DENSE_MAX`` for the whole step, the rows go in groups that each fit (the decode row
+    alone, the two chunks together), a call a group, computing what the per-part path computes;
+    only where one row alone exceeds it does the step keep the per-part path (logged)."""
     pool = make_pool(seed=1)
-    rows = rows_of(pool)
+    rows = rows_of(pool, shifts=(0, 7))
+    rope = 1.0 / (10000 ** (torch.arange(0, 16, 2).float() / 16))
+    query = torch.randn(1, 6, 9, 16, generator=torch.Generator().manual_seed(5))
     monkeypatch.setattr(paged.cpu_attention, "gathers", lambda buf: False)
-    monkeypatch.setattr(tunables, "DENSE_MAX", 2 * 3 * 5 * 20 - 1)  # KV heads x rows x queries x keys, less one
+    monkeypatch.setattr(tunables, "DENSE_MAX", 2 * 3 * 5 * 20)  # KV heads x rows x queries x keys: one call
+    assert paged.build_plan(pool, rows, rope=rope).dense is not None
+    monkeypatch.setattr(tunables, "DENSE_MAX", 2 * 3 * 5 * 20 - 1)
+    plan = paged.build_plan(pool, rows, rope=rope)
+    assert plan.dense is None and [idx.tolist() for _, idx in plan.dense_parts] == [[0], list(range(1, 9))]
+    assert [(s.rows, s.queries, s.width) for s, _ in plan.dense_parts] == [(1, 1, 15), (2, 5, 20)]
+    got = paged.attend(plan, 1, query)
+    monkeypatch.setattr(tunables, "DENSE_MAX", 2 * 5 * 20 - 1)  # the chunk of 5 alone is 2 x 5 x 20
     with caplog.at_level(logging.INFO, logger="promptcache.engine.serving_core.dense"):
-        plan = paged.build_plan(pool, rows)
-    assert plan.dense is None and plan.prefills and "part by part" in caplog.text
-    monkeypatch.setattr(tunables, "DENSE_MAX", 2 * 3 * 5 * 20)
-    assert paged.build_plan(pool, rows).dense is not None
+        per_part = paged.build_plan(pool, rows, rope=rope)
+    assert per_part.dense is None and not per_part.dense_parts and per_part.prefills and "part by part" in caplog.text
+    assert torch.allclose(got, paged.attend(per_part, 1, query), atol=1e-5, rtol=0)
+
+
+def test_dense_groups_keep_decode_rows_apart_and_fill_each_group_up_to_the_bound():
+    from promptcache.engine.serving_core.dense import dense_groups
+
+    queries, keys = [1, 1, 30, 1, 10, 20], [50, 60, 80, 40, 70, 90]
+    assert dense_groups(queries, keys, 2, 10**9) == [list(range(6))]  # fits: one call
+    # decode rows first (2 x 3 x 1 x 60 = 360), then the prefill rows by falling queries: the row of 30
+    # (2 x 30 x 80 = 4,800) and the row of 20 would pad 2 x 2 x 30 x 90 = 10,800, the rows of 20 and
+    # 10 together 2 x 2 x 20 x 90 = 7,200
+    assert dense_groups(queries, keys, 2, 7200) == [[0, 1, 3], [2], [5, 4]]
+    assert dense_groups(queries, keys, 2, 7199) == [[0, 1, 3], [2], [5], [4]]
+    assert dense_groups(queries, keys, 2, 4799) is None  # the row of 30 queries alone exceeds it
 
 
 def test_pool_run_of_a_view_and_of_a_tensor_of_its_own():

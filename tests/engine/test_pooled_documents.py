@@ -165,3 +165,28 @@ def test_documents_the_pool_has_no_room_for_are_read_in_place(monkeypatch):
     assert tokens == want_tokens
     for got, ref in zip(logits, want):
         assert got.numel() == 0 or (got - ref).abs().max().item() <= TOL
+
+
+@pytest.mark.parametrize("recompute", [0.0, "auto"])
+def test_steps_too_large_for_one_call_decode_the_same_in_groups(recompute, monkeypatch):
+    """Where one padded call would exceed ``DENSE_MAX`` (decode rows beside prefill chunks), the rows
+    are attended a group a call (``dense.dense_steps``): the same tokens and logits as one call, and
+    no step falls back to the per-part path."""
+    torch.manual_seed(0)
+    pc = PromptCache(make_model("llama"), make_tokenizer(), EngineConfig())
+    store = batch_store(pc)
+    one, one_logits, one_plans, _, _ = serve(pc, store, recompute, native=False, pooled=True, monkeypatch=monkeypatch)
+    assert all(p.dense is not None and not p.dense_parts for p in one_plans)
+    kv_heads = pc.runner.spec.kv_heads
+    widest = max(p.dense.rows * p.dense.queries * p.dense.width for p in one_plans)
+    longest_row = max(p.dense.queries * p.dense.width for p in one_plans)
+    monkeypatch.setattr(tunables, "DENSE_MAX", kv_heads * longest_row)  # every row fits alone, not every step
+    assert kv_heads * longest_row < kv_heads * widest
+    split, split_logits, split_plans, _, _ = serve(pc, store, recompute, native=False, pooled=True,
+                                                   monkeypatch=monkeypatch)
+    assert any(p.dense_parts for p in split_plans)
+    assert all(p.dense is not None or p.dense_parts for p in split_plans)
+    assert [r.token_ids for r in split] == [r.token_ids for r in one]
+    for got, want in zip(split_logits, one_logits, strict=True):
+        assert got.shape == want.shape
+        assert got.numel() == 0 or (got - want).abs().max().item() <= TOL

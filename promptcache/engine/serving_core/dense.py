@@ -34,6 +34,13 @@ unchanged (the request's block table, its shared segments, their runs and shifts
 objects, held here so their ids cannot be reused), each own part exactly one token longer, and the
 block tables' contents equal; a step repeated on the very same rows gets the kept step as it is.
 
+A step whose one padded call would exceed ``tunables.DENSE_MAX`` scores (48 decode rows padded to
+the queries of a prefill row of a hundred beside them) is attended in groups instead (``dense_steps``):
+the decode rows in one call, the prefill rows by falling length in calls that each fit, each group's
+output written at its queries. Only a row alone past the bound keeps the per-part path: before the
+groups, a RAG batch's admission steps on a GPU took it, ~12,000 small attention calls and merges for
+48 questions (eval/results/cuda_checks_2026-11-28b.md).
+
 Softmax runs in float32 as matrix products (scores, max, exp, sum, product, divide), and the
 log-sum-exp comes back too where segments held outside the pool (a store tier's tensors) are
 still merged in afterwards by the caller. The scheduler copies such segments into the pool on this
@@ -49,8 +56,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["DecodePlans", "DenseStep", "SPARE_KEYS", "attend_dense", "dense_step", "pool_run", "rotate", "rotation",
-           "run_slots"]
+__all__ = ["DecodePlans", "DenseStep", "SPARE_KEYS", "attend_dense", "dense_groups", "dense_step", "dense_steps",
+           "pool_run", "rotate", "rotation", "run_slots"]
 
 log = logging.getLogger(__name__)
 
@@ -165,8 +172,7 @@ def dense_step(rows: list, segments: list[list[tuple[Slots, int, torch.Tensor | 
     exceed ``most`` elements (the caller keeps the per-part path)."""
     b = len(rows)
     ts = [len(r.ids) for r in rows]
-    owns = owns if owns is not None else [None] * b
-    owns = [r.own if o is None else o for r, o in zip(rows, owns)]
+    owns = _owns(rows, owns)
     sizes = [[_count(s) for s, _, _ in segs] for segs in segments]
     n_own = [sum(k for _, k in o) if isinstance(o, list) else o.shape[0] for o in owns]
     n_shared = [sum(x) for x in sizes]
@@ -228,6 +234,66 @@ def dense_step(rows: list, segments: list[list[tuple[Slots, int, torch.Tensor | 
         cos, sin = both.view(b, w, 2, -1).unbind(2)  # [B, W, r] each
         swap = cos.shape[2] == head_dim
     return DenseStep(b, t, w, slots, mask, qidx, back, cos, sin, swap, tuple(lens))
+
+
+def _owns(rows: list, owns: list | None) -> list:
+    """Each row's own slots as ``dense_step`` takes them: the given runs, else ``row.own``."""
+    owns = owns if owns is not None else [None] * len(rows)
+    return [r.own if o is None else o for r, o in zip(rows, owns)]
+
+
+def dense_steps(rows: list, segments: list[list[tuple[Slots, int, torch.Tensor | None]]], kv_heads: int,
+                head_dim: int, rope: torch.Tensor | None, dev, most: int,
+                owns: list[list[tuple[int, int]] | torch.Tensor] | None = None, spare: int = 0
+                ) -> list[tuple[DenseStep, list[int]]] | None:
+    """A step's rows as ``dense_step``s, each with the indices of its rows: one for them all where
+    its padded scores fit ``most``; else the rows split into groups that each fit (``dense_groups``:
+    decode rows together, prefill rows by their length), so a step that mixes 48 decode rows with a
+    few prefill rows of a hundred queries is a few calls a layer, not one call padding every decode
+    row to the longest prefill's queries, nor, past ``most``, thousands of per-part calls and merges
+    (a RAG batch's admission steps on a GPU, eval/results/cuda_checks_2026-11-28b.md). None where a
+    single row alone would exceed ``most`` (the caller keeps the per-part path, logged)."""
+    ts = [len(r.ids) for r in rows]
+    own_keys = [sum(k for _, k in o) if isinstance(o, list) else o.shape[0] for o in _owns(rows, owns)]
+    lens = [sum(_count(s) for s, _, _ in segs) + o for segs, o in zip(segments, own_keys)]
+    groups = dense_groups(ts, [n + spare for n in lens], kv_heads, most)
+    if groups is None:
+        log.info("a step of %d rows (%d queries, %d keys at most a row): a row alone would pad more than %d "
+                 "scores a layer: its attention runs part by part", len(rows), max(ts), max(lens), most)
+        return None
+    if len(groups) == 1:
+        step = dense_step(rows, segments, kv_heads, head_dim, rope, dev, most, owns=owns, spare=spare)
+        return [(step, groups[0])]
+    log.debug("a step of %d rows (%d queries, %d keys at most a row) in %d padded calls a layer", len(rows),
+              max(ts), max(lens), len(groups))
+    owns = owns if owns is not None else [None] * len(rows)
+    return [(dense_step([rows[i] for i in g], [segments[i] for i in g], kv_heads, head_dim, rope, dev, most,
+                        owns=[owns[i] for i in g]), g) for g in groups]
+
+
+def dense_groups(queries: list[int], keys: list[int], kv_heads: int, most: int) -> list[list[int]] | None:
+    """Row indices in groups whose padded scores (KV heads x rows x the group's most queries x its
+    most keys) each stay within ``most``: every row in one group where that fits; else the decode
+    rows (one query) first, then the others from the most queries down, each group closed where the
+    next row would take it past ``most``. None where one row alone exceeds it."""
+    n = len(queries)
+    if kv_heads * n * max(queries) * max(keys) <= most:
+        return [list(range(n))]
+    order = [i for i in range(n) if queries[i] == 1] + sorted((i for i in range(n) if queries[i] > 1),
+                                                              key=lambda i: -queries[i])
+    groups: list[list[int]] = []
+    group, t, w = [], 0, 0
+    for i in order:
+        if kv_heads * queries[i] * keys[i] > most:
+            return None
+        nt, nw = max(t, queries[i]), max(w, keys[i])
+        if group and (kv_heads * (len(group) + 1) * nt * nw > most or (queries[i] > 1) != (t > 1)):
+            groups.append(group)
+            group, nt, nw = [], queries[i], keys[i]
+        group.append(i)
+        t, w = nt, nw
+    groups.append(group)
+    return groups
 
 
 def rotation(shift: torch.Tensor, rope: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -23,7 +23,8 @@ queries to:
 
 Without the native CPU kernel (turned off, or a GPU: the path where every op is a kernel launch)
 a step of rotary or learned-position rows is attended in ONE call a layer instead (``dense.py``:
-each row's pool-held segments and own tokens gathered by slot, one mask built once a step);
+each row's pool-held segments and own tokens gathered by slot, one mask built once a step; a step
+too large to pad in one call is attended a group of rows a call, decode rows apart from prefills);
 the scheduler puts the documents it would read from a store's tensors into the pool on that path
 (``ServingScheduler.pools_documents``), and segments still outside the pool are merged into it
 as below. A decode batch as the last step left it takes its input ids from the last step's argmax
@@ -57,6 +58,7 @@ self-check against the stock forward; the engine then refuses the model (``core.
 
 from __future__ import annotations
 
+import itertools
 import math
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -73,7 +75,7 @@ from ... import tunables
 from ...tunables import DECODE_MATMUL_ROWS, FOLD_PREFILL, FOLD_SHARED, GATHER_MAX, SEGMENTS_MAX  # read at call time (tests set them here)
 from ...kernels import attention as cpu_attention
 from .decode_runs import DecodeRuns, PrefillRuns, RunTable
-from .dense import SPARE_KEYS, DenseStep, attend_dense, dense_step, pool_run, rotate, rotation
+from .dense import SPARE_KEYS, DenseStep, attend_dense, dense_steps, pool_run, rotate, rotation
 from .kvpool import KVPool
 
 __all__ = ["KeyRule", "PagedRow", "StepPlan", "attend", "attention_swapped", "build_plan", "key_rule", "paged_forward",
@@ -194,6 +196,9 @@ class StepPlan:
     # without the native kernel: every row's keys held in the pool in one call a layer (``dense.py``);
     # ``segments`` and ``limited`` then hold only segments outside the pool, merged in after it
     dense: DenseStep | None = None
+    # the same split in groups where one padded call would exceed ``tunables.DENSE_MAX`` (``dense.dense_steps``):
+    # each group's step and its queries' packed indices [n_g]; ``dense`` is then None
+    dense_parts: list[tuple[DenseStep, torch.Tensor]] = field(default_factory=list)
     # built at the first layer, read by the others: (partial, window) -> (bias, dead queries);
     # ("rows", segment) -> the segment's queries as a slice or an index tensor
     memo: dict = field(default_factory=dict)
@@ -332,10 +337,16 @@ def _build_dense(pool: KVPool, rows: list[PagedRow], scale: float | None, rope: 
         in_pool.append(mine)
         owns.append(None if row.own_blocks is None else pool.slot_runs(row.own_blocks, row.own.shape[0]))
         off += t
-    plan.dense = dense_step(rows, in_pool, pool.buf.shape[2], pool.buf.shape[4], rope, dev, tunables.DENSE_MAX,
-                            owns=owns, spare=spare)
-    if plan.dense is None:
+    steps = dense_steps(rows, in_pool, pool.buf.shape[2], pool.buf.shape[4], rope, dev, tunables.DENSE_MAX,
+                        owns=owns, spare=spare)
+    if steps is None:
         return None
+    if len(steps) == 1:
+        plan.dense = steps[0][0]
+    else:  # each group's packed queries: the rows' own, in step order
+        starts = list(itertools.accumulate((len(r.ids) for r in rows), initial=0))
+        plan.dense_parts = [(step, torch.tensor([q for i in group for q in range(starts[i], starts[i + 1])],
+                                                dtype=torch.long, device=dev)) for step, group in steps]
     grouped = _group_segments([(v, q, None, sh) for v, q, sh in by_key.values()], dev)
     plan.segments = [(views, idx) for views, idx, _, _ in grouped]
     plan.segment_shift = [sh for _, _, _, sh in grouped]
@@ -581,7 +592,7 @@ def attend(plan: StepPlan, layer: int, query: torch.Tensor, scaling: float | Non
     scale = plan.scale if plan.scale is not None else (scaling if scaling is not None else 1 / math.sqrt(d))
     if plan.keys is not None:
         return _attend_keyed(plan, layer, query, scale)
-    if plan.dense is not None:
+    if plan.dense is not None or plan.dense_parts:
         return _attend_pooled(plan, layer, query, scale)
     if plan.decodes_only:
         return _attend_decodes(plan, layer, query, scale)
@@ -650,7 +661,18 @@ def _attend_pooled(plan: StepPlan, layer: int, query: torch.Tensor, scale: float
     if q.dtype != torch.float32:
         q = q.float()
     rest = bool(plan.segments or plan.limited)
-    out, lse = attend_dense(plan.dense, q, kv, scale, lse=rest)
+    if plan.dense is not None:
+        out, lse = attend_dense(plan.dense, q, kv, scale, lse=rest)
+    else:  # a call a group, each written at its queries
+        out = torch.empty((hk, hq // hk, n, d), dtype=torch.float32, device=q.device)
+        lse = torch.empty((hk, hq // hk, n), dtype=torch.float32, device=q.device) if rest else None
+        for step, idx in plan.dense_parts:
+            o, l = attend_dense(step, q.index_select(2, idx), kv, scale, lse=rest)
+            if o.dim() == 3:  # decode rows' [n_g, Hq, D]
+                o = o.view(-1, hk, hq // hk, d).permute(1, 2, 0, 3)
+            out.index_copy_(2, idx, o)
+            if rest:
+                lse.index_copy_(2, idx, l)
     if rest:
         _merge_segments(plan, layer, q * scale, 1.0, out, lse)
     out = out.unsqueeze(0) if out.dim() == 3 else out.reshape(hq, n, d).transpose(0, 1).unsqueeze(0)
