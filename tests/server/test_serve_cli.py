@@ -260,6 +260,13 @@ def test_serve_packs_linears_by_default_on_a_cpu_in_float32_and_a_user_setting_w
     assert engine_config({}, None, env={}, defaults=serve_defaults("cpu", "float32")).runner.packed_linear
     off = engine_config({"packed_linear": False}, None, env={}, defaults=serve_defaults("cpu", "float32"))
     assert off.runner.packed_linear is False
+    # decode steps captured as CUDA graphs: serve's default on a GPU only, a user's setting wins
+    assert serve_defaults("cpu", "float32")["cuda_graphs"] is False
+    monkeypatch.setattr("torch.cuda.is_available", lambda: True)  # check_device's question only
+    assert serve_defaults("cuda", "float32")["cuda_graphs"] is True
+    assert serve_defaults("cuda", "float32")["packed_linear"] is False
+    assert engine_config({"cuda_graphs": False}, None, env={},
+                         defaults=serve_defaults("cuda", "float32")).runner.cuda_graphs is False
     env = engine_config({}, None, env={"PROMPTCACHE_PACKED_LINEAR": "0"}, defaults=serve_defaults("cpu", "float32"))
     assert env.runner.packed_linear is False
 
