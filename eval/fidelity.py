@@ -73,8 +73,9 @@ without one (``default``, ``prophet``) runs on the store's default encoding, ``D
 ``prefixed:M`` (after the prefix of a request without a system text, ``DocumentStore(prefixed=True)``:
 today's default encoding, asked for by name) or ``system:M`` (after the prompts' own prefix, system
 text included: ``DocumentStore(prefixed=SYSTEM)``, as ``DocumentStore(system=SYSTEM)`` encodes; the
-first document then sits where it was encoded and its states are full prefill's). Such a method runs
-its own budget 0 (the shared splice is the default encoding's).
+first document then sits where it was encoded and its states are full prefill's). Such a method's
+budget 0 is its encoding's own splice: run once as ``enc:default`` at 0 where that is among the
+methods and drawn for every ``enc:M`` without a key scale, else run by the method itself.
 
 Budget ``b``: ``round(b * C)`` of the prompt's ``C`` reused document tokens are recomputed. At
 ``0`` every selection without a key scale is the same splice, and at ``1`` every engine selection
@@ -423,20 +424,22 @@ def correct(sample: dict, text: str) -> int:
 def runs_for(methods: list[str], budgets: list[float], default_budgets: list[float] = ()
              ) -> list[tuple[str, float, str | None]]:
     """(row label, budget, engine selection or ``reference``) of every run a prompt needs: the
-    shared splice (budget 0) and plain prefill (budget 1) once, each method at the rest, and
-    ``default`` (where it is among ``methods``) also at ``default_budgets`` (its line to where it
-    would meet a target)."""
+    shared splice (budget 0) and plain prefill (budget 1) once, each method at the rest, and the
+    default selection of any encoding (``default``, ``system:default``, ...) also at
+    ``default_budgets`` (its line to where it would meet a target)."""
     from promptcache.engine.prefill.recompute import KEY_SCALES
 
     out, shared0 = [], False
     for m in methods:
         sel = selection_of(m)
-        mine = budgets if m != "default" else sorted(set(budgets) | set(default_budgets))
+        mine = budgets if split_method(m)[1] != "default" else sorted(set(budgets) | set(default_budgets))
         for b in mine:
             if b >= 1.0:  # every selection recomputes everything: one plain prefill in prompt order
                 continue
             if b == 0.0 and split_method(m)[0] == DEFAULT_ENCODING and sel != "reference" and sel not in KEY_SCALES:
                 shared0 = True
+                continue
+            if b == 0.0 and splice_of(m) in methods and splice_of(m) != m:  # its encoding's splice stands for it
                 continue
             out.append((m, b, sel))
     if shared0:
@@ -495,18 +498,34 @@ def wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
     return max(0.0, c - h), min(1.0, c + h)
 
 
-def expand_shared(rows: list[dict], methods: list[str]) -> list[dict]:
-    """The shared splice and plain-prefill rows repeated under every method they stand for (its
-    line's ends); the rows a method ran itself stay as they are."""
+def splice_of(method: str) -> str | None:
+    """The method whose budget-0 row stands for ``method``'s at budget 0: ``splice`` (the default
+    encoding's shared splice) or ``enc:default`` (an encoding's own: ``system:prophet`` ->
+    ``system:default``); None where the method's budget 0 is its own (a key scale, the CacheBlend
+    reference)."""
     from promptcache.engine.prefill.recompute import KEY_SCALES
 
+    enc, base = split_method(method)
+    sel = selection_of(method)
+    if METHODS.get(base, base) == "reference" or (sel or "").split(":")[-1] in KEY_SCALES:
+        return None
+    return "splice" if enc == DEFAULT_ENCODING else f"{enc}:default"
+
+
+def expand_shared(rows: list[dict], methods: list[str]) -> list[dict]:
+    """The shared splice and plain-prefill rows repeated under every method they stand for (its
+    line's ends): ``splice`` for the default encoding's methods, an encoding's ``enc:default`` at 0
+    for that encoding's other methods (``splice_of``), ``full_recompute`` for every method; the rows
+    a method ran itself stay as they are and win."""
+    key = lambda r, m: (r["task"], r["sample"], r["order"], m, float(r["budget"]))
     out = [r for r in rows if r["method"] not in ("splice", "full_recompute")]
+    have = {key(r, r["method"]) for r in out}
     for r in rows:
         for m in methods:
-            sel = selection_of(m)
-            own_splice = sel == "reference" or sel in KEY_SCALES or split_method(m)[0] != DEFAULT_ENCODING
-            if (r["method"] == "splice" and not own_splice) or r["method"] == "full_recompute":
+            shared = r["method"] == "full_recompute" or (float(r["budget"]) == 0.0 and r["method"] == splice_of(m) != m)
+            if shared and key(r, m) not in have:
                 out.append({**r, "method": m})
+                have.add(key(r, m))
     return out
 
 
@@ -737,7 +756,8 @@ def parse_args(argv):
                     help=f"{', '.join(METHODS)}, or any engine selection name")
     ap.add_argument("--budgets", nargs="+", type=float, default=list(BUDGETS), help="fractions; 1 = full recompute")
     ap.add_argument("--default-budgets", nargs="+", type=float, default=[],
-                    help="more budgets for the default method alone (0.5 0.8: where it would meet 0.90)")
+                    help="more budgets for the default selection alone (default, system:default, ...; "
+                    "0.5 0.8: where it would meet 0.90)")
     ap.add_argument("--orders", nargs="+", default=list(ORDERS), choices=ORDERS)
     ap.add_argument("--doc-tokens", type=int, default=1000, help="about this many document tokens a prompt")
     ap.add_argument("--answer-tokens", type=int, default=ANSWER_TOKENS)

@@ -119,12 +119,24 @@ def test_shared_ends_stand_for_every_method_they_equal():
         ("ape", 0.0), ("ape", 1.0), ("cacheblend", 1.0), ("default", 0.0), ("default", 1.0)]
     runs = fidelity.runs_for(["default", "epic"], [0.0, 0.1], default_budgets=[0.5, 0.1])  # the default's more
     assert [(m, b) for m, b, _ in runs] == [("splice", 0.0), ("default", 0.1), ("default", 0.5), ("epic", 0.1)]
-    # documents encoded after the prompts' prefix (system:M) are another splice: their budget 0 runs
-    runs = fidelity.runs_for(["default", "system:default", "system:prophet"], [0.0, 0.1])
+    runs = fidelity.runs_for(["system:default", "system:epic"], [0.1], default_budgets=[0.5])  # any encoding's
+    assert [(m, b) for m, b, _ in runs] == [("system:default", 0.1), ("system:default", 0.5), ("system:epic", 0.1)]
+    # documents encoded after the prompts' prefix (system:M) are another splice, run once as
+    # system:default's budget 0 and drawn for the encoding's other methods but a key-scaled one
+    runs = fidelity.runs_for(["default", "system:default", "system:prophet", "system:ape"], [0.0, 0.1])
     assert [(m, b, sel) for m, b, sel in runs] == [
         ("splice", 0.0, None), ("default", 0.1, None), ("system:default", 0.0, "system:"),
-        ("system:default", 0.1, "system:"), ("system:prophet", 0.0, "system:qattn"),
-        ("system:prophet", 0.1, "system:qattn")]
+        ("system:default", 0.1, "system:"), ("system:prophet", 0.1, "system:qattn"),
+        ("system:ape", 0.0, "system:ape"), ("system:ape", 0.1, "system:ape")]
+    rows = [row("s0", "listed", "splice", 0.0, 1, 1, 1), row("s0", "listed", "system:default", 0.0, 0, 1, 0),
+            row("s0", "listed", "system:ape", 0.0, 1, 1, 1), row("s1", "listed", "system:default", 0.0, 1, 1, 1),
+            row("s1", "listed", "system:prophet", 0.0, 0, 1, 0)]  # a method's own row (an older run's) wins
+    out = fidelity.expand_shared(rows, ["default", "system:default", "system:prophet", "system:ape"])
+    got = sorted((r["sample"], r["method"], r["agree"]) for r in out)
+    assert got == [("s0", "default", 1), ("s0", "system:ape", 1), ("s0", "system:default", 0),
+                   ("s0", "system:prophet", 0), ("s1", "system:default", 1), ("s1", "system:prophet", 0)]
+    runs = fidelity.runs_for(["system:prophet"], [0.0])  # no system:default to stand for it: its own
+    assert [(m, b) for m, b, _ in runs] == [("system:prophet", 0.0)]
     assert fidelity.split_method("system:default") == ("system", "default")
     assert fidelity.split_method("qattn") == (fidelity.DEFAULT_ENCODING, "qattn")  # the store's default encoding
     assert fidelity.split_method("alone:default") == ("alone", "default")  # the default before issue 51
