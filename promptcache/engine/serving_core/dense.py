@@ -173,8 +173,7 @@ def dense_step(rows: list, segments: list[list[tuple[Slots, int, torch.Tensor | 
     b = len(rows)
     ts = [len(r.ids) for r in rows]
     owns = _owns(rows, owns)
-    sizes = [[_count(s) for s, _, _ in segs] for segs in segments]
-    n_own = [sum(k for _, k in o) if isinstance(o, list) else o.shape[0] for o in owns]
+    sizes, n_own = _key_counts(segments, owns)
     n_shared = [sum(x) for x in sizes]
     lens = [n + o for n, o in zip(n_shared, n_own)]
     t, w = max(ts), max(lens) + spare
@@ -242,6 +241,12 @@ def _owns(rows: list, owns: list | None) -> list:
     return [r.own if o is None else o for r, o in zip(rows, owns)]
 
 
+def _key_counts(segments: list, owns: list) -> tuple[list[list[int]], list[int]]:
+    """Each row's shared segments' key counts and its own keys' count (``owns`` as ``_owns`` gives them)."""
+    sizes = [[_count(s) for s, _, _ in segs] for segs in segments]
+    return sizes, [sum(k for _, k in o) if isinstance(o, list) else o.shape[0] for o in owns]
+
+
 def dense_steps(rows: list, segments: list[list[tuple[Slots, int, torch.Tensor | None]]], kv_heads: int,
                 head_dim: int, rope: torch.Tensor | None, dev, most: int,
                 owns: list[list[tuple[int, int]] | torch.Tensor] | None = None, spare: int = 0
@@ -254,8 +259,9 @@ def dense_steps(rows: list, segments: list[list[tuple[Slots, int, torch.Tensor |
     (a RAG batch's admission steps on a GPU, eval/results/cuda_checks_2026-11-28b.md). None where a
     single row alone would exceed ``most`` (the caller keeps the per-part path, logged)."""
     ts = [len(r.ids) for r in rows]
-    own_keys = [sum(k for _, k in o) if isinstance(o, list) else o.shape[0] for o in _owns(rows, owns)]
-    lens = [sum(_count(s) for s, _, _ in segs) + o for segs, o in zip(segments, own_keys)]
+    owns = _owns(rows, owns)
+    sizes, n_own = _key_counts(segments, owns)
+    lens = [sum(x) + o for x, o in zip(sizes, n_own)]
     groups = dense_groups(ts, [n + spare for n in lens], kv_heads, most)
     if groups is None:
         log.info("a step of %d rows (%d queries, %d keys at most a row): a row alone would pad more than %d "
@@ -266,7 +272,6 @@ def dense_steps(rows: list, segments: list[list[tuple[Slots, int, torch.Tensor |
         return [(step, groups[0])]
     log.debug("a step of %d rows (%d queries, %d keys at most a row) in %d padded calls a layer", len(rows),
               max(ts), max(lens), len(groups))
-    owns = owns if owns is not None else [None] * len(rows)
     return [(dense_step([rows[i] for i in g], [segments[i] for i in g], kv_heads, head_dim, rope, dev, most,
                         owns=[owns[i] for i in g]), g) for g in groups]
 
