@@ -427,8 +427,6 @@ def runs_for(methods: list[str], budgets: list[float], default_budgets: list[flo
     shared splice (budget 0) and plain prefill (budget 1) once, each method at the rest, and the
     default selection of any encoding (``default``, ``system:default``, ...) also at
     ``default_budgets`` (its line to where it would meet a target)."""
-    from promptcache.engine.prefill.recompute import KEY_SCALES
-
     out, shared0 = [], False
     for m in methods:
         sel = selection_of(m)
@@ -436,7 +434,7 @@ def runs_for(methods: list[str], budgets: list[float], default_budgets: list[flo
         for b in mine:
             if b >= 1.0:  # every selection recomputes everything: one plain prefill in prompt order
                 continue
-            if b == 0.0 and split_method(m)[0] == DEFAULT_ENCODING and sel != "reference" and sel not in KEY_SCALES:
+            if b == 0.0 and splice_of(m) == "splice":  # the default encoding's shared splice stands for it
                 shared0 = True
                 continue
             if b == 0.0 and splice_of(m) in methods and splice_of(m) != m:  # its encoding's splice stands for it
