@@ -283,6 +283,13 @@ def measure(args) -> list[dict]:
         inductor.cpp.enable_kernel_profile = True
         steps = CompiledSteps(runner)
         forward = steps.forward
+    elif args.compile == "static":
+        from promptcache.engine.serving_core.graphs import CapturedSteps
+
+        inductor = importlib.import_module("torch._inductor.config")
+        inductor.cpp.enable_kernel_profile = True
+        steps = CapturedSteps(runner, compile=True)
+        forward = steps.forward
     out = []
     for step in ("prefill", "decode"):
         for batch in args.batches:
@@ -302,7 +309,8 @@ def measure(args) -> list[dict]:
                 return logits
 
             run(next_rows())  # warm-up (and, compiled, the graph's first compile)
-            compiled = steps is not None and steps.shape_for(rows) is not None
+            compiled = steps is not None and (steps.refusal(pool, rows) is None if args.compile == "static"
+                                              else steps.shape_for(rows) is not None)
             walls = []
             for _ in range(args.repeats):  # (the rows built before the clock starts: measured are the step's own costs)
                 now = next_rows()
@@ -357,10 +365,10 @@ def plot(rows: list[dict], path: Path) -> None:
     save_figure(fig, path)
 
 
-def _choices(value: str, option: str) -> list[str]:
+def _choices(value: str, option: str, allowed: tuple[str, ...] = ("on", "off")) -> list[str]:
     got = value.split(",")
-    if not got or any(v not in ("on", "off") for v in got):
-        raise SystemExit(f"{option} takes on and/or off (comma-separated), got {value!r}")
+    if not got or any(v not in allowed for v in got):
+        raise SystemExit(f"{option} takes {', '.join(allowed)} (comma-separated), got {value!r}")
     return got
 
 
@@ -389,7 +397,7 @@ def main(argv=None) -> None:
         print(json.dumps(measure(args)))
         return
     rows = []
-    settings = [(n, c) for c in _choices(args.compile, "--compile") for n in _choices(args.native, "--native")]
+    settings = [(n, c) for c in _choices(args.compile, "--compile", ("off", "on", "static")) for n in _choices(args.native, "--native")]
     for native, compile_ in settings:
         env = dict(os.environ, PROMPTCACHE_NATIVE_ATTENTION="1" if native == "on" else "0")
         argv_child = [a for a in (argv if argv is not None else sys.argv[1:])]

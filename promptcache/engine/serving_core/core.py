@@ -67,7 +67,7 @@ class Engine:
         forward = self.compiled.forward if self.compiled else None
         self.captured: CapturedSteps | None = None
         if core.config.runner.cuda_graphs:  # decode steps over static buffers; the rest as above
-            self.captured = CapturedSteps(runner, fallback=forward)
+            self.captured = CapturedSteps(runner, fallback=forward, compile=core.config.runner.compile)
             forward = self.captured.forward
         self.scheduler = ServingScheduler(runner, self.pool, c.max_num_batched_tokens, c.max_num_seqs,
                                           on_publish=_write_through(store), forward=forward,

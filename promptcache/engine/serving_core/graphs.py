@@ -114,7 +114,7 @@ from ... import tunables
 from ...errors import ConfigError
 from ...kernels import attention as cpu_attention
 from ...tunables import COMPILE_BUCKETS
-from .dense import DenseStep
+from .dense import DenseStep, rotate
 from .kvpool import KVPool
 from .paged import PagedCache, PagedRow, StepPlan, attend, attention_swapped, build_plan, key_rule, paged_forward, \
     paged_refusal, query_rope, step_inputs
@@ -125,6 +125,7 @@ __all__ = ["COMPILED_ATTENTION", "STATIC_RANGE", "CapturedSteps", "CompiledSteps
            "compile_options", "compile_refusal"]
 
 COMPILED_ATTENTION = "promptcache_compiled"
+STATIC_ATTENTION = "promptcache_static"  # the attention of a static step compiled whole (traced into its graph)
 # the profiler range around a static step's forward (CapturedSteps): what a captured graph replays
 STATIC_RANGE = "promptcache.static_forward"
 
@@ -189,6 +190,34 @@ def compiled_attention(module, query, key, value, attention_mask, scaling=None, 
 AttentionInterface.register(COMPILED_ATTENTION, compiled_attention)
 
 
+def static_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, pc_static=None, **kwargs):
+    """The attention of a static step compiled whole (registered as ``STATIC_ATTENTION``; traced into the
+    step's graph, no op of its own): the layer's new keys and values [1, Hk, B, D] written to their
+    pool slots, then what ``dense.attend_dense`` computes for a decode step, as plain tensor calls
+    inductor fuses: every row's W keys gathered by slot, shifted keys rotated, one fused attention
+    under the mask. ``pc_static``: (the pool's layers, each [2, Hk, S, D] and an input of its own: a
+    graph mutating one buffer of every layer cloned it at every layer after the first; write slots
+    [B], key slots [B * W],
+    mask [B, 1, 1, W], cos, sin [B, W, r] or None, swap)."""
+    layers, write, slots, mask, cos, sin, swap = pc_static
+    kv = layers[module.layer_idx]  # [2, Hk, S, D]
+    _, hk, _, d = kv.shape
+    _, hq, b, _ = query.shape
+    w = mask.shape[-1]
+    kv.index_copy_(2, write, torch.stack((key[0], value[0])).to(kv.dtype))
+    keys, values = kv.index_select(2, slots).float().view(2, hk, b, w, d).unbind(0)  # [Hk, B, W, D] each
+    if cos is not None:
+        keys = rotate(keys, cos, sin, swap)
+    q = query.view(hk, hq // hk, b, d).float().permute(2, 0, 1, 3)  # [B, Hk, G, D]
+    scale = scaling if scaling is not None else 1 / math.sqrt(d)
+    out = torch.nn.functional.scaled_dot_product_attention(q, keys.transpose(0, 1), values.transpose(0, 1),
+                                                           attn_mask=mask, scale=scale)  # [B, Hk, G, D]
+    return out.reshape(1, b, hq, d).to(query.dtype), None
+
+
+AttentionInterface.register(STATIC_ATTENTION, static_attention)
+
+
 @contextmanager
 def _stepping(step: _Step):
     _LOCAL.step = step
@@ -231,6 +260,18 @@ def _own_step(model):
         return model(**kwargs)
 
     code = step.__code__.replace(co_name=f"compiled_step_{next(_steps_made)}")
+    return types.FunctionType(code, step.__globals__, code.co_name, None, step.__closure__)
+
+
+def _static_step(model, passes_position_ids: bool):
+    """The static step's forward as a function of its buffers alone (a code object of its own, as
+    ``_own_step``): logits [1, B, V]; attention is ``static_attention`` (the caller swaps it in)."""
+    def step(ids, pos, layers, write, slots, mask, cos, sin, swap):
+        kwargs = {"position_ids": pos} if passes_position_ids else {}
+        return model(input_ids=ids, use_cache=False, logits_to_keep=0,
+                     pc_static=(layers, write, slots, mask, cos, sin, swap), **kwargs).logits
+
+    code = step.__code__.replace(co_name=f"static_step_{next(_steps_made)}")
     return types.FunctionType(code, step.__globals__, code.co_name, None, step.__closure__)
 
 
@@ -363,6 +404,7 @@ class StaticBucket:
     dense: DenseStep  # rows B, queries 1, width W: slots [B * W], mask [B, 1, 1, W], cos / sin [B, W, r]
     plan: StepPlan  # the plan every layer reads: ``dense`` over the pool
     logits: torch.Tensor | None = None  # [1, B, V] the forward's (on a GPU: the graph's output)
+    layers: tuple = ()  # the pool's layers, each [2, Hk, S, D] (a compiled step's inputs)
     graph: object | None = None  # torch.cuda.CUDAGraph once captured
     last: tuple[int, int] | None = None  # (rows, keys a row) of its last step: the real region
     steps: int = 0
@@ -378,7 +420,7 @@ class CapturedSteps:
     steps run uncaptured from then on (``capture_error`` says why)."""
 
     def __init__(self, runner, fallback=None, batches: tuple[int, ...] | None = None, width: int | None = None,
-                 kept: int | None = None):
+                 kept: int | None = None, compile: bool = False):
         batches = tuple(batches if batches is not None else tunables.GRAPH_BATCHES)
         width = width if width is not None else tunables.GRAPH_WIDTH
         kept = kept if kept is not None else tunables.GRAPHS_KEPT
@@ -403,6 +445,22 @@ class CapturedSteps:
         self._mempool = None
         self.static_steps = self.replayed = self.fallback_steps = 0
         self.capture_seconds: dict[tuple, float] = {}
+        # the static forward compiled whole, attention traced in (``static_attention``): one graph
+        # (symbolic rows and keys) whose kernels a capture records; None: the eager forward
+        self._compiled = None
+        if compile and self.never is None:
+            _keep_graphs(8)
+            _specialize_floats()
+            options = {k: v for k, v in compile_options(runner.device).items()
+                       if k not in ("triton.cudagraphs", "graph_partition")}  # the capture is this class's own
+            self._compiled = torch.compile(_static_step(runner.model, adapter.passes_position_ids), fullgraph=True,
+                                           dynamic=True, options=options)
+        self.compile_seconds: dict[tuple, float] = {}  # graph (rows 1 or more, rotation) -> its first step's seconds
+
+    @property
+    def compiled(self) -> bool:
+        """Whether the static steps run compiled whole (``compile=True`` and a model they apply to)."""
+        return self._compiled is not None
 
     # -- the step -------------------------------------------------------------------------------
     def forward(self, pool: KVPool, rows: list[PagedRow]) -> torch.Tensor:
@@ -507,7 +565,8 @@ class CapturedSteps:
             sin = torch.zeros_like(cos)
         step = DenseStep(b, 1, w, slots, mask, None, None, cos, sin, dense.swap if rot else False)
         bucket = StaticBucket(key, torch.zeros((1, b), **long), torch.zeros((1, b), **long),
-                              torch.full((b,), scratch, **long), step, StepPlan(pool, None, dense=step))
+                              torch.full((b,), scratch, **long), step, StepPlan(pool, None, dense=step),
+                              layers=tuple(pool.layers))
         self.buckets[key] = bucket
         log.debug("static decode steps: bucket %s made", key)
         return bucket
@@ -543,6 +602,18 @@ class CapturedSteps:
     def _run(self, bucket: StaticBucket) -> torch.Tensor:
         """The model's forward over ``bucket``'s buffers alone: logits [1, B, V]."""
         runner = self.runner
+        if self._compiled is not None:
+            d = bucket.dense
+            graph = (min(bucket.key[0], 2), bucket.key[2])
+            first = graph not in self.compile_seconds
+            t0 = time.perf_counter()
+            logits = self._compiled(bucket.ids, bucket.pos, bucket.layers, bucket.write, d.slots, d.mask, d.cos,
+                                    d.sin, d.swap)
+            if first:
+                self.compile_seconds[graph] = time.perf_counter() - t0
+                log.info("compiled the static decode step (rows %s, rotation %s) in %.1f s", *graph,
+                         self.compile_seconds[graph])
+            return logits
         kwargs = {"position_ids": bucket.pos} if runner.adapter.passes_position_ids else {}
         out = runner.model(input_ids=bucket.ids, past_key_values=PagedCache(bucket.plan.pool, bucket.write),
                            use_cache=True, logits_to_keep=0, pc_plan=bucket.plan, **kwargs)
@@ -550,8 +621,9 @@ class CapturedSteps:
 
     def _replay(self, bucket: StaticBucket) -> torch.Tensor:
         runner = self.runner
-        with torch.inference_mode(), runner.lock, attention_swapped(runner, pc_plan=bucket.plan), \
-                torch.profiler.record_function(STATIC_RANGE):
+        swapped = attention_swapped(runner, STATIC_ATTENTION) if self._compiled is not None \
+            else attention_swapped(runner, pc_plan=bucket.plan)
+        with torch.inference_mode(), runner.lock, swapped, torch.profiler.record_function(STATIC_RANGE):
             if not self.capture:  # the CPU: the same step, uncaptured
                 bucket.logits = self._run(bucket)
                 return bucket.logits
