@@ -12,6 +12,8 @@
 #   3. decode: eval/decode_step.py on embedded:1b bfloat16, the decode step at batch 1/16/48 against
 #      reading the weights once at the card's bandwidth (bar: <= 2x at 48), aten calls and launches
 #      a step. -> decode/
+#   3b. decode_graphs: the same with the static decode step compiled whole and captured as one CUDA graph
+#      a bucket (--compile --cuda-graphs; the first step of a bucket compiles and captures). -> decode/
 #   4. ttft: eval/ttft.py on embedded:8b bfloat16 at 8192 tokens, 99% cached against full prefill
 #      (the paper's bar: >= 8x). -> ttft/
 #
@@ -19,9 +21,11 @@
 #        bash eval/cuda_checks.sh --dry-run OUT_DIR   every part once on this machine's CPU with tiny shapes
 #                                                     (the demo model, a few questions and steps, the kernel
 #                                                     refusal tests): checks the script, not the GPU
-# Environment: CUDA_PARTS (default "tests batch decode ttft"), CUDA_TESTS (folders), CUDA_WORKERS (14),
+# Environment: CUDA_PARTS (default "tests batch decode decode_graphs ttft"), CUDA_TESTS (folders), CUDA_WORKERS (14),
 #   time limits in seconds CUDA_TEST_SECONDS (200), CUDA_BATCH_SECONDS (120), CUDA_DECODE_SECONDS (60),
-#   CUDA_TTFT_SECONDS (90) -- 8 minutes in all; CUDA_BANDWIDTH_TBS (default by card: H200 4.3, H100 3.0,
+#   CUDA_GRAPHS_SECONDS (100), CUDA_TTFT_SECONDS (90) -- 9.5 minutes in all (a device call is limited
+#   to 10: split the parts over two calls where the machine needs minutes to start); CUDA_BANDWIDTH_TBS
+#   (default by card: H200 4.3, H100 3.0,
 #   else the one measured by a copy; decode_step reports the measured one too).
 # The native CPU kernels (their tests run on the CPU there too) are built in the background from the
 # start, one process each, while the GPU tests run; a test that needs one waits for it.
@@ -35,7 +39,7 @@ out=${1:?usage: cuda_checks.sh [--dry-run] OUT_DIR [pytest args]}
 shift
 mkdir -p "$out"
 export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD" PYTHONUNBUFFERED=1
-parts=${CUDA_PARTS:-"tests batch decode ttft"}
+parts=${CUDA_PARTS:-"tests batch decode decode_graphs ttft"}
 if [ -n "$dry" ]; then
     device=cpu dtype=float32 small=embedded big=embedded
     export PROMPTCACHE_TEST_DEVICE=cpu
@@ -98,6 +102,10 @@ part batch "${CUDA_BATCH_SECONDS:-120}" python3 -m eval.bench_batch --model "$sm
 # shellcheck disable=SC2086
 part decode "${CUDA_DECODE_SECONDS:-60}" python3 -m eval.decode_step --model "$small" --device "$device" --dtype "$dtype" \
     $decode_args ${bandwidth:+--bandwidth-tbs "$bandwidth"} --out "$out/decode" --tag "_$device"
+# shellcheck disable=SC2086  # the same, decode steps compiled whole and captured (--compile --cuda-graphs)
+part decode_graphs "${CUDA_GRAPHS_SECONDS:-100}" python3 -m eval.decode_step --model "$small" --device "$device" \
+    --dtype "$dtype" $decode_args --compile --cuda-graphs ${bandwidth:+--bandwidth-tbs "$bandwidth"} \
+    --out "$out/decode" --tag "_${device}_graphs"
 # shellcheck disable=SC2086
 part ttft "${CUDA_TTFT_SECONDS:-90}" python3 -m eval.ttft --model "$big" --device "$device" --dtype "$dtype" \
     $ttft_args --out "$out/ttft"
@@ -113,9 +121,9 @@ tests = open(f"{out}/tests.log").read().strip().splitlines()[-1:] if glob.glob(f
 print("tests:", tests[0] if tests else "no log")
 batch = [r for r in rows("batch/bench_batch*.csv") if r["how"] == "batch"]
 print("batch vs loop (bar >= 10x):", ", ".join(f"{r['mode']} {r['vs_loop']}x ({r['tok_s']} tok/s)" for r in batch) or "no CSV")
-decode = rows("decode/decode_step*.csv")
+decode = [r for p in sorted(glob.glob(f"{out}/decode/decode_step*.csv")) for r in csv.DictReader(open(p))]
 print("decode step / weights' read (bar <= 2 at 48):", ", ".join(
-    f"B={r['batch']} {r['step_ms']} ms = {r['x_read']}x of {r['read_ms']} ms, {r['aten_calls']} aten calls, "
+    f"{'compiled+graphs ' if r.get('static_steps', '0') not in ('', '0') else ''}B={r['batch']} {r['step_ms']} ms = {r['x_read']}x of {r['read_ms']} ms, {r['aten_calls']} aten calls, "
     f"{r['launches']} launches" for r in decode) or "no CSV")
 ttft = [r for r in rows("ttft/ttft.csv") if r["method"] in ("pc_device", "pc_device_inplace", "pc_r0_inplace")]
 print("TTFT cached vs full (bar >= 8x at 8K, 99%):", ", ".join(

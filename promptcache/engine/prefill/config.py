@@ -78,7 +78,8 @@ class RunnerConfig:
     cuda_graphs: bool = setting(
         False, "Run decode steps over persistent buffers padded to bucket sizes, captured as CUDA graphs on a GPU "
                "(one graph a bucket, at its first step) and replayed; other steps run as before. On a CPU the "
-               "same step runs uncaptured.")
+               "same step runs uncaptured. With compile on too, that step is compiled whole, its attention "
+               "inside the graph.")
 
     def __post_init__(self):
         if isinstance(self.encode_chunk, bool) or not isinstance(self.encode_chunk, int) or self.encode_chunk < 1:

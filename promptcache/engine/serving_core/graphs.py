@@ -85,6 +85,20 @@ is. ``CapturedSteps.forward`` runs a step of decode rows as such a step:
   **On a CPU** the identical step runs uncaptured (the same buffers and calls, no replay): how
   its exactness is tested here (tests/engine/test_captured_graphs.py).
 
+**Compiled whole** (``compile=True``; the engine passes ``RunnerConfig.compile``, so ``--compile
+--cuda-graphs`` together): the static forward is traced by ``torch.compile`` as a function of the
+bucket's buffers and the pool's layers (``_static_step``), its attention inside the graph
+(``static_attention``, registered as ``STATIC_ATTENTION``: the layer's new keys and values written to
+their slots, every row's keys gathered, the shifted ones rotated, one fused attention under the
+mask; what ``dense.attend_dense`` computes for decode rows, as plain tensor calls inductor fuses with
+the model's norms and rotary). Each layer's pool buffer is an input of its own: written in place (a
+single buffer for every layer was cloned by the graph at every layer after the first). Sizes are
+symbolic: one graph for every bucket of 2 rows or more and one for a single row, per rotation
+(``compile_seconds``). On a GPU the compiled step's kernels are what a capture records (fewer and
+fused, where the eager step's are the model's every op); on a CPU it runs as it is: the eager
+attention's Python (the largest part of a decode step's host time) is gone, its ops are the
+graph's (eval/results/host_overhead.md).
+
 What a static step cannot express takes the step's other forward (``fallback``: the compiled or
 eager ``paged_forward``), logged at debug level with the reason: a prefill row or one asking no
 logits, a row with key limits (selective recompute), more rows than the largest bucket, a model
