@@ -4,8 +4,10 @@
                                             [--compile off,on] [--device cpu] [--dtype float32] [--repeats 5]
 
 A RAG-like batch on the KV pool, driven through ``paged_forward`` (the serving core's step, without
-the scheduler), or through ``CompiledSteps.forward`` (``--compile on``: the serving steps of
-``RunnerConfig.compile``): ``--docs`` documents of ``--doc-len`` tokens, each encoded once at
+the scheduler), through ``CompiledSteps.forward`` (``--compile on``: the serving steps of
+``RunnerConfig.compile``), or through ``CapturedSteps(compile=True).forward`` (``--compile static``:
+decode steps over a bucket's buffers compiled whole, attention inside the graph, as
+``RunnerConfig(compile=True, cuda_graphs=True)`` runs them; its prefill steps run eagerly): ``--docs`` documents of ``--doc-len`` tokens, each encoded once at
 positions 0.. (as ``DocumentStore`` encodes them) and held in the pool, and a shared system prompt of
 ``--system`` tokens; each of B rows reads the system prompt and ``--k`` of the documents (a
 seeded random choice and order) in place, each document read shifted to where the row places it,
@@ -64,6 +66,10 @@ For each (native kernel, compile, step, B):
   (the attention function's or op's own Python, outside its aten calls), ``views_ms`` (views,
   allocations and metadata ops: ``NO_COMPUTE``); the rest of ``host_ms`` is the dispatcher's and the
   profiler's time inside computing ops' parents;
+* ``around_ms`` (``--compile static``): host time outside the static forward (its profiler range,
+  ``graphs.STATIC_RANGE``): the plan, the copies into the bucket, the step's Python around the
+  forward: what a step whose forward is one CUDA graph replay still asks of the host (a GPU does
+  not run the forward's Python, dynamo's guards or inductor's wrapper at a replay);
 * ``plan_ms``: of that, the step's inputs and attention plan alone (``step_inputs``,
   ``build_plan``: once a step), median of ``--repeats``.
 
@@ -85,6 +91,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+from promptcache.engine.serving_core.graphs import STATIC_RANGE  # the forward a capture replays
 
 from .common import add_model_args, pyplot, save_figure, save_table
 
@@ -244,6 +252,20 @@ def profile_step(step, layers: int, cuda: bool = False) -> dict:
         if part is not None:
             parts[part] += e.self_cpu_time_total / 1000
     parts["outside_ms"] = profiled_ms - sum(e.cpu_time_total for e in events if e.cpu_parent is None) / 1000
+    # a static step's forward (``--compile static``): on a GPU one graph replay; what the host does
+    # around it is what a captured step still pays
+    static = [e for e in events if e.name == STATIC_RANGE]
+
+    def inside_static(e) -> bool:
+        p = e.cpu_parent
+        while p is not None:
+            if p.name == STATIC_RANGE:
+                return True
+            p = p.cpu_parent
+        return False
+
+    static_host_us = sum(e.cpu_time_total for e in static) - sum(e.self_cpu_time_total for e in compute
+                                                                   if inside_static(e))
     attn = [e for e in aten if inside_attention(e)]
     calls = sum(1 for e in attn if not e.cpu_parent.name.startswith(OP_PREFIXES))
     direct = sum(1 for e in aten if e.cpu_parent is None or not e.cpu_parent.name.startswith(OP_PREFIXES))
@@ -252,6 +274,7 @@ def profile_step(step, layers: int, cuda: bool = False) -> dict:
                 attn_layer=round(len(attn) / layers, 1),
                 attn_calls_layer=round(calls / layers, 1),
                 kernel_ms=round(kernel_us / 1000, 3), host_ms=round(profiled_ms - kernel_us / 1000, 3),
+                around_ms=round(profiled_ms - kernel_us / 1000 - static_host_us / 1000, 3) if static else None,
                 **{k: round(v, 3) for k, v in parts.items()})
 
 
@@ -322,6 +345,8 @@ def measure(args) -> list[dict]:
                      for _ in range(args.repeats)]
             prof = dict(profs[0], **{k: round(statistics.median(p[k] for p in profs), 3) for k in TIMES},
                         host_min_ms=min(p["host_ms"] for p in profs))
+            if prof["around_ms"] is not None:
+                prof["around_ms"] = round(statistics.median(p["around_ms"] for p in profs), 3)
             wall = statistics.median(walls)
             plans = []
             for _ in range(args.repeats):  # the step's inputs and plan alone (once a step, before the forward)
@@ -351,7 +376,7 @@ def plot(rows: list[dict], path: Path) -> None:
                            and r["step"] == step), key=lambda r: r["batch"])
             if not cell:
                 continue
-            label = f"{step}, native {native}" + (", compiled" if compile_ == "on" else "")
+            label = f"{step}, native {native}" + {"on": ", compiled", "static": ", static compiled"}.get(compile_, "")
             for ax, key in zip(axes, ("aten_layer", "calls_layer", "host_ms")):
                 ax.plot([r["batch"] for r in cell], [r.get(key, 0) for r in cell], style, marker="o", label=label)
     axes[0].set(xlabel="batch (rows a step)", ylabel="aten events per layer", title="aten events a layer (nested too)")
@@ -384,7 +409,8 @@ def main(argv=None) -> None:
     ap.add_argument("--question", type=int, default=12, help="own tokens a row prefills")
     ap.add_argument("--generated", type=int, default=8, help="tokens a decode row generated before the step")
     ap.add_argument("--compile", default="off,on",
-                    help="steps run eagerly (off) and/or through CompiledSteps (on: --compile's serving steps)")
+                    help="steps run eagerly (off) and/or through CompiledSteps (on: --compile's serving steps) "
+                         "and/or decode steps compiled whole over static buffers (static: --compile --cuda-graphs)")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0)
@@ -411,13 +437,15 @@ def main(argv=None) -> None:
             print("note: the native kernel is unavailable here: the 'on' rows ran without it")
         rows += got
     for r in rows:
-        ran = "compiled" if r["compiled"] else "eager"
+        ran = ("static" if r.get("compile") == "static" else "compiled") if r["compiled"] else "eager"
         print(f"native {r['native']:3} {ran:8} {r['step']:7} B={r['batch']:3}  aten/forward {r['aten_forward']:6}  "
               f"aten/layer {r['aten_layer']:7} ({r['calls_layer']} calls)  attention aten/layer {r['attn_layer']:6} "
               f"({r['attn_calls_layer']} calls)  wall {r['wall_ms']:8.2f} ms  kernels {r['kernel_ms']:8.2f} ms  "
               f"host {r['host_ms']:8.2f} ms (least {r.get('host_min_ms', 0):.2f}; plan {r.get('plan_ms', 0):.2f}, "
               f"outside ops {r.get('outside_ms', 0):.2f}, dynamo {r.get('dynamo_ms', 0):.2f}, "
-              f"graph {r.get('graph_ms', 0):.2f}, attention Python {r.get('attention_py_ms', 0):.2f} ms)")
+              f"graph {r.get('graph_ms', 0):.2f}, attention Python {r.get('attention_py_ms', 0):.2f} ms"
+              + (f"; around the static forward {r['around_ms']:.2f} ms" if r.get("around_ms") is not None else "")
+              + ")")
     save_table(f"host_overhead{args.tag}", rows, args.out, plot)
 
 

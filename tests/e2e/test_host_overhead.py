@@ -32,3 +32,25 @@ def test_host_overhead_counts_calls_a_layer_that_do_not_grow_with_the_rows_witho
     assert (tmp_path / "host_overhead.png").exists()
     out = capsys.readouterr().out
     assert "attention aten/layer" in out and "compiled" in out
+
+
+def test_host_overhead_static_steps_compiled_whole_have_no_attention_op_and_say_what_the_host_does_around_them(
+        tmp_path, capsys):
+    """``--compile static``: decode steps over a bucket's buffers compiled whole (prefill steps run
+    eagerly): no attention function or op left in the step, fewer direct calls than the compiled
+    steps' opaque attention op makes, and ``around_ms`` (host time outside the static forward) is
+    part of the host time."""
+    importlib.import_module("eval.host_overhead").main(
+        ["--native", "off", "--compile", "static", "--batches", "2,8", "--docs", "4", "--doc-len", "8", "--k", "2",
+         "--system", "4", "--question", "3", "--generated", "2", "--repeats", "1", "--out", str(tmp_path)])
+    cell = {(r["step"], int(r["batch"])): r for r in csv.DictReader((tmp_path / "host_overhead.csv").open())}
+    for b in (2, 8):
+        decode, prefill = cell["decode", b], cell["prefill", b]
+        assert decode["compiled"] == "True" and prefill["compiled"] == "False"
+        assert float(decode["attn_layer"]) == 0  # the attention is the graph's kernels, no function of its own
+        assert float(prefill["attn_layer"]) > 0
+        assert 0 < float(decode["around_ms"]) < float(decode["host_ms"])
+        assert prefill["around_ms"] == ""  # no static forward in a prefill step
+        assert float(decode["calls_layer"]) < float(prefill["calls_layer"]) / 2
+    assert cell["decode", 8]["calls_layer"] == cell["decode", 2]["calls_layer"]  # one graph (symbolic rows)
+    assert "around the static forward" in capsys.readouterr().out
