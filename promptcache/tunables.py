@@ -87,6 +87,12 @@ GRAPH_BATCHES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 GRAPH_WIDTH = 128
 # Buckets kept at once (least recently used dropped first, with their graph and buffers).
 GRAPHS_KEPT = 32
+# Overlapped decode (engine/serving_core/scheduler.py, ``ServingScheduler.overlap``): a steady greedy
+# decode batch launches its next step (input ids: this step's argmax, on the device) before the host
+# reads this step's tokens, so the device computes step N+1 while the host checks stops, detokenizes
+# and streams step N. "auto": on a GPU only (on a CPU the forward and the host share the cores: the
+# outputs would come one forward later for nothing); True / False: everywhere / nowhere.
+OVERLAP_STEPS = "auto"
 
 # -- window-aware storage (engine/prefill/window_reads.py) ----------------------------------------
 # Bytes of whole states encoded again for readers a trimming tier (disk, Redis) kept too little for,

@@ -34,6 +34,20 @@ order, each query seeing the stored keys before it (``PagedRow.shared_limits``, 
 shares each of its own blocks (prompt, then answer) as soon as the block is full, so concurrent
 requests and the next turn of a chat reuse them.
 
+Overlapped decode (``overlap``; ``tunables.OVERLAP_STEPS``, by default on a GPU only). A step is
+launched (``_launch``: its forward and the argmax of its rows, queued on the device) and then
+finished (``_finish``: the argmax read back once, each row's token taken: stop checks, text,
+outputs). When every row of a step is a decode row of a running plain greedy request with tokens
+left (no log-probabilities, no end-of-sequence masking, nothing waiting to be admitted), the next
+step is launched between the two (``_go_ahead``): its input ids are this step's argmax on the
+device, its positions and slots the next ones, so the device computes step N+1 while the host
+reads and streams step N. The host's copy of those ids is a placeholder (``AHEAD``, read by no
+forward) until ``_finish`` sets it; the blocks the step completed are shared then, under the
+tokens' keys. A request that stops at step N (an end-of-sequence token, a stop string) or is
+cancelled had its row of step N+1 computed for nothing: that row is dropped. Outputs are the
+same, step for step, as without the overlap (tests/engine/test_overlap.py); each ``step()`` call
+still returns one step's outputs.
+
 Paused requests (``Request.paused``: the client stopped reading) are left out of decode steps
 until resumed. ``step()`` is not thread-safe: one thread drives it (the server's worker).
 """
@@ -43,6 +57,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from dataclasses import dataclass
 
 import torch
 
@@ -62,6 +77,20 @@ log = logging.getLogger(__name__)
 
 __all__ = ["ServingScheduler"]
 
+
+
+AHEAD = -1  # the host's id of a token a step launched ahead reads from the device (set once read back)
+
+
+@dataclass(eq=False)
+class _Flight:
+    """A step whose forward was launched: its requests and rows, the logits [k, V] of its logits
+    rows and their argmax [k] on the device (None: not taken), not yet read back by the host."""
+
+    reqs: list[Request]
+    rows: list[PagedRow]
+    logits: torch.Tensor
+    picks: torch.Tensor | None
 
 
 class RequestQueue:
@@ -104,6 +133,13 @@ class ServingScheduler(RequestQueue):
         # the next step's input ids when it decodes exactly those requests (``PagedRow.sampled``)
         self._sampled: tuple[torch.Tensor, list[Request]] | None = None
         self.device_ids = True  # keep them (False: every step's input ids are made from the host's)
+        # overlapped decode (``tunables.OVERLAP_STEPS``; "auto": on a GPU): a steady greedy batch's next
+        # step launched before this one's tokens are read (``_go_ahead``); ``_ahead``: that step, launched,
+        # not yet read; ``ahead_steps``: steps launched so, ahead of reading the one before
+        self.overlap = tunables.OVERLAP_STEPS is True or (tunables.OVERLAP_STEPS == "auto"
+                                                           and pool.buf.device.type == "cuda")
+        self._ahead: _Flight | None = None
+        self.ahead_steps = 0
         self.device_id_steps = 0  # steps whose input ids were the last step's sampled ids, on the device
         self.prefill_tokens = 0
         self.published_blocks = 0  # own blocks requests shared under chain keys
@@ -111,14 +147,29 @@ class ServingScheduler(RequestQueue):
             cpu_attention.available()  # build or load the native kernel now, not in the first request's step
 
     def step(self) -> list[StepOutput]:
-        """One step; its outputs are returned and also appended to each request's ``outputs``."""
+        """One step; its outputs are returned and also appended to each request's ``outputs``. With
+        ``overlap``, a step may be the one the last call launched ahead (its forward already running),
+        and may launch the next one before reading its own tokens (``_go_ahead``)."""
         outs = self._cancel()
-        reqs, rows, budget = self._schedule()
-        outs += self._admit(reqs, rows, budget)
-        if rows:
-            outs += self._run(reqs, rows)
+        flight, self._ahead = self._ahead, None
+        if flight is None:
+            reqs, rows, budget = self._schedule()
+            outs += self._admit(reqs, rows, budget)
+            if not rows:
+                self.steps += 1
+                return outs
+            flight = self._launch(reqs, rows)
+        if self._go_ahead(flight):
+            self._ahead = self._launch(flight.reqs, [self._ahead_row(r, flight.picks) for r in flight.reqs],
+                                       publish=False)
+            self.ahead_steps += 1
+        outs += self._finish(flight)
         self.steps += 1
         return outs
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running or self._ahead is not None)
 
     # -- cancellation -----------------------------------------------------------------------------
     def _cancel(self) -> list[StepOutput]:
@@ -362,7 +413,10 @@ class ServingScheduler(RequestQueue):
         return out
 
     # -- one step ---------------------------------------------------------------------------------
-    def _run(self, reqs: list[Request], rows: list[PagedRow]) -> list[StepOutput]:
+    def _launch(self, reqs: list[Request], rows: list[PagedRow], publish: bool = True) -> "_Flight":
+        """Run the step's forward and its argmax (on a GPU: queued, nothing read back); ``publish``:
+        share the blocks it completed now (a step launched ahead shares them once its input tokens
+        are known: ``_finish`` of the step before it)."""
         self._sampled = None
         if rows[0].sampled is not None and len(rows) == rows[0].sampled.shape[0]:
             self.device_id_steps += 1
@@ -374,16 +428,46 @@ class ServingScheduler(RequestQueue):
                 self._release(r)
                 r.finish_reason, r.status = "cancelled", Status.FINISHED
             raise
-        for r in reqs:
-            self._publish(r)
-        outs, k = [], 0
-        decoded = 0
+        if publish:
+            for r in reqs:
+                self._publish(r)
         # the argmax of every row in one call (float32: a bfloat16 argmax row by row costs 10x),
         # read by the plain greedy requests; kept on the device for the next step's input ids, read
-        # back once here for the stop checks and the text
-        greedy = sum(r.sampler.plain_greedy for r in reqs) > 1
-        picks = logits.float().argmax(-1) if greedy else None
-        best = picks.tolist() if greedy else None
+        # back once (``_finish``) for the stop checks and the text
+        greedy = sum(r.sampler.plain_greedy for r in reqs)
+        taken = greedy > 1 or (self.overlap and greedy == len(reqs))
+        return _Flight(reqs, rows, logits, logits.float().argmax(-1) if taken else None)
+
+    def _go_ahead(self, flight: "_Flight") -> bool:
+        """Whether the next step can be launched before this one's tokens are read: ``overlap`` on,
+        nobody waiting to be admitted, and every row of the step a decode row of a running plain
+        greedy request (no log-probabilities, no end-of-sequence masking left, not paused or
+        cancelled) that has tokens left, so that the next step decodes the same requests from this
+        step's argmax. A request that stops at this step (end of sequence, a stop string) had its
+        row in the next step computed for nothing: ``_finish`` drops it."""
+        if not self.overlap or not self.device_ids or flight.picks is None or self.waiting:
+            return False
+        eos = self.runner.eos_ids
+        for r, row in zip(flight.reqs, flight.rows):
+            if len(row.ids) != 1 or not row.logits or r.pending is None or r.status is not Status.RUNNING \
+                    or not r.sampler.plain_greedy or r.top_logprobs is not None or r.paused or r.cancel_requested \
+                    or len(r.token_ids) + 1 >= r.params.max_new_tokens \
+                    or (eos and len(r.token_ids) < r.params.min_tokens):
+                return False
+        return True
+
+    def _ahead_row(self, r: Request, picks: torch.Tensor) -> PagedRow:
+        """``r``'s row of the step launched ahead: its input id is this step's argmax, on the device
+        (``picks``); the host's copy of it (``AHEAD``, which no forward reads) is set by ``_finish``."""
+        return self._row(r, [AHEAD], [r.position + 1], True, sampled=picks)
+
+    def _finish(self, flight: "_Flight") -> list[StepOutput]:
+        """Read the step's tokens back (once) and take them: sampling, stop checks, text, outputs.
+        Rows of requests that finished after the step was launched (ahead) are dropped."""
+        reqs, rows, logits, picks = flight.reqs, flight.rows, flight.logits, flight.picks
+        outs, k = [], 0
+        decoded = 0
+        best = picks.tolist() if picks is not None else None
         took = []  # the requests of the logits rows, in order
         for r, row in zip(reqs, rows):
             was_prefill = len(row.ids) > 1 or r.pending is None
@@ -392,6 +476,8 @@ class ServingScheduler(RequestQueue):
                 continue
             lg = logits[k]
             k += 1
+            if r.finished:  # stopped or cancelled since this step was launched ahead of it
+                continue
             took.append(r)
             if was_prefill:
                 self.prefill_tokens += len(row.ids)
@@ -404,7 +490,16 @@ class ServingScheduler(RequestQueue):
         if decoded:
             self.decode_forwards += 1
             self.decode_tokens += decoded
-        if self.device_ids and best is not None and all(r.pending == b for r, b in zip(took, best)):  # each its argmax
+        ahead = self._ahead
+        if ahead is not None:  # the next step was launched with this one's argmax: its host ids, then its blocks
+            for r in ahead.reqs:
+                if not r.finished:
+                    r.kv.own_ids[-1] = r.pending
+                    self._publish(r)
+            if all(r.finished for r in ahead.reqs):
+                self._ahead = None  # every row of it was for nothing
+        elif self.device_ids and best is not None and len(took) == len(best) \
+                and all(r.pending == b for r, b in zip(took, best)):  # each its argmax
             self._sampled = (picks, took)
         return outs
 
