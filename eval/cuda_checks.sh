@@ -12,8 +12,10 @@
 #   3. decode: eval/decode_step.py on embedded:1b bfloat16, the decode step at batch 1/16/48 against
 #      reading the weights once at the card's bandwidth (bar: <= 2x at 48), aten calls and launches
 #      a step. -> decode/
+#      Eager steps, one after the other (--overlap off: the earlier runs' baseline).
 #   3b. decode_graphs: the same with the static decode step compiled whole and captured as one CUDA graph
-#      a bucket (--compile --cuda-graphs; the first step of a bucket compiles and captures). -> decode/
+#      a bucket (--compile --cuda-graphs; the first step of a bucket compiles and captures), each step
+#      launched before the last one's tokens are read (the overlap, on by default on a GPU). -> decode/
 #   4. ttft: eval/ttft.py on embedded:8b bfloat16 at 8192 tokens, 99% cached against full prefill
 #      (the paper's bar: >= 8x). -> ttft/
 #
@@ -101,7 +103,7 @@ part batch "${CUDA_BATCH_SECONDS:-120}" python3 -m eval.bench_batch --model "$sm
     --modes exact $batch_args --out "$out/batch" --tag "_$device"
 # shellcheck disable=SC2086
 part decode "${CUDA_DECODE_SECONDS:-60}" python3 -m eval.decode_step --model "$small" --device "$device" --dtype "$dtype" \
-    $decode_args ${bandwidth:+--bandwidth-tbs "$bandwidth"} --out "$out/decode" --tag "_$device"
+    --overlap off $decode_args ${bandwidth:+--bandwidth-tbs "$bandwidth"} --out "$out/decode" --tag "_$device"
 # shellcheck disable=SC2086  # the same, decode steps compiled whole and captured (--compile --cuda-graphs)
 part decode_graphs "${CUDA_GRAPHS_SECONDS:-100}" python3 -m eval.decode_step --model "$small" --device "$device" \
     --dtype "$dtype" $decode_args --compile --cuda-graphs ${bandwidth:+--bandwidth-tbs "$bandwidth"} \
@@ -123,7 +125,8 @@ batch = [r for r in rows("batch/bench_batch*.csv") if r["how"] == "batch"]
 print("batch vs loop (bar >= 10x):", ", ".join(f"{r['mode']} {r['vs_loop']}x ({r['tok_s']} tok/s)" for r in batch) or "no CSV")
 decode = [r for p in sorted(glob.glob(f"{out}/decode/decode_step*.csv")) for r in csv.DictReader(open(p))]
 print("decode step / weights' read (bar <= 2 at 48):", ", ".join(
-    f"{'compiled+graphs ' if r.get('static_steps', '0') not in ('', '0') else ''}B={r['batch']} {r['step_ms']} ms = {r['x_read']}x of {r['read_ms']} ms, {r['aten_calls']} aten calls, "
+    f"{'compiled+graphs ' if r.get('static_steps', '0') not in ('', '0') else ''}B={r['batch']} {r['step_ms']} ms "
+    f"(back to back {r.get('loop_ms', '?')} ms, {r.get('ahead_steps', '?')} launched ahead, {r.get('host_syncs', '?')} host syncs) = {r['x_read']}x of {r['read_ms']} ms, {r['aten_calls']} aten calls, "
     f"{r['launches']} launches" for r in decode) or "no CSV")
 ttft = [r for r in rows("ttft/ttft.csv") if r["method"] in ("pc_device", "pc_device_inplace", "pc_r0_inplace")]
 print("TTFT cached vs full (bar >= 8x at 8K, 99%):", ", ".join(

@@ -28,7 +28,13 @@ the last step's argmax on the device; ``graphs_captured`` / ``capture_s``: CUDA 
 in the run and the seconds they took (``capture_error``: why a capture failed, if one did); ``static_aten``
 / ``static_launches``: the profiled step's aten
 calls and launches inside the static forward (``graphs.STATIC_RANGE``): on a CPU the calls a capture
-would replay as one launch, on a GPU what the replay costs (the graph's launch).
+would replay as one launch, on a GPU what the replay costs (the graph's launch). With ``--compile
+--cuda-graphs`` the static step is compiled whole (its attention inside the graph) before it is
+captured. ``loop_ms``: the same steps back to back with one synchronization at the end (on a GPU
+the overlapped scheduler launches each step before reading the last one's tokens:
+``ServingScheduler.overlap``; ``ahead_steps``: steps launched so in the run); ``host_syncs``: the
+operations of one more step that made the host wait for the GPU (torch's synchronization debug
+mode; each is printed; one is the step's read of its tokens).
 
 Writes decode_step{--tag}.csv and .png to ``--out`` (default eval/results/) and prints each row.
 """
@@ -94,6 +100,25 @@ def profiled(step, device: torch.device) -> dict:
                 static_launches=sum("LaunchKernel" in e.name or e.name == "cudaGraphLaunch" for e in inside))
 
 
+def host_syncs(step, device: torch.device) -> int | None:
+    """Operations of one call of ``step`` that made the host wait for the GPU (torch's synchronization
+    debug mode, as warnings; None on a CPU). A decode step needs one: reading its tokens back."""
+    if device.type != "cuda":
+        return None
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    for w in caught:
+        print(f"host sync: {w.message}")
+    return len(caught)
+
+
 def measure(pc, batch: int, args, seed: int) -> dict:
     """Median decode step at ``batch`` rows, and one profiled step."""
     from promptcache import SamplingParams
@@ -102,7 +127,8 @@ def measure(pc, batch: int, args, seed: int) -> dict:
     engine = pc.engine()
     rng = random.Random(seed)
     vocab = min(len(pc.tokenizer), pc.model.config.vocab_size)
-    warm = args.steps + 8  # steps after the prefill: timed ones, the profiled one and a margin
+    warm = 2 * args.steps + 8  # steps after the prefill: timed ones (twice: one by one, back to back), the profiled
+    # and synchronization-counted ones and a margin
     params = SamplingParams(max_new_tokens=warm + 8, temperature=0.0, ignore_eos=True)
     reqs = [Request(pc.prompt_spec([rng.randrange(8, vocab) for _ in range(args.prompt_tokens)]), params, pc.tokenizer)
             for _ in range(batch)]
@@ -119,6 +145,13 @@ def measure(pc, batch: int, args, seed: int) -> dict:
         engine.step()
         sync(pc.device)
         times.append(time.perf_counter() - t)
+    sync(pc.device)
+    t = time.perf_counter()
+    for _ in range(args.steps):  # back to back, one synchronization at the end: steps launched ahead run on
+        engine.step()
+    sync(pc.device)
+    loop = (time.perf_counter() - t) / args.steps
+    syncs = host_syncs(engine.step, pc.device)
     if any(r.finished for r in reqs):
         raise RuntimeError("a request finished during the timed steps: raise max_new_tokens")
     before = _static_counts(engine)
@@ -133,7 +166,8 @@ def measure(pc, batch: int, args, seed: int) -> dict:
                     capture_s=round(sum(c.capture_seconds.values()), 3) if c else 0.0,
                     capture_error=(c.capture_error or "") if c else "")
     return dict(batch=batch, step_ms=round(1e3 * statistics.median(times), 3),
-                step_ms_min=round(1e3 * min(times), 3), tok_s=round(batch / statistics.median(times), 1), **counts,
+                step_ms_min=round(1e3 * min(times), 3), tok_s=round(batch / statistics.median(times), 1),
+                loop_ms=round(1e3 * loop, 3), ahead_steps=engine.scheduler.ahead_steps, host_syncs=syncs, **counts,
                 **graphs, **captures)
 
 
@@ -173,6 +207,9 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--cuda-graphs", action="store_true",
                     help="decode steps over persistent buffers, captured as CUDA graphs on a GPU (RunnerConfig."
                          "cuda_graphs); on a CPU uncaptured, with the native attention kernel off")
+    ap.add_argument("--overlap", choices=("auto", "on", "off"), default="auto",
+                    help="overlapped decode (tunables.OVERLAP_STEPS: auto is on a GPU only): each step launched "
+                         "before the last one's tokens are read")
     ap.add_argument("--quick", action="store_true", help="the demo model, batches 1 and 4, a few steps (CPU dry run)")
     ap.add_argument("--out", default=str(RESULTS))
     ap.add_argument("--tag", default="")
@@ -187,6 +224,9 @@ def main(argv=None) -> list[dict]:
     from promptcache.models.loading import load_model
 
     model, tok = load_model(args.model, device=args.device, dtype=args.dtype)
+    from promptcache import tunables
+
+    tunables.OVERLAP_STEPS = {"auto": "auto", "on": True, "off": False}[args.overlap]  # read by the scheduler
     pc = PromptCache(model, tok, EngineConfig(runner=RunnerConfig(compile=args.compile,
                                                                   cuda_graphs=args.cuda_graphs)))
     device = pc.device
@@ -201,17 +241,18 @@ def main(argv=None) -> list[dict]:
     rows = []
     for i, batch in enumerate(args.batches):
         row = dict(model=args.model, dtype=args.dtype, device_name=name, compiled=args.compile,
-                   cuda_graphs=args.cuda_graphs,
+                   cuda_graphs=args.cuda_graphs, overlap=pc.engine().scheduler.overlap,
                    **measure(pc, batch, args, seed=i),
                    weight_gb=round(wbytes / 1e9, 3), bandwidth_tbs=round(bandwidth / 1e12, 3),
                    measured_tbs=round(measured / 1e12, 3), read_ms=round(read_ms, 3))
         row["x_read"] = round(row["step_ms"] / read_ms, 2)
+        row["x_read_loop"] = round(row["loop_ms"] / read_ms, 2)
         rows.append(row)
         print(json.dumps(row), flush=True)
-    print(f"{'batch':>6}{'step ms':>10}{'tok/s':>10}{'x read':>8}{'aten':>8}{'launches':>10}{'static':>8}"
+    print(f"{'batch':>6}{'step ms':>10}{'loop ms':>10}{'tok/s':>10}{'x read':>8}{'aten':>8}{'launches':>10}{'static':>8}"
           f"{'replayed':>9}{'aten in static':>16}{'launches in static':>20}")
     for r in rows:
-        print(f"{r['batch']:>6}{r['step_ms']:>10}{r['tok_s']:>10}{r['x_read']:>8}{str(r['aten_calls']):>8}"
+        print(f"{r['batch']:>6}{r['step_ms']:>10}{r['loop_ms']:>10}{r['tok_s']:>10}{r['x_read']:>8}{str(r['aten_calls']):>8}"
               f"{str(r['launches']):>10}{r['static_steps']:>8}{r['replayed']:>9}{str(r['static_aten']):>16}"
               f"{str(r['static_launches']):>20}")
     save_table(f"decode_step{args.tag}", rows, args.out, plot)
