@@ -464,7 +464,7 @@ class DecodePlans:
         lengths = step.lengths
         self.plan, self.scale, self.rope, self.most = plan, scale, rope, most
         self.rows = [_Kept(r.own_blocks, list(r.own_blocks), r.shared, r.shared_runs, r.shared_shift, r.shared_slots,
-                           r.own.shape[0], n) for r, n in zip(rows, lengths)]
+                           r.own_count, n) for r, n in zip(rows, lengths)]
         self.built += 1
 
     def reuse(self, rows: list, scale, rope, most: int):
@@ -481,7 +481,7 @@ class DecodePlans:
                     or r.shared_runs is not k.runs or r.shared_shift is not k.shift or r.shared_slots is not k.slots \
                     or r.shared_limits is not None or r.own_blocks != k.table:
                 return None
-            d = r.own.shape[0] - k.own
+            d = r.own_count - k.own
             if grow is None:
                 grow = d
             if d != grow or d not in (0, 1):
