@@ -79,7 +79,7 @@ from .dense import SPARE_KEYS, DenseStep, attend_dense, dense_steps, pool_run, r
 from .kvpool import KVPool
 
 __all__ = ["KeyRule", "PagedRow", "StepPlan", "attend", "attention_swapped", "build_plan", "key_rule", "paged_forward",
-           "paged_refusal", "query_rope", "step_inputs", "write_kv", "ATTENTION_NAME"]
+           "paged_refusal", "query_rope", "step_ids", "step_inputs", "step_places", "write_kv", "ATTENTION_NAME"]
 
 ATTENTION_NAME = "promptcache_paged"
 
@@ -1087,27 +1087,37 @@ def query_rope(adapter, rows: list[PagedRow]) -> torch.Tensor | None:
 
 def step_inputs(pool: KVPool, rows: list[PagedRow]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[int]]:
     """The packed step's ids [1, N], position IDs [1, N], pool slots its tokens go to [N], and
-    the packed index of each row's last token where the row wants logits. Ids kept on the device
-    (``PagedRow.sampled``: every row's, in order) are used as they are."""
-    dev = pool.buf.device
-    sampled = rows[0].sampled if rows else None
-    if sampled is not None and sampled.shape[0] == len(rows) and all(r.sampled is sampled for r in rows):
-        ids = sampled.view(1, -1)
-    else:
-        ids = torch.tensor([[t for r in rows for t in r.ids]], dtype=torch.long, device=dev)
-    pos = torch.tensor([[p for r in rows for p in r.pos]], dtype=torch.long, device=dev)
-    if all(r.own_blocks is not None for r in rows):  # from the block tables: one tensor, not a slice a row
-        bs = pool.block_size
-        write = torch.tensor([r.own_blocks[i // bs] * bs + i % bs for r in rows
-                              for i in range(r.own_count - len(r.ids), r.own_count)], dtype=torch.long, device=dev)
-    else:
-        write = torch.cat([r.own_slots[r.own_count - len(r.ids) : r.own_count] for r in rows]).to(dev)
+    the packed index of each row's last token where the row wants logits (``step_ids``,
+    ``step_places``)."""
+    places = step_places(pool, rows)
     ends, off = [], 0
     for r in rows:
         off += len(r.ids)
         if r.logits:
             ends.append(off - 1)
-    return ids, pos, write, ends
+    return step_ids(pool, rows), places[:1], places[1], ends
+
+
+def step_ids(pool: KVPool, rows: list[PagedRow]) -> torch.Tensor:
+    """The packed step's ids [1, N]. Ids kept on the device (``PagedRow.sampled``: every row's, in
+    order) are used as they are."""
+    sampled = rows[0].sampled if rows else None
+    if sampled is not None and sampled.shape[0] == len(rows) and all(r.sampled is sampled for r in rows):
+        return sampled.view(1, -1)
+    return torch.tensor([[t for r in rows for t in r.ids]], dtype=torch.long, device=pool.buf.device)
+
+
+def step_places(pool: KVPool, rows: list[PagedRow]) -> torch.Tensor:
+    """The packed step's position IDs and the pool slots its tokens go to, as one tensor [2, N]:
+    from the rows' block tables one host-to-device copy whatever the rows (else a slice a row)."""
+    dev = pool.buf.device
+    pos = [p for r in rows for p in r.pos]
+    if all(r.own_blocks is not None for r in rows):
+        bs = pool.block_size
+        write = [r.own_blocks[i // bs] * bs + i % bs for r in rows for i in range(r.own_count - len(r.ids), r.own_count)]
+        return torch.tensor([pos, write], dtype=torch.long, device=dev)
+    write = torch.cat([r.own_slots[r.own_count - len(r.ids) : r.own_count] for r in rows]).to(dev)
+    return torch.stack((torch.tensor(pos, dtype=torch.long, device=dev), write))
 
 
 def paged_refusal(runner) -> str | None:

@@ -385,7 +385,7 @@ class ServingScheduler(RequestQueue):
         # reads its logits (a prefill's first token, sampling, log-probabilities, a masked EOS): a
         # plain greedy decode row makes no tensor op of its own
         greedy = any(r.sampler.plain_greedy for r in reqs)
-        picks = logits.float().argmax(-1) if greedy else None
+        picks = (logits if logits.dtype == torch.float32 else logits.float()).argmax(-1) if greedy else None
         best = picks.tolist() if greedy else None
         eos = self.runner.eos_ids
         took = []  # the requests of the logits rows, in order
