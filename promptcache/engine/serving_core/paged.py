@@ -1114,7 +1114,8 @@ def step_places(pool: KVPool, rows: list[PagedRow]) -> torch.Tensor:
     pos = [p for r in rows for p in r.pos]
     if all(r.own_blocks is not None for r in rows):
         bs = pool.block_size
-        write = [r.own_blocks[i // bs] * bs + i % bs for r in rows for i in range(r.own_count - len(r.ids), r.own_count)]
+        write = [r.own_blocks[i // bs] * bs + i % bs for r in rows
+                 for i in range(r.own_count - len(r.ids), r.own_count)]
         return torch.tensor([pos, write], dtype=torch.long, device=dev)
     write = torch.cat([r.own_slots[r.own_count - len(r.ids) : r.own_count] for r in rows]).to(dev)
     return torch.stack((torch.tensor(pos, dtype=torch.long, device=dev), write))
