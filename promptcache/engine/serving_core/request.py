@@ -182,11 +182,12 @@ class Request:
         """One decoding step's token from ``logits`` [V], taken (``accept``): (token, new text, its
         log-probability entry or None). ``argmax``: the logits' argmax when the caller took it, the
         token where ``takes_argmax``; ``logits`` may be None where ``reads_logits`` is False."""
-        if logits is None and self.reads_logits(argmax, eos):
+        takes = self.takes_argmax(argmax, eos)
+        if logits is None and (self.top_logprobs is not None or not takes):  # ``reads_logits``
             raise ValueError(f"request {self.id}: sample_next needs this step's logits (it samples, masks an "
                              f"end-of-sequence token or records log-probabilities), got None")
         dist = self.distribution(logits)  # None unless the request records log-probabilities
-        if self.takes_argmax(argmax, eos):
+        if takes:
             token = argmax
         else:
             token = self.sampler.sample(self.mask_eos(logits, eos), self.context)
