@@ -13,12 +13,10 @@ def concatenates(tokenizer) -> bool:
     joined, then read as UTF-8, which resynchronizes after a whole character) with no clean-up of
     spaces (a rule across the join). Others (SentencePiece's strip of a leading space, WordPiece's
     joins, the clean-up) do not."""
-    try:
-        from tokenizers import decoders
-    except ImportError:  # pragma: no cover - transformers' fast tokenizers need it
-        return False
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    return isinstance(getattr(backend, "decoder", None), decoders.ByteLevel) \
+    decoder = type(getattr(getattr(tokenizer, "backend_tokenizer", None), "decoder", None))
+    # the tokenizers library's class (what transformers' fast tokenizers run), named, not imported:
+    # it is transformers' dependency, not this package's
+    return (decoder.__module__, decoder.__name__) == ("tokenizers.decoders", "ByteLevel") \
         and getattr(tokenizer, "clean_up_tokenization_spaces", True) is False
 
 
