@@ -28,7 +28,9 @@ the last step's argmax on the device; ``graphs_captured`` / ``capture_s``: CUDA 
 in the run and the seconds they took (``capture_error``: why a capture failed, if one did); ``static_aten``
 / ``static_launches``: the profiled step's aten
 calls and launches inside the static forward (``graphs.STATIC_RANGE``): on a CPU the calls a capture
-would replay as one launch, on a GPU what the replay costs (the graph's launch). With ``--compile
+would replay as one launch, on a GPU what the replay costs (the graph's launch); ``outside_aten``: the
+step's other aten calls (its inputs, the kept plan's growth, the copies into the buffers, the argmax and
+sampling; without ``--cuda-graphs`` every call of the step). With ``--compile
 --cuda-graphs`` the static step is compiled whole (its attention inside the graph) before it is
 captured. ``loop_ms``: the same steps back to back with one synchronization at the end (on a GPU
 the overlapped scheduler launches each step before reading the last one's tokens:
@@ -87,16 +89,17 @@ def profiled(step, device: torch.device) -> dict:
     except RuntimeError as e:  # a build or driver without the profiler's pieces (CUPTI)
         print(f"note: torch.profiler failed ({e}): no call counts")
         step()
-        return dict(aten_calls=None, launches=None, static_aten=None, static_launches=None)
+        return dict(aten_calls=None, launches=None, static_aten=None, outside_aten=None, static_launches=None)
     events = prof.events()
     names = [e.name for e in events]
     # the static step's forward (CapturedSteps): the calls a captured graph replays in one launch
     ranges = [(e.time_range.start, e.time_range.end, e.thread) for e in events if e.name == STATIC_RANGE]
     inside = [e for e in events if any(a <= e.time_range.start and e.time_range.end <= b and e.thread == t
                                        for a, b, t in ranges)]
-    return dict(aten_calls=sum(n.startswith("aten::") for n in names),
+    aten, static = sum(n.startswith("aten::") for n in names), sum(e.name.startswith("aten::") for e in inside)
+    return dict(aten_calls=aten,
                 launches=sum("LaunchKernel" in n or n == "cudaGraphLaunch" for n in names),
-                static_aten=sum(e.name.startswith("aten::") for e in inside),
+                static_aten=static, outside_aten=aten - static,
                 static_launches=sum("LaunchKernel" in e.name or e.name == "cudaGraphLaunch" for e in inside))
 
 
@@ -250,11 +253,11 @@ def main(argv=None) -> list[dict]:
         rows.append(row)
         print(json.dumps(row), flush=True)
     print(f"{'batch':>6}{'step ms':>10}{'loop ms':>10}{'tok/s':>10}{'x read':>8}{'aten':>8}{'launches':>10}{'static':>8}"
-          f"{'replayed':>9}{'aten in static':>16}{'launches in static':>20}")
+          f"{'replayed':>9}{'aten in static':>16}{'aten outside':>14}{'launches in static':>20}")
     for r in rows:
         print(f"{r['batch']:>6}{r['step_ms']:>10}{r['loop_ms']:>10}{r['tok_s']:>10}{r['x_read']:>8}{str(r['aten_calls']):>8}"
               f"{str(r['launches']):>10}{r['static_steps']:>8}{r['replayed']:>9}{str(r['static_aten']):>16}"
-              f"{str(r['static_launches']):>20}")
+              f"{str(r['outside_aten']):>14}{str(r['static_launches']):>20}")
     save_table(f"decode_step{args.tag}", rows, args.out, plot)
     return rows
 

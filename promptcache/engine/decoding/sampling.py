@@ -117,6 +117,9 @@ class Sampler:
         self.params = params
         self.processors = LogitsProcessorList([*constraints, *params.processors()])
         self.needs_context = params.repetition_penalty != 1.0 or bool(constraints)
+        # whether ``sample`` is the logits' argmax (greedy, nothing reads the context): read for every
+        # decode row of every step, so worked out once
+        self.plain_greedy = params.greedy and not self.needs_context
         self.generator = None
         if not params.greedy:
             self.generator = torch.Generator()
@@ -132,11 +135,6 @@ class Sampler:
         if ids is None:
             ids = torch.zeros((1, 0), dtype=torch.long, device=x.device)
         return self.processors(ids, x)
-
-    @property
-    def plain_greedy(self) -> bool:
-        """Whether ``sample`` is the logits' argmax (greedy, nothing reads the context)."""
-        return self.params.greedy and not self.needs_context
 
     def sample(self, logits: torch.Tensor, context: Sequence[int] = ()) -> int:
         if self.plain_greedy:

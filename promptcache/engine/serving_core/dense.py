@@ -441,6 +441,7 @@ class DecodePlans:
     def __init__(self, block_size: int):
         self.block_size = block_size
         self.plan = None  # the kept StepPlan (its ``dense`` is grown in place)
+        self.mask = None  # its dense mask as one row of B * W (a view, made once a kept plan)
         self.rows: list[_Kept] = []
         self.scale = self.rope = self.most = None  # what the kept plan was built with
         self.reused = 0  # steps that reused the kept plan (grown or as it was)
@@ -452,7 +453,7 @@ class DecodePlans:
         return all(len(r.ids) == 1 and r.own_blocks is not None and r.shared_limits is None for r in rows)
 
     def forget(self) -> None:
-        self.plan, self.rows = None, []
+        self.plan, self.mask, self.rows = None, None, []
 
     def keep(self, rows: list, plan, scale, rope, most: int) -> None:
         """Keep ``plan`` (built for ``rows``, with spare keys: ``dense_step(spare=SPARE_KEYS)``) for the
@@ -463,8 +464,10 @@ class DecodePlans:
             return
         lengths = step.lengths
         self.plan, self.scale, self.rope, self.most = plan, scale, rope, most
+        with torch.inference_mode():
+            self.mask = step.mask.view(-1)  # [B, 1, 1, W]: one query a row, key (i, j) at i * W + j
         self.rows = [_Kept(r.own_blocks, list(r.own_blocks), r.shared, r.shared_runs, r.shared_shift, r.shared_slots,
-                           r.own.shape[0], n) for r, n in zip(rows, lengths)]
+                           r.own_count, n) for r, n in zip(rows, lengths)]
         self.built += 1
 
     def reuse(self, rows: list, scale, rope, most: int):
@@ -481,7 +484,7 @@ class DecodePlans:
                     or r.shared_runs is not k.runs or r.shared_shift is not k.shift or r.shared_slots is not k.slots \
                     or r.shared_limits is not None or r.own_blocks != k.table:
                 return None
-            d = r.own.shape[0] - k.own
+            d = r.own_count - k.own
             if grow is None:
                 grow = d
             if d != grow or d not in (0, 1):
@@ -501,11 +504,13 @@ class DecodePlans:
         for i, k in enumerate(self.rows):
             at.append(i * w + k.keys)
             slot.append(k.blocks[k.own // bs] * bs + k.own % bs)  # own token k.own's slot (its block table)
-        # (a step built inside inference mode, as ``paged_forward`` builds it, is updated in place only there)
+        # (a step built inside inference mode, as ``paged_forward`` builds it, is updated in place only
+        # there); one host tensor and two scatters whatever the rows: 12 aten events a step
         with torch.inference_mode():
             where = torch.tensor([at, slot], dtype=torch.long, device=step.slots.device)
-            step.slots.index_put_((where[0],), where[1])
-            step.mask.view(-1).index_fill_(0, where[0], 0.0)  # [B, 1, 1, W]: one query a row, key (i, j) at i * W + j
+            keys = where[0]
+            step.slots.scatter_(0, keys, where[1])
+            self.mask.scatter_(0, keys, 0.0)
         step.memo.clear()  # the biases derived from the mask
         for k in self.rows:
             k.own += 1

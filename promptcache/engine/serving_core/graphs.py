@@ -131,7 +131,7 @@ from ...tunables import COMPILE_BUCKETS
 from .dense import DenseStep, rotate
 from .kvpool import KVPool
 from .paged import PagedCache, PagedRow, StepPlan, attend, attention_swapped, build_plan, key_rule, paged_forward, \
-    paged_refusal, query_rope, step_inputs
+    paged_refusal, query_rope, step_ids, step_inputs, step_places
 
 log = logging.getLogger(__name__)
 
@@ -413,14 +413,20 @@ class StaticBucket:
 
     key: tuple  # (B, W, rotation: None or (r, swap))
     ids: torch.Tensor  # [1, B]
-    pos: torch.Tensor  # [1, B]
-    write: torch.Tensor  # [B] pool slot each row's new key and value go to
+    places: torch.Tensor  # [2, B]: ``pos`` and ``write``, filled by one copy (``paged.step_places``)
+    pos: torch.Tensor  # [1, B] (a view of ``places``)
+    write: torch.Tensor  # [B] pool slot each row's new key and value go to (a view of ``places``)
     dense: DenseStep  # rows B, queries 1, width W: slots [B * W], mask [B, 1, 1, W], cos / sin [B, W, r]
     plan: StepPlan  # the plan every layer reads: ``dense`` over the pool
     logits: torch.Tensor | None = None  # [1, B, V] the forward's (on a GPU: the graph's output)
     layers: tuple = ()  # the pool's layers, each [2, Hk, S, D] (a compiled step's inputs)
     graph: object | None = None  # torch.cuda.CUDAGraph once captured
     last: tuple[int, int] | None = None  # (rows, keys a row) of its last step: the real region
+    # views of the real region of ``last`` (ids, places, slots [b, w], mask [b, w], cos, sin), made when it
+    # moves: a step's copies into the buffers are one op each, whatever the rows
+    region: tuple | None = None
+    # the last step's kept plan (``dense.DecodePlans`` grows it in place) and its slots and mask as [b, w]
+    source: tuple | None = None
     steps: int = 0
 
 
@@ -578,22 +584,22 @@ class CapturedSteps:
             cos = torch.zeros((b, w, rot[0]), dtype=torch.float32, device=dev)
             sin = torch.zeros_like(cos)
         step = DenseStep(b, 1, w, slots, mask, None, None, cos, sin, dense.swap if rot else False)
-        bucket = StaticBucket(key, torch.zeros((1, b), **long), torch.zeros((1, b), **long),
-                              torch.full((b,), scratch, **long), step, StepPlan(pool, None, dense=step),
-                              layers=tuple(pool.layers))
+        places = torch.stack((torch.zeros(b, **long), torch.full((b,), scratch, **long)))
+        bucket = StaticBucket(key, torch.zeros((1, b), **long), places, places[:1], places[1], step,
+                              StepPlan(pool, None, dense=step), layers=tuple(pool.layers))
         self.buckets[key] = bucket
         log.debug("static decode steps: bucket %s made", key)
         return bucket
 
     def _load(self, bucket: StaticBucket, pool: KVPool, rows: list[PagedRow], dense: DenseStep) -> None:
         """The step's inputs and plan copied into ``bucket``'s buffers (device copies; the ids are the
-        last step's argmax on the device where the scheduler kept it)."""
+        last step's argmax on the device where the scheduler kept it): one host tensor and four to
+        six copies, whatever the rows."""
         b, w = dense.rows, dense.width
         big, wide = bucket.key[0], bucket.key[1]
-        ids, pos, write, _ = step_inputs(pool, rows)
         step = bucket.dense
-        slots, mask = step.slots.view(big, wide), step.mask.view(big, wide)
         if bucket.last != (b, w):  # the real region moved: everything outside it reset to padding
+            slots, mask = step.slots.view(big, wide), step.mask.view(big, wide)
             scratch = self.scratch_slot
             bucket.ids[:, b:].zero_()
             bucket.pos[:, b:].zero_()
@@ -602,15 +608,19 @@ class CapturedSteps:
             mask[:, w:].fill_(float("-inf"))
             mask[b:].fill_(float("-inf"))
             mask[b:, 0] = 0.0  # a pad row attends to its own key at the scratch slot alone
+            rot = (step.cos[:b, :w], step.sin[:b, :w]) if step.cos is not None else (None, None)
+            bucket.region = (bucket.ids[:, :b], bucket.places[:, :b], slots[:b, :w], mask[:b, :w], *rot)
             bucket.last = (b, w)
-        bucket.ids[:, :b].copy_(ids)
-        bucket.pos[:, :b].copy_(pos)
-        bucket.write[:b].copy_(write)
-        slots[:b, :w].copy_(dense.slots.view(b, w))
-        mask[:b, :w].copy_(dense.mask.view(b, w))
-        if step.cos is not None:
-            step.cos[:b, :w].copy_(dense.cos)
-            step.sin[:b, :w].copy_(dense.sin)
+        if bucket.source is None or bucket.source[0] is not dense:  # a plan built anew, not the kept one grown
+            bucket.source = (dense, dense.slots.view(b, w), dense.mask.view(b, w))
+        ids, places, slots, mask, cos, sin = bucket.region
+        ids.copy_(step_ids(pool, rows))
+        places.copy_(step_places(pool, rows))
+        slots.copy_(bucket.source[1])
+        mask.copy_(bucket.source[2])
+        if cos is not None:
+            cos.copy_(dense.cos)
+            sin.copy_(dense.sin)
 
     # -- running ------------------------------------------------------------------------------------
     def _run(self, bucket: StaticBucket) -> torch.Tensor:

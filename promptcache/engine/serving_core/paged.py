@@ -79,7 +79,7 @@ from .dense import SPARE_KEYS, DenseStep, attend_dense, dense_steps, pool_run, r
 from .kvpool import KVPool
 
 __all__ = ["KeyRule", "PagedRow", "StepPlan", "attend", "attention_swapped", "build_plan", "key_rule", "paged_forward",
-           "paged_refusal", "query_rope", "step_inputs", "write_kv", "ATTENTION_NAME"]
+           "paged_refusal", "query_rope", "step_ids", "step_inputs", "step_places", "write_kv", "ATTENTION_NAME"]
 
 ATTENTION_NAME = "promptcache_paged"
 
@@ -88,13 +88,18 @@ ATTENTION_NAME = "promptcache_paged"
 class PagedRow:
     """One request's part of a step: ``ids``/``pos`` its t new tokens; ``shared``: (key, view
     [L, 2, H, n, D]) segments it reads before its own tokens; ``own``: pool slots of its own
-    tokens so far INCLUDING these t (the last t are written by this step); ``logits``: whether
-    the step returns logits of its last token."""
+    tokens so far INCLUDING these t (the last t are written by this step), the first ``own_count``
+    of ``own_slots``; ``logits``: whether the step returns logits of its last token.
+
+    ``own_slots`` may run past the row's tokens (the scheduler gives a request's whole slot table,
+    ``own_count`` its tokens so far): ``own`` is then a view made on its first read, so a decode
+    step whose plan reads only the count and the block table (``dense.DecodePlans``) makes no
+    tensor op a row."""
 
     ids: list[int]
     pos: list[int]
     shared: list[tuple[str, torch.Tensor]]
-    own: torch.Tensor  # LongTensor [done + t] of pool slots
+    own_slots: torch.Tensor  # LongTensor [>= own_count] of pool slots, the row's own tokens' first
     logits: bool = True
     # key positions, read only where attention depends on them (``KeyRule``: ALiBi, sliding windows):
     shared_pos: list[torch.Tensor] | None = None  # position IDs [n] of each shared segment, as ``shared``
@@ -121,6 +126,25 @@ class PagedRow:
     # that sampled them, in order, each one token (a decode batch as the last step left it: the
     # scheduler's ``_sampled``); the step's input ids are then this tensor itself, not ``ids`` copied in
     sampled: torch.Tensor | None = None
+    # its own tokens so far, these t included (None at construction: every one of ``own_slots``)
+    own_count: int | None = None
+    _own: torch.Tensor | None = field(default=None, init=False, repr=False)
+
+    def __post_init__(self):
+        total = self.own_slots.shape[0]
+        if self.own_count is None:
+            self.own_count = total
+        elif not len(self.ids) <= self.own_count <= total:
+            raise ValueError(f"a paged row of {len(self.ids)} new tokens counts {self.own_count} own tokens "
+                             f"over {total} own slots (it needs {len(self.ids)} to {total})")
+
+    @property
+    def own(self) -> torch.Tensor:
+        """Pool slots [own_count] of its own tokens so far, these t included (a view, made once)."""
+        if self._own is None:
+            slots = self.own_slots
+            self._own = slots if self.own_count == slots.shape[0] else slots[: self.own_count]
+        return self._own
 
     def limits(self) -> list[torch.Tensor | None]:
         return self.shared_limits if self.shared_limits is not None else [None] * len(self.shared)
@@ -229,7 +253,7 @@ def build_plan(pool: KVPool, rows: list[PagedRow], scale: float | None = None, k
     for row in rows:
         t = len(row.ids)
         limits, shifts = row.limits(), row.shifts()
-        decode = t == 1 and (gather_max is None or len(row.own) <= gather_max) and all(x is None for x in limits)
+        decode = t == 1 and (gather_max is None or row.own_count <= gather_max) and all(x is None for x in limits)
         fold = gather_max is None and (FOLD_SHARED if decode else FOLD_PREFILL)
         folded: list[torch.Tensor | None] = []  # a prefill row's key limits of each folded segment
         into = table if decode else ptable
@@ -259,7 +283,7 @@ def build_plan(pool: KVPool, rows: list[PagedRow], scale: float | None = None, k
             ptable.prefill(row.own, off, t, folded)
         else:  # a chunk reading no document (the causal call's packed tiles and bfloat16 products: a long
             # prompt's prefill 6-15% faster than over runs), or a decode row with a long own part
-            done = len(row.own) - t
+            done = row.own_count - t
             plan.prefills.append((off, off + t, _parts(row.own[done:], 1)[0], _parts(row.own[:done], SEGMENTS_MAX)))
         off += t
     grouped = _group_segments([(v, q, None, sh) for v, q, sh in by_key.values()], dev)
@@ -335,7 +359,7 @@ def _build_dense(pool: KVPool, rows: list[PagedRow], scale: float | None, rope: 
                 entry[1].extend(range(off, off + t))
                 entry[2].extend([shift] * t)
         in_pool.append(mine)
-        owns.append(None if row.own_blocks is None else pool.slot_runs(row.own_blocks, row.own.shape[0]))
+        owns.append(None if row.own_blocks is None else pool.slot_runs(row.own_blocks, row.own_count))
         off += t
     steps = dense_steps(rows, in_pool, pool.buf.shape[2], pool.buf.shape[4], rope, dev, tunables.DENSE_MAX,
                         owns=owns, spare=spare)
@@ -381,10 +405,10 @@ def _add_limited(plan: StepPlan, view: torch.Tensor, off: int, limits: torch.Ten
 
 def _own_positions(row: PagedRow) -> list[int]:
     if row.own_pos is not None:
-        if len(row.own_pos) != len(row.own):
-            raise ValueError(f"a paged row has {len(row.own)} own slots and {len(row.own_pos)} own positions")
+        if len(row.own_pos) != row.own_count:
+            raise ValueError(f"a paged row has {row.own_count} own slots and {len(row.own_pos)} own positions")
         return list(row.own_pos)
-    if len(row.own) != len(row.ids):
+    if row.own_count != len(row.ids):
         raise ValueError("this model's attention reads key positions: a paged row with earlier own tokens needs "
                          "their positions (PagedRow.own_pos)")
     return list(row.pos)
@@ -430,11 +454,11 @@ def _build_keyed(pool: KVPool, rows: list[PagedRow], scale: float | None, keys: 
             entry[1].extend(range(off, off + t))
             entry[3].extend([shift] * t)
         own_pos = torch.tensor(_own_positions(row), dtype=torch.long)
-        if t == 1 and len(row.own) <= GATHER_MAX and all(x is None for x in limits):
+        if t == 1 and row.own_count <= GATHER_MAX and all(x is None for x in limits):
             decodes.append((off, row.own, own_pos))
             off += 1
             continue
-        done = len(row.own) - t
+        done = row.own_count - t
         earlier = _parts_at(row.own[:done], SEGMENTS_MAX)
         plan.prefills.append((off, off + t, _parts(row.own[done:], 1)[0], [p for p, _, _ in earlier]))
         plan.prefill_pos.append((own_pos[done:], [own_pos[a:b] for _, a, b in earlier]))
@@ -1063,27 +1087,38 @@ def query_rope(adapter, rows: list[PagedRow]) -> torch.Tensor | None:
 
 def step_inputs(pool: KVPool, rows: list[PagedRow]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[int]]:
     """The packed step's ids [1, N], position IDs [1, N], pool slots its tokens go to [N], and
-    the packed index of each row's last token where the row wants logits. Ids kept on the device
-    (``PagedRow.sampled``: every row's, in order) are used as they are."""
-    dev = pool.buf.device
-    sampled = rows[0].sampled if rows else None
-    if sampled is not None and sampled.shape[0] == len(rows) and all(r.sampled is sampled for r in rows):
-        ids = sampled.view(1, -1)
-    else:
-        ids = torch.tensor([[t for r in rows for t in r.ids]], dtype=torch.long, device=dev)
-    pos = torch.tensor([[p for r in rows for p in r.pos]], dtype=torch.long, device=dev)
-    if all(r.own_blocks is not None for r in rows):  # from the block tables: one tensor, not a slice a row
-        bs = pool.block_size
-        write = torch.tensor([r.own_blocks[i // bs] * bs + i % bs for r in rows
-                              for i in range(r.own.shape[0] - len(r.ids), r.own.shape[0])], dtype=torch.long, device=dev)
-    else:
-        write = torch.cat([r.own[len(r.own) - len(r.ids):] for r in rows]).to(dev)
+    the packed index of each row's last token where the row wants logits (``step_ids``,
+    ``step_places``)."""
+    places = step_places(pool, rows)
     ends, off = [], 0
     for r in rows:
         off += len(r.ids)
         if r.logits:
             ends.append(off - 1)
-    return ids, pos, write, ends
+    return step_ids(pool, rows), places[:1], places[1], ends
+
+
+def step_ids(pool: KVPool, rows: list[PagedRow]) -> torch.Tensor:
+    """The packed step's ids [1, N]. Ids kept on the device (``PagedRow.sampled``: every row's, in
+    order) are used as they are."""
+    sampled = rows[0].sampled if rows else None
+    if sampled is not None and sampled.shape[0] == len(rows) and all(r.sampled is sampled for r in rows):
+        return sampled.view(1, -1)
+    return torch.tensor([[t for r in rows for t in r.ids]], dtype=torch.long, device=pool.buf.device)
+
+
+def step_places(pool: KVPool, rows: list[PagedRow]) -> torch.Tensor:
+    """The packed step's position IDs and the pool slots its tokens go to, as one tensor [2, N]:
+    from the rows' block tables one host-to-device copy whatever the rows (else a slice a row)."""
+    dev = pool.buf.device
+    pos = [p for r in rows for p in r.pos]
+    if all(r.own_blocks is not None for r in rows):
+        bs = pool.block_size
+        write = [r.own_blocks[i // bs] * bs + i % bs for r in rows
+                 for i in range(r.own_count - len(r.ids), r.own_count)]
+        return torch.tensor([pos, write], dtype=torch.long, device=dev)
+    write = torch.cat([r.own_slots[r.own_count - len(r.ids) : r.own_count] for r in rows]).to(dev)
+    return torch.stack((torch.tensor(pos, dtype=torch.long, device=dev), write))
 
 
 def paged_refusal(runner) -> str | None:

@@ -164,16 +164,31 @@ class Request:
         self.pending = token if self.finish_reason is None else None
         return piece
 
-    def sample_next(self, logits: torch.Tensor, eos: frozenset[int],
+    def takes_argmax(self, argmax: int | None, eos: frozenset[int]) -> bool:
+        """Whether this step's token is ``argmax`` (the logits' argmax, taken by the caller: a step
+        takes all its rows' in one call) as it is: a plain greedy request's, unless an
+        end-of-sequence token still masked (``mask_eos``; masking other tokens than the argmax
+        leaves it the first argmax)."""
+        return argmax is not None and self.sampler.plain_greedy and not (
+            argmax in eos and len(self.token_ids) < self.params.min_tokens)
+
+    def reads_logits(self, argmax: int | None, eos: frozenset[int]) -> bool:
+        """Whether ``sample_next`` reads this step's logits: not where it takes ``argmax`` and records
+        no log-probabilities (then the caller need not index its row of logits at all)."""
+        return self.top_logprobs is not None or not self.takes_argmax(argmax, eos)
+
+    def sample_next(self, logits: torch.Tensor | None, eos: frozenset[int],
                     argmax: int | None = None) -> tuple[int, str, TokenLogprob | None]:
         """One decoding step's token from ``logits`` [V], taken (``accept``): (token, new text, its
-        log-probability entry or None). ``argmax``: the logits' argmax when the caller took it (a
-        step takes all its rows' in one call), the token of a plain greedy request unless it is an
-        end-of-sequence token still masked (``mask_eos``)."""
+        log-probability entry or None). ``argmax``: the logits' argmax when the caller took it, the
+        token where ``takes_argmax``; ``logits`` may be None where ``reads_logits`` is False."""
+        takes = self.takes_argmax(argmax, eos)
+        if logits is None and (self.top_logprobs is not None or not takes):  # ``reads_logits``
+            raise ValueError(f"request {self.id}: sample_next needs this step's logits (it samples, masks an "
+                             f"end-of-sequence token or records log-probabilities), got None")
         dist = self.distribution(logits)  # None unless the request records log-probabilities
-        masked = eos and len(self.token_ids) < self.params.min_tokens
-        if argmax is not None and self.sampler.plain_greedy and not (masked and argmax in eos):
-            token = argmax  # masking other tokens than the argmax leaves it the (first) argmax
+        if takes:
+            token = argmax
         else:
             token = self.sampler.sample(self.mask_eos(logits, eos), self.context)
         entry = self.record(token, dist)

@@ -211,10 +211,11 @@ class ServingScheduler(RequestQueue):
         done = len(kv.own_ids)
         kv.own_ids.extend(ids)  # their states are written by this step's forward
         kv.own_pos.extend(pos)
-        return PagedRow(ids, pos, kv.shared, kv.slots[: done + len(ids)], logits=logits, shared_pos=kv.shared_pos,
+        # the whole slot table and the count: the row's slots are sliced only where a step reads them
+        return PagedRow(ids, pos, kv.shared, kv.slots, logits=logits, shared_pos=kv.shared_pos,
                         shared_slots=kv.shared_slots, own_pos=kv.own_pos, shared_limits=limits,
                         shared_shift=kv.shared_shift, own_blocks=kv.blocks, shared_runs=kv.shared_runs,
-                        sampled=sampled)
+                        sampled=sampled, own_count=done + len(ids))
 
     def _chunk(self, r: Request, budget: int) -> PagedRow:
         kv, plan = r.kv, r.kv.plan
@@ -433,10 +434,12 @@ class ServingScheduler(RequestQueue):
                 self._publish(r)
         # the argmax of every row in one call (float32: a bfloat16 argmax row by row costs 10x),
         # read by the plain greedy requests; kept on the device for the next step's input ids, read
-        # back once (``_finish``) for the stop checks and the text
-        greedy = sum(r.sampler.plain_greedy for r in reqs)
-        taken = greedy > 1 or (self.overlap and greedy == len(reqs))
-        return _Flight(reqs, rows, logits, logits.float().argmax(-1) if taken else None)
+        # back once (``_finish``) for the stop checks and the text. A row is indexed only where its
+        # request reads its logits (a prefill's first token, sampling, log-probabilities, a masked
+        # EOS): a plain greedy decode row makes no tensor op of its own
+        greedy = any(r.sampler.plain_greedy for r in reqs)
+        picks = (logits if logits.dtype == torch.float32 else logits.float()).argmax(-1) if greedy else None
+        return _Flight(reqs, rows, logits, picks)
 
     def _go_ahead(self, flight: "_Flight") -> bool:
         """Whether the next step can be launched before this one's tokens are read: ``overlap`` on,
@@ -468,24 +471,26 @@ class ServingScheduler(RequestQueue):
         outs, k = [], 0
         decoded = 0
         best = picks.tolist() if picks is not None else None
+        eos = self.runner.eos_ids
         took = []  # the requests of the logits rows, in order
         for r, row in zip(reqs, rows):
             was_prefill = len(row.ids) > 1 or r.pending is None
             if not row.logits:
                 self.prefill_tokens += len(row.ids)
                 continue
-            lg = logits[k]
+            at = k
             k += 1
             if r.finished:  # stopped or cancelled since this step was launched ahead of it
                 continue
             took.append(r)
             if was_prefill:
                 self.prefill_tokens += len(row.ids)
-                outs.append(self._guard(r, lambda: self._first_token(r, self._prefill_result(r, lg))))
+                outs.append(self._guard(r, lambda: self._first_token(r, self._prefill_result(r, logits[at]))))
             else:
                 decoded += 1
                 r.position += 1
-                pick = best[k - 1] if best is not None else None
+                pick = best[at] if best is not None else None
+                lg = logits[at] if r.reads_logits(pick, eos) else None
                 outs.append(self._guard(r, lambda: self._sample(r, lg, pick)))
         if decoded:
             self.decode_forwards += 1
@@ -529,7 +534,7 @@ class ServingScheduler(RequestQueue):
             req.finish_reason, req.status = "cancelled", Status.FINISHED
             raise
 
-    def _sample(self, req: Request, logits: torch.Tensor, argmax: int | None = None) -> StepOutput:
+    def _sample(self, req: Request, logits: torch.Tensor | None, argmax: int | None = None) -> StepOutput:
         token, piece, entry = req.sample_next(logits, self.runner.eos_ids, argmax)
         if req.finish_reason is not None:
             self._release(req)
