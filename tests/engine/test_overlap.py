@@ -232,3 +232,19 @@ def test_steps_launched_ahead_run_over_static_buffers_as_captured_steps_do(monke
     steps.release()  # the pad rows' scratch block back to the pool
     assert_same(plain, overlapped)
     assert overlapped[2].ahead_steps >= 5 and steps.static_steps >= overlapped[2].ahead_steps
+
+
+def test_host_tensors_reach_the_device_as_given():
+    """``dense.on_device``: the step's host ints as a tensor on the pool's device (on a GPU from pinned
+    memory without blocking, so a step launched ahead does not wait for the one before it)."""
+    from promptcache.engine.serving_core.dense import on_device
+
+    got = on_device([[1, 2, 3], [4, 5, 6]], torch.device("cpu"))
+    assert got.dtype == torch.long and got.tolist() == [[1, 2, 3], [4, 5, 6]]
+    if torch.cuda.is_available():
+        dev = torch.device("cuda")
+        big = torch.randn(4096, 4096, device=dev)
+        for _ in range(20):  # kernels queued before the copy
+            big = big @ big / 64
+        moved = on_device(list(range(1000)), dev)
+        assert moved.device.type == "cuda" and moved.tolist() == list(range(1000))

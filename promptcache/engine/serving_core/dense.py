@@ -57,7 +57,7 @@ from dataclasses import dataclass, field
 import torch
 
 __all__ = ["DecodePlans", "DenseStep", "SPARE_KEYS", "attend_dense", "dense_groups", "dense_step", "dense_steps",
-           "pool_run", "rotate", "rotation", "run_slots"]
+           "on_device", "pool_run", "rotate", "rotation", "run_slots"]
 
 log = logging.getLogger(__name__)
 
@@ -147,6 +147,17 @@ def run_slots(runs: list[list[tuple[int, int]]], width: int, dev) -> torch.Tenso
 
 
 Slots = "tuple[int, int] | torch.Tensor"  # a run of pool slots (first, count), or the slots themselves
+
+
+def on_device(data, dev: torch.device, dtype: torch.dtype = torch.long) -> torch.Tensor:
+    """``data`` (a list, or nested lists, of numbers) as a tensor on ``dev``. On a GPU through pinned
+    memory, copied without blocking: a copy from pageable memory first waits for every kernel queued
+    before it, which would hold the launch of a step queued ahead of the last one's end
+    (``ServingScheduler.overlap``) until that step is done. (The pinned buffer is not reused before
+    its copy has run: torch's pinned allocator records the copy.)"""
+    if dev.type != "cuda":
+        return torch.tensor(data, dtype=dtype, device=dev)
+    return torch.tensor(data, dtype=dtype).pin_memory().to(dev, non_blocking=True)
 
 
 def _count(slots) -> int:
@@ -507,7 +518,7 @@ class DecodePlans:
         # (a step built inside inference mode, as ``paged_forward`` builds it, is updated in place only
         # there); one host tensor and two scatters whatever the rows: 12 aten events a step
         with torch.inference_mode():
-            where = torch.tensor([at, slot], dtype=torch.long, device=step.slots.device)
+            where = on_device([at, slot], step.slots.device)
             keys = where[0]
             step.slots.scatter_(0, keys, where[1])
             self.mask.scatter_(0, keys, 0.0)

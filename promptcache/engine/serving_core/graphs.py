@@ -128,7 +128,7 @@ from ... import tunables
 from ...errors import ConfigError
 from ...kernels import attention as cpu_attention
 from ...tunables import COMPILE_BUCKETS
-from .dense import DenseStep, rotate
+from .dense import DenseStep, on_device, rotate
 from .kvpool import KVPool
 from .paged import PagedCache, PagedRow, StepPlan, attend, attention_swapped, build_plan, key_rule, paged_forward, \
     paged_refusal, query_rope, step_ids, step_inputs, step_places
@@ -363,7 +363,7 @@ class CompiledSteps:
             ids = torch.nn.functional.pad(ids, (0, big - n))  # [1, N]: pad token 0
             pos = torch.nn.functional.pad(pos, (0, big - n))  # pads at position 0 (they attend to nothing)
         last = ends[-1] if ends else n - 1
-        keep = torch.tensor(ends + [last] * (rows_bucket - len(ends)), dtype=torch.long, device=dev)  # [R]
+        keep = on_device(ends + [last] * (rows_bucket - len(ends)), dev)  # [R]
         kwargs = {"position_ids": pos} if self.runner.adapter.passes_position_ids else {}
         step = _Step(build_plan(pool, rows, keys=key_rule(self.runner.adapter), rope=query_rope(self.runner.adapter, rows)), write, n)
         graph = self.graph_for(shape)

@@ -75,7 +75,7 @@ from ... import tunables
 from ...tunables import DECODE_MATMUL_ROWS, FOLD_PREFILL, FOLD_SHARED, GATHER_MAX, SEGMENTS_MAX  # read at call time (tests set them here)
 from ...kernels import attention as cpu_attention
 from .decode_runs import DecodeRuns, PrefillRuns, RunTable
-from .dense import SPARE_KEYS, DenseStep, attend_dense, dense_steps, pool_run, rotate, rotation
+from .dense import SPARE_KEYS, DenseStep, attend_dense, dense_steps, on_device, pool_run, rotate, rotation
 from .kvpool import KVPool
 
 __all__ = ["KeyRule", "PagedRow", "StepPlan", "attend", "attention_swapped", "build_plan", "key_rule", "paged_forward",
@@ -1062,7 +1062,7 @@ def attention_swapped(runner, name: str = ATTENTION_NAME, **extra):
 def paged_forward(runner, pool: KVPool, rows: list[PagedRow]) -> torch.Tensor:
     """One forward of every row's new tokens; logits [k, V] of the rows with ``logits`` set, in order."""
     ids, pos, write, ends = step_inputs(pool, rows)
-    keep = torch.tensor(ends, dtype=torch.long, device=pool.buf.device)
+    keep = on_device(ends, pool.buf.device)
     plan = build_plan(pool, rows, keys=key_rule(runner.adapter), rope=query_rope(runner.adapter, rows))
     kwargs = {"position_ids": pos} if runner.adapter.passes_position_ids else {}
     with runner.lock, attention_swapped(runner, pc_plan=plan):
@@ -1104,7 +1104,7 @@ def step_ids(pool: KVPool, rows: list[PagedRow]) -> torch.Tensor:
     sampled = rows[0].sampled if rows else None
     if sampled is not None and sampled.shape[0] == len(rows) and all(r.sampled is sampled for r in rows):
         return sampled.view(1, -1)
-    return torch.tensor([[t for r in rows for t in r.ids]], dtype=torch.long, device=pool.buf.device)
+    return on_device([[t for r in rows for t in r.ids]], pool.buf.device)
 
 
 def step_places(pool: KVPool, rows: list[PagedRow]) -> torch.Tensor:
@@ -1116,9 +1116,9 @@ def step_places(pool: KVPool, rows: list[PagedRow]) -> torch.Tensor:
         bs = pool.block_size
         write = [r.own_blocks[i // bs] * bs + i % bs for r in rows
                  for i in range(r.own_count - len(r.ids), r.own_count)]
-        return torch.tensor([pos, write], dtype=torch.long, device=dev)
+        return on_device([pos, write], dev)
     write = torch.cat([r.own_slots[r.own_count - len(r.ids) : r.own_count] for r in rows]).to(dev)
-    return torch.stack((torch.tensor(pos, dtype=torch.long, device=dev), write))
+    return torch.stack((on_device(pos, dev), write))
 
 
 def paged_refusal(runner) -> str | None:

@@ -91,6 +91,21 @@ class _Flight:
     rows: list[PagedRow]
     logits: torch.Tensor
     picks: torch.Tensor | None
+    host: torch.Tensor | None = None  # on a GPU: ``picks`` copied to pinned host memory without blocking
+    copied: object | None = None  # the CUDA event recorded after that copy
+
+
+def _read_back(picks: torch.Tensor | None) -> tuple[torch.Tensor | None, object | None]:
+    """On a GPU, the step's argmax copied to pinned host memory now, without blocking, and an event
+    after the copy: reading it then waits for this step alone. ``picks.tolist()`` would wait for
+    every kernel queued before the read, the step launched ahead of it included."""
+    if picks is None or picks.device.type != "cuda":
+        return None, None
+    host = torch.empty(picks.shape, dtype=picks.dtype, pin_memory=True)
+    host.copy_(picks, non_blocking=True)
+    copied = torch.cuda.Event()
+    copied.record()
+    return host, copied
 
 
 class RequestQueue:
@@ -439,7 +454,7 @@ class ServingScheduler(RequestQueue):
         # EOS): a plain greedy decode row makes no tensor op of its own
         greedy = any(r.sampler.plain_greedy for r in reqs)
         picks = (logits if logits.dtype == torch.float32 else logits.float()).argmax(-1) if greedy else None
-        return _Flight(reqs, rows, logits, picks)
+        return _Flight(reqs, rows, logits, picks, *_read_back(picks))
 
     def _go_ahead(self, flight: "_Flight") -> bool:
         """Whether the next step can be launched before this one's tokens are read: ``overlap`` on,
@@ -470,7 +485,11 @@ class ServingScheduler(RequestQueue):
         reqs, rows, logits, picks = flight.reqs, flight.rows, flight.logits, flight.picks
         outs, k = [], 0
         decoded = 0
-        best = picks.tolist() if picks is not None else None
+        if flight.copied is not None:  # the argmax's copy to the host, queued before any step launched after it
+            flight.copied.synchronize()
+            best = flight.host.tolist()
+        else:
+            best = picks.tolist() if picks is not None else None
         eos = self.runner.eos_ids
         took = []  # the requests of the logits rows, in order
         for r, row in zip(reqs, rows):
