@@ -124,3 +124,28 @@ def test_a_model_whose_attention_is_inline_is_never_compiled_as_a_static_step():
     pc = PromptCache(make_model("bloom"), make_tokenizer())
     steps = CapturedSteps(pc.runner, compile=True)
     assert steps.never is not None and not steps.compiled
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_compiled_static_steps_captured_replay_the_uncaptured_ones_on_the_gpu():
+    """On a GPU: the compiled static step of each bucket is captured once (after the run that
+    compiles it) and replayed; every step's float32 logits as the same compiled steps uncaptured,
+    the same tokens, and every step launched ahead (the overlap, on by default there) reads them."""
+    from promptcache.models.loading import load_model
+
+    model, tok = load_model("embedded", device="cuda", dtype="float32")
+    pc = PromptCache(model, tok)
+    pc.add_schema(SCHEMA)
+    runs = []
+    for capture in (False, True):
+        steps = CapturedSteps(pc.runner, batches=BATCHES, width=WIDTH, compile=True)
+        steps.capture = capture
+        reqs, logits, sched = serve(pc, pml_specs(pc), [12, 3, 12], forward=steps.forward)
+        runs.append((reqs, logits, steps, sched))
+    (plain, plain_logits, uncaptured, _), (got, got_logits, steps, sched) = runs
+    assert steps.capture_error is None, steps.capture_error
+    assert uncaptured.replayed == 0 and steps.replayed == steps.static_steps > 0
+    assert len(steps.capture_seconds) == len(steps.buckets)
+    assert_same_steps(got_logits, plain_logits)
+    assert [r.token_ids for r in got] == [r.token_ids for r in plain]
+    assert sched.overlap and sched.ahead_steps > 0
