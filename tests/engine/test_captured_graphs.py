@@ -77,23 +77,31 @@ def pml_specs(pc):
     return [PmlPrompt(parse_prompt(p), recompute=0) for p in PROMPTS[:3]]
 
 
-def test_served_pml_batch_through_static_steps_equals_the_eager_dense_path_and_the_oracle(dense):
-    """Three requests decoding together (padded to a bucket of 4), one finishing after 3 tokens
-    (then 2 rows: another bucket), keys crossing several widths of 8: every step's logits as the
-    eager dense path's, the oracle's greedy tokens, the scratch block the only one held."""
+def pml_batch_through(make_steps):
+    """The trip batch (three PML prompts, 12, 3 and 12 tokens) served through the static steps
+    ``make_steps(runner)`` makes: every step's logits as the eager dense path's and every request's
+    tokens the oracle's; (the steps, the scheduler)."""
     from oracle import definition_greedy
 
     pc = PromptCache(make_model("llama"), make_tokenizer())
     pc.add_schema(SCHEMA)
     max_new = [12, 3, 12]
     want, want_logits, _ = serve(pc, pml_specs(pc), max_new)
-    steps = CapturedSteps(pc.runner, batches=BATCHES, width=WIDTH)
+    steps = make_steps(pc.runner)
     got, got_logits, sched = serve(pc, pml_specs(pc), max_new, forward=steps.forward)
     assert_same_steps(got_logits, want_logits)
     schema = pc.schema("trip").layout
     for prompt, a, b, n in zip(PROMPTS, want, got, max_new):
         assert a.token_ids == b.token_ids, prompt
         assert b.token_ids == definition_greedy(pc.model, schema, pc.layout(prompt), n), prompt
+    return steps, sched
+
+
+def test_served_pml_batch_through_static_steps_equals_the_eager_dense_path_and_the_oracle(dense):
+    """Three requests decoding together (padded to a bucket of 4), one finishing after 3 tokens
+    (then 2 rows: another bucket), keys crossing several widths of 8: every step's logits as the
+    eager dense path's, the oracle's greedy tokens, the scratch block the only one held."""
+    steps, sched = pml_batch_through(lambda runner: CapturedSteps(runner, batches=BATCHES, width=WIDTH))
     assert steps.static_steps >= 10 and steps.fallback_steps >= 1  # the prefill steps ran the other forward
     rows = {key[0] for key in steps.buckets}
     widths = {key[1] for key in steps.buckets}
@@ -117,6 +125,16 @@ def rag(pc) -> DocumentStore:
 
 
 ORDERS = [["paris", "tokyo", "rome"], ["rome", "paris", "tokyo"], ["tokyo", "rome"], ["rome"], ["paris", "rome"]]
+RAG_NEW = [6, 6, 2, 6, 6]  # tokens each question generates (one finishes early)
+
+
+def rag_case(family, kv_dtype):
+    """A ``family`` model (its pool in ``kv_dtype``) over the three documents, and a function giving
+    the five questions' prompt specs afresh (each read in ``ORDERS``' order, at recompute 0)."""
+    torch.manual_seed(0)
+    pc = PromptCache(make_model(family), make_tokenizer(), EngineConfig(runner=RunnerConfig(kv_dtype=kv_dtype)))
+    store = rag(pc)
+    return pc, lambda: [store.prompt(f"Which city is old? ({i})", ids, recompute=0.0) for i, ids in enumerate(ORDERS)]
 
 
 @pytest.mark.parametrize("family,kv_dtype", [("llama", None), ("llama", "bfloat16"), ("gpt_neox", None)])
@@ -124,12 +142,8 @@ def test_rag_rows_reading_documents_shifted_through_static_steps_equal_the_eager
     """Five questions over documents in other orders (each document read at several shifts, copied
     into the pool), padded to a bucket of 8: the keys' rotation is copied into the bucket's buffers
     (rotary over every channel, over a quarter of them; a bfloat16 pool)."""
-    torch.manual_seed(0)
-    pc = PromptCache(make_model(family), make_tokenizer(), EngineConfig(runner=RunnerConfig(kv_dtype=kv_dtype)))
-    store = rag(pc)
-    specs = lambda: [store.prompt(f"Which city is old? ({i})", ids, recompute=0.0)  # noqa: E731
-                     for i, ids in enumerate(ORDERS)]
-    max_new = [6, 6, 2, 6, 6]
+    pc, specs = rag_case(family, kv_dtype)
+    max_new = RAG_NEW
     want, want_logits, _ = serve(pc, specs(), max_new, budget=512)
     steps = CapturedSteps(pc.runner, batches=BATCHES, width=WIDTH)
     got, got_logits, _ = serve(pc, specs(), max_new, forward=steps.forward, budget=512)

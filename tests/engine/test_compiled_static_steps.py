@@ -17,9 +17,9 @@ import torch
 from promptcache import EngineConfig, PromptCache, RunnerConfig
 from promptcache.engine.serving_core import paged
 from promptcache.engine.serving_core.graphs import CapturedSteps
-from test_captured_graphs import BATCHES, ORDERS, WIDTH, assert_same_steps, pml_specs, rag, serve
+from test_captured_graphs import BATCHES, RAG_NEW, WIDTH, assert_same_steps, pml_batch_through, pml_specs, rag_case, serve
 from tiny import make_model, make_tokenizer
-from trip import PROMPTS, SCHEMA
+from trip import SCHEMA
 
 pytestmark = pytest.mark.slow  # compiling: ~10-20 s a graph on a CPU
 
@@ -53,21 +53,8 @@ def test_compiled_static_steps_equal_the_eager_dense_path_and_the_oracle(dense):
     """Three requests decoding together (padded to 4), one finishing early (then 2 rows), keys crossing
     widths: one compiled graph for every bucket of 2 rows or more (symbolic sizes), the logits of
     every step as the eager dense path's, the oracle's greedy tokens."""
-    from oracle import definition_greedy
-
-    pc = PromptCache(make_model("llama"), make_tokenizer())
-    pc.add_schema(SCHEMA)
-    max_new = [12, 3, 12]
-    want, want_logits, _ = serve(pc, pml_specs(pc), max_new)
-    steps = CapturedSteps(pc.runner, batches=BATCHES, width=WIDTH, compile=True)
-    assert steps.compiled
-    got, got_logits, sched = serve(pc, pml_specs(pc), max_new, forward=steps.forward)
-    assert_same_steps(got_logits, want_logits)
-    schema = pc.schema("trip").layout
-    for prompt, a, b, n in zip(PROMPTS, want, got, max_new):
-        assert a.token_ids == b.token_ids, prompt
-        assert b.token_ids == definition_greedy(pc.model, schema, pc.layout(prompt), n), prompt
-    assert steps.static_steps >= 10
+    steps, sched = pml_batch_through(lambda runner: CapturedSteps(runner, batches=BATCHES, width=WIDTH, compile=True))
+    assert steps.compiled and steps.static_steps >= 10
     assert len({key[:2] for key in steps.buckets}) >= 3  # several (rows, width) buckets ...
     assert (2, None) in steps.compile_seconds  # ... one graph for every bucket of 2 rows or more
     assert len(steps.compile_seconds) <= 2  # and one for 1 row, if a step had one
@@ -81,12 +68,8 @@ def test_compiled_static_steps_read_documents_shifted_as_the_eager_dense_path(fa
     compiled graph rotates the shifted keys as the eager path does (rotary over every channel with a
     bfloat16 pool; over a quarter of the channels), and its decode steps never call the eager
     attention, which the uncompiled static steps do."""
-    torch.manual_seed(0)
-    pc = PromptCache(make_model(family), make_tokenizer(), EngineConfig(runner=RunnerConfig(kv_dtype=kv_dtype)))
-    store = rag(pc)
-    specs = lambda: [store.prompt(f"Which city is old? ({i})", ids, recompute=0.0)  # noqa: E731
-                     for i, ids in enumerate(ORDERS)]
-    max_new = [6, 6, 2, 6, 6]
+    pc, specs = rag_case(family, kv_dtype)
+    max_new = RAG_NEW
     want, want_logits, _ = serve(pc, specs(), max_new, budget=512)
     calls = decode_attention_calls(monkeypatch)
     eager = CapturedSteps(pc.runner, batches=BATCHES, width=WIDTH)
