@@ -48,6 +48,7 @@ def aten_events(pc, batch: int, static: bool) -> tuple[int, int]:
     steps = CapturedSteps(pc.runner, batches=(1, 2, 4, 8), width=8) if static else None
     sched = ServingScheduler(pc.runner, KVPool(pc.runner.spec, pc.device, 1024, 16), token_budget=256,
                              planner=pc.core.planner, forward=steps.forward if steps else None)
+    sched.overlap = False  # a step run after the last one's tokens were read (on by default on a GPU: test_overlap.py)
     params = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)
     reqs = [Request(TokenPrompt((5 + i, 9, 14 + i, 3, 7, 20 + i), "ns"), params, pc.tokenizer) for i in range(batch)]
     for r in reqs:
