@@ -247,3 +247,30 @@ def test_host_tensors_reach_the_device_as_given():
             big = big @ big / 64
         moved = on_device(list(range(1000)), dev)
         assert moved.device.type == "cuda" and moved.tolist() == list(range(1000))
+
+
+def test_a_request_paused_and_resumed_mid_flight_is_scheduled_again(native):
+    """A request paused while the others decode ahead, then resumed: the chain of steps launched
+    ahead stops for it (every running request must be in a step launched ahead), so it decodes on;
+    each request's outputs are the plain run's."""
+    pc = engine("llama", make_tokenizer())
+
+    def pause(sched, reqs, index):
+        reqs[1].paused = True
+
+    seen = {}
+
+    def resume(sched, reqs, index):
+        reqs[1].paused = False
+        seen["resumed"] = len(reqs[1].token_ids)
+
+    def check(sched, reqs, index):  # two steps after its resumption it has decoded again
+        seen[sched.overlap] = len(reqs[1].token_ids) - seen["resumed"]
+
+    specs = [(p, SamplingParams(max_new_tokens=16, ignore_eos=True, **GREEDY), None) for p in PROMPTS[:3]]
+    events = {4: pause, 8: resume, 11: check}
+    plain, overlapped = run(pc, specs, False, dict(events)), run(pc, specs, True, dict(events))
+    assert_same(plain, overlapped)
+    assert seen[True] >= 1 and seen[False] >= 2, seen
+    assert all(len(r.token_ids) == 16 for r in overlapped[0])
+    assert overlapped[2].ahead_steps >= 6

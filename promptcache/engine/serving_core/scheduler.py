@@ -458,13 +458,16 @@ class ServingScheduler(RequestQueue):
 
     def _go_ahead(self, flight: "_Flight") -> bool:
         """Whether the next step can be launched before this one's tokens are read: ``overlap`` on,
-        nobody waiting to be admitted, and every row of the step a decode row of a running plain
+        nobody waiting to be admitted, every running request in the step (in order, as ``_schedule``
+        lists them), and every row of the step a decode row of a running plain
         greedy request (no log-probabilities, no end-of-sequence masking left, not paused or
         cancelled) that has tokens left, so that the next step decodes the same requests from this
         step's argmax. A request that stops at this step (end of sequence, a stop string) had its
         row in the next step computed for nothing: ``_finish`` drops it."""
         if not self.overlap or not self.device_ids or flight.picks is None or self.waiting:
             return False
+        if len(self.running) != len(flight.reqs) or any(a is not b for a, b in zip(self.running, flight.reqs)):
+            return False  # a running request outside this step (paused, resumed, prefilling): it must be scheduled
         eos = self.runner.eos_ids
         for r, row in zip(flight.reqs, flight.rows):
             if len(row.ids) != 1 or not row.logits or r.pending is None or r.status is not Status.RUNNING \
