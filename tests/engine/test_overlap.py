@@ -91,8 +91,9 @@ def test_a_greedy_batch_overlapped_decodes_the_oracle_s_tokens_and_outputs(famil
     schema = pc.schema("trip").layout
     for prompt, req in zip(PROMPTS, overlapped[0]):
         assert req.token_ids == definition_greedy(pc.model, schema, pc.layout(prompt), len(req.token_ids)), prompt
-    # 9 decode steps; not ahead of the two whose tokens end a request by length (4th, 10th)
-    assert plain[2].ahead_steps == 0 and overlapped[2].ahead_steps == 7
+    # 9 decode steps, each but the last launched ahead of the one before (the request of 4 tokens
+    # is left out of the step after its last)
+    assert plain[2].ahead_steps == 0 and overlapped[2].ahead_steps == 8
     # the steps launched ahead read their ids from the device: the host's copy is only a placeholder
     assert overlapped[2].device_id_steps >= overlapped[2].ahead_steps
 
@@ -274,3 +275,19 @@ def test_a_request_paused_and_resumed_mid_flight_is_scheduled_again(native):
     assert seen[True] >= 1 and seen[False] >= 2, seen
     assert all(len(r.token_ids) == 16 for r in overlapped[0])
     assert overlapped[2].ahead_steps >= 6
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_requests_ending_by_length_at_other_steps_leave_the_step_launched_ahead(family, native):
+    """Four requests of 3, 6, 9 and 12 tokens: a request whose next token is its last is left out
+    of the step launched ahead (its rows' ids the others' argmax, gathered on the device), so every
+    decode step but the last is launched ahead; the tokens are the plain run's."""
+    pc = engine(family, make_tokenizer())
+    specs = [(PROMPTS[i % 3], SamplingParams(max_new_tokens=n, ignore_eos=True, **GREEDY), None)
+             for i, n in enumerate((3, 6, 9, 12))]
+    plain, overlapped = run(pc, specs, False), run(pc, specs, True)
+    assert_same(plain, overlapped)
+    assert [len(r.token_ids) for r in overlapped[0]] == [3, 6, 9, 12]
+    # 11 decode steps after the prefill steps; breaking the chain at each request's last token
+    # (3, 6, 9) would launch at most 7 of them ahead
+    assert overlapped[2].ahead_steps >= 9

@@ -64,7 +64,7 @@ import torch
 from ... import tunables
 from ...tunables import MIN_CHUNK
 from ...kernels import attention as cpu_attention
-from .dense import pool_run
+from .dense import on_device, pool_run
 from .kvpool import KVPool, PoolFull, SharedEntry
 from .paged import PagedRow, key_rule, paged_forward
 from .prefix import PrefixCache
@@ -93,6 +93,11 @@ class _Flight:
     picks: torch.Tensor | None
     host: torch.Tensor | None = None  # on a GPU: ``picks`` copied to pinned host memory without blocking
     copied: object | None = None  # the CUDA event recorded after that copy
+
+
+def _last_token(r: Request) -> bool:
+    """Whether the token ``r`` samples next is its last by length (``max_new_tokens``)."""
+    return len(r.token_ids) + 1 >= r.params.max_new_tokens
 
 
 def _read_back(picks: torch.Tensor | None) -> tuple[torch.Tensor | None, object | None]:
@@ -175,8 +180,7 @@ class ServingScheduler(RequestQueue):
                 return outs
             flight = self._launch(reqs, rows)
         if self._go_ahead(flight):
-            self._ahead = self._launch(flight.reqs, [self._ahead_row(r, flight.picks) for r in flight.reqs],
-                                       publish=False)
+            self._ahead = self._launch_ahead(flight)
             self.ahead_steps += 1
         outs += self._finish(flight)
         self.steps += 1
@@ -459,11 +463,12 @@ class ServingScheduler(RequestQueue):
     def _go_ahead(self, flight: "_Flight") -> bool:
         """Whether the next step can be launched before this one's tokens are read: ``overlap`` on,
         nobody waiting to be admitted, every running request in the step (in order, as ``_schedule``
-        lists them), and every row of the step a decode row of a running plain
-        greedy request (no log-probabilities, no end-of-sequence masking left, not paused or
-        cancelled) that has tokens left, so that the next step decodes the same requests from this
-        step's argmax. A request that stops at this step (end of sequence, a stop string) had its
-        row in the next step computed for nothing: ``_finish`` drops it."""
+        lists them), every row of the step a decode row of a running plain greedy request (no
+        log-probabilities, no end-of-sequence masking left, not paused or cancelled), and one of
+        them with tokens left after this step: the next step decodes those from this step's argmax
+        (``_launch_ahead``). A request that stops at this step on an end-of-sequence token or a stop
+        string (unknown before its token is read) had its row in the next step computed for
+        nothing: ``_finish`` drops it."""
         if not self.overlap or not self.device_ids or flight.picks is None or self.waiting:
             return False
         if len(self.running) != len(flight.reqs) or any(a is not b for a, b in zip(self.running, flight.reqs)):
@@ -472,15 +477,22 @@ class ServingScheduler(RequestQueue):
         for r, row in zip(flight.reqs, flight.rows):
             if len(row.ids) != 1 or not row.logits or r.pending is None or r.status is not Status.RUNNING \
                     or not r.sampler.plain_greedy or r.top_logprobs is not None or r.paused or r.cancel_requested \
-                    or len(r.token_ids) + 1 >= r.params.max_new_tokens \
                     or (eos and len(r.token_ids) < r.params.min_tokens):
                 return False
-        return True
+        return any(not _last_token(r) for r in flight.reqs)
 
-    def _ahead_row(self, r: Request, picks: torch.Tensor) -> PagedRow:
-        """``r``'s row of the step launched ahead: its input id is this step's argmax, on the device
-        (``picks``); the host's copy of it (``AHEAD``, which no forward reads) is set by ``_finish``."""
-        return self._row(r, [AHEAD], [r.position + 1], True, sampled=picks)
+    def _launch_ahead(self, flight: "_Flight") -> "_Flight":
+        """The step after ``flight``, launched before its tokens are read: a row for each of its
+        requests with tokens left after it (one whose ``flight`` token is its last, by length, is
+        left out), each reading its ``flight`` argmax on the device. The host's copies of those ids
+        (``AHEAD``, which no forward reads) are set by ``_finish``."""
+        keep = [i for i, r in enumerate(flight.reqs) if not _last_token(r)]
+        picks = flight.picks
+        if len(keep) < len(flight.reqs):  # the continuing rows' argmax, gathered on the device
+            picks = picks.index_select(0, on_device(keep, picks.device))
+        reqs = [flight.reqs[i] for i in keep]
+        return self._launch(reqs, [self._row(r, [AHEAD], [r.position + 1], True, sampled=picks) for r in reqs],
+                            publish=False)
 
     def _finish(self, flight: "_Flight") -> list[StepOutput]:
         """Read the step's tokens back (once) and take them: sampling, stop checks, text, outputs.
