@@ -37,11 +37,12 @@ requests and the next turn of a chat reuse them.
 Overlapped decode (``overlap``; ``tunables.OVERLAP_STEPS``, by default on a GPU only). A step is
 launched (``_launch``: its forward and the argmax of its rows, queued on the device) and then
 finished (``_finish``: the argmax read back once, each row's token taken: stop checks, text,
-outputs). When every row of a step is a decode row of a running plain greedy request with tokens
-left (no log-probabilities, no end-of-sequence masking, nothing waiting to be admitted), the next
-step is launched between the two (``_go_ahead``): its input ids are this step's argmax on the
-device, its positions and slots the next ones, so the device computes step N+1 while the host
-reads and streams step N. The host's copy of those ids is a placeholder (``AHEAD``, read by no
+outputs). When every row of a step is a decode row of a running plain greedy request (no
+log-probabilities, no end-of-sequence masking, every running request in the step, nothing waiting
+to be admitted), the next step is launched between the two (``_go_ahead``, ``_launch_ahead``): its
+input ids are this step's argmax on the device, its positions and slots the next ones, so the
+device computes step N+1 while the host reads and streams step N; a request whose token at step N
+is its last by length is left out of it. The host's copy of those ids is a placeholder (``AHEAD``, read by no
 forward) until ``_finish`` sets it; the blocks the step completed are shared then, under the
 tokens' keys. A request that stops at step N (an end-of-sequence token, a stop string) or is
 cancelled had its row of step N+1 computed for nothing: that row is dropped. Outputs are the
