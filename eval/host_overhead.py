@@ -228,10 +228,10 @@ def profile_step(step, layers: int, cuda: bool = False) -> dict:
     events = prof.events()
     aten = [e for e in events if e.name.startswith("aten::")]
 
-    def inside_attention(e) -> bool:
+    def inside(e, names: tuple[str, ...]) -> bool:  # called (at any depth) from an event of these names
         p = e.cpu_parent
         while p is not None:
-            if p.name in (ATTENTION_RANGE, COMPILED_ATTENTION_OP):
+            if p.name in names:
                 return True
             p = p.cpu_parent
         return False
@@ -255,18 +255,9 @@ def profile_step(step, layers: int, cuda: bool = False) -> dict:
     # a static step's forward (``--compile static``): on a GPU one graph replay; what the host does
     # around it is what a captured step still pays
     static = [e for e in events if e.name == STATIC_RANGE]
-
-    def inside_static(e) -> bool:
-        p = e.cpu_parent
-        while p is not None:
-            if p.name == STATIC_RANGE:
-                return True
-            p = p.cpu_parent
-        return False
-
     static_host_us = sum(e.cpu_time_total for e in static) - sum(e.self_cpu_time_total for e in compute
-                                                                   if inside_static(e))
-    attn = [e for e in aten if inside_attention(e)]
+                                                                   if inside(e, (STATIC_RANGE,)))
+    attn = [e for e in aten if inside(e, (ATTENTION_RANGE, COMPILED_ATTENTION_OP))]
     calls = sum(1 for e in attn if not e.cpu_parent.name.startswith(OP_PREFIXES))
     direct = sum(1 for e in aten if e.cpu_parent is None or not e.cpu_parent.name.startswith(OP_PREFIXES))
     return dict(aten_forward=len(aten), aten_layer=round(len(aten) / layers, 1),

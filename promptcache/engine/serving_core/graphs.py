@@ -419,7 +419,6 @@ class StaticBucket:
     dense: DenseStep  # rows B, queries 1, width W: slots [B * W], mask [B, 1, 1, W], cos / sin [B, W, r]
     plan: StepPlan  # the plan every layer reads: ``dense`` over the pool
     logits: torch.Tensor | None = None  # [1, B, V] the forward's (on a GPU: the graph's output)
-    layers: tuple = ()  # the pool's layers, each [2, Hk, S, D] (a compiled step's inputs)
     graph: object | None = None  # torch.cuda.CUDAGraph once captured
     last: tuple[int, int] | None = None  # (rows, keys a row) of its last step: the real region
     # views of the real region of ``last`` (ids, places, slots [b, w], mask [b, w], cos, sin), made when it
@@ -586,7 +585,7 @@ class CapturedSteps:
         step = DenseStep(b, 1, w, slots, mask, None, None, cos, sin, dense.swap if rot else False)
         places = torch.stack((torch.zeros(b, **long), torch.full((b,), scratch, **long)))
         bucket = StaticBucket(key, torch.zeros((1, b), **long), places, places[:1], places[1], step,
-                              StepPlan(pool, None, dense=step), layers=tuple(pool.layers))
+                              StepPlan(pool, None, dense=step))
         self.buckets[key] = bucket
         log.debug("static decode steps: bucket %s made", key)
         return bucket
@@ -631,8 +630,8 @@ class CapturedSteps:
             graph = (min(bucket.key[0], 2), bucket.key[2])
             first = graph not in self.compile_seconds
             t0 = time.perf_counter()
-            logits = self._compiled(bucket.ids, bucket.pos, bucket.layers, bucket.write, d.slots, d.mask, d.cos,
-                                    d.sin, d.swap)
+            logits = self._compiled(bucket.ids, bucket.pos, bucket.plan.pool.layers, bucket.write, d.slots, d.mask,
+                                    d.cos, d.sin, d.swap)
             if first:
                 self.compile_seconds[graph] = time.perf_counter() - t0
                 log.info("compiled the static decode step (rows %s, rotation %s) in %.1f s", *graph,

@@ -476,7 +476,7 @@ class ServingScheduler(RequestQueue):
             return False  # a running request outside this step (paused, resumed, prefilling): it must be scheduled
         eos = self.runner.eos_ids
         for r, row in zip(flight.reqs, flight.rows):
-            if len(row.ids) != 1 or not row.logits or r.pending is None or r.status is not Status.RUNNING \
+            if len(row.ids) != 1 or not row.logits or r.pending is None \
                     or not r.sampler.plain_greedy or r.top_logprobs is not None or r.paused or r.cancel_requested \
                     or (eos and len(r.token_ids) < r.params.min_tokens):
                 return False
