@@ -87,7 +87,7 @@ is. ``CapturedSteps.forward`` runs a step of decode rows as such a step:
 
 **Compiled whole** (``compile=True``; the engine passes ``RunnerConfig.compile``, so ``--compile
 --cuda-graphs`` together): the static forward is traced by ``torch.compile`` as a function of the
-bucket's buffers and the pool's layers (``_static_step``), its attention inside the graph
+bucket's buffers and the pool's layers (``static_step``), its attention inside the graph
 (``static_attention``, registered as ``STATIC_ATTENTION``: the layer's new keys and values written to
 their slots, every row's keys gathered, the shifted ones rotated, one fused attention under the
 mask; what ``dense.attend_dense`` computes for decode rows, as plain tensor calls inductor fuses with
@@ -135,8 +135,8 @@ from .paged import PagedCache, PagedRow, StepPlan, attend, attention_swapped, bu
 
 log = logging.getLogger(__name__)
 
-__all__ = ["COMPILED_ATTENTION", "STATIC_RANGE", "CapturedSteps", "CompiledSteps", "StaticBucket", "bucket_for",
-           "compile_options", "compile_refusal"]
+__all__ = ["COMPILED_ATTENTION", "STATIC_ATTENTION", "STATIC_RANGE", "CapturedSteps", "CompiledSteps", "StaticBucket",
+           "bucket_for", "compile_options", "compile_refusal", "static_step"]
 
 COMPILED_ATTENTION = "promptcache_compiled"
 STATIC_ATTENTION = "promptcache_static"  # the attention of a static step compiled whole (traced into its graph)
@@ -277,9 +277,10 @@ def _own_step(model):
     return types.FunctionType(code, step.__globals__, code.co_name, None, step.__closure__)
 
 
-def _static_step(model, passes_position_ids: bool):
-    """The static step's forward as a function of its buffers alone (a code object of its own, as
-    ``_own_step``): logits [1, B, V]; attention is ``static_attention`` (the caller swaps it in)."""
+def static_step(model, passes_position_ids: bool):
+    """The static step's forward as a function of its buffers alone (``StaticBucket.inputs``; a code
+    object of its own, as ``_own_step``): logits [1, B, V]; attention is ``static_attention`` (the
+    caller swaps it in)."""
     def step(ids, pos, layers, write, slots, mask, cos, sin, swap):
         kwargs = {"position_ids": pos} if passes_position_ids else {}
         return model(input_ids=ids, use_cache=False, logits_to_keep=0,
@@ -428,6 +429,13 @@ class StaticBucket:
     source: tuple | None = None
     steps: int = 0
 
+    @property
+    def inputs(self) -> tuple:
+        """What ``static_step``'s function takes: (ids, pos, the pool's layers, write, slots, mask, cos,
+        sin, swap)."""
+        d = self.dense
+        return self.ids, self.pos, self.plan.pool.layers, self.write, d.slots, d.mask, d.cos, d.sin, d.swap
+
 
 class CapturedSteps:
     """``forward(pool, rows)``: a step's logits [k, V] as ``paged.paged_forward`` gives them; decode
@@ -472,7 +480,7 @@ class CapturedSteps:
             _specialize_floats()
             options = {k: v for k, v in compile_options(runner.device).items()
                        if k not in ("triton.cudagraphs", "graph_partition")}  # the capture is this class's own
-            self._compiled = torch.compile(_static_step(runner.model, adapter.passes_position_ids), fullgraph=True,
+            self._compiled = torch.compile(static_step(runner.model, adapter.passes_position_ids), fullgraph=True,
                                            dynamic=True, options=options)
         self.compile_seconds: dict[tuple, float] = {}  # graph (rows 1 or more, rotation) -> its first step's seconds
 
@@ -626,12 +634,10 @@ class CapturedSteps:
         """The model's forward over ``bucket``'s buffers alone: logits [1, B, V]."""
         runner = self.runner
         if self._compiled is not None:
-            d = bucket.dense
             graph = (min(bucket.key[0], 2), bucket.key[2])
             first = graph not in self.compile_seconds
             t0 = time.perf_counter()
-            logits = self._compiled(bucket.ids, bucket.pos, bucket.plan.pool.layers, bucket.write, d.slots, d.mask,
-                                    d.cos, d.sin, d.swap)
+            logits = self._compiled(*bucket.inputs)
             if first:
                 self.compile_seconds[graph] = time.perf_counter() - t0
                 log.info("compiled the static decode step (rows %s, rotation %s) in %.1f s", *graph,
