@@ -52,10 +52,12 @@ For each (native kernel, compile, step, B):
   plan, the model's modules, dynamo's guards), the dispatcher between ops, views and
   allocations; ``kernel_ms`` and ``host_ms`` are medians of ``--repeats`` profiled runs, both
   sides of each of the same run (the profiler's own cost, a few
-  microseconds an op, lands mostly inside the ops' self times, so this is a lower bound;
-  subtracting from the unprofiled ``wall_ms`` went below zero on steps of thousands of small
-  ops). On a GPU this is the time the host needs to issue a step, which bounds the step when it
-  exceeds the kernels' device time;
+  microseconds an op, lands mostly inside the ops' self times; subtracting from the unprofiled
+  ``wall_ms`` went below zero on steps of thousands of small ops). On a CPU it also holds the time
+  the core spends between two kernels whatever calls them: ``eval/profiler_floor.py`` measures
+  1.0-2.0 ms of it for the static decode forward run from C++ with no Python (AOTInductor). On a
+  GPU this is the time the host needs to issue a step, which bounds the step when it exceeds the
+  kernels' device time;
 * ``host_min_ms``: the least ``host_ms`` of the ``--repeats`` profiled runs (the machine's other
   load lands in host time between ops: the least is the closest to the step's own);
 * host time's parts (medians; the self time of the profile's events that are not kernels):
@@ -109,6 +111,7 @@ ATTENTION_RANGE = "promptcache::attention"
 COMPILED_ATTENTION_OP = "promptcache::paged_attention"  # graphs.py's opaque attention op a layer
 # inductor's generated CPU kernels, as the profiler names them with ``cpp.enable_kernel_profile``
 INDUCTOR_KERNEL = "cpp_fused"
+AOTI_SHIM = "aoti_torch_cpu_"
 # host time's parts measured in the profile (self time of these events), and ``outside_ms``: the
 # time outside every recorded event (Python between them: the step's inputs and plan, the model's
 # modules run eagerly, the forward's own Python)
@@ -214,6 +217,14 @@ def advance(pool, rows: list, slots: dict) -> list:
     return out
 
 
+def computes(name: str) -> bool:
+    """Whether a profile event of this name is a kernel (its self time kernel time): an op that
+    computes (not ``NO_COMPUTE``), an inductor kernel, or an AOTInductor forward's call of an aten
+    kernel (``AOTI_SHIM``: it calls the kernel's C++ function, no ``aten::`` event of its own)."""
+    return (name.startswith(OP_PREFIXES) and name not in NO_COMPUTE) or INDUCTOR_KERNEL in name \
+        or name.startswith(AOTI_SHIM)
+
+
 def profile_step(step, layers: int, cuda: bool = False) -> dict:
     """aten calls of one step (all, and inside the attention function) and its kernels' time: the
     leaf ops' self CPU time, or on a GPU (``cuda``) the device time of its CUDA kernels."""
@@ -236,8 +247,7 @@ def profile_step(step, layers: int, cuda: bool = False) -> dict:
             p = p.cpu_parent
         return False
 
-    compute = [e for e in events if (e.name.startswith(OP_PREFIXES) and e.name not in NO_COMPUTE)
-               or INDUCTOR_KERNEL in e.name]
+    compute = [e for e in events if computes(e.name)]
     compute_set = set(compute)
     if cuda:
         kernel_us = sum(getattr(e, "self_device_time_total", 0) for e in events if e.device_type == DeviceType.CUDA)
