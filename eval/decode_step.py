@@ -36,7 +36,11 @@ captured. ``loop_ms``: the same steps back to back with one synchronization at t
 the overlapped scheduler launches each step before reading the last one's tokens:
 ``ServingScheduler.overlap``; ``ahead_steps``: steps launched so in the run); ``host_syncs``: the
 operations of one more step that made the host wait for the GPU (torch's synchronization debug
-mode; each is printed; one is the step's read of its tokens).
+mode; each is printed; one is the step's read of its tokens). ``outside_ms`` (``--cuda-graphs``; median,
+and least): a timed step's time outside its static forward (``CapturedSteps.forward_seconds``): on a
+CPU the host work a GPU step does around its one replay (the scheduler, the rows, the plan's growth,
+the copies into the buffers, the tokens' stop checks, text and outputs); on a GPU that and the wait
+for the device.
 
 Writes decode_step{--tag}.csv and .png to ``--out`` (default eval/results/) and prints each row.
 """
@@ -141,13 +145,15 @@ def measure(pc, batch: int, args, seed: int) -> dict:
         engine.step()
     for _ in range(2):  # the first decode steps of a new batch size (allocations, autotuning)
         engine.step()
-    times = []
+    times, outside = [], []
     for _ in range(args.steps):
         sync(pc.device)
+        forward = _forward_seconds(engine)
         t = time.perf_counter()
         engine.step()
         sync(pc.device)
         times.append(time.perf_counter() - t)
+        outside.append(times[-1] - (_forward_seconds(engine) - forward))
     sync(pc.device)
     t = time.perf_counter()
     for _ in range(args.steps):  # back to back, one synchronization at the end: steps launched ahead run on
@@ -170,8 +176,15 @@ def measure(pc, batch: int, args, seed: int) -> dict:
                     capture_error=(c.capture_error or "") if c else "")
     return dict(batch=batch, step_ms=round(1e3 * statistics.median(times), 3),
                 step_ms_min=round(1e3 * min(times), 3), tok_s=round(batch / statistics.median(times), 1),
+                outside_ms=round(1e3 * statistics.median(outside), 3) if engine.captured else None,
+                outside_ms_min=round(1e3 * min(outside), 3) if engine.captured else None,
                 loop_ms=round(1e3 * loop, 3), ahead_steps=engine.scheduler.ahead_steps, host_syncs=syncs, **counts,
                 **graphs, **captures)
+
+
+def _forward_seconds(engine) -> float:
+    """Seconds the engine's static steps spent in their forwards so far (``CapturedSteps.forward_seconds``)."""
+    return engine.captured.forward_seconds if engine.captured else 0.0
 
 
 def _static_counts(engine) -> dict:
@@ -253,11 +266,11 @@ def main(argv=None) -> list[dict]:
         rows.append(row)
         print(json.dumps(row), flush=True)
     print(f"{'batch':>6}{'step ms':>10}{'loop ms':>10}{'tok/s':>10}{'x read':>8}{'aten':>8}{'launches':>10}{'static':>8}"
-          f"{'replayed':>9}{'aten in static':>16}{'aten outside':>14}{'launches in static':>20}")
+          f"{'replayed':>9}{'aten in static':>16}{'aten outside':>14}{'launches in static':>20}{'outside ms':>12}")
     for r in rows:
         print(f"{r['batch']:>6}{r['step_ms']:>10}{r['loop_ms']:>10}{r['tok_s']:>10}{r['x_read']:>8}{str(r['aten_calls']):>8}"
               f"{str(r['launches']):>10}{r['static_steps']:>8}{r['replayed']:>9}{str(r['static_aten']):>16}"
-              f"{str(r['outside_aten']):>14}{str(r['static_launches']):>20}")
+              f"{str(r['outside_aten']):>14}{str(r['static_launches']):>20}{str(r['outside_ms']):>12}")
     save_table(f"decode_step{args.tag}", rows, args.out, plot)
     return rows
 

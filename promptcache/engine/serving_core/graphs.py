@@ -442,6 +442,8 @@ class CapturedSteps:
     steps over persistent buffers (captured as CUDA graphs on a GPU), every other step through
     ``fallback(pool, rows)`` (default ``paged_forward``). Counters: ``static_steps`` (steps run over
     a bucket's buffers), ``replayed`` (of them, replays of a captured graph), ``fallback_steps``;
+    ``forward_seconds``: time spent in the static steps' forwards (on a GPU launching the replays, on
+    a CPU running them: a step's time less this is its host work around the forward);
     ``capture_seconds``: bucket key -> seconds its capture took (warm run and capture). A capture
     that fails (an operation that waits for the host, say) is logged as a warning and the static
     steps run uncaptured from then on (``capture_error`` says why)."""
@@ -471,6 +473,7 @@ class CapturedSteps:
         self.scratch: list[int] | None = None  # the block whose first slot pad rows write to
         self._mempool = None
         self.static_steps = self.replayed = self.fallback_steps = 0
+        self.forward_seconds = 0.0
         self.capture_seconds: dict[tuple, float] = {}
         # the static forward compiled whole, attention traced in (``static_attention``): one graph
         # (symbolic rows and keys) whose kernels a capture records; None: the eager forward
@@ -504,7 +507,9 @@ class CapturedSteps:
         dense: DenseStep = plan.dense
         bucket = self._bucket(pool, dense)
         self._load(bucket, pool, rows, dense)
+        t0 = time.perf_counter()
         logits = self._replay(bucket)
+        self.forward_seconds += time.perf_counter() - t0
         self.static_steps += 1
         bucket.steps += 1
         out = logits[0, : dense.rows]
