@@ -43,6 +43,10 @@ class TextStream:
         # ids whose text is final and its text (None: every push decodes every id)
         self.settled: int | None = 0 if concatenates(tokenizer) else None
         self.settled_text = ""
+        # where decoding concatenates, transformers' ``decode`` is the backend tokenizer's with nothing
+        # after it (no clean-up): that, called directly, without the wrapper's conversions (a push a
+        # row a decode step)
+        self._tail = tokenizer.backend_tokenizer.decode if self.settled is not None else None
 
     def push(self, token_id: int) -> str:
         self.ids.append(token_id)
@@ -51,7 +55,7 @@ class TextStream:
             text = self.tok.decode(self.ids, skip_special_tokens=True)
         else:
             fixed = len(self.settled_text)
-            tail = self.tok.decode(self.ids[self.settled :], skip_special_tokens=True)
+            tail = self._tail(self.ids[self.settled :], skip_special_tokens=True)
             text = self.settled_text + tail
             if not tail.endswith("\ufffd"):  # a whole character last: later bytes cannot change it
                 self.settled, self.settled_text = len(self.ids), text

@@ -593,10 +593,10 @@ class ServingScheduler(RequestQueue):
     def _publish(self, req: Request) -> None:
         """Share the request's own blocks completed so far under their chain keys. Leading blocks
         only: a block whose key is already shared ends it (the request keeps the rest)."""
-        if req.kv.plan.publish is None or not req.kv.publishing:
-            return
-        keys = req.kv.plan.publish(req.kv.own_ids)
         bs = self.pool.block_size
+        if req.kv.plan.publish is None or not req.kv.publishing or len(req.kv.own_ids) < (req.kv.published + 1) * bs:
+            return  # (the last: no full block past those shared, asked of every row every step)
+        keys = req.kv.plan.publish(req.kv.own_ids)
         while req.kv.published < len(keys):
             j = req.kv.published
             pos = torch.tensor(req.kv.own_pos[j * bs : (j + 1) * bs], dtype=torch.long)
