@@ -391,6 +391,16 @@ def plot(rows: list[dict], path: Path) -> None:
     save_figure(fig, path)
 
 
+def add_batch_args(ap) -> None:
+    """The RAG-like batch's options (``build``, ``rows_for``): documents, their reads, the rows' own tokens."""
+    ap.add_argument("--docs", type=int, default=16)
+    ap.add_argument("--doc-len", type=int, default=64)
+    ap.add_argument("--k", type=int, default=4, help="documents a row reads")
+    ap.add_argument("--system", type=int, default=16, help="system prompt tokens (shared by every row)")
+    ap.add_argument("--question", type=int, default=12, help="own tokens a row prefills")
+    ap.add_argument("--generated", type=int, default=8, help="tokens a decode row generated before the step")
+
+
 def _choices(value: str, option: str, allowed: tuple[str, ...] = ("on", "off")) -> list[str]:
     got = value.split(",")
     if not got or any(v not in allowed for v in got):
@@ -403,12 +413,7 @@ def main(argv=None) -> None:
     add_model_args(ap, model="embedded")
     ap.add_argument("--batches", default="1,16,48")
     ap.add_argument("--native", default="on,off", help="native CPU attention kernel settings to run: on, off")
-    ap.add_argument("--docs", type=int, default=16)
-    ap.add_argument("--doc-len", type=int, default=64)
-    ap.add_argument("--k", type=int, default=4, help="documents a row reads")
-    ap.add_argument("--system", type=int, default=16, help="system prompt tokens (shared by every row)")
-    ap.add_argument("--question", type=int, default=12, help="own tokens a row prefills")
-    ap.add_argument("--generated", type=int, default=8, help="tokens a decode row generated before the step")
+    add_batch_args(ap)
     ap.add_argument("--compile", default="off,on",
                     help="steps run eagerly (off) and/or through CompiledSteps (on: --compile's serving steps) "
                          "and/or decode steps compiled whole over static buffers (static: --compile --cuda-graphs)")

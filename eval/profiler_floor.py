@@ -49,7 +49,7 @@ import time
 from pathlib import Path
 
 from .common import add_model_args, pyplot, save_figure, save_table
-from .host_overhead import advance, build, computes, rows_for
+from .host_overhead import add_batch_args, advance, build, computes, rows_for
 
 FIGURES = Path(__file__).resolve().parent / "figures"
 FORWARDS = ("eager", "compiled", "aot")
@@ -189,14 +189,10 @@ def plot(rows: list[dict], path: Path) -> None:
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_model_args(ap, model="embedded")
+    ap.set_defaults(device="cpu")  # a CPU's profile (its kernels' CPU time); on a GPU the host time is host_overhead's
     ap.add_argument("--batches", default="2,16,48")
     ap.add_argument("--forwards", default=",".join(FORWARDS), help=f"comma-separated, of {', '.join(FORWARDS)}")
-    ap.add_argument("--docs", type=int, default=16)
-    ap.add_argument("--doc-len", type=int, default=64)
-    ap.add_argument("--k", type=int, default=4, help="documents a row reads")
-    ap.add_argument("--system", type=int, default=16, help="system prompt tokens (shared by every row)")
-    ap.add_argument("--question", type=int, default=12, help="own tokens a row prefills")
-    ap.add_argument("--generated", type=int, default=8, help="tokens a decode row generated before the step")
+    add_batch_args(ap)
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0)
@@ -208,6 +204,9 @@ def main(argv=None) -> None:
     args.forwards = args.forwards.split(",")
     if not args.forwards or any(f not in FORWARDS for f in args.forwards):
         raise SystemExit(f"--forwards takes {', '.join(FORWARDS)} (comma-separated), got {','.join(args.forwards)}")
+    if args.device != "cpu":
+        raise SystemExit(f"--device {args.device}: this study reads a CPU's profile (kernels' CPU time); "
+                         "on a GPU, eval.host_overhead --device cuda reads the kernels' device time")
     if args.child:
         print(json.dumps(measure(args)))
         return
