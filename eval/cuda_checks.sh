@@ -126,7 +126,7 @@ print("batch vs loop (bar >= 10x):", ", ".join(f"{r['mode']} {r['vs_loop']}x ({r
 decode = [r for p in sorted(glob.glob(f"{out}/decode/decode_step*.csv")) for r in csv.DictReader(open(p))]
 print("decode step / weights' read (bar <= 2 at 48):", ", ".join(
     f"{'compiled+graphs ' if r.get('static_steps', '0') not in ('', '0') else ''}B={r['batch']} {r['step_ms']} ms "
-    f"(back to back {r.get('loop_ms', '?')} ms, {r.get('ahead_steps', '?')} launched ahead, {r.get('host_syncs', '?')} host syncs) = {r['x_read']}x of {r['read_ms']} ms, {r['aten_calls']} aten calls, "
+    f"(back to back {r.get('loop_ms', '?')} ms, {r.get('ahead_steps', '?')} launched ahead, {r.get('host_syncs', '?')} host syncs, {r.get('outside_ms') or '-'} ms outside the static forward) = {r['x_read']}x of {r['read_ms']} ms, {r['aten_calls']} aten calls, "
     f"{r['launches']} launches" for r in decode) or "no CSV")
 ttft = [r for r in rows("ttft/ttft.csv") if r["method"] in ("pc_device", "pc_device_inplace", "pc_r0_inplace")]
 print("TTFT cached vs full (bar >= 8x at 8K, 99%):", ", ".join(
