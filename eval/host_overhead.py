@@ -86,7 +86,6 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
-import os
 import random
 import statistics
 import subprocess
@@ -96,7 +95,7 @@ from pathlib import Path
 
 from promptcache.engine.serving_core.graphs import STATIC_RANGE  # the forward a capture replays
 
-from .common import add_model_args, pyplot, save_figure, save_table
+from .common import add_model_args, child_command, pyplot, save_figure, save_table
 
 FIGURES = Path(__file__).resolve().parent / "figures"
 OP_PREFIXES = ("aten::", "promptcache_native::", "promptcache_ordered::")
@@ -391,6 +390,18 @@ def plot(rows: list[dict], path: Path) -> None:
     save_figure(fig, path)
 
 
+def measured_in_child(module: str, argv: list[str], native: bool, what: str) -> list[dict]:
+    """The rows ``python -m module argv --child`` prints last (JSON), run in a child process with the
+    native kernel on or off (``PROMPTCACHE_NATIVE_ATTENTION``, read once, when the kernel first
+    loads) and whatever it sets (inductor's kernel profiling) kept out of the caller's process."""
+    cmd, env = child_command(module, *argv, "--child")
+    env["PROMPTCACHE_NATIVE_ATTENTION"] = "1" if native else "0"
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise SystemExit(f"{what} failed:\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
 def add_batch_args(ap) -> None:
     """The RAG-like batch's options (``build``, ``rows_for``): documents, their reads, the rows' own tokens."""
     ap.add_argument("--docs", type=int, default=16)
@@ -431,14 +442,9 @@ def main(argv=None) -> None:
     rows = []
     settings = [(n, c) for c in _choices(args.compile, "--compile", ("off", "on", "static")) for n in _choices(args.native, "--native")]
     for native, compile_ in settings:
-        env = dict(os.environ, PROMPTCACHE_NATIVE_ATTENTION="1" if native == "on" else "0")
-        argv_child = [a for a in (argv if argv is not None else sys.argv[1:])]
-        done = subprocess.run([sys.executable, "-m", "eval.host_overhead", *argv_child, "--child",
-                               "--compile", compile_], env=env,
-                              capture_output=True, text=True, cwd=Path(__file__).resolve().parent.parent)
-        if done.returncode != 0:
-            raise SystemExit(f"the native={native} compile={compile_} run failed:\n{done.stderr[-3000:]}")
-        got = json.loads(done.stdout.strip().splitlines()[-1])
+        got = measured_in_child("eval.host_overhead", [*(argv if argv is not None else sys.argv[1:]),
+                                                       "--compile", compile_], native == "on",
+                                f"the native={native} compile={compile_} run")
         if native == "on" and got and got[0]["native"] != "on":
             print("note: the native kernel is unavailable here: the 'on' rows ran without it")
         rows += got

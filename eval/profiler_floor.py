@@ -40,16 +40,14 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
-import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 from .common import add_model_args, pyplot, save_figure, save_table
-from .host_overhead import add_batch_args, advance, build, computes, rows_for
+from .host_overhead import add_batch_args, advance, build, computes, measured_in_child, rows_for
 
 FIGURES = Path(__file__).resolve().parent / "figures"
 FORWARDS = ("eager", "compiled", "aot")
@@ -210,15 +208,7 @@ def main(argv=None) -> None:
     if args.child:
         print(json.dumps(measure(args)))
         return
-    # a child process: the native kernel off (read once, when it first loads) and inductor's kernel
-    # profiling set without touching the caller's process
-    env = dict(os.environ, PROMPTCACHE_NATIVE_ATTENTION="0")
-    done = subprocess.run([sys.executable, "-m", "eval.profiler_floor",
-                           *(argv if argv is not None else sys.argv[1:]), "--child"],
-                          env=env, capture_output=True, text=True, cwd=Path(__file__).resolve().parent.parent)
-    if done.returncode != 0:
-        raise SystemExit(f"the study failed:\n{done.stderr[-3000:]}")
-    rows = json.loads(done.stdout.strip().splitlines()[-1])
+    rows = measured_in_child("eval.profiler_floor", argv if argv is not None else sys.argv[1:], False, "the study")
     for r in rows:
         print(f"{r['forward']:8} B={r['batch']:3}  unprofiled {r['plain_ms']:7.2f} ms  profiled {r['profiled_ms']:7.2f} ms "
               f"(+{r['profiler_ms']:.2f})  kernels {r['kernel_ms']:7.2f} ms  host by the profile {r['host_ms']:5.2f} ms "
