@@ -26,7 +26,7 @@ of eagerly, with the same inputs and the same answer as ``paged.paged_forward``:
   tensors before every step (``specialize_float``). Dynamo
   keeps graphs per code object, so without those guards two models of one class would share a
   graph (the second then ran with the first one's dtype and constants): each ``CompiledSteps``
-  compiles a step function with a code object of its own (``_own_step``).
+  compiles a step function with a code object of its own (``_own_code``).
 * **The pool stays an input.** Attention is one opaque custom op per layer
   (``promptcache::paged_attention``) that writes the layer's new keys/values into their pool
   slots (stacked inside the graph, written in one copy) and reads the pool as the step's plan
@@ -266,28 +266,32 @@ def compile_options(device: torch.device) -> dict:
 _steps_made = itertools.count()
 
 
-def _own_step(model):
-    """``model(**kwargs)`` as a function whose code object is this model's alone: dynamo caches
+def _own_code(step, name: str):
+    """``step`` (a closure over one model) as a function whose code object is its alone: dynamo caches
     compiled graphs on code objects and, not guarding the modules, would hand a graph traced for
     one model to another of the same class (seen: a bfloat16 model given a float32 one's graph)."""
+    code = step.__code__.replace(co_name=f"{name}_{next(_steps_made)}")
+    return types.FunctionType(code, step.__globals__, code.co_name, None, step.__closure__)
+
+
+def _own_step(model):
+    """``model(**kwargs)`` as a function of this model's alone (``_own_code``)."""
     def step(**kwargs):
         return model(**kwargs)
 
-    code = step.__code__.replace(co_name=f"compiled_step_{next(_steps_made)}")
-    return types.FunctionType(code, step.__globals__, code.co_name, None, step.__closure__)
+    return _own_code(step, "compiled_step")
 
 
 def static_step(model, passes_position_ids: bool):
     """The static step's forward as a function of its buffers alone (``StaticBucket.inputs``; a code
-    object of its own, as ``_own_step``): logits [1, B, V]; attention is ``static_attention`` (the
+    object of its own, ``_own_code``): logits [1, B, V]; attention is ``static_attention`` (the
     caller swaps it in)."""
     def step(ids, pos, layers, write, slots, mask, cos, sin, swap):
         kwargs = {"position_ids": pos} if passes_position_ids else {}
         return model(input_ids=ids, use_cache=False, logits_to_keep=0,
                      pc_static=(layers, write, slots, mask, cos, sin, swap), **kwargs).logits
 
-    code = step.__code__.replace(co_name=f"static_step_{next(_steps_made)}")
-    return types.FunctionType(code, step.__globals__, code.co_name, None, step.__closure__)
+    return _own_code(step, "static_step")
 
 
 def _keep_graphs(limit: int) -> None:
